@@ -1,0 +1,278 @@
+"""The `ragline` command: serve one service, run the whole stack, ask a question."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+
+from ragline.config import CommonConfig
+
+
+def _service_names() -> list[str]:
+    from ragline_services.registry import service_names
+
+    return service_names()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ragline.server import serve
+    from ragline_services.registry import load_spec
+
+    if args.port is not None:
+        os.environ[f"RAGLINE_{args.service.upper()}_PORT"] = str(args.port)
+    if args.host is not None:
+        os.environ[f"RAGLINE_{args.service.upper()}_HOST"] = args.host
+    spec = load_spec(args.service)
+    try:
+        asyncio.run(serve(spec))
+    except OSError as error:
+        print(f"ragline serve {args.service}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from ragline.stack import Stack, StackError, plan_ports
+
+    common = CommonConfig()
+    names = args.only.split(",") if args.only else _service_names()
+    unknown = sorted(set(names) - set(_service_names()))
+    if unknown:
+        print(f"ragline up: unknown service(s) {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    log_dir = Path(args.log_dir) if args.log_dir else common.data_dir / "logs"
+    stack = Stack(names, plan_ports(names, args.base_port, args.host), log_dir, args.host)
+    state_path = common.data_dir / "up.json"
+    stop_requested = asyncio.Event()
+
+    async def run() -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop_requested.set)
+        stack.start()
+        print(f"ragline up: starting {len(names)} services (logs in {log_dir}/)", flush=True)
+        ready = asyncio.create_task(stack.wait_ready(args.ready_timeout))
+        interrupted = asyncio.create_task(stop_requested.wait())
+        await asyncio.wait({ready, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            ready.cancel()
+            print("ragline up: interrupted during start", flush=True)
+            return 130
+        try:
+            ready.result()
+        except StackError as error:
+            print(f"ragline up: {error}", file=sys.stderr, flush=True)
+            return 1
+        stack.write_state(state_path)
+        width = max(len(n) for n in names)
+        for svc in stack.services:
+            print(f"  {svc.name:<{width}}  {svc.address}  SERVING", flush=True)
+        orchestrator = next((s for s in stack.services if s.name == "orchestrator"), None)
+        if orchestrator is not None:
+            print(
+                f'ragline up: ready. Try: ragline ask "What is ragline?"   or   '
+                f"grpcurl -plaintext {orchestrator.address} list",
+                flush=True,
+            )
+        else:
+            print("ragline up: ready.", flush=True)
+        print("Ctrl-C stops all services.", flush=True)
+        while not stop_requested.is_set():
+            dead = stack.dead()
+            if dead:
+                svc = dead[0]
+                print(
+                    f"ragline up: {svc.name} exited with code {svc.process.returncode}; stopping "
+                    f"the others. End of {svc.log_path}:\n{svc.log_tail()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+            try:
+                await asyncio.wait_for(stop_requested.wait(), timeout=0.5)
+            except TimeoutError:
+                pass
+        return 0
+
+    try:
+        code = asyncio.run(run())
+    finally:
+        print("ragline up: stopping...", flush=True)
+        codes = stack.stop(grace_s=args.grace)
+        state_path.unlink(missing_ok=True)
+        unclean = {n: c for n, c in codes.items() if c not in (0, None)}
+        if unclean:
+            print(f"ragline up: stopped; exit codes {unclean}", flush=True)
+        else:
+            print("ragline up: all services stopped cleanly", flush=True)
+    return code
+
+
+def _orchestrator_address(args: argparse.Namespace, common: CommonConfig) -> str:
+    from ragline.stack import read_state_address
+
+    if args.addr:
+        return args.addr
+    if "RAGLINE_ORCHESTRATOR_ADDR" in os.environ:
+        return common.orchestrator_addr
+    return (
+        read_state_address(common.data_dir / "up.json", "orchestrator") or common.orchestrator_addr
+    )
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from ragline import deadlines, identity
+    from ragline.clients import OrchestratorClient
+    from ragline.v1 import orchestrator_pb2
+
+    common = CommonConfig()
+    caller = identity.Caller(
+        tenant=args.tenant,
+        principal=args.principal,
+        scopes=frozenset(s for s in args.scopes.split(",") if s),
+    )
+    client = OrchestratorClient(_orchestrator_address(args, common), caller=caller)
+    request = orchestrator_pb2.AskRequest(question=args.question, task_id=args.task_id or "")
+
+    async def run() -> int:
+        with deadlines.deadline_scope(args.timeout):
+            async for message in client.ask(request):
+                event = message.WhichOneof("event")
+                if event == "delta" and not args.json:
+                    print(message.delta, end="", flush=True)
+                elif event == "result":
+                    if args.json:
+                        print(json_format.MessageToJson(message.result))
+                    else:
+                        _print_result(message.result)
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except grpc.aio.AioRpcError as error:
+        print(f"ragline ask: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    except Exception as error:  # DeadlineExceeded before calling, connection errors
+        print(f"ragline ask: {error}", file=sys.stderr)
+        return 1
+
+
+def _print_result(result) -> None:
+    from ragline.v1 import common_pb2
+
+    print()
+    state = common_pb2.AnswerState.Name(result.status.state).removeprefix("ANSWER_STATE_")
+    reason = f" ({result.status.reason})" if result.status.reason else ""
+    print(f"\n[{state}{reason}]")
+    for citation in result.citations:
+        print(f"  {citation.marker} {citation.title} ({citation.document_id})")
+    timing = result.timing
+    if timing.end_to_end.ToNanoseconds():
+        print(
+            f"  time: {timing.end_to_end.ToMilliseconds()} ms end to end; critical path "
+            f"{' -> '.join(timing.critical_path)} (lower bound "
+            f"{timing.critical_path_lower_bound.ToMilliseconds()} ms, ratio "
+            f"{timing.overhead_ratio:.2f})"
+        )
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from ragline.stack import health_status, read_state_address
+
+    common = CommonConfig()
+    state = common.data_dir / "up.json"
+    names = _service_names()
+
+    async def run() -> dict[str, tuple[str, str]]:
+        addresses = {
+            n: (
+                common.address_of(n)
+                if f"RAGLINE_{n.upper()}_ADDR" in os.environ
+                else read_state_address(state, n) or common.address_of(n)
+            )
+            for n in names
+        }
+        statuses = await asyncio.gather(
+            *(health_status(a, args.timeout) for a in addresses.values())
+        )
+        return {n: (addresses[n], s) for n, s in zip(names, statuses, strict=True)}
+
+    results = asyncio.run(run())
+    if args.json:
+        print(json.dumps({n: {"address": a, "status": s} for n, (a, s) in results.items()}))
+    else:
+        for name, (address, status) in results.items():
+            print(f"{name:<13} {address:<22} {status}")
+    return 0 if all(s == "SERVING" for _, s in results.values()) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ragline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run one service in the foreground")
+    serve.add_argument("service", choices=_service_names())
+    serve.add_argument(
+        "--host", help="listen address (default RAGLINE_<SERVICE>_HOST or 127.0.0.1)"
+    )
+    serve.add_argument("--port", type=int, help="listen port (default RAGLINE_<SERVICE>_PORT)")
+    serve.set_defaults(func=cmd_serve)
+
+    up = sub.add_parser("up", help="run every service on loopback until Ctrl-C")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument(
+        "--base-port",
+        type=int,
+        default=None,
+        help="orchestrator port; the others follow it (default 50100; 0 picks free ports)",
+    )
+    up.add_argument("--only", help="comma-separated subset of services")
+    up.add_argument("--log-dir", help="where each service logs (default .ragline/logs)")
+    up.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for every service to report SERVING",
+    )
+    up.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds services get to finish in-flight calls on shutdown",
+    )
+    up.set_defaults(func=cmd_up)
+
+    ask = sub.add_parser("ask", help="ask the orchestrator a question")
+    ask.add_argument("question")
+    ask.add_argument("--addr", help="orchestrator host:port (default: the running `ragline up`)")
+    ask.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    ask.add_argument("--tenant", default="default")
+    ask.add_argument("--principal", default="cli")
+    ask.add_argument("--scopes", default="", help="comma-separated visibility scopes")
+    ask.add_argument("--task-id", help="idempotency id of the task (default: generated)")
+    ask.add_argument("--json", action="store_true", help="print the final result as JSON")
+    ask.set_defaults(func=cmd_ask)
+
+    health = sub.add_parser("health", help="health of every service")
+    health.add_argument("--timeout", type=float, default=2.0)
+    health.add_argument("--json", action="store_true")
+    health.set_defaults(func=cmd_health)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

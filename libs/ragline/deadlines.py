@@ -1,0 +1,139 @@
+"""Deadline propagation (Python gRPC does not propagate deadlines by itself).
+
+The server interceptor turns the incoming `time_remaining()` into an absolute monotonic
+deadline in a context variable. Every outbound call asks `outbound_timeout()` for its
+timeout: what remains minus a hop margin, capped by the stage budget; when nothing remains
+it raises DeadlineExceeded and no call is made. asyncio's clock is `time.monotonic()`, so
+the same absolute value works with `asyncio.timeout_at`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from ragline.errors import DeadlineExceeded
+
+# gRPC rounds the grpc-timeout header up (0.975 s arrives as ~1.0 s, 12.345 s as 12.4 s),
+# which would let a callee believe it has more time than its caller gave it. ragline
+# clients also send the exact timeout in microseconds; servers take the smaller of the two.
+TIMEOUT_METADATA_KEY = "x-ragline-timeout-us"
+
+_deadline: ContextVar[float | None] = ContextVar("ragline_deadline", default=None)
+
+
+def now() -> float:
+    return time.monotonic()
+
+
+def current_deadline() -> float | None:
+    """Absolute monotonic deadline of the work in progress, or None when unbounded."""
+    return _deadline.get()
+
+
+def remaining() -> float | None:
+    """Seconds left before the deadline (may be negative), or None when unbounded."""
+    deadline = _deadline.get()
+    return None if deadline is None else deadline - now()
+
+
+def expired() -> bool:
+    left = remaining()
+    return left is not None and left <= 0
+
+
+def check(what: str) -> None:
+    """Raises DeadlineExceeded before starting `what` when no time is left."""
+    left = remaining()
+    if left is not None and left <= 0:
+        raise DeadlineExceeded(f"deadline passed {-left * 1000:.0f} ms before {what} could start")
+
+
+@contextmanager
+def deadline_scope(timeout_s: float | None) -> Iterator[float | None]:
+    """Narrows the deadline to `timeout_s` from now for the enclosed work (never widens it).
+
+    A node's deadline is min(its stage budget, task deadline): nesting scopes gives that.
+    """
+    parent = _deadline.get()
+    deadline = parent
+    if timeout_s is not None:
+        candidate = now() + timeout_s
+        deadline = candidate if parent is None else min(parent, candidate)
+    token = _deadline.set(deadline)
+    try:
+        yield deadline
+    finally:
+        _deadline.reset(token)
+
+
+def set_deadline(deadline: float | None):
+    """Sets the absolute deadline; returns a token for `reset_deadline`."""
+    return _deadline.set(deadline)
+
+
+def reset_deadline(token) -> None:
+    _deadline.reset(token)
+
+
+def deadline_from_grpc(
+    time_remaining: float | None, default_timeout_s: float, exact_timeout_us: str | None = None
+) -> float | None:
+    """Absolute deadline for an incoming call.
+
+    `time_remaining` is the grpc context's value (None when the caller set no deadline);
+    `exact_timeout_us` the caller's TIMEOUT_METADATA_KEY value, if sent. Without either,
+    `default_timeout_s` applies (0 means unbounded).
+    """
+    exact = _parse_timeout_us(exact_timeout_us)
+    if exact is not None:
+        time_remaining = exact if time_remaining is None else min(time_remaining, exact)
+    if time_remaining is not None:
+        return now() + max(time_remaining, 0.0)
+    if default_timeout_s > 0:
+        return now() + default_timeout_s
+    return None
+
+
+def _parse_timeout_us(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        micros = int(value)
+    except ValueError:
+        return None
+    return micros / 1e6 if micros >= 0 else None
+
+
+def timeout_metadata(timeout_s: float | None) -> tuple[tuple[str, str], ...]:
+    """The exact-timeout metadata entry for an outbound call (empty when unbounded)."""
+    if timeout_s is None:
+        return ()
+    return ((TIMEOUT_METADATA_KEY, str(int(timeout_s * 1e6))),)
+
+
+def outbound_timeout(
+    what: str, *, margin_s: float = 0.005, stage_budget_s: float | None = None
+) -> float | None:
+    """Timeout for an outbound call to `what`: remaining - margin, capped by the stage budget.
+
+    Raises DeadlineExceeded (without calling) when nothing would remain. Returns None only
+    when there is neither a deadline nor a stage budget.
+    """
+    left = remaining()
+    candidates = []
+    if left is not None:
+        candidates.append(left - margin_s)
+    if stage_budget_s is not None:
+        candidates.append(stage_budget_s)
+    if not candidates:
+        return None
+    timeout = min(candidates)
+    if timeout <= 0:
+        raise DeadlineExceeded(
+            f"no time left to call {what}: {max(left or 0.0, 0.0) * 1000:.1f} ms remain and "
+            f"{margin_s * 1000:.1f} ms are kept as hop margin"
+        )
+    return timeout

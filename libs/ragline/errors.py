@@ -1,0 +1,160 @@
+"""Domain errors and their mapping to gRPC status codes.
+
+Domain code raises these (or ValueError); only the server interceptor turns them into a
+status, with google.rpc details a caller in any language can read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+
+class RaglineError(Exception):
+    """Base of every error that maps to a specific gRPC status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def details(self) -> list[any_pb2.Any]:
+        return []
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    field: str
+    description: str
+
+
+class InvalidArgument(RaglineError):
+    """Bad input; names the offending field path (for example `documents[2].text`)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, description: str, *more: FieldViolation) -> None:
+        self.violations = (FieldViolation(field, description), *more)
+        message = "; ".join(f"{v.field}: {v.description}" for v in self.violations)
+        super().__init__(message)
+        self.field = field
+
+    def details(self) -> list[any_pb2.Any]:
+        bad_request = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=v.field, description=v.description
+                )
+                for v in self.violations
+            ]
+        )
+        packed = any_pb2.Any()
+        packed.Pack(bad_request)
+        return [packed]
+
+
+class ResourceExhausted(RaglineError):
+    """Out of capacity or quota; `retry_after_s` tells the caller when to try again."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def details(self) -> list[any_pb2.Any]:
+        if self.retry_after_s is None:
+            return []
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(self.retry_after_s * 1e9))
+        packed = any_pb2.Any()
+        packed.Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        return [packed]
+
+
+class DeadlineExceeded(RaglineError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class NotFound(RaglineError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(RaglineError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(RaglineError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Aborted(RaglineError):
+    code = grpc.StatusCode.ABORTED
+
+
+class Unauthenticated(RaglineError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(RaglineError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unavailable(RaglineError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unimplemented(RaglineError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class Cancelled(RaglineError):
+    code = grpc.StatusCode.CANCELLED
+
+
+def to_rpc_status(error: BaseException) -> tuple[grpc.StatusCode, str, status_pb2.Status]:
+    """Maps an exception to (code, message, google.rpc.Status with details)."""
+    if isinstance(error, RaglineError):
+        code, message, details = error.code, error.message, error.details()
+    elif isinstance(error, grpc.aio.AioRpcError):
+        # A downstream call failed: keep its code so the caller sees DEADLINE_EXCEEDED,
+        # UNAVAILABLE, ... for what it is.
+        code, message, details = error.code(), f"downstream call failed: {error.details()}", []
+    elif isinstance(error, ValueError):
+        # Domain code validates with ValueError; the message must already say what to fix.
+        code, message, details = grpc.StatusCode.INVALID_ARGUMENT, str(error), []
+    elif isinstance(error, TimeoutError):
+        code, message, details = grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "timed out", []
+    else:
+        code, message, details = (
+            grpc.StatusCode.INTERNAL,
+            f"internal error ({type(error).__name__}); see the server log",
+            [],
+        )
+    status = status_pb2.Status(code=_CODE_NUMBERS[code], message=message, details=details)
+    return code, message, status
+
+
+_CODE_NUMBERS = {
+    grpc.StatusCode.OK: code_pb2.OK,
+    grpc.StatusCode.CANCELLED: code_pb2.CANCELLED,
+    grpc.StatusCode.UNKNOWN: code_pb2.UNKNOWN,
+    grpc.StatusCode.INVALID_ARGUMENT: code_pb2.INVALID_ARGUMENT,
+    grpc.StatusCode.DEADLINE_EXCEEDED: code_pb2.DEADLINE_EXCEEDED,
+    grpc.StatusCode.NOT_FOUND: code_pb2.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS: code_pb2.ALREADY_EXISTS,
+    grpc.StatusCode.PERMISSION_DENIED: code_pb2.PERMISSION_DENIED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: code_pb2.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION: code_pb2.FAILED_PRECONDITION,
+    grpc.StatusCode.ABORTED: code_pb2.ABORTED,
+    grpc.StatusCode.OUT_OF_RANGE: code_pb2.OUT_OF_RANGE,
+    grpc.StatusCode.UNIMPLEMENTED: code_pb2.UNIMPLEMENTED,
+    grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
+    grpc.StatusCode.UNAVAILABLE: code_pb2.UNAVAILABLE,
+    grpc.StatusCode.DATA_LOSS: code_pb2.DATA_LOSS,
+    grpc.StatusCode.UNAUTHENTICATED: code_pb2.UNAUTHENTICATED,
+}

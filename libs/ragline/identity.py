@@ -1,0 +1,118 @@
+"""The authenticated caller, read from gRPC metadata (never from a request body)."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterable
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from ragline.errors import InvalidArgument, Unauthenticated
+
+TENANT_KEY = "x-ragline-tenant"
+PRINCIPAL_KEY = "x-ragline-principal"
+SCOPES_KEY = "x-ragline-scopes"
+RUN_ID_KEY = "x-ragline-run-id"
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+_TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: str
+    principal: str = ""
+    scopes: frozenset[str] = frozenset()
+
+    def metadata(self) -> list[tuple[str, str]]:
+        pairs = [(TENANT_KEY, self.tenant)]
+        if self.principal:
+            pairs.append((PRINCIPAL_KEY, self.principal))
+        if self.scopes:
+            pairs.append((SCOPES_KEY, ",".join(sorted(self.scopes))))
+        return pairs
+
+
+_caller: ContextVar[Caller | None] = ContextVar("ragline_caller", default=None)
+_run_id: ContextVar[str | None] = ContextVar("ragline_run_id", default=None)
+
+
+def _as_text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def caller_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> Caller | None:
+    """Parses the caller; None when no tenant is given. Malformed values are INVALID_ARGUMENT."""
+    values = {key.lower(): _as_text(value) for key, value in (metadata or ())}
+    tenant = values.get(TENANT_KEY, "").strip()
+    if not tenant:
+        return None
+    if not _TENANT.match(tenant):
+        raise InvalidArgument(
+            f"metadata {TENANT_KEY}", "must be 1-64 characters of letters, digits, '_', '.', '-'"
+        )
+    principal = values.get(PRINCIPAL_KEY, "").strip()
+    if principal and not _NAME.match(principal):
+        raise InvalidArgument(
+            f"metadata {PRINCIPAL_KEY}", "must be 1-128 characters of letters, digits, '_.:@-'"
+        )
+    scopes = frozenset(s.strip() for s in values.get(SCOPES_KEY, "").split(",") if s.strip())
+    for scope in scopes:
+        if not _NAME.match(scope):
+            raise InvalidArgument(
+                f"metadata {SCOPES_KEY}",
+                f"scope {scope!r} must be 1-128 characters of letters, digits, '_.:@-'",
+            )
+    return Caller(tenant=tenant, principal=principal, scopes=scopes)
+
+
+def run_id_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    for key, value in metadata or ():
+        if key.lower() == RUN_ID_KEY:
+            text = _as_text(value).strip()
+            if _NAME.match(text):
+                return text
+    return uuid.uuid4().hex[:16]
+
+
+def current_caller() -> Caller:
+    """The caller of the call in progress; UNAUTHENTICATED when none was given."""
+    caller = _caller.get()
+    if caller is None:
+        raise Unauthenticated(
+            f"this call needs the caller's tenant in metadata {TENANT_KEY} "
+            f"(and optionally {PRINCIPAL_KEY}, {SCOPES_KEY})"
+        )
+    return caller
+
+
+def optional_caller() -> Caller | None:
+    return _caller.get()
+
+
+def current_run_id() -> str | None:
+    return _run_id.get()
+
+
+def bind(caller: Caller | None, run_id: str | None):
+    """Sets caller and run id for the enclosed work; returns tokens for `unbind`."""
+    return _caller.set(caller), _run_id.set(run_id)
+
+
+def unbind(tokens) -> None:
+    caller_token, run_token = tokens
+    _run_id.reset(run_token)
+    _caller.reset(caller_token)
+
+
+def outbound_metadata() -> list[tuple[str, str]]:
+    """Metadata that carries the caller and run id to the next hop."""
+    pairs: list[tuple[str, str]] = []
+    caller = _caller.get()
+    if caller is not None:
+        pairs.extend(caller.metadata())
+    run_id = _run_id.get()
+    if run_id:
+        pairs.append((RUN_ID_KEY, run_id))
+    return pairs

@@ -1,0 +1,174 @@
+"""grpc.aio server bootstrap: one code path for every service.
+
+A thin launcher in the style of vLLM's gRPC entrypoint: build the service, register it with
+health and reflection, serve, and turn SIGTERM / SIGINT into a graceful `server.stop(grace)`.
+Health reports NOT_SERVING while the service starts its backends (models, connections) and
+again as soon as shutdown begins, so load balancers drain before connections close.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from ragline.config import CommonConfig, ServiceConfig
+from ragline.logs import configure_logging
+from ragline.server.interceptor import RaglineServerInterceptor
+
+log = structlog.get_logger("ragline.server")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class HealthReporter:
+    """Lets a service flip its own health (for example when its database goes away)."""
+
+    def __init__(self, servicer: health_aio.HealthServicer, grpc_service: str) -> None:
+        self._servicer = servicer
+        self._grpc_service = grpc_service
+        self.serving = False
+
+    async def set_serving(self, serving: bool, reason: str = "") -> None:
+        if serving != self.serving:
+            log.info("health.changed", serving=serving, reason=reason)
+        self.serving = serving
+        status = SERVING if serving else NOT_SERVING
+        await self._servicer.set(self._grpc_service, status)
+        await self._servicer.set("", status)
+
+
+class Service(abc.ABC):
+    """One service: registers its servicer and owns the resources it serves from."""
+
+    def __init__(self, config: ServiceConfig, common: CommonConfig) -> None:
+        self.config = config
+        self.common = common
+        self.health: HealthReporter | None = None
+
+    @abc.abstractmethod
+    def register(self, server: grpc.aio.Server) -> None:
+        """Adds the servicer(s) to the server."""
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Loads models and opens connections; runs while health says NOT_SERVING."""
+
+    async def stop(self) -> None:  # noqa: B027 - optional hook
+        """Releases resources after in-flight calls finished."""
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """How to build and name a service."""
+
+    name: str
+    grpc_service: str
+    config_factory: Callable[[], ServiceConfig]
+    service_factory: Callable[[ServiceConfig, CommonConfig], Service]
+
+
+class ServerRunner:
+    """Starts and stops one service's server; `serve()` wraps it with signal handling."""
+
+    def __init__(self, spec: ServiceSpec, config: ServiceConfig, common: CommonConfig) -> None:
+        self.spec = spec
+        self.config = config
+        self.common = common
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._service: Service | None = None
+        self._health = health_aio.HealthServicer()
+
+    async def start(self) -> int:
+        cfg = self.config
+        server = grpc.aio.server(
+            interceptors=[
+                RaglineServerInterceptor(
+                    default_deadline_s=cfg.default_deadline_s,
+                    max_request_bytes=cfg.max_request_bytes,
+                    access_log=cfg.access_log,
+                )
+            ],
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", cfg.max_message_bytes),
+                # gRPC enables SO_REUSEPORT by default, which lets a second server silently
+                # share a busy port; a port clash must fail loudly instead.
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs or None,
+        )
+        service = self.spec.service_factory(cfg, self.common)
+        service.health = HealthReporter(self._health, self.spec.grpc_service)
+        service.register(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [
+                self.spec.grpc_service,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            server,
+        )
+        address = f"{cfg.host}:{cfg.port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as error:
+            raise OSError(f"cannot listen on {address}: {error} (is the port in use?)") from error
+        if port == 0:
+            raise OSError(f"cannot listen on {address} (is the port in use?)")
+        await service.health.set_serving(False, reason="starting")
+        await server.start()
+        self._server, self._service, self.port = server, service, port
+        log.info("service.listening", host=cfg.host, port=port, grpc_service=self.spec.grpc_service)
+        await service.start()
+        await service.health.set_serving(True, reason="started")
+        log.info("service.ready", host=cfg.host, port=port)
+        return port
+
+    async def stop(self) -> None:
+        if self._server is None:
+            return
+        log.info("service.stopping", grace_s=self.config.grace_s)
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(self.config.grace_s)
+        if self._service is not None:
+            await self._service.stop()
+        log.info("service.stopped")
+        self._server = None
+
+
+async def serve(
+    spec: ServiceSpec, config: ServiceConfig | None = None, common: CommonConfig | None = None
+) -> None:
+    """Runs one service until SIGTERM or SIGINT, then shuts it down gracefully."""
+    config = config or spec.config_factory()
+    common = common or CommonConfig()
+    configure_logging(spec.name, common.log_level, common.log_format)
+    runner = ServerRunner(spec, config, common)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        start = asyncio.create_task(runner.start())
+        stopping = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({start, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if start in done:
+            start.result()  # surfaces a failed start
+            await stopping
+        else:
+            start.cancel()
+    finally:
+        await runner.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

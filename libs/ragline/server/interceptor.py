@@ -1,0 +1,181 @@
+"""The one server interceptor: per-call scope for every ragline RPC.
+
+For each call it: starts the request clock, binds run id / tenant / stage to the logs,
+turns the incoming deadline into the context-variable deadline, validates the request
+against the contract's rules, runs the handler under the deadline, and maps any error to a
+status code with google.rpc details. Health and reflection calls pass through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import structlog
+from google.protobuf.message import Message
+from grpc_status import rpc_status
+
+from ragline import deadlines, identity, timing
+from ragline.errors import DeadlineExceeded, to_rpc_status
+from ragline.validation import check_size, validate
+
+log = structlog.get_logger("ragline.rpc")
+
+# The handler keeps a little time past the caller's deadline to send a final message
+# (generation reports finish reason `deadline`) before the backstop cancels it.
+_BACKSTOP_GRACE_S = 0.25
+
+
+class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(
+        self,
+        *,
+        default_deadline_s: float,
+        max_request_bytes: int,
+        access_log: bool = True,
+    ) -> None:
+        self._default_deadline_s = default_deadline_s
+        self._max_request_bytes = max_request_bytes
+        self._access_log = access_log
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        received = time.monotonic()
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith("/grpc."):
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, method, received),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, method, received),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _wrap_unary(self, behavior, method: str, received: float):
+        async def unary(request, context: grpc.aio.ServicerContext):
+            scope = _CallScope(self, method, received, context)
+            try:
+                scope.enter(request)
+                async with asyncio.timeout_at(scope.backstop):
+                    return await behavior(request, context)
+            except BaseException as error:
+                await scope.fail(error)
+            finally:
+                scope.exit()
+
+        return unary
+
+    def _wrap_stream(self, behavior, method: str, received: float):
+        async def stream(request, context: grpc.aio.ServicerContext) -> AsyncIterator:
+            scope = _CallScope(self, method, received, context)
+            try:
+                scope.enter(request)
+                async with asyncio.timeout_at(scope.backstop):
+                    result = behavior(request, context)
+                    if inspect.isasyncgen(result):
+                        async for item in result:
+                            yield item
+                    else:  # a handler that writes with context.write()
+                        await result
+            except BaseException as error:
+                await scope.fail(error)
+            finally:
+                scope.exit()
+
+        return stream
+
+
+class _CallScope:
+    """Context variables, logging and error mapping around one call."""
+
+    def __init__(self, owner, method: str, received: float, context) -> None:
+        self.owner = owner
+        self.method = method
+        self.context = context
+        self.clock = timing.RequestClock(received=received)
+        self.run_id = ""
+        self.backstop: float | None = None
+        self._tokens: list = []
+        self._outcome = "OK"
+
+    def enter(self, request) -> None:
+        self.clock.handler_started = time.monotonic()
+        metadata = self.context.invocation_metadata()
+        self.run_id = identity.run_id_from_metadata(metadata)
+        exact_timeout = next(
+            (v for k, v in metadata or () if k == deadlines.TIMEOUT_METADATA_KEY), None
+        )
+        deadline = deadlines.deadline_from_grpc(
+            self.context.time_remaining(), self.owner._default_deadline_s, exact_timeout
+        )
+        self.backstop = None if deadline is None else deadline + _BACKSTOP_GRACE_S
+        self._tokens.append(("clock", timing.bind_clock(self.clock)))
+        self._tokens.append(("deadline", deadlines.set_deadline(deadline)))
+        # Bind the run id before parsing identity so a bad-metadata error is still logged
+        # with it.
+        self._tokens.append(("identity", identity.bind(None, self.run_id)))
+        structlog.contextvars.bind_contextvars(run_id=self.run_id, stage=self.method)
+        caller = identity.caller_from_metadata(metadata)
+        if caller is not None:
+            identity.unbind(self._tokens.pop()[1])
+            self._tokens.append(("identity", identity.bind(caller, self.run_id)))
+            structlog.contextvars.bind_contextvars(tenant=caller.tenant)
+        if isinstance(request, Message):
+            check_size(request, self.owner._max_request_bytes)
+            validate(request)
+        deadlines.check(self.method)
+
+    async def fail(self, error: BaseException) -> None:
+        if isinstance(error, grpc.aio.AbortError):
+            self._outcome = "ABORTED_BY_HANDLER"
+            raise error
+        if isinstance(error, asyncio.CancelledError):
+            # The caller went away (or its deadline passed): nothing to answer.
+            self._outcome = "CANCELLED"
+            raise error
+        if isinstance(error, TimeoutError) and self.backstop is not None:
+            error = DeadlineExceeded(f"{self.method} did not finish before the deadline")
+        code, message, status = to_rpc_status(error)
+        self._outcome = code.name
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("rpc.internal_error", method=self.method)
+        grpc_status = rpc_status.to_status(status)
+        trailing = (*grpc_status.trailing_metadata, (identity.RUN_ID_KEY, self.run_id))
+        await self.context.abort(code, message, trailing_metadata=trailing)
+
+    def exit(self) -> None:
+        self.clock.mark_finished()
+        if self.owner._access_log:
+            log.info(
+                "rpc",
+                method=self.method,
+                code=self._outcome,
+                duration_ms=round((self.clock.finished - self.clock.received) * 1000, 3),
+                queue_wait_ms=round(self.clock.queue_wait_s * 1000, 3),
+            )
+        try:
+            for kind, token in reversed(self._tokens):
+                if kind == "clock":
+                    timing.unbind_clock(token)
+                elif kind == "deadline":
+                    deadlines.reset_deadline(token)
+                else:
+                    identity.unbind(token)
+        except ValueError:
+            # A stream closed from another context: its variables die with that context.
+            pass
+        structlog.contextvars.unbind_contextvars("run_id", "stage", "tenant")

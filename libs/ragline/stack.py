@@ -1,0 +1,185 @@
+"""`ragline up`: every service as its own process on loopback, started and stopped in order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ragline.config import DEFAULT_PORTS
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when `ragline up` itself dies (even by -9)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class StackError(RuntimeError):
+    """A service failed to start or died; the message carries the end of its log."""
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    host: str
+    port: int
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Ports the kernel reports free right now (all held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def plan_ports(names: list[str], base_port: int | None, host: str) -> dict[str, int]:
+    """Default ports, `base_port + offset` in the default layout, or free ports (base 0)."""
+    if base_port == 0:
+        return dict(zip(names, free_ports(len(names), host), strict=True))
+    if base_port is None:
+        return {name: DEFAULT_PORTS[name] for name in names}
+    base = DEFAULT_PORTS["orchestrator"]
+    return {name: base_port + DEFAULT_PORTS[name] - base for name in names}
+
+
+async def health_status(address: str, timeout_s: float = 1.0) -> str:
+    """SERVING / NOT_SERVING / UNREACHABLE for the server at `address`."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return "UNREACHABLE"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+class Stack:
+    def __init__(
+        self, names: list[str], ports: dict[str, int], log_dir: Path, host: str = "127.0.0.1"
+    ) -> None:
+        self.host = host
+        self.log_dir = log_dir
+        self.services = [
+            ServiceProcess(name, host, ports[name], log_dir / f"{name}.log") for name in names
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for svc in self.services:
+            env[f"RAGLINE_{svc.name.upper()}_PORT"] = str(svc.port)
+            env[f"RAGLINE_{svc.name.upper()}_HOST"] = svc.host
+            env[f"RAGLINE_{svc.name.upper()}_ADDR"] = svc.address
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = self.environment()
+        for svc in self.services:
+            log_file = svc.log_path.open("ab")
+            # A session of its own: Ctrl-C reaches only `ragline up`, which stops the
+            # services in order instead of all of them at once.
+            svc.process = subprocess.Popen(
+                [sys.executable, "-m", "ragline.cli", "serve", svc.name],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+            log_file.close()
+
+    def dead(self) -> list[ServiceProcess]:
+        return [s for s in self.services if s.process is not None and s.process.poll() is not None]
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.services)
+        while pending:
+            for svc in self.dead():
+                raise StackError(
+                    f"{svc.name} exited with code {svc.process.returncode} during start; "
+                    f"end of {svc.log_path}:\n{svc.log_tail()}"
+                )
+            statuses = await asyncio.gather(*(health_status(s.address) for s in pending))
+            pending = [
+                s for s, status in zip(pending, statuses, strict=True) if status != "SERVING"
+            ]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(s.name for s in pending)
+                raise StackError(
+                    f"not serving after {timeout_s:.0f} s: {names} (see {self.log_dir})"
+                )
+            await asyncio.sleep(0.2)
+
+    def stop(self, grace_s: float = 10.0) -> dict[str, int | None]:
+        """SIGTERM in reverse start order, then SIGKILL whatever outlives the grace period."""
+        running = [s for s in reversed(self.services) if s.process and s.process.poll() is None]
+        for svc in running:
+            svc.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for svc in running:
+            try:
+                svc.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                svc.process.kill()
+                svc.process.wait()
+        return {s.name: (s.process.returncode if s.process else None) for s in self.services}
+
+    def write_state(self, path: Path) -> None:
+        state = {
+            "services": {
+                s.name: {
+                    "address": s.address,
+                    "pid": s.process.pid if s.process else None,
+                    "log": str(s.log_path),
+                }
+                for s in self.services
+            }
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(state, indent=2))
+
+
+def read_state_address(path: Path, service: str) -> str | None:
+    """Address of `service` recorded by a running `ragline up`, if any."""
+    try:
+        return json.loads(path.read_text())["services"][service]["address"]
+    except (OSError, KeyError, ValueError):
+        return None

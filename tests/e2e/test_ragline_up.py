@@ -1,0 +1,125 @@
+"""`ragline up` as a user runs it: six services, grpcurl on each, Ctrl-C stops all cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ragline_services.registry import load_spec, service_names
+
+pytestmark = pytest.mark.e2e
+
+BIN = Path(sys.executable).parent
+
+
+def read_until(process: subprocess.Popen, marker: str, timeout_s: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            if process.poll() is not None:
+                break
+            continue
+        lines.append(line.rstrip("\n"))
+        if marker in line:
+            return lines
+    raise AssertionError(f"no {marker!r} within {timeout_s} s; output so far:\n" + "\n".join(lines))
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_up_serves_six_services_and_ctrl_c_stops_them(tmp_path, grpcurl_bin):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [str(BIN / "ragline"), "up", "--base-port", "0"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        lines = read_until(process, "ragline up: ready", timeout_s=120)
+        addresses = {}
+        for line in lines:
+            match = re.match(r"^\s+(\w+)\s+(127\.0\.0\.1:\d+)\s+SERVING$", line)
+            if match:
+                addresses[match.group(1)] = match.group(2)
+        assert set(addresses) == set(service_names())
+
+        for name, address in addresses.items():
+            listed = subprocess.run(
+                [grpcurl_bin, "-plaintext", address, "list"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert listed.returncode == 0, listed.stderr
+            assert load_spec(name).grpc_service in listed.stdout.split()
+            assert "grpc.health.v1.Health" in listed.stdout
+            assert "grpc.reflection.v1alpha.ServerReflection" in listed.stdout
+
+        # `ragline health` finds the stack through the state file of `ragline up`.
+        health = subprocess.run(
+            [str(BIN / "ragline"), "health", "--json"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert health.returncode == 0, health.stdout + health.stderr
+        statuses = json.loads(health.stdout)
+        assert {n: s["status"] for n, s in statuses.items()} == dict.fromkeys(
+            service_names(), "SERVING"
+        )
+        state = json.loads((tmp_path / ".ragline" / "up.json").read_text())
+        pids = [svc["pid"] for svc in state["services"].values()]
+
+        process.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        output, _ = process.communicate(timeout=60)
+        assert process.returncode == 0, output
+        assert "all services stopped cleanly" in output
+        assert not any(pid_alive(pid) for pid in pids)
+        assert not (tmp_path / ".ragline" / "up.json").exists()
+        for name in service_names():
+            log = (tmp_path / ".ragline" / "logs" / f"{name}.log").read_text()
+            assert '"event": "service.stopped"' in log, name
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_ask_without_a_running_stack_says_unavailable(tmp_path):
+    result = subprocess.run(
+        [
+            str(BIN / "ragline"),
+            "ask",
+            "What is ragline?",
+            "--addr",
+            "127.0.0.1:1",
+            "--timeout",
+            "5",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "UNAVAILABLE" in result.stderr

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from ragline import deadlines
+from ragline.errors import DeadlineExceeded
+
+
+def test_unbounded_by_default():
+    assert deadlines.remaining() is None
+    assert deadlines.outbound_timeout("x") is None
+    deadlines.check("x")  # no deadline, nothing to refuse
+
+
+def test_scope_narrows_and_never_widens():
+    with deadlines.deadline_scope(1.0) as outer:
+        assert 0.9 < deadlines.remaining() <= 1.0
+        with deadlines.deadline_scope(10.0) as inner:
+            assert inner == outer  # a child cannot get more time than its parent
+        with deadlines.deadline_scope(0.1):
+            assert deadlines.remaining() <= 0.1
+        assert deadlines.current_deadline() == outer
+    assert deadlines.current_deadline() is None
+
+
+def test_outbound_timeout_keeps_the_margin_and_the_stage_budget():
+    with deadlines.deadline_scope(2.0):
+        timeout = deadlines.outbound_timeout("svc.Call", margin_s=0.05)
+        assert timeout <= 2.0 - 0.05
+        assert deadlines.outbound_timeout("svc.Call", margin_s=0.05, stage_budget_s=0.5) == 0.5
+    assert deadlines.outbound_timeout("svc.Call", stage_budget_s=0.5) == 0.5
+
+
+def test_expired_deadline_refuses_without_calling():
+    with deadlines.deadline_scope(0.01):
+        time.sleep(0.02)
+        assert deadlines.expired()
+        with pytest.raises(DeadlineExceeded, match=r"no time left to call svc\.Call"):
+            deadlines.outbound_timeout("svc.Call")
+        with pytest.raises(DeadlineExceeded):
+            deadlines.check("work")
+
+
+def test_margin_larger_than_what_remains_refuses():
+    with deadlines.deadline_scope(0.004), pytest.raises(DeadlineExceeded):
+        deadlines.outbound_timeout("svc.Call", margin_s=0.005)
+
+
+def test_deadline_from_grpc():
+    before = time.monotonic()
+    assert deadlines.deadline_from_grpc(None, 0) is None
+    assert deadlines.deadline_from_grpc(None, 30) >= before + 30
+    assert before + 1.9 < deadlines.deadline_from_grpc(2.0, 30) <= time.monotonic() + 2.0
+    # the exact header wins over gRPC's rounded-up value, but never widens it
+    assert deadlines.deadline_from_grpc(1.0, 30, "975000") <= time.monotonic() + 0.975
+    assert deadlines.deadline_from_grpc(1.0, 30, "5000000") <= time.monotonic() + 1.0
+    assert deadlines.deadline_from_grpc(None, 30, "250000") <= time.monotonic() + 0.25
+    assert deadlines.deadline_from_grpc(1.0, 30, "garbage") <= time.monotonic() + 1.0
+
+
+async def test_deadline_is_per_task():
+    async def child(seconds: float) -> float:
+        with deadlines.deadline_scope(seconds):
+            await asyncio.sleep(0)
+            return deadlines.remaining()
+
+    a, b = await asyncio.gather(child(1.0), child(5.0))
+    assert a <= 1.0 < b
+    assert deadlines.current_deadline() is None
+
+
+def test_deadline_works_with_asyncio_timeout_at():
+    async def run():
+        with deadlines.deadline_scope(0.05):
+            async with asyncio.timeout_at(deadlines.current_deadline()):
+                await asyncio.sleep(1)
+
+    with pytest.raises(TimeoutError):
+        asyncio.run(run())
