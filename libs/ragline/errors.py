@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 
 class RaglineError(Exception):
@@ -135,26 +135,6 @@ def to_rpc_status(error: BaseException) -> tuple[grpc.StatusCode, str, status_pb
             f"internal error ({type(error).__name__}); see the server log",
             [],
         )
-    status = status_pb2.Status(code=_CODE_NUMBERS[code], message=message, details=details)
+    # grpc.StatusCode values are (number, name) pairs; the number is the google.rpc code.
+    status = status_pb2.Status(code=code.value[0], message=message, details=details)
     return code, message, status
-
-
-_CODE_NUMBERS = {
-    grpc.StatusCode.OK: code_pb2.OK,
-    grpc.StatusCode.CANCELLED: code_pb2.CANCELLED,
-    grpc.StatusCode.UNKNOWN: code_pb2.UNKNOWN,
-    grpc.StatusCode.INVALID_ARGUMENT: code_pb2.INVALID_ARGUMENT,
-    grpc.StatusCode.DEADLINE_EXCEEDED: code_pb2.DEADLINE_EXCEEDED,
-    grpc.StatusCode.NOT_FOUND: code_pb2.NOT_FOUND,
-    grpc.StatusCode.ALREADY_EXISTS: code_pb2.ALREADY_EXISTS,
-    grpc.StatusCode.PERMISSION_DENIED: code_pb2.PERMISSION_DENIED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: code_pb2.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.FAILED_PRECONDITION: code_pb2.FAILED_PRECONDITION,
-    grpc.StatusCode.ABORTED: code_pb2.ABORTED,
-    grpc.StatusCode.OUT_OF_RANGE: code_pb2.OUT_OF_RANGE,
-    grpc.StatusCode.UNIMPLEMENTED: code_pb2.UNIMPLEMENTED,
-    grpc.StatusCode.INTERNAL: code_pb2.INTERNAL,
-    grpc.StatusCode.UNAVAILABLE: code_pb2.UNAVAILABLE,
-    grpc.StatusCode.DATA_LOSS: code_pb2.DATA_LOSS,
-    grpc.StatusCode.UNAUTHENTICATED: code_pb2.UNAUTHENTICATED,
-}
