@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from ragline.etcd_server import EtcdServer
 from ragline.stack import free_ports, health_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -113,14 +114,44 @@ def launcher(tmp_path: Path) -> Iterator[ServiceLauncher]:
 
 
 @pytest.fixture(scope="session")
-def all_services(tmp_path_factory) -> Iterator[dict[str, ServiceHandle]]:
+def all_services(tmp_path_factory, etcd) -> Iterator[dict[str, ServiceHandle]]:
     """Every service running once for the session (read-only tests share it)."""
     from ragline_services.registry import service_names
 
     launcher = ServiceLauncher(tmp_path_factory.mktemp("services"))
-    handles = {name: launcher.start(name, wait=False) for name in service_names()}
+    env = {"RAGLINE_BUDGET_ETCD_ENDPOINTS": etcd.endpoint}
+    handles = {name: launcher.start(name, env=env, wait=False) for name in service_names()}
     for handle in handles.values():
         wait_serving(handle)
     yield handles
     codes = launcher.stop_all()
     assert all(code == 0 for code in codes.values()), f"unclean exits: {codes}"
+
+
+def start_etcd(directory: Path, name: str = "etcd") -> EtcdServer:
+    client_port, peer_port = free_ports(2)
+    server = EtcdServer(
+        directory / name,
+        client_port,
+        peer_port,
+        log_path=directory / f"{name}.log",
+        unsafe_no_fsync=True,  # tests: restarts are graceful, power loss is not simulated
+    )
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory) -> Iterator[EtcdServer]:
+    """A real etcd shared by the session (tests use their own tenants and task ids)."""
+    server = start_etcd(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_etcd(tmp_path) -> Iterator[EtcdServer]:
+    """A real etcd for one test (which may stop and restart it)."""
+    server = start_etcd(tmp_path)
+    yield server
+    server.stop()

@@ -39,6 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from ragline.etcd_server import EtcdServer
     from ragline.stack import Stack, StackError, plan_ports
 
     common = CommonConfig()
@@ -48,7 +49,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"ragline up: unknown service(s) {', '.join(unknown)}", file=sys.stderr)
         return 2
     log_dir = Path(args.log_dir) if args.log_dir else common.data_dir / "logs"
-    stack = Stack(names, plan_ports(names, args.base_port, args.host), log_dir, args.host)
+    ports = plan_ports(names, args.base_port, args.host)
+    etcd = None
+    if "budget" in names and "RAGLINE_BUDGET_ETCD_ENDPOINTS" not in os.environ:
+        # The budget ledger needs etcd: run a local one unless an external one is configured.
+        etcd = EtcdServer(
+            common.data_dir / "etcd",
+            ports["etcd"],
+            ports["etcd-peer"],
+            host=args.host,
+            log_path=log_dir / "etcd.log",
+        )
+    stack = Stack(names, ports, log_dir, args.host, etcd=etcd)
     state_path = common.data_dir / "up.json"
     stop_requested = asyncio.Event()
 
@@ -56,7 +68,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop_requested.set)
-        stack.start()
+        try:
+            stack.start()
+        except (RuntimeError, OSError) as error:
+            print(f"ragline up: {error}", file=sys.stderr, flush=True)
+            return 1
+        if etcd is not None:
+            print(f"  etcd          {etcd.endpoint}  (budget ledger, data in {etcd.data_dir})")
         print(f"ragline up: starting {len(names)} services (logs in {log_dir}/)", flush=True)
         ready = asyncio.create_task(stack.wait_ready(args.ready_timeout))
         interrupted = asyncio.create_task(stop_requested.wait())

@@ -76,10 +76,18 @@ class ServiceClient:
             self._stub_cache = (channel, self._stub_class()(channel))
         return self._stub_cache[1]
 
-    def _call_options(self, method: str, stage_budget_s: float | None):
-        timeout = deadlines.outbound_timeout(
-            f"{self.service}.{method}", margin_s=self._hop_margin_s, stage_budget_s=stage_budget_s
-        )
+    def _call_options(
+        self, method: str, stage_budget_s: float | None, detached_timeout_s: float | None = None
+    ):
+        if detached_timeout_s is not None:
+            # Bookkeeping that must outlive the caller's deadline (budget settlement).
+            timeout = detached_timeout_s
+        else:
+            timeout = deadlines.outbound_timeout(
+                f"{self.service}.{method}",
+                margin_s=self._hop_margin_s,
+                stage_budget_s=stage_budget_s,
+            )
         metadata = identity.outbound_metadata()
         if self._caller is not None:
             # An explicit caller (a CLI, a test) replaces the propagated identity.
@@ -87,8 +95,15 @@ class ServiceClient:
             metadata.extend(self._caller.metadata())
         return timeout, (*metadata, *deadlines.timeout_metadata(timeout))
 
-    async def unary(self, method: str, request, *, stage_budget_s: float | None = None):
-        timeout, metadata = self._call_options(method, stage_budget_s)
+    async def unary(
+        self,
+        method: str,
+        request,
+        *,
+        stage_budget_s: float | None = None,
+        detached_timeout_s: float | None = None,
+    ):
+        timeout, metadata = self._call_options(method, stage_budget_s, detached_timeout_s)
         return await getattr(self._stub(), method)(request, timeout=timeout, metadata=metadata)
 
     async def stream(

@@ -17,6 +17,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ragline.config import DEFAULT_PORTS
+from ragline.etcd_server import EtcdServer
+
+# Client / peer ports of the local etcd that `ragline up` starts for the budget service.
+ETCD_PORT_OFFSETS = (10, 11)
 
 
 def _die_with_parent() -> None:
@@ -67,13 +71,21 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def plan_ports(names: list[str], base_port: int | None, host: str) -> dict[str, int]:
-    """Default ports, `base_port + offset` in the default layout, or free ports (base 0)."""
+    """Default ports, `base_port + offset` in the default layout, or free ports (base 0).
+
+    Besides the services, the plan holds `etcd` and `etcd-peer` for the local etcd.
+    """
+    names = [*names, "etcd", "etcd-peer"]
     if base_port == 0:
         return dict(zip(names, free_ports(len(names), host), strict=True))
-    if base_port is None:
-        return {name: DEFAULT_PORTS[name] for name in names}
     base = DEFAULT_PORTS["orchestrator"]
-    return {name: base_port + DEFAULT_PORTS[name] - base for name in names}
+    offsets = {
+        **{name: DEFAULT_PORTS[name] - base for name in DEFAULT_PORTS},
+        "etcd": ETCD_PORT_OFFSETS[0],
+        "etcd-peer": ETCD_PORT_OFFSETS[1],
+    }
+    start = base if base_port is None else base_port
+    return {name: start + offsets[name] for name in names}
 
 
 async def health_status(address: str, timeout_s: float = 1.0) -> str:
@@ -89,10 +101,16 @@ async def health_status(address: str, timeout_s: float = 1.0) -> str:
 
 class Stack:
     def __init__(
-        self, names: list[str], ports: dict[str, int], log_dir: Path, host: str = "127.0.0.1"
+        self,
+        names: list[str],
+        ports: dict[str, int],
+        log_dir: Path,
+        host: str = "127.0.0.1",
+        etcd: EtcdServer | None = None,
     ) -> None:
         self.host = host
         self.log_dir = log_dir
+        self.etcd = etcd
         self.services = [
             ServiceProcess(name, host, ports[name], log_dir / f"{name}.log") for name in names
         ]
@@ -103,11 +121,15 @@ class Stack:
             env[f"RAGLINE_{svc.name.upper()}_PORT"] = str(svc.port)
             env[f"RAGLINE_{svc.name.upper()}_HOST"] = svc.host
             env[f"RAGLINE_{svc.name.upper()}_ADDR"] = svc.address
+        if self.etcd is not None:
+            env["RAGLINE_BUDGET_ETCD_ENDPOINTS"] = self.etcd.endpoint
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.etcd is not None:
+            self.etcd.start(start_new_session=True, preexec_fn=_die_with_parent)
         env = self.environment()
         for svc in self.services:
             log_file = svc.log_path.open("ab")
@@ -160,10 +182,14 @@ class Stack:
             except subprocess.TimeoutExpired:
                 svc.process.kill()
                 svc.process.wait()
-        return {s.name: (s.process.returncode if s.process else None) for s in self.services}
+        codes = {s.name: (s.process.returncode if s.process else None) for s in self.services}
+        if self.etcd is not None:
+            codes["etcd"] = self.etcd.stop(timeout_s=grace_s)
+        return codes
 
     def write_state(self, path: Path) -> None:
         state = {
+            "etcd": self.etcd.endpoint if self.etcd is not None else None,
             "services": {
                 s.name: {
                     "address": s.address,
@@ -171,7 +197,7 @@ class Stack:
                     "log": str(s.log_path),
                 }
                 for s in self.services
-            }
+            },
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state, indent=2))

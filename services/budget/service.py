@@ -1,26 +1,86 @@
-"""Wiring of the budget service: config, servicer registration, resources."""
+"""Wiring of the budget service: config, the etcd store, health that follows etcd."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import ClassVar
 
 import grpc
+import structlog
+from pydantic import Field
 
 from ragline.config import DEFAULT_PORTS, Port, ServiceConfig
+from ragline.errors import RaglineError
 from ragline.server import Service, ServiceSpec
 from ragline.v1 import budget_pb2, budget_pb2_grpc
+from ragline_services.budget.ledger import TaskLedger
 from ragline_services.budget.servicer import BudgetServicer
+from ragline_services.budget.store import EtcdLedgerStore
+
+log = structlog.get_logger("ragline.budget")
 
 
 class BudgetConfig(ServiceConfig):
     service_name: ClassVar[str] = "budget"
     model_config = ServiceConfig.env_for("budget")
     port: Port = DEFAULT_PORTS["budget"]
+    # Comma-separated host:port of the etcd cluster's client endpoints.
+    etcd_endpoints: str = "127.0.0.1:2379"
+    # Longest one etcd operation may take before the call fails with UNAVAILABLE.
+    etcd_timeout_s: float = Field(2.0, gt=0)
+    # Ledger records outlive the task deadline by this much (late settlements, reports).
+    expiry_grace_s: float = Field(300.0, ge=0)
+    key_prefix: str = "/ragline/budget/v1"
+    # How often health re-checks etcd (NOT_SERVING while it is unreachable).
+    health_probe_s: float = Field(2.0, gt=0)
 
 
 class BudgetService(Service):
+    config: BudgetConfig
+
+    def __init__(self, config: BudgetConfig, common) -> None:
+        super().__init__(config, common)
+        endpoints = [e.strip() for e in config.etcd_endpoints.split(",") if e.strip()]
+        self.store = EtcdLedgerStore(endpoints, timeout_s=config.etcd_timeout_s)
+        self.ledger = TaskLedger(
+            self.store, key_prefix=config.key_prefix, expiry_grace_s=config.expiry_grace_s
+        )
+        self._probe: asyncio.Task | None = None
+
     def register(self, server: grpc.aio.Server) -> None:
-        budget_pb2_grpc.add_BudgetServiceServicer_to_server(BudgetServicer(), server)
+        budget_pb2_grpc.add_BudgetServiceServicer_to_server(BudgetServicer(self.ledger), server)
+
+    async def start(self) -> None:
+        await self.store.connect()
+
+    async def _etcd_reachable(self) -> bool:
+        try:
+            await self.store.ping()
+        except RaglineError as error:
+            log.warning("budget.etcd_unreachable", error=error.message)
+            return False
+        return True
+
+    async def ready(self) -> bool:
+        reachable = await self._etcd_reachable()
+        self._probe = asyncio.create_task(self._probe_forever())
+        return reachable
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_probe_s)
+            reachable = await self._etcd_reachable()
+            await self.health.set_serving(
+                reachable, reason="etcd reachable" if reachable else "etcd unreachable"
+            )
+
+    async def stop(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+        await self.store.close()
 
 
 SPEC = ServiceSpec(

@@ -1,33 +1,154 @@
-"""BudgetService servicer: translates protobuf <-> domain types, nothing else."""
+"""BudgetService servicer: translates protobuf <-> ledger domain types, nothing else."""
 
 from __future__ import annotations
 
-from ragline.errors import Unimplemented
-from ragline.v1 import budget_pb2_grpc
+from google.protobuf import timestamp_pb2
+
+from ragline.budget import Amounts
+from ragline.identity import current_caller
+from ragline.v1 import budget_pb2, budget_pb2_grpc
+from ragline_services.budget.ledger import Outcome, TaskLedger
+from ragline_services.budget.records import (
+    PENDING,
+    RESERVED,
+    SETTLED,
+    TASK_CLOSED,
+    TASK_EXPIRED,
+    TASK_OPEN,
+    ReservationRecord,
+    TaskRecord,
+)
+
+_TASK_STATES = {
+    TASK_OPEN: budget_pb2.TASK_STATE_OPEN,
+    TASK_CLOSED: budget_pb2.TASK_STATE_CLOSED,
+    TASK_EXPIRED: budget_pb2.TASK_STATE_EXPIRED,
+}
+_RESERVATION_STATES = {
+    RESERVED: budget_pb2.RESERVATION_STATE_RESERVED,
+    PENDING: budget_pb2.RESERVATION_STATE_PENDING,
+    SETTLED: budget_pb2.RESERVATION_STATE_SETTLED,
+}
 
 
-def _missing(method: str) -> Unimplemented:
-    return Unimplemented(
-        f"BudgetService.{method} is not available yet: the etcd-backed task ledger is still "
-        "to be built"
+def _timestamp(ns: int) -> timestamp_pb2.Timestamp:
+    value = timestamp_pb2.Timestamp()
+    value.FromNanoseconds(ns)
+    return value
+
+
+def ledger_proto(
+    task: TaskRecord, revision: int, now_ns: int, reservations=()
+) -> budget_pb2.Ledger:
+    return budget_pb2.Ledger(
+        task_id=task.task_id,
+        state=_TASK_STATES[task.state_at(now_ns)],
+        limits=task.limits.to_proto(),
+        reserved=task.reserved.to_proto(),
+        pending=task.pending.to_proto(),
+        used=task.used.to_proto(),
+        remaining=task.remaining.to_proto(),
+        in_flight=task.in_flight,
+        max_in_flight=task.max_in_flight,
+        deadline=_timestamp(task.deadline_ns),
+        reservations=[reservation_proto(task.task_id, r) for r in reservations],
+        revision=revision,
     )
 
 
+def reservation_proto(task_id: str, record: ReservationRecord) -> budget_pb2.Reservation:
+    message = budget_pb2.Reservation(
+        task_id=task_id,
+        reservation_id=record.reservation_id,
+        state=_RESERVATION_STATES[record.state],
+        amounts=record.amounts.to_proto(),
+        stage=record.stage,
+        failed=record.failed,
+        created_at=_timestamp(record.created_ns),
+    )
+    if record.actual is not None:
+        message.actual.CopyFrom(record.actual.to_proto())
+    if record.settled_ns:
+        message.settled_at.CopyFrom(_timestamp(record.settled_ns))
+    return message
+
+
 class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
+    def __init__(self, ledger: TaskLedger) -> None:
+        self.ledger = ledger
+
+    def _outcome(self, outcome: Outcome, task_id: str):
+        return (
+            reservation_proto(task_id, outcome.reservation),
+            ledger_proto(outcome.task, outcome.revision, self.ledger.now_ns()),
+        )
+
     async def OpenTask(self, request, context):
-        raise _missing("OpenTask")
+        task, revision, created = await self.ledger.open_task(
+            current_caller().tenant,
+            request.task_id,
+            Amounts.from_proto(request.limits),
+            request.max_in_flight,
+            request.timeout.ToNanoseconds() / 1e9,
+        )
+        return budget_pb2.OpenTaskResponse(
+            ledger=ledger_proto(task, revision, self.ledger.now_ns()), created=created
+        )
 
     async def Reserve(self, request, context):
-        raise _missing("Reserve")
+        outcome = await self.ledger.reserve(
+            current_caller().tenant,
+            request.task_id,
+            request.reservation_id,
+            Amounts.from_proto(request.amounts),
+            request.stage,
+        )
+        reservation, ledger = self._outcome(outcome, request.task_id)
+        return budget_pb2.ReserveResponse(
+            reservation=reservation,
+            ledger=ledger,
+            replayed=outcome.replayed,
+            attempts=outcome.attempts,
+        )
 
     async def Settle(self, request, context):
-        raise _missing("Settle")
+        outcome = await self.ledger.settle(
+            current_caller().tenant,
+            request.task_id,
+            request.reservation_id,
+            Amounts.from_proto(request.actual),
+            request.failed,
+        )
+        reservation, ledger = self._outcome(outcome, request.task_id)
+        return budget_pb2.SettleResponse(
+            reservation=reservation,
+            ledger=ledger,
+            replayed=outcome.replayed,
+            attempts=outcome.attempts,
+        )
 
     async def Cancel(self, request, context):
-        raise _missing("Cancel")
+        outcome = await self.ledger.cancel(
+            current_caller().tenant, request.task_id, request.reservation_id, request.reason
+        )
+        reservation, ledger = self._outcome(outcome, request.task_id)
+        return budget_pb2.CancelResponse(
+            reservation=reservation,
+            ledger=ledger,
+            replayed=outcome.replayed,
+            attempts=outcome.attempts,
+        )
 
     async def GetLedger(self, request, context):
-        raise _missing("GetLedger")
+        task, revision, reservations = await self.ledger.get(
+            current_caller().tenant,
+            request.task_id,
+            include_reservations=request.include_reservations,
+        )
+        return ledger_proto(task, revision, self.ledger.now_ns(), reservations)
 
     async def CloseTask(self, request, context):
-        raise _missing("CloseTask")
+        task, revision = await self.ledger.close_task(current_caller().tenant, request.task_id)
+        return budget_pb2.CloseTaskResponse(
+            ledger=ledger_proto(task, revision, self.ledger.now_ns())
+        )

@@ -24,7 +24,7 @@ def test_sigterm_stops_cleanly_and_logs_json(launcher):
 
 
 def test_sigint_stops_cleanly(launcher):
-    handle = launcher.start("budget")
+    handle = launcher.start("generation")
     handle.process.send_signal(signal.SIGINT)
     assert handle.process.wait(timeout=15) == 0
 
@@ -41,8 +41,8 @@ def test_a_busy_port_fails_loudly(launcher):
     assert f"cannot listen on 127.0.0.1:{first.port}" in clash.stderr
 
 
-def test_access_log_carries_run_id_tenant_and_method(launcher):
-    handle = launcher.start("budget")
+def test_access_log_carries_run_id_tenant_and_method(launcher, etcd):
+    handle = launcher.start("budget", env={"RAGLINE_BUDGET_ETCD_ENDPOINTS": etcd.endpoint})
 
     async def call():
         async with grpc.aio.insecure_channel(handle.address) as channel:
@@ -56,7 +56,7 @@ def test_access_log_carries_run_id_tenant_and_method(launcher):
 
     asyncio.run(call())
     handle.stop()
-    lines = [line for line in handle.log().splitlines() if '"event": "rpc"' in line]
+    lines = [line for line in handle.log().splitlines() if '"method": "/ragline.' in line]
     assert lines, handle.log()
     assert '"run_id": "run-42"' in lines[-1]
     assert '"tenant": "acme"' in lines[-1]

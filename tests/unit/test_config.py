@@ -41,8 +41,9 @@ def test_port_plans():
     assert plan_ports(names, None, "127.0.0.1")["orchestrator"] == 50100
     shifted = plan_ports(names, 60100, "127.0.0.1")
     assert shifted["orchestrator"] == 60100 and shifted["budget"] == 60105
+    assert shifted["etcd"] == 60110 and shifted["etcd-peer"] == 60111
     free = plan_ports(names, 0, "127.0.0.1")
-    assert len(set(free.values())) == 6
+    assert len(set(free.values())) == 8
 
 
 def test_unknown_service_is_named():

@@ -65,6 +65,10 @@ class Service(abc.ABC):
     async def stop(self) -> None:  # noqa: B027 - optional hook
         """Releases resources after in-flight calls finished."""
 
+    async def ready(self) -> bool:
+        """Whether to report SERVING once started (a service may keep probing after)."""
+        return True
+
 
 @dataclass(frozen=True)
 class ServiceSpec:
@@ -131,8 +135,11 @@ class ServerRunner:
         self._server, self._service, self.port = server, service, port
         log.info("service.listening", host=cfg.host, port=port, grpc_service=self.spec.grpc_service)
         await service.start()
-        await service.health.set_serving(True, reason="started")
-        log.info("service.ready", host=cfg.host, port=port)
+        ready = await service.ready()
+        await service.health.set_serving(ready, reason="started" if ready else "backend not ready")
+        log.info(
+            "service.ready" if ready else "service.started_not_ready", host=cfg.host, port=port
+        )
         return port
 
     async def stop(self) -> None:

@@ -1,0 +1,184 @@
+"""Budget amounts and the client helper every caller of the budget service uses.
+
+    ledger = TaskBudget(client, task_id)
+    async with ledger.reserve(Amounts(output_tokens=256, calls=1), stage="generate") as r:
+        reply = await call_the_model(max_tokens=256)
+        r.settle(Amounts(output_tokens=reply.tokens, calls=1))
+
+The reservation is settled on leaving the block: with the reported use on success, with
+the reported use (or the whole reservation when nothing was reported) and `failed` on an
+exception, and on cancellation it is first moved to pending and then settled, shielded
+from further cancellation, so partial use is never lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import asdict, dataclass, fields
+
+import grpc
+
+from ragline.errors import ResourceExhausted
+
+AMOUNT_FIELDS = ("input_tokens", "output_tokens", "cost_micros", "calls")
+
+
+@dataclass(frozen=True)
+class Amounts:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_micros: int = 0
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        for name in AMOUNT_FIELDS:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+
+    def __add__(self, other: Amounts) -> Amounts:
+        return Amounts(*(getattr(self, f) + getattr(other, f) for f in AMOUNT_FIELDS))
+
+    def __sub__(self, other: Amounts) -> Amounts:
+        """Difference, floored at zero (what remains can never be negative)."""
+        return Amounts(*(max(getattr(self, f) - getattr(other, f), 0) for f in AMOUNT_FIELDS))
+
+    def fits_within(self, limit: Amounts) -> bool:
+        return all(getattr(self, f) <= getattr(limit, f) for f in AMOUNT_FIELDS)
+
+    def exceeding(self, limit: Amounts) -> list[str]:
+        """Names of the amounts above `limit`."""
+        return [f for f in AMOUNT_FIELDS if getattr(self, f) > getattr(limit, f)]
+
+    def is_zero(self) -> bool:
+        return not any(getattr(self, f) for f in AMOUNT_FIELDS)
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, int]) -> Amounts:
+        return cls(**{f.name: int(data.get(f.name, 0)) for f in fields(cls)})
+
+    def to_proto(self):
+        from ragline.v1 import common_pb2
+
+        return common_pb2.BudgetAmounts(**self.to_dict())
+
+    @classmethod
+    def from_proto(cls, message) -> Amounts:
+        return cls(*(getattr(message, f) for f in AMOUNT_FIELDS))
+
+    def describe(self) -> str:
+        return ", ".join(f"{f}={getattr(self, f)}" for f in AMOUNT_FIELDS)
+
+
+# Time a settlement may take after the caller's own deadline passed: settling partial use
+# is bookkeeping that must happen even when the work it accounts for ran out of time.
+SETTLE_TIMEOUT_S = 5.0
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class BudgetRefused(ResourceExhausted):
+    """The task budget cannot cover a reservation; `remaining` says what is left."""
+
+
+class Reservation:
+    """An open reservation; `settle()` records actual use, applied when the block exits."""
+
+    def __init__(self, budget: TaskBudget, reservation_id: str, amounts: Amounts, stage: str):
+        self.budget = budget
+        self.reservation_id = reservation_id
+        self.amounts = amounts
+        self.stage = stage
+        self.actual: Amounts | None = None
+        self.response = None  # ReserveResponse
+        self.final = None  # SettleResponse
+
+    def settle(self, actual: Amounts) -> None:
+        self.actual = actual
+
+    async def __aenter__(self) -> Reservation:
+        from ragline.v1 import budget_pb2
+
+        request = budget_pb2.ReserveRequest(
+            task_id=self.budget.task_id,
+            reservation_id=self.reservation_id,
+            amounts=self.amounts.to_proto(),
+            stage=self.stage,
+        )
+        try:
+            self.response = await self.budget.call_idempotent(self.budget.client.reserve, request)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise BudgetRefused(error.details()) from error
+            raise
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+        failed = exc_type is not None
+        actual = self.actual if self.actual is not None else self.amounts
+        # A second cancel must not abort the bookkeeping: run it shielded.
+        task = asyncio.ensure_future(self._finish(actual, failed=failed, cancelled=cancelled))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await task
+            raise
+
+    async def _finish(self, actual: Amounts, *, failed: bool, cancelled: bool) -> None:
+        from ragline.v1 import budget_pb2
+
+        if cancelled:
+            await self.budget.call_idempotent(
+                self.budget.client.cancel,
+                budget_pb2.CancelRequest(
+                    task_id=self.budget.task_id,
+                    reservation_id=self.reservation_id,
+                    reason="caller cancelled",
+                ),
+                detached=True,
+            )
+        self.final = await self.budget.call_idempotent(
+            self.budget.client.settle,
+            budget_pb2.SettleRequest(
+                task_id=self.budget.task_id,
+                reservation_id=self.reservation_id,
+                actual=actual.to_proto(),
+                failed=failed,
+            ),
+            detached=True,
+        )
+
+
+class TaskBudget:
+    """Reservations against one task ledger, through a BudgetClient."""
+
+    def __init__(self, client, task_id: str, *, attempts: int = 3) -> None:
+        self.client = client
+        self.task_id = task_id
+        self.attempts = attempts
+
+    def reserve(
+        self, amounts: Amounts, *, stage: str = "", reservation_id: str | None = None
+    ) -> Reservation:
+        return Reservation(self, reservation_id or uuid.uuid4().hex, amounts, stage)
+
+    async def call_idempotent(self, method, request, *, detached: bool = False):
+        """Calls `method`, retrying transport failures with the same idempotency id.
+
+        A lost response followed by a retry is answered as a replay by the ledger, never
+        charged twice. `detached` calls run on their own short timeout, not the caller's
+        deadline (settlement after a deadline).
+        """
+        for attempt in range(1, self.attempts + 1):
+            try:
+                if detached:
+                    return await method(request, detached_timeout_s=SETTLE_TIMEOUT_S)
+                return await method(request)
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in _RETRYABLE or attempt == self.attempts:
+                    raise
+                await asyncio.sleep(0.05 * attempt)
+        raise AssertionError("unreachable")
