@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import grpc
 
@@ -54,7 +54,12 @@ class Amounts:
         return not any(getattr(self, f) for f in AMOUNT_FIELDS)
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "cost_micros": self.cost_micros,
+            "calls": self.calls,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, int]) -> Amounts:
@@ -63,7 +68,12 @@ class Amounts:
     def to_proto(self):
         from ragline.v1 import common_pb2
 
-        return common_pb2.BudgetAmounts(**self.to_dict())
+        return common_pb2.BudgetAmounts(
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
+            cost_micros=self.cost_micros,
+            calls=self.calls,
+        )
 
     @classmethod
     def from_proto(cls, message) -> Amounts:

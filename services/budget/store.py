@@ -30,12 +30,16 @@ class LedgerStore(Protocol):
     async def read_prefix(self, prefix: bytes) -> list[tuple[bytes, Versioned]]: ...
 
     async def write_if_unchanged(
-        self, expected: dict[bytes, int], puts: dict[bytes, bytes], lease_id: int
-    ) -> int | None:
+        self,
+        expected: dict[bytes, int],
+        puts: dict[bytes, bytes],
+        lease_id: int,
+        reread: Sequence[bytes] = (),
+    ) -> tuple[int | None, list[Versioned | None]]:
         """Writes `puts` iff every key of `expected` still has that mod revision (0 = absent).
 
-        Returns the revision of the write (every put key's new mod revision), or None when
-        a guard failed and nothing was written.
+        Returns (revision of the write, []) on success, or (None, current values of
+        `reread`) when a guard failed and nothing was written: one round trip either way.
         """
 
     async def grant_lease(self, ttl_s: int) -> int: ...
@@ -98,11 +102,7 @@ class EtcdLedgerStore:
         async with self._guard("read"):
             # A transaction with no comparisons: every range read at the same revision.
             reply = await kv.txn([], [kv.txn_op_get(key) for key in keys], timeout=self._timeout())
-        found: list[Versioned | None] = []
-        for response in reply.responses:
-            kvs = response.response_range.kvs
-            found.append(Versioned(kvs[0].value, kvs[0].mod_revision) if kvs else None)
-        return found
+        return [_first(response.response_range.kvs) for response in reply.responses]
 
     async def read_prefix(self, prefix: bytes) -> list[tuple[bytes, Versioned]]:
         import etcd3aio
@@ -114,8 +114,12 @@ class EtcdLedgerStore:
         return [(kv.key, Versioned(kv.value, kv.mod_revision)) for kv in reply.kvs]
 
     async def write_if_unchanged(
-        self, expected: dict[bytes, int], puts: dict[bytes, bytes], lease_id: int
-    ) -> int | None:
+        self,
+        expected: dict[bytes, int],
+        puts: dict[bytes, bytes],
+        lease_id: int,
+        reread: Sequence[bytes] = (),
+    ) -> tuple[int | None, list[Versioned | None]]:
         from etcd3aio._protobuf import Compare
 
         kv = self._client.kv
@@ -124,9 +128,12 @@ class EtcdLedgerStore:
             for key, revision in expected.items()
         ]
         operations = [kv.txn_op_put(key, value, lease=lease_id) for key, value in puts.items()]
+        on_conflict = [kv.txn_op_get(key) for key in reread]
         async with self._guard("write"):
-            reply = await kv.txn(compares, operations, timeout=self._timeout())
-        return reply.header.revision if reply.succeeded else None
+            reply = await kv.txn(compares, operations, on_conflict, timeout=self._timeout())
+        if reply.succeeded:
+            return reply.header.revision, []
+        return None, [_first(r.response_range.kvs) for r in reply.responses]
 
     async def grant_lease(self, ttl_s: int) -> int:
         async with self._guard("lease grant"):
@@ -140,3 +147,7 @@ class EtcdLedgerStore:
     async def ping(self) -> None:
         async with self._guard("ping"):
             await self._client.kv.get(b"/ragline/ping", timeout=self._timeout())
+
+
+def _first(kvs) -> Versioned | None:
+    return Versioned(kvs[0].value, kvs[0].mod_revision) if kvs else None

@@ -1,0 +1,256 @@
+"""Benchmark of the budget ledger against a real etcd and real budget-service processes.
+
+    .venv/bin/python tools/bench_budget.py [--seconds 5] [--replicas 1] [--levels 1,8,64]
+
+For each concurrency level it spreads the workers over up to 4 client processes; each worker
+loops Reserve -> Settle. Two task layouts: every worker on one shared task (contention:
+guarded transactions conflict and retry) and one task per worker (no contention). Reports
+reserve+settle pairs per second, the latency of a pair (p50/p99 over every pair, failed
+ones included) and the conflict-retry rate: extra ledger transactions per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+from ragline.etcd_server import EtcdServer
+from ragline.stack import free_ports, health_status
+from ragline.v1 import budget_pb2, budget_pb2_grpc, common_pb2
+
+LIMITS = common_pb2.BudgetAmounts(input_tokens=10**12, output_tokens=10**12, calls=10**12)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+async def open_task(stub, metadata, task_id: str) -> None:
+    request = budget_pb2.OpenTaskRequest(task_id=task_id, limits=LIMITS)
+    request.timeout.FromSeconds(3600)
+    await stub.OpenTask(request, timeout=10, metadata=metadata)
+
+
+async def run_worker_process(args) -> None:
+    """One client process: `--workers` loops for `--seconds`; prints JSON results."""
+    metadata = (("x-ragline-tenant", args.tenant),)
+    latencies: list[float] = []
+    attempts: list[int] = []
+    failures: dict[str, int] = {}
+    async with grpc.aio.insecure_channel(args.address) as channel:
+        stub = budget_pb2_grpc.BudgetServiceStub(channel)
+
+        async def worker(index: int) -> None:
+            task_id = args.task or f"{args.prefix}-{index}"
+            if not args.task:
+                await open_task(stub, metadata, task_id)
+            end = time.monotonic() + args.seconds
+            n = 0
+            while time.monotonic() < end:
+                n += 1
+                rid = f"{args.prefix}-{index}-{n}"
+                started = time.perf_counter()
+                try:
+                    reserved = await stub.Reserve(
+                        budget_pb2.ReserveRequest(
+                            task_id=task_id,
+                            reservation_id=rid,
+                            amounts=common_pb2.BudgetAmounts(output_tokens=10, calls=1),
+                        ),
+                        timeout=10,
+                        metadata=metadata,
+                    )
+                    settled = await stub.Settle(
+                        budget_pb2.SettleRequest(
+                            task_id=task_id,
+                            reservation_id=rid,
+                            actual=common_pb2.BudgetAmounts(output_tokens=7, calls=1),
+                        ),
+                        timeout=10,
+                        metadata=metadata,
+                    )
+                    attempts.extend((reserved.attempts, settled.attempts))
+                except grpc.aio.AioRpcError as error:
+                    key = f"{error.code().name}: {error.details()[:80]}"
+                    failures[key] = failures.get(key, 0) + 1
+                latencies.append(time.perf_counter() - started)
+
+        await asyncio.gather(*(worker(i) for i in range(args.workers)))
+    print(json.dumps({"latencies": latencies, "attempts": attempts, "failures": failures}))
+
+
+def run_level(addresses, workers: int, seconds: float, shared: bool) -> dict:
+    processes = min(workers, 4)
+    per_process = [
+        workers // processes + (1 if i < workers % processes else 0) for i in range(processes)
+    ]
+    tenant = f"bench-{uuid.uuid4().hex[:8]}"
+    task = f"shared-{uuid.uuid4().hex[:8]}" if shared else ""
+    if shared:
+
+        async def open_shared():
+            async with grpc.aio.insecure_channel(addresses[0]) as channel:
+                await open_task(
+                    budget_pb2_grpc.BudgetServiceStub(channel),
+                    (("x-ragline-tenant", tenant),),
+                    task,
+                )
+
+        asyncio.run(open_shared())
+    started = time.monotonic()
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--address",
+                addresses[i % len(addresses)],
+                "--tenant",
+                tenant,
+                "--task",
+                task,
+                "--prefix",
+                f"p{i}",
+                "--workers",
+                str(count),
+                "--seconds",
+                str(seconds),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i, count in enumerate(per_process)
+    ]
+    results = [json.loads(child.communicate()[0]) for child in children]
+    wall = time.monotonic() - started
+    latencies = [x for r in results for x in r["latencies"]]
+    attempts = [x for r in results for x in r["attempts"]]
+    calls = max(len(attempts), 1)
+    return {
+        "workers": workers,
+        "processes": processes,
+        "layout": "shared task" if shared else "task per worker",
+        "pairs": len(latencies),
+        "pairs_per_s": len(latencies) / seconds,
+        "p50_ms": percentile(latencies, 0.50) * 1000,
+        "p99_ms": percentile(latencies, 0.99) * 1000,
+        "conflict_retries_per_call": (sum(attempts) - len(attempts)) / calls,
+        "failures": sum(sum(r["failures"].values()) for r in results),
+        "failure_kinds": sorted({k for r in results for k in r["failures"]}),
+        "wall_s": wall,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--levels", default="1,8,64")
+    parser.add_argument("--replicas", type=int, default=1, help="budget-service processes")
+    parser.add_argument(
+        "--unsafe-no-fsync",
+        action="store_true",
+        help="etcd without fsync (as in the tests); default keeps fsync on",
+    )
+    parser.add_argument("--json", help="also write the results to this file")
+    # internal: one client process
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--tenant", help=argparse.SUPPRESS)
+    parser.add_argument("--task", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--prefix", help=argparse.SUPPRESS)
+    parser.add_argument("--workers", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        asyncio.run(run_worker_process(args))
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="bench-budget-") as tmp:
+        tmp_path = Path(tmp)
+        client_port, peer_port = free_ports(2)
+        etcd = EtcdServer(
+            tmp_path / "etcd", client_port, peer_port, unsafe_no_fsync=args.unsafe_no_fsync
+        )
+        etcd.start()
+        services = []
+        try:
+            env = {
+                **os.environ,
+                "RAGLINE_BUDGET_ETCD_ENDPOINTS": etcd.endpoint,
+                "RAGLINE_BUDGET_ACCESS_LOG": "false",
+                "RAGLINE_LOG_LEVEL": "warning",
+            }
+            for port in free_ports(args.replicas):
+                log = (tmp_path / f"budget-{port}.log").open("wb")
+                services.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "ragline.cli",
+                            "serve",
+                            "budget",
+                            "--port",
+                            str(port),
+                        ],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+                services[-1].address = f"127.0.0.1:{port}"
+            for service in services:
+                deadline = time.monotonic() + 60
+                while asyncio.run(health_status(service.address)) != "SERVING":
+                    if time.monotonic() > deadline:
+                        raise SystemExit("budget service did not start")
+                    time.sleep(0.2)
+            addresses = [s.address for s in services]
+            rows = []
+            for level in (int(x) for x in args.levels.split(",")):
+                for shared in (True, False):
+                    rows.append(run_level(addresses, level, args.seconds, shared))
+                    print(json.dumps(rows[-1]), file=sys.stderr)
+        finally:
+            for service in services:
+                service.terminate()
+                service.wait()
+            etcd.stop()
+
+    print(
+        f"budget ledger, {args.replicas} service replica(s), etcd fsync "
+        f"{'off' if args.unsafe_no_fsync else 'on'}, {args.seconds:.0f} s per row"
+    )
+    print(
+        "| workers (processes) | layout | reserve+settle pairs/s | p50 ms | p99 ms "
+        "| conflict retries per call | failed |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['workers']} ({row['processes']}) | {row['layout']} | "
+            f"{row['pairs_per_s']:.0f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | "
+            f"{row['conflict_retries_per_call']:.2f} | {row['failures']} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
