@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import uuid
 
 import pytest
 
@@ -100,3 +101,47 @@ def test_unimplemented_names_what_is_missing(all_services, grpcurl_bin):
     )
     assert "Code: Unimplemented" in result.stderr
     assert "ONNX Runtime" in result.stderr
+
+
+def _readme_budget_commands() -> list[tuple[str, str, str]]:
+    """The (json body, method) of each grpcurl budget example in README.md."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    pattern = re.compile(
+        r"""grpcurl -plaintext -H "\$T" -d '(?P<body>[^']*)' \$B """
+        r"(?P<method>ragline\.v1\.BudgetService/\w+)"
+    )
+    return [(m["body"], m["method"]) for m in pattern.finditer(readme)]
+
+
+def test_readme_budget_examples_run_as_documented(all_services, grpcurl_bin):
+    commands = _readme_budget_commands()
+    assert [m.rsplit("/", 1)[1] for _, m in commands] == [
+        "OpenTask", "Reserve", "Reserve", "Settle", "Reserve", "Cancel", "GetLedger", "CloseTask",
+    ]  # fmt: skip
+    tenant = f"readme-{uuid.uuid4().hex[:8]}"
+    outputs = []
+    for body, method in commands:
+        result = grpcurl(
+            grpcurl_bin,
+            "-H",
+            f"x-ragline-tenant: {tenant}",
+            "-d",
+            body,
+            all_services["budget"].address,
+            method,
+        )
+        outputs.append(result)
+    refused = outputs[2]
+    assert "Code: ResourceExhausted" in refused.stderr
+    assert "remaining: input_tokens=0, output_tokens=400, cost_micros=0, calls=9" in refused.stderr
+    for result in outputs[:2] + outputs[3:]:
+        assert result.returncode == 0, result.stderr
+    ledger = json.loads(outputs[6].stdout)
+    assert ledger["used"] == {"outputTokens": "412", "calls": "1"} or ledger["used"] == {
+        "output_tokens": "412",
+        "calls": "1",
+    }
+    assert json.loads(outputs[7].stdout)["ledger"]["state"] == "TASK_STATE_CLOSED"
