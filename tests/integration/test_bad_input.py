@@ -120,7 +120,7 @@ async def test_run_id_is_echoed_in_trailers(all_services):
         stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.Embed(
-                embedding_pb2.EmbedRequest(texts=["hi"]),
+                embedding_pb2.EmbedRequest(texts=["hi"], dim=1000),
                 timeout=10,
                 metadata=(("x-ragline-run-id", "run-123"),),
             )

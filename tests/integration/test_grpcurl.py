@@ -95,12 +95,12 @@ def test_unimplemented_names_what_is_missing(all_services, grpcurl_bin):
     result = grpcurl(
         grpcurl_bin,
         "-d",
-        '{"texts": ["hello"]}',
-        all_services["embedding"].address,
-        "ragline.v1.EmbeddingService/Embed",
+        '{"query": "q", "candidates": [{"id": "a", "text": "t"}]}',
+        all_services["rerank"].address,
+        "ragline.v1.RerankService/Rerank",
     )
     assert "Code: Unimplemented" in result.stderr
-    assert "ONNX Runtime" in result.stderr
+    assert "cross-encoder" in result.stderr
 
 
 def _readme_budget_commands() -> list[tuple[str, str, str]]:

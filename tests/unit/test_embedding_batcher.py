@@ -1,0 +1,119 @@
+"""Micro-batcher behaviour with a fake model (the real model is in the integration tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from ragline.errors import DeadlineExceeded, ResourceExhausted
+from ragline_services.embedding.batcher import MicroBatcher, bucket_groups, pad
+from ragline_services.embedding.tokenization import TokenizedText
+
+
+def text(*ids: int) -> TokenizedText:
+    return TokenizedText(np.asarray(ids, dtype=np.int64), truncated=False)
+
+
+class FakeModel:
+    """vector = [sum of real token ids, count of real tokens]: wrong if padding leaks."""
+
+    def __init__(self, delay_s: float = 0.0, fail: bool = False) -> None:
+        self.calls: list[tuple[int, int]] = []
+        self.delay_s = delay_s
+        self.fail = fail
+
+    async def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        self.calls.append(ids.shape)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if self.fail:
+            raise RuntimeError("model crashed")
+        return np.stack([(ids * mask).sum(axis=1), mask.sum(axis=1)], axis=1).astype(np.float32)
+
+
+def test_bucket_groups_sort_split_and_cap():
+    lengths = [100, 3, 40, 5, 300, 7]
+    groups = bucket_groups(lengths, max_batch=2)
+    assert groups == [[1, 3], [5], [2], [0], [4]]
+    assert sorted(i for g in groups for i in g) == list(range(6))
+
+
+def test_pad_masks_padding():
+    ids, mask = pad([text(1, 2, 3), text(4)])
+    assert ids.tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+async def test_concurrent_requests_share_one_run_and_get_their_own_vectors():
+    model = FakeModel()
+    batcher = MicroBatcher(model, max_batch_texts=32, max_wait_s=0.05)
+    await batcher.start()
+    requests = [[text(i, 1)] for i in range(1, 6)] + [[text(7, 7, 7), text(9)]]
+    results = await asyncio.gather(*(batcher.submit(r, None) for r in requests))
+    await batcher.stop()
+    assert len(model.calls) == 1  # every text falls in the shortest length bucket
+    for request, result in zip(requests, results, strict=True):
+        expected = [[t.ids.sum(), t.length] for t in request]
+        assert result.vectors.tolist() == expected
+        assert result.batch_texts == 7
+        assert result.queue_wait_s >= 0
+
+
+async def test_unbatched_runs_one_text_at_a_time():
+    model = FakeModel()
+    batcher = MicroBatcher(model, max_batch_texts=1, max_wait_s=0)
+    await batcher.start()
+    await asyncio.gather(*(batcher.submit([text(i)], None) for i in range(1, 5)))
+    await batcher.stop()
+    assert model.calls == [(1, 1)] * 4
+
+
+async def test_expired_and_cancelled_requests_are_dropped_before_compute():
+    model = FakeModel(delay_s=0.05)
+    batcher = MicroBatcher(model, max_batch_texts=1, max_wait_s=0)
+    await batcher.start()
+    busy = asyncio.create_task(batcher.submit([text(1)], None))  # occupies the model
+    await asyncio.sleep(0.01)
+    expired = asyncio.create_task(batcher.submit([text(2)], time.monotonic() + 0.01))
+    cancelled = asyncio.create_task(batcher.submit([text(3)], None))
+    await asyncio.sleep(0.01)
+    cancelled.cancel()
+    await busy
+    with pytest.raises(DeadlineExceeded, match="before compute"):
+        await expired
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await asyncio.sleep(0.01)
+    await batcher.stop()
+    assert model.calls == [(1, 1)]
+    assert batcher.dropped == 2
+
+
+async def test_full_queue_refuses_at_once_with_a_retry_hint():
+    model = FakeModel(delay_s=0.2)
+    batcher = MicroBatcher(model, max_batch_texts=1, max_wait_s=0, max_queue_texts=2)
+    await batcher.start()
+    first = asyncio.create_task(batcher.submit([text(1)], None))
+    await asyncio.sleep(0.01)  # taken by the model; the queue is empty again
+    queued = [asyncio.create_task(batcher.submit([text(i)], None)) for i in (2, 3)]
+    await asyncio.sleep(0.01)
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted) as caught:
+        await batcher.submit([text(4)], None)
+    assert time.monotonic() - started < 0.05
+    assert caught.value.retry_after_s is not None
+    await asyncio.gather(first, *queued)
+    await batcher.stop()
+
+
+async def test_a_model_failure_fails_every_request_of_the_batch():
+    batcher = MicroBatcher(FakeModel(fail=True), max_batch_texts=8, max_wait_s=0.02)
+    await batcher.start()
+    results = await asyncio.gather(
+        batcher.submit([text(1)], None), batcher.submit([text(2)], None), return_exceptions=True
+    )
+    await batcher.stop()
+    assert all(isinstance(r, RuntimeError) for r in results)

