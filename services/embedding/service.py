@@ -91,6 +91,8 @@ class EmbeddingService(Service):
                 reason="dynamic activation quantization makes results batch-dependent",
             )
             max_batch_texts = 1
+        if not isinstance(self.backend, OnnxRuntimeBackend):
+            await self.backend.check_ready()
         self.batcher = MicroBatcher(
             self.backend.embed,
             max_batch_texts=max_batch_texts,

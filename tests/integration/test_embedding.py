@@ -212,3 +212,48 @@ def test_export_matches_torch(tmp_path):
     assert report["cosine_min"] >= 0.999 and report["top1_agreement"] == 1.0
     int8 = json.loads((tmp_path / "minilm-l6-int8" / "export.json").read_text())["report"]
     assert int8["cosine_min"] >= 0.95
+
+
+def test_triton_path_equals_the_onnx_runtime_path(triton, launcher):
+    """The service's Triton backend against the real tritonserver 2.51 (python backend)."""
+    assert triton.metadata()["version"] == "2.51.0"
+    via_triton = launcher.start(
+        "embedding",
+        env={
+            "RAGLINE_EMBEDDING_BACKEND": "triton",
+            "RAGLINE_EMBEDDING_TRITON_URL": triton.grpc_url,
+            "RAGLINE_EMBEDDING_TRITON_MODEL": "minilm_l6",
+        },
+    )
+    via_ort = launcher.start("embedding")
+    texts = [*sample_texts(20), " ".join(["long"] * 300)]
+
+    async def both():
+        request = embedding_pb2.EmbedRequest(texts=texts)
+        return await asyncio.gather(
+            embed(via_triton.address, request), embed(via_ort.address, request)
+        )
+
+    triton_reply, ort_reply = asyncio.run(both())
+    a, b = as_array(triton_reply), as_array(ort_reply)
+    cosine = np.sum(a * b, axis=1)
+    assert cosine.min() > 0.999, cosine.min()
+    assert triton_reply.model_version == ort_reply.model_version
+    assert [e.truncated for e in triton_reply.embeddings][-1] is True
+
+
+def test_triton_backend_down_is_not_serving(launcher, tmp_path):
+    from ragline.stack import free_ports
+
+    port = free_ports(1)[0]
+    handle = launcher.start(
+        "embedding",
+        wait=False,
+        env={
+            "RAGLINE_EMBEDDING_BACKEND": "triton",
+            "RAGLINE_EMBEDDING_TRITON_URL": f"127.0.0.1:{port}",
+        },
+    )
+    assert handle.process.wait(timeout=60) == 1
+    assert "Triton at 127.0.0.1" in handle.log()
+    launcher.handles.remove(handle)

@@ -117,3 +117,33 @@ async def test_a_model_failure_fails_every_request_of_the_batch():
     )
     await batcher.stop()
     assert all(isinstance(r, RuntimeError) for r in results)
+
+
+def test_trt_engine_tool_explains_a_missing_tensorrt(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("numpy")
+    try:
+        import tensorrt  # noqa: F401
+
+        pytest.skip("TensorRT is installed here")
+    except ImportError:
+        pass
+    tool = Path(__file__).parents[2] / "tools" / "build_trt_engine.py"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(tool),
+            "--onnx",
+            str(tmp_path / "m.onnx"),
+            "--out",
+            str(tmp_path / "m.plan"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "needs TensorRT" in result.stderr and "GPU node" in result.stderr

@@ -1,0 +1,67 @@
+"""Embedding backend on a Triton Inference Server (KServe v2 ModelInfer over gRPC).
+
+Production: a TensorRT engine on a GPU node (deploy/triton/embedding/gpu). The service
+still tokenizes, batches and buckets by length; Triton runs the padded batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ragline.errors import Unavailable
+from ragline_services.embedding.backends import normalise
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, url: str, model: str, dim: int, *, timeout_s: float = 10.0) -> None:
+        from tritonclient.grpc import aio as triton_grpc
+
+        self._triton = triton_grpc
+        self._client = triton_grpc.InferenceServerClient(url)
+        self.url = url
+        self.model = model
+        self.dim = dim
+        self._timeout_s = timeout_s
+
+    async def check_ready(self) -> None:
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            ready = await self._client.is_model_ready(self.model)
+        except InferenceServerException as error:
+            raise Unavailable(f"Triton at {self.url} unreachable: {error}") from error
+        if not ready:
+            raise Unavailable(f"Triton at {self.url} has no ready model {self.model!r}")
+
+    async def embed(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        from tritonclient.utils import InferenceServerException
+
+        inputs = []
+        for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+            tensor = self._triton.InferInput(name, list(array.shape), "INT64")
+            tensor.set_data_from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+            inputs.append(tensor)
+        try:
+            result = await self._client.infer(
+                self.model,
+                inputs,
+                outputs=[self._triton.InferRequestedOutput("sentence_embedding")],
+                client_timeout=self._timeout_s,
+            )
+        except InferenceServerException as error:
+            raise Unavailable(
+                f"Triton inference failed ({self.url}, {self.model}): {error}"
+            ) from error
+        vectors = result.as_numpy("sentence_embedding")
+        if vectors is None or vectors.shape != (input_ids.shape[0], self.dim):
+            raise Unavailable(
+                f"Triton model {self.model} returned shape "
+                f"{None if vectors is None else vectors.shape}, expected "
+                f"({input_ids.shape[0]}, {self.dim})"
+            )
+        return normalise(vectors)
+
+    async def close(self) -> None:
+        await self._client.close()

