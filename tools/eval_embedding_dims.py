@@ -44,11 +44,15 @@ def metrics(scores: np.ndarray, relevant: np.ndarray) -> dict[str, float]:
         ]
     )
     found10 = (ranks > 0) & (ranks <= 10)
+    gains = np.zeros(len(ranks))
+    gains[found10] = 1 / np.log2(ranks[found10] + 1)
+    reciprocal = np.zeros(len(ranks))
+    reciprocal[found10] = 1 / ranks[found10]
     return {
-        "ndcg@10": float(np.mean(np.where(found10, 1 / np.log2(ranks + 1), 0))),
+        "ndcg@10": float(gains.mean()),
         "recall@10": float(np.mean(found10)),
         "recall@100": float(np.mean(ranks > 0)),
-        "mrr@10": float(np.mean(np.where(found10, 1 / np.maximum(ranks, 1), 0))),
+        "mrr@10": float(reciprocal.mean()),
     }
 
 
