@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ragline.etcd_server import EtcdServer
+from ragline.processes import terminate
 from ragline.stack import free_ports, health_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -50,15 +50,10 @@ class ServiceHandle:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout_s: float = 15.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-                raise AssertionError(f"{self.name} ignored SIGTERM for {timeout_s} s") from None
-        return self.process.returncode
+        code, killed = terminate(self.process, timeout_s)
+        if killed:
+            raise AssertionError(f"{self.name} ignored SIGTERM for {timeout_s} s")
+        return code
 
 
 def wait_serving(handle: ServiceHandle, timeout_s: float = 60.0) -> None:

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from ragline.processes import terminate
+
 
 def etcd_binary() -> str:
     beside = Path(sys.executable).parent / "etcd"
@@ -93,17 +95,11 @@ class EtcdServer:
         raise RuntimeError(f"etcd did not listen on {self.endpoint} within {wait_s} s")
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            return self.process.returncode
+        if self.process is None:
+            return None
+        code, killed = terminate(self.process, timeout_s)
         # etcd shuts down cleanly on SIGTERM, then re-raises the signal on itself.
-        return 0 if self.process.returncode == -signal.SIGTERM else self.process.returncode
+        return 0 if code == -signal.SIGTERM and not killed else code
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -18,13 +18,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from ragline.processes import terminate
 
 
 def triton_venv() -> Path:
@@ -150,11 +151,6 @@ class TritonServer:
             return ""
 
     def stop(self, timeout_s: float = 20.0) -> int | None:
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+        if self.process is None:
+            return None
+        return terminate(self.process, timeout_s)[0]
