@@ -239,11 +239,12 @@ def cmd_models(args: argparse.Namespace) -> int:
     store = ModelStore(Path(args.model_dir) if args.model_dir else None)
     if args.action == "list":
         for name, spec in sorted(store.specs.items()):
-            source = (
-                f"{spec.package}=={spec.version}"
-                if spec.downloadable
-                else f"export of {spec.derived_from} ({spec.export})"
-            )
+            if spec.parts:
+                source = f"{len(spec.parts)} parts from {spec.parts[0].package}..."
+            elif spec.downloadable:
+                source = f"{spec.package}=={spec.version}"
+            else:
+                source = f"export of {spec.derived_from} ({spec.export})"
             state = "ready" if store.is_ready(name) else "-"
             print(f"{name:<24} {spec.kind:<15} {state:<6} {source:<40} {spec.licence}")
         print(f"(store: {store.root})")

