@@ -1,0 +1,236 @@
+"""The generation domain: validate, admit, stream, stop on deadline or cancel, report.
+
+No gRPC here: the servicer turns these events into GenerateResponse messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ragline import deadlines
+from ragline.errors import InvalidArgument
+from ragline_services.generation.engine import StreamEvent
+from ragline_services.generation.scheduler import SlotScheduler
+
+SMALL, LARGE = "small", "large"
+
+# A stream is closed this long before the deadline, so the final message still reaches a
+# caller whose own deadline is the same one.
+DEADLINE_MARGIN_S = 0.05
+
+
+@dataclass
+class Speculation:
+    """Rolling acceptance of speculative decoding for one tier, and the automatic fallback."""
+
+    mode: str  # none | ngram | draft
+    threshold: float = 0.7
+    window_tokens: int = 512
+    # While fallen back, every probe_every-th request speculates again to re-measure.
+    probe_every: int = 16
+    drafted: int = 0
+    accepted: int = 0
+    _plain_since_probe: int = 0
+
+    @property
+    def rate(self) -> float | None:
+        return None if self.drafted == 0 else self.accepted / self.drafted
+
+    @property
+    def below_threshold(self) -> bool:
+        rate = self.rate
+        return rate is not None and self.drafted >= 64 and rate < self.threshold
+
+    def choose(self) -> bool:
+        """Whether the next request speculates."""
+        if self.mode == "none":
+            return False
+        if not self.below_threshold:
+            return True
+        self._plain_since_probe += 1
+        if self._plain_since_probe >= self.probe_every:
+            self._plain_since_probe = 0
+            return True
+        return False
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        if self.drafted > self.window_tokens:  # exponential forgetting of old requests
+            self.drafted //= 2
+            self.accepted //= 2
+
+
+@dataclass
+class Tier:
+    name: str
+    model: str
+    model_version: str
+    engine: object  # LlamaServerEngine or another engine with the same methods
+    scheduler: SlotScheduler
+    speculation: Speculation
+    context_window: int
+
+
+@dataclass
+class GenerationRequest:
+    tenant: str
+    tier: str
+    max_tokens: int
+    prompt: str | None = None
+    chat: list[dict[str, str]] | None = None
+    sampling: dict = field(default_factory=dict)
+    speculation: str = ""  # "" (server default), "off", "ngram", "draft"
+
+
+@dataclass
+class Chunk:
+    text: str
+    token_ids: list[int]
+    first: bool
+
+
+@dataclass
+class Summary:
+    finish_reason: str  # stop | length | deadline | cancelled
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    queue_wait_s: float
+    prefill_s: float
+    decode_s: float
+    first_token_at: float | None
+    model: str
+    model_version: str
+    tier: str
+    speculation_mode: str
+    drafted: int
+    accepted: int
+    fell_back: bool
+
+
+class Generator:
+    def __init__(self, tiers: dict[str, Tier]) -> None:
+        self.tiers = tiers
+
+    def tier(self, name: str) -> Tier:
+        try:
+            return self.tiers[name]
+        except KeyError:
+            raise InvalidArgument(
+                "tier", f"tier {name!r} is not served here; available: {', '.join(self.tiers)}"
+            ) from None
+
+    async def render(self, request: GenerationRequest) -> tuple[Tier, str, int]:
+        tier = self.tier(request.tier)
+        if request.chat is not None:
+            prompt = await tier.engine.render_chat(request.chat)
+        else:
+            prompt = request.prompt or ""
+        if not prompt.strip():
+            field_name = "chat" if request.chat is not None else "prompt"
+            raise InvalidArgument(field_name, "is empty; give the model something to continue")
+        tokens = await tier.engine.count_tokens(prompt)
+        return tier, prompt, tokens
+
+    async def count_tokens(self, request: GenerationRequest) -> tuple[int, int, str]:
+        tier, _, tokens = await self.render(request)
+        return tokens, tier.context_window, tier.model
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk | Summary]:
+        tier, prompt, prompt_tokens = await self.render(request)
+        input_field = "chat" if request.chat is not None else "prompt"
+        if prompt_tokens >= tier.context_window:
+            raise InvalidArgument(
+                input_field,
+                f"is {prompt_tokens} tokens; model {tier.model} has a {tier.context_window}-token "
+                "context window",
+            )
+        if prompt_tokens + request.max_tokens > tier.context_window:
+            raise InvalidArgument(
+                "max_tokens",
+                f"is {request.max_tokens}, but the prompt takes {prompt_tokens} of the "
+                f"{tier.context_window}-token context; at most "
+                f"{tier.context_window - prompt_tokens} fit",
+            )
+        speculate = self._speculate(tier, request.speculation)
+        deadline = deadlines.current_deadline()
+        lease = await tier.scheduler.acquire(request.tenant, deadline)
+        started = time.monotonic()
+        text_parts: list[str] = []
+        first_token_at = None
+        final: StreamEvent | None = None
+        finish = "cancelled"
+        stream = tier.engine.stream(
+            prompt,
+            slot=lease.slot.index,
+            max_tokens=request.max_tokens,
+            sampling=request.sampling,
+            speculate=speculate,
+        )
+        try:
+            stop_at = None if deadline is None else deadline - DEADLINE_MARGIN_S
+            try:
+                async with asyncio.timeout_at(stop_at):
+                    async for event in stream:
+                        if event.final:
+                            final = event
+                        if event.text or event.token_ids:
+                            if first_token_at is None:
+                                first_token_at = time.monotonic()
+                            text_parts.append(event.text)
+                            yield Chunk(event.text, event.token_ids, first=len(text_parts) == 1)
+                finish = {"eos": "stop", "word": "stop", "limit": "length"}.get(
+                    final.stop_type if final else "", "stop"
+                )
+            except TimeoutError:
+                finish = "deadline"
+        finally:
+            # Closing the engine stream stops decoding now (deadline, cancel or done).
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+            tier.scheduler.release(lease.slot)
+        completion_tokens = final.completion_tokens if final else len(text_parts)
+        drafted, accepted = (final.drafted, final.accepted) if final else (0, 0)
+        if speculate:
+            tier.speculation.record(drafted, accepted)
+        decode_end = time.monotonic()
+        yield Summary(
+            finish_reason=finish,
+            text="".join(text_parts),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=final.cached_tokens if final else 0,
+            queue_wait_s=lease.waited_s,
+            prefill_s=(final.prompt_ms / 1000)
+            if final
+            else ((first_token_at or decode_end) - started),
+            decode_s=(final.decode_ms / 1000)
+            if final
+            else (decode_end - (first_token_at or decode_end)),
+            first_token_at=first_token_at,
+            model=tier.model,
+            model_version=tier.model_version,
+            tier=tier.name,
+            speculation_mode=tier.speculation.mode if speculate else "none",
+            drafted=drafted,
+            accepted=accepted,
+            fell_back=tier.speculation.mode != "none"
+            and not speculate
+            and request.speculation in ("", "ngram", "draft"),
+        )
+
+    def _speculate(self, tier: Tier, requested: str) -> bool:
+        if requested == "off" or tier.speculation.mode == "none":
+            return False
+        if requested in ("ngram", "draft") and requested != tier.speculation.mode:
+            raise InvalidArgument(
+                "speculation",
+                f"tier {tier.name} runs {tier.speculation.mode} speculation, not {requested}",
+            )
+        return tier.speculation.choose()

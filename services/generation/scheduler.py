@@ -1,0 +1,148 @@
+"""Admission and slot scheduling for generation (continuous batching across slots).
+
+The engine runs `slots` sequences at once (llama-server decodes all busy slots in one
+batch). A request waits in a bounded queue, with its deadline, until a slot is free;
+a full queue is refused at once (RESOURCE_EXHAUSTED with a retry hint), and a request
+whose deadline passes while queued leaves with DEADLINE_EXCEEDED.
+
+Prefix-cache isolation: each slot keeps the KV cache of its last prompt and belongs to the
+tenant that wrote it. A request prefers a free slot its own tenant owns (a warm prefix),
+then an empty one; a slot that another tenant owns is erased before it is handed over.
+No tenant can hit, or time, another tenant's cached prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from ragline.errors import DeadlineExceeded, ResourceExhausted
+
+
+@dataclass
+class Slot:
+    index: int
+    owner: str | None = None  # tenant whose prompt the slot's cache holds
+    busy: bool = False
+    last_used: float = 0.0
+
+
+@dataclass
+class Lease:
+    slot: Slot
+    waited_s: float
+    warm: bool  # the slot already held this tenant's cache
+    erased: bool  # the slot was taken from another tenant and erased first
+
+
+@dataclass
+class _Waiter:
+    tenant: str
+    deadline: float | None
+    future: asyncio.Future = field(repr=False)
+
+
+class SlotScheduler:
+    def __init__(
+        self,
+        slots: int,
+        max_queue: int,
+        erase: Callable[[int], Awaitable[None]],
+        *,
+        typical_request_s: float = 2.0,
+    ) -> None:
+        self.slots = [Slot(i) for i in range(slots)]
+        self.max_queue = max_queue
+        self._erase = erase
+        self._queue: deque[_Waiter] = deque()
+        self._typical_request_s = typical_request_s
+
+    @property
+    def busy(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def _pick(self, tenant: str) -> Slot | None:
+        free = [s for s in self.slots if not s.busy]
+        if not free:
+            return None
+        own = [s for s in free if s.owner == tenant]
+        if own:
+            return max(own, key=lambda s: s.last_used)
+        empty = [s for s in free if s.owner is None]
+        if empty:
+            return empty[0]
+        return min(free, key=lambda s: s.last_used)  # least recently used other tenant's
+
+    async def acquire(self, tenant: str, deadline: float | None) -> Lease:
+        started = time.monotonic()
+        slot = self._pick(tenant) if not self._queue else None
+        if slot is None:
+            if len(self._queue) >= self.max_queue:
+                retry = self._typical_request_s * (len(self._queue) + 1) / len(self.slots)
+                raise ResourceExhausted(
+                    f"generation is at capacity: {self.busy} sequences running, "
+                    f"{len(self._queue)} waiting (limit {self.max_queue}); retry in about "
+                    f"{retry:.1f} s",
+                    retry_after_s=retry,
+                )
+            waiter = _Waiter(tenant, deadline, asyncio.get_running_loop().create_future())
+            self._queue.append(waiter)
+            try:
+                timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
+                slot = await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+            except TimeoutError:
+                self._abandon(waiter)
+                raise DeadlineExceeded(
+                    f"deadline passed after {(time.monotonic() - started) * 1000:.0f} ms "
+                    "waiting for a generation slot"
+                ) from None
+            except asyncio.CancelledError:
+                self._abandon(waiter)
+                raise
+        slot.busy = True
+        warm = slot.owner == tenant
+        erased = False
+        if slot.owner not in (None, tenant):
+            try:
+                await self._erase(slot.index)
+            except BaseException:
+                slot.owner = None  # unknown cache state: never hand it to anyone warm
+                self.release(slot)
+                raise
+            erased = True
+        slot.owner = tenant
+        return Lease(slot, time.monotonic() - started, warm, erased)
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        if waiter in self._queue:
+            self._queue.remove(waiter)
+        elif waiter.future.done() and not waiter.future.cancelled():
+            # A slot was handed over just as the waiter gave up: pass it on.
+            slot = waiter.future.result()
+            slot.busy = False
+            self._hand_over()
+
+    def release(self, slot: Slot) -> None:
+        slot.busy = False
+        slot.last_used = time.monotonic()
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        while self._queue:
+            waiter = self._queue[0]
+            if waiter.future.done():
+                self._queue.popleft()
+                continue
+            slot = self._pick(waiter.tenant)
+            if slot is None:
+                return
+            self._queue.popleft()
+            slot.busy = True  # reserved for the waiter; acquire() finishes the hand-over
+            waiter.future.set_result(slot)

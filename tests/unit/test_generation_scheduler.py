@@ -1,0 +1,104 @@
+"""Slot scheduling: admission, queue bound, deadlines, and tenant-isolated prefix caches."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from ragline.errors import DeadlineExceeded, ResourceExhausted
+from ragline_services.generation.generator import Speculation
+from ragline_services.generation.scheduler import SlotScheduler
+
+
+class Eraser:
+    def __init__(self) -> None:
+        self.erased: list[int] = []
+
+    async def __call__(self, slot: int) -> None:
+        self.erased.append(slot)
+
+
+async def test_a_tenant_gets_its_own_warm_slot_back():
+    eraser = Eraser()
+    scheduler = SlotScheduler(2, 4, eraser)
+    a = await scheduler.acquire("acme", None)
+    scheduler.release(a.slot)
+    b = await scheduler.acquire("globex", None)
+    scheduler.release(b.slot)
+    again = await scheduler.acquire("acme", None)
+    assert again.slot.index == a.slot.index and again.warm and not again.erased
+    assert b.slot.index != a.slot.index and not b.warm
+    assert eraser.erased == []
+
+
+async def test_another_tenants_slot_is_erased_before_it_is_reused():
+    eraser = Eraser()
+    scheduler = SlotScheduler(1, 4, eraser)
+    first = await scheduler.acquire("acme", None)
+    scheduler.release(first.slot)
+    other = await scheduler.acquire("globex", None)
+    assert other.erased and not other.warm
+    assert eraser.erased == [0]
+    scheduler.release(other.slot)
+    back = await scheduler.acquire("acme", None)
+    assert back.erased and not back.warm  # globex's cache was there: erased again
+
+
+async def test_waiters_are_served_in_order_when_slots_free():
+    scheduler = SlotScheduler(1, 4, Eraser())
+    held = await scheduler.acquire("acme", None)
+    order = []
+
+    async def wait(name):
+        lease = await scheduler.acquire("acme", None)
+        order.append(name)
+        scheduler.release(lease.slot)
+
+    tasks = [asyncio.create_task(wait(n)) for n in ("first", "second", "third")]
+    await asyncio.sleep(0.01)
+    assert scheduler.waiting == 3
+    scheduler.release(held.slot)
+    await asyncio.gather(*tasks)
+    assert order == ["first", "second", "third"]
+
+
+async def test_full_queue_is_refused_at_once_with_a_retry_hint():
+    scheduler = SlotScheduler(1, 1, Eraser())
+    await scheduler.acquire("acme", None)
+    waiting = asyncio.create_task(scheduler.acquire("acme", None))
+    await asyncio.sleep(0.01)
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted) as caught:
+        await scheduler.acquire("acme", None)
+    assert time.monotonic() - started < 0.05
+    assert caught.value.retry_after_s > 0
+    waiting.cancel()
+
+
+async def test_deadline_while_queued_and_cancelled_waiters_leave_the_queue():
+    scheduler = SlotScheduler(1, 4, Eraser())
+    held = await scheduler.acquire("acme", None)
+    with pytest.raises(DeadlineExceeded, match="waiting for a generation slot"):
+        await scheduler.acquire("acme", time.monotonic() + 0.05)
+    cancelled = asyncio.create_task(scheduler.acquire("acme", None))
+    await asyncio.sleep(0.01)
+    cancelled.cancel()
+    await asyncio.sleep(0.01)
+    assert scheduler.waiting == 0
+    scheduler.release(held.slot)
+    lease = await asyncio.wait_for(scheduler.acquire("acme", None), 1)
+    assert lease.slot.index == 0
+
+
+def test_speculation_falls_back_below_threshold_probes_and_recovers():
+    speculation = Speculation("ngram", threshold=0.7, probe_every=4)
+    assert speculation.choose()
+    speculation.record(100, 40)
+    choices = [speculation.choose() for _ in range(8)]
+    assert choices == [False, False, False, True, False, False, False, True]
+    for _ in range(4):  # the probes measure a good acceptance again
+        speculation.record(200, 190)
+    assert all(speculation.choose() for _ in range(5))
+    assert not Speculation("none").choose()
