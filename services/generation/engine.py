@@ -72,6 +72,7 @@ class LlamaServerEngine:
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
         self.context_window = settings.context_per_slot
+        self.slot_dir = log_path.parent / f"llama-slots-{port}"
         self._http = httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}",
             timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
@@ -94,6 +95,8 @@ class LlamaServerEngine:
             "--slot-prompt-similarity", "0",
             "--offline",
             "--no-webui",
+            # enables the slot actions; we only use `erase` (no slot is ever saved there)
+            "--slot-save-path", str(self.slot_dir),
         ]  # fmt: skip
         if s.speculation == "ngram":
             command += ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(s.draft_max)]
@@ -112,6 +115,7 @@ class LlamaServerEngine:
                 " (or set RAGLINE_LLAMA_SERVER)"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.slot_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log_file:
             self.process = subprocess.Popen(  # noqa: ASYNC220 - fork+exec, returns at once
                 self.command(), stdout=log_file, stderr=subprocess.STDOUT

@@ -165,7 +165,6 @@ class Generator:
         text_parts: list[str] = []
         first_token_at = None
         final: StreamEvent | None = None
-        finish = "cancelled"
         stream = tier.engine.stream(
             prompt,
             slot=lease.slot.index,
@@ -175,21 +174,28 @@ class Generator:
         )
         try:
             stop_at = None if deadline is None else deadline - DEADLINE_MARGIN_S
-            try:
-                async with asyncio.timeout_at(stop_at):
-                    async for event in stream:
-                        if event.final:
-                            final = event
-                        if event.text or event.token_ids:
-                            if first_token_at is None:
-                                first_token_at = time.monotonic()
-                            text_parts.append(event.text)
-                            yield Chunk(event.text, event.token_ids, first=len(text_parts) == 1)
-                finish = {"eos": "stop", "word": "stop", "limit": "length"}.get(
-                    final.stop_type if final else "", "stop"
-                )
-            except TimeoutError:
-                finish = "deadline"
+            finish = "stop"
+            while True:
+                # The deadline guards each read from the engine, never a `yield` (a cancel
+                # scope open across a yield would fire in the caller's code).
+                try:
+                    async with asyncio.timeout_at(stop_at):
+                        event = await anext(stream)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    finish = "deadline"
+                    break
+                if event.final:
+                    final = event
+                    finish = {"eos": "stop", "word": "stop", "limit": "length"}.get(
+                        event.stop_type, "stop"
+                    )
+                if event.text or event.token_ids:
+                    if first_token_at is None:
+                        first_token_at = time.monotonic()
+                    text_parts.append(event.text)
+                    yield Chunk(event.text, event.token_ids, first=len(text_parts) == 1)
         finally:
             # Closing the engine stream stops decoding now (deadline, cancel or done).
             with contextlib.suppress(Exception):
@@ -207,11 +213,12 @@ class Generator:
             completion_tokens=completion_tokens,
             cached_tokens=final.cached_tokens if final else 0,
             queue_wait_s=lease.waited_s,
+            # Engine timings when it reports them, else measured here.
             prefill_s=(final.prompt_ms / 1000)
-            if final
+            if final and final.prompt_ms
             else ((first_token_at or decode_end) - started),
             decode_s=(final.decode_ms / 1000)
-            if final
+            if final and final.decode_ms
             else (decode_end - (first_token_at or decode_end)),
             first_token_at=first_token_at,
             model=tier.model,

@@ -1,26 +1,149 @@
-"""Wiring of the generation service: config, servicer registration, resources."""
+"""Wiring of the generation service: tiers of llama-server engines, schedulers, servicer."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from pathlib import Path
+from typing import ClassVar, Literal
 
 import grpc
+import structlog
+from pydantic import Field
 
 from ragline.config import DEFAULT_PORTS, Port, ServiceConfig
+from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
+from ragline.stack import free_ports
 from ragline.v1 import generation_pb2, generation_pb2_grpc
+from ragline_services.embedding.backends import file_version
+from ragline_services.generation.engine import EngineSettings, LlamaServerEngine
+from ragline_services.generation.generator import LARGE, SMALL, Generator, Speculation, Tier
+from ragline_services.generation.scheduler import SlotScheduler
 from ragline_services.generation.servicer import GenerationServicer
+
+log = structlog.get_logger("ragline.generation")
 
 
 class GenerationConfig(ServiceConfig):
     service_name: ClassVar[str] = "generation"
     model_config = ServiceConfig.env_for("generation")
     port: Port = DEFAULT_PORTS["generation"]
+    # Models of the manifest per tier; an empty large model means "small only".
+    small_model: str = "qwen2.5-coder-0.5b"
+    large_model: str = ""
+    model_dir: Path | None = None
+    prepare_models: bool = True
+    # Sequences decoded together per tier (llama-server slots) and the waiting-queue bound.
+    max_num_seqs: int = Field(4, ge=1)
+    max_queue: int = Field(16, ge=0)
+    context_per_seq: int = Field(4096, ge=256)
+    threads: int = Field(1, ge=1)
+    # Speculative decoding per tier: n-gram prompt lookup by default; "draft" uses the
+    # small model to draft for the large one.
+    small_speculation: Literal["none", "ngram"] = "ngram"
+    large_speculation: Literal["none", "ngram", "draft"] = "ngram"
+    speculation_min_acceptance: float = Field(0.7, ge=0, le=1)
+    engine_log_dir: Path | None = None
+    # "llama": llama-server processes on this machine (CPU). "triton": TensorRT-LLM
+    # ensembles on a Triton server (GPU nodes); tiers map to Triton model names.
+    engine: Literal["llama", "triton"] = "llama"
+    triton_url: str = "127.0.0.1:8001"
+    triton_small_model: str = "ensemble"
+    triton_large_model: str = ""
+    triton_preprocessing_model: str = "preprocessing"
 
 
 class GenerationService(Service):
+    config: GenerationConfig
+
+    def __init__(self, config: GenerationConfig, common) -> None:
+        super().__init__(config, common)
+        self.engines: list[LlamaServerEngine] = []
+        self._servicer = GenerationServicer(generator=None)
+
     def register(self, server: grpc.aio.Server) -> None:
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(), server)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(self._servicer, server)
+
+    async def _tier(
+        self, store: ModelStore, name: str, model: str, speculation: str, draft_model: str
+    ) -> Tier:
+        cfg = self.config
+        if cfg.prepare_models:
+            store.prepare(model, log=lambda line: log.info("models.prepare", detail=line))
+        spec = store.spec(model)
+        if spec.kind != "gguf":
+            raise ValueError(f"model {model} is a {spec.kind}, not a gguf model")
+        model_path = store.file(model, spec.assembled or "model.gguf")
+        context = min(cfg.context_per_seq, int(spec.extra.get("context", cfg.context_per_seq)))
+        draft_path = None
+        if speculation == "draft":
+            draft_path = store.file(draft_model, store.spec(draft_model).assembled or "model.gguf")
+        log_dir = cfg.engine_log_dir or (self.common.data_dir / "logs")
+        engine = LlamaServerEngine(
+            EngineSettings(
+                model_path,
+                slots=cfg.max_num_seqs,
+                context_per_slot=context,
+                threads=cfg.threads,
+                speculation=speculation,
+                draft_model_path=draft_path,
+            ),
+            port=free_ports(1)[0],
+            log_path=Path(log_dir) / f"llama-server-{name}.log",
+        )
+        self.engines.append(engine)
+        await engine.start()
+        scheduler = SlotScheduler(cfg.max_num_seqs, cfg.max_queue, engine.erase_slot)
+        return Tier(
+            name=name,
+            model=model,
+            model_version=f"{model}@{file_version(model_path)}",
+            engine=engine,
+            scheduler=scheduler,
+            speculation=Speculation(speculation, threshold=cfg.speculation_min_acceptance),
+            context_window=context,
+        )
+
+    async def _triton_tier(self, name: str, model: str) -> Tier:
+        from ragline_services.generation.triton_engine import TritonGenerationEngine
+
+        cfg = self.config
+        engine = TritonGenerationEngine(
+            cfg.triton_url,
+            model,
+            preprocessing_model=cfg.triton_preprocessing_model,
+            context_window=cfg.context_per_seq,
+        )
+        self.engines.append(engine)
+        await engine.start()
+        return Tier(
+            name=name,
+            model=model,
+            model_version=f"triton:{model}",
+            engine=engine,
+            scheduler=SlotScheduler(cfg.max_num_seqs, cfg.max_queue, engine.erase_slot),
+            speculation=Speculation("none"),  # decided inside the TensorRT-LLM engine
+            context_window=cfg.context_per_seq,
+        )
+
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.engine == "triton":
+            tiers = {SMALL: await self._triton_tier(SMALL, cfg.triton_small_model)}
+            if cfg.triton_large_model:
+                tiers[LARGE] = await self._triton_tier(LARGE, cfg.triton_large_model)
+            self._servicer.generator = Generator(tiers)
+            return
+        store = ModelStore(cfg.model_dir)
+        tiers = {SMALL: await self._tier(store, SMALL, cfg.small_model, cfg.small_speculation, "")}
+        if cfg.large_model:
+            tiers[LARGE] = await self._tier(
+                store, LARGE, cfg.large_model, cfg.large_speculation, cfg.small_model
+            )
+        self._servicer.generator = Generator(tiers)
+
+    async def stop(self) -> None:
+        for engine in self.engines:
+            await engine.close()
 
 
 SPEC = ServiceSpec(

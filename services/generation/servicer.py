@@ -2,16 +2,144 @@
 
 from __future__ import annotations
 
-from ragline.errors import Unimplemented
-from ragline.v1 import generation_pb2_grpc
+import contextlib
 
-_MISSING = "an engine (llama.cpp on CPU, TensorRT-LLM through Triton on GPU)"
+from ragline.errors import Unavailable
+from ragline.identity import current_caller
+from ragline.timing import current_clock
+from ragline.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from ragline_services.generation.generator import (
+    LARGE,
+    SMALL,
+    Chunk,
+    GenerationRequest,
+    Generator,
+    Summary,
+)
+
+_ROLES = {
+    generation_pb2.ROLE_SYSTEM: "system",
+    generation_pb2.ROLE_USER: "user",
+    generation_pb2.ROLE_ASSISTANT: "assistant",
+}
+_TIERS = {
+    common_pb2.MODEL_TIER_UNSPECIFIED: SMALL,
+    common_pb2.MODEL_TIER_SMALL: SMALL,
+    common_pb2.MODEL_TIER_LARGE: LARGE,
+}
+_TIER_ENUM = {SMALL: common_pb2.MODEL_TIER_SMALL, LARGE: common_pb2.MODEL_TIER_LARGE}
+_SPECULATION = {
+    generation_pb2.SPECULATION_UNSPECIFIED: "",
+    generation_pb2.SPECULATION_OFF: "off",
+    generation_pb2.SPECULATION_NGRAM: "ngram",
+    generation_pb2.SPECULATION_DRAFT_MODEL: "draft",
+}
+_SPECULATION_ENUM = {
+    "none": generation_pb2.SPECULATION_OFF,
+    "ngram": generation_pb2.SPECULATION_NGRAM,
+    "draft": generation_pb2.SPECULATION_DRAFT_MODEL,
+}
+_FINISH = {
+    "stop": generation_pb2.FINISH_REASON_STOP,
+    "length": generation_pb2.FINISH_REASON_LENGTH,
+    "deadline": generation_pb2.FINISH_REASON_DEADLINE,
+    "cancelled": generation_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+def _sampling(message: generation_pb2.Sampling) -> dict:
+    # All zero means greedy, so that answers are reproducible unless asked otherwise.
+    sampling = {
+        "temperature": message.temperature,
+        "top_p": message.top_p or 1.0,
+        "top_k": message.top_k,
+        "min_p": 0.0,
+        "repeat_penalty": 1.0,
+    }
+    if message.seed:
+        sampling["seed"] = message.seed
+    if message.stop:
+        sampling["stop"] = list(message.stop)
+    return sampling
+
+
+def to_domain(request, tenant: str, max_tokens: int) -> GenerationRequest:
+    chat = None
+    if request.WhichOneof("input") == "chat":
+        chat = [{"role": _ROLES[m.role], "content": m.content} for m in request.chat.messages]
+    return GenerationRequest(
+        tenant=tenant,
+        tier=_TIERS[request.tier],
+        max_tokens=max_tokens,
+        prompt=request.prompt if chat is None else None,
+        chat=chat,
+        sampling=_sampling(request.sampling) if hasattr(request, "sampling") else {},
+        speculation=_SPECULATION.get(getattr(request, "speculation", 0), ""),
+    )
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, generator: Generator | None) -> None:
+        self.generator = generator  # set once the engines are up
+
+    def _ready(self) -> Generator:
+        if self.generator is None:
+            raise Unavailable("the generation engines are still starting; retry shortly")
+        return self.generator
+
     async def Generate(self, request, context):
-        raise Unimplemented(f"GenerationService.Generate is not available yet: needs {_MISSING}")
-        yield  # a server-streaming handler is an async generator
+        generator = self._ready()
+        clock = current_clock()
+        domain = to_domain(request, current_caller().tenant, request.max_tokens)
+        index = 0
+        async with contextlib.aclosing(generator.generate(domain)) as events:
+            async for event in events:
+                if isinstance(event, Chunk):
+                    if event.first:
+                        clock.mark_first_token()
+                    yield generation_pb2.GenerateResponse(
+                        text=event.text,
+                        token_ids=event.token_ids,
+                        first_token=event.first,
+                        index=index,
+                    )
+                    index += 1
+                elif isinstance(event, Summary):
+                    yield generation_pb2.GenerateResponse(index=index, final=self._final(event))
+
+    def _final(self, summary: Summary) -> generation_pb2.GenerateFinal:
+        clock = current_clock()
+        clock.started = clock.received + summary.queue_wait_s
+        clock.add_stage("prefill", summary.prefill_s)
+        clock.add_stage("decode", summary.decode_s)
+        clock.mark_finished()
+        drafted, accepted = summary.drafted, summary.accepted
+        return generation_pb2.GenerateFinal(
+            finish_reason=_FINISH[summary.finish_reason],
+            usage=common_pb2.Usage(
+                input_tokens=summary.prompt_tokens,
+                output_tokens=summary.completion_tokens,
+                cached_input_tokens=summary.cached_tokens,
+            ),
+            timing=clock.to_proto(),
+            decode_tokens_per_second=(
+                summary.completion_tokens / summary.decode_s if summary.decode_s > 0 else 0.0
+            ),
+            model=summary.model,
+            model_version=summary.model_version,
+            tier=_TIER_ENUM[summary.tier],
+            speculation=generation_pb2.SpeculationStats(
+                mode=_SPECULATION_ENUM[summary.speculation_mode],
+                drafted_tokens=drafted,
+                accepted_tokens=accepted,
+                acceptance_rate=accepted / drafted if drafted else 0.0,
+                fell_back=summary.fell_back,
+            ),
+            text=summary.text,
+        )
 
     async def CountTokens(self, request, context):
-        raise Unimplemented(f"GenerationService.CountTokens is not available yet: needs {_MISSING}")
+        generator = self._ready()
+        domain = to_domain(request, current_caller().tenant, 1)
+        tokens, window, model = await generator.count_tokens(domain)
+        return generation_pb2.CountTokensResponse(tokens=tokens, context_window=window, model=model)

@@ -44,7 +44,9 @@ def pid_alive(pid: int) -> bool:
 
 
 def test_up_serves_six_services_and_ctrl_c_stops_them(tmp_path, grpcurl_bin):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    from conftest import SMALL_GENERATION
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **SMALL_GENERATION}
     process = subprocess.Popen(
         [str(BIN / "ragline"), "up", "--base-port", "0"],
         cwd=tmp_path,

@@ -24,7 +24,7 @@ def test_sigterm_stops_cleanly_and_logs_json(launcher):
 
 
 def test_sigint_stops_cleanly(launcher):
-    handle = launcher.start("generation")
+    handle = launcher.start("orchestrator")
     handle.process.send_signal(signal.SIGINT)
     assert handle.process.wait(timeout=15) == 0
 

@@ -82,18 +82,30 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
     def _wrap_stream(self, behavior, method: str, received: float):
         async def stream(request, context: grpc.aio.ServicerContext) -> AsyncIterator:
             scope = _CallScope(self, method, received, context)
+            result = None
             try:
                 scope.enter(request)
-                async with asyncio.timeout_at(scope.backstop):
-                    result = behavior(request, context)
-                    if inspect.isasyncgen(result):
-                        async for item in result:
-                            yield item
-                    else:  # a handler that writes with context.write()
+                result = behavior(request, context)
+                if inspect.isasyncgen(result):
+                    # The backstop guards each step, never a `yield`: a cancel scope left
+                    # open across a yield would fire inside gRPC's own writes.
+                    while True:
+                        try:
+                            async with asyncio.timeout_at(scope.backstop):
+                                item = await anext(result)
+                        except StopAsyncIteration:
+                            break
+                        yield item
+                else:  # a handler that writes with context.write()
+                    async with asyncio.timeout_at(scope.backstop):
                         await result
+            except GeneratorExit:
+                raise  # gRPC closed the stream (the caller went away): nothing to answer
             except BaseException as error:
                 await scope.fail(error)
             finally:
+                if inspect.isasyncgen(result):
+                    await result.aclose()
                 scope.exit()
 
         return stream

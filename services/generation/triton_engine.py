@@ -1,0 +1,157 @@
+"""Generation on Triton: a TensorRT-LLM ensemble streamed over KServe v2 `ModelStreamInfer`.
+
+Speaks the standard TensorRT-LLM ensemble tensors: `text_input` (BYTES), `max_tokens`
+(INT32), `stream` (BOOL) and the sampling inputs -> `text_output` (BYTES, one piece per
+streamed response). Token counts come from the repository's `preprocessing` model
+(`REQUEST_INPUT_LEN`). The request asks Triton for an empty final response
+(`triton_enable_empty_final_response`), so the end of every stream is explicit; cancelling
+the gRPC stream cancels the request on the server. tritonclient's aio streaming API cannot
+set that parameter, so requests are built from its generated protobuf stubs directly.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+
+from ragline.errors import Unavailable
+from ragline_services.generation.engine import StreamEvent
+
+_CHATML_ROLES = ("system", "user", "assistant")
+
+
+def encode_bytes(items: list[bytes]) -> bytes:
+    """Triton's BYTES tensor layout: each element prefixed with its little-endian length."""
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def decode_bytes(raw: bytes) -> list[bytes]:
+    items, offset = [], 0
+    while offset < len(raw):
+        (length,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        items.append(raw[offset : offset + length])
+        offset += length
+    return items
+
+
+def render_chatml(messages: list[dict[str, str]]) -> str:
+    """ChatML, the template of the Qwen2.5 models this deployment serves."""
+    parts = []
+    for message in messages:
+        if message["role"] not in _CHATML_ROLES:
+            raise ValueError(f"unknown chat role {message['role']!r}")
+        parts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
+    parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+class TritonGenerationEngine:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        preprocessing_model: str = "preprocessing",
+        context_window: int = 4096,
+        timeout_s: float = 600.0,
+    ) -> None:
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+        self._pb = service_pb2
+        self._channel = grpc.aio.insecure_channel(url)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self.url = url
+        self.model = model
+        self.preprocessing_model = preprocessing_model
+        self.context_window = context_window
+        self._timeout_s = timeout_s
+
+    async def start(self) -> None:
+        for model in (self.model, self.preprocessing_model):
+            try:
+                ready = await self._stub.ModelReady(
+                    self._pb.ModelReadyRequest(name=model), timeout=10
+                )
+            except grpc.aio.AioRpcError as error:
+                raise Unavailable(f"Triton at {self.url} unreachable: {error.details()}") from error
+            if not ready.ready:
+                raise Unavailable(f"Triton at {self.url} has no ready model {model!r}")
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def _tensor(self, request, name: str, datatype: str, raw: bytes) -> None:
+        request.inputs.add(name=name, datatype=datatype, shape=[1, 1])
+        request.raw_input_contents.append(raw)
+
+    async def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return render_chatml(messages)
+
+    async def count_tokens(self, text: str) -> int:
+        request = self._pb.ModelInferRequest(model_name=self.preprocessing_model)
+        self._tensor(request, "QUERY", "BYTES", encode_bytes([text.encode()]))
+        self._tensor(request, "REQUEST_OUTPUT_LEN", "INT32", np.array([1], np.int32).tobytes())
+        request.outputs.add(name="REQUEST_INPUT_LEN")
+        try:
+            reply = await self._stub.ModelInfer(request, timeout=30)
+        except grpc.aio.AioRpcError as error:
+            raise Unavailable(f"Triton preprocessing failed: {error.details()}") from error
+        return int(np.frombuffer(reply.raw_output_contents[0], dtype=np.int32)[0])
+
+    async def erase_slot(self, slot: int) -> None:
+        """Nothing to erase: Triton keeps no per-slot cache that this service addresses."""
+
+    async def stream(
+        self, prompt: str, *, slot: int, max_tokens: int, sampling: dict, speculate: bool
+    ) -> AsyncIterator[StreamEvent]:
+        request = self._pb.ModelInferRequest(model_name=self.model, id=f"slot-{slot}")
+        self._tensor(request, "text_input", "BYTES", encode_bytes([prompt.encode()]))
+        self._tensor(request, "max_tokens", "INT32", np.array([max_tokens], np.int32).tobytes())
+        self._tensor(request, "stream", "BOOL", np.array([True], np.bool_).tobytes())
+        self._tensor(
+            request,
+            "temperature",
+            "FP32",
+            np.array([sampling.get("temperature", 0.0)], np.float32).tobytes(),
+        )
+        self._tensor(
+            request, "top_p", "FP32", np.array([sampling.get("top_p", 1.0)], np.float32).tobytes()
+        )
+        self._tensor(
+            request, "top_k", "INT32", np.array([sampling.get("top_k", 0) or 1], np.int32).tobytes()
+        )
+        request.outputs.add(name="text_output")
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
+
+        async def requests():
+            yield request
+
+        call = self._stub.ModelStreamInfer(requests(), timeout=self._timeout_s)
+        pieces: list[str] = []
+        try:
+            async for response in call:
+                if response.error_message:
+                    raise Unavailable(f"Triton generation failed: {response.error_message}")
+                infer = response.infer_response
+                for output, raw in zip(infer.outputs, infer.raw_output_contents, strict=False):
+                    if output.name == "text_output":
+                        text = b"".join(decode_bytes(raw)).decode(errors="replace")
+                        if text:
+                            pieces.append(text)
+                            yield StreamEvent(text=text)
+                if infer.parameters["triton_final_response"].bool_param:
+                    break
+        except grpc.aio.AioRpcError as error:
+            raise Unavailable(f"Triton stream failed: {error.details()}") from error
+        finally:
+            call.cancel()  # a no-op after the final response; stops generation otherwise
+        completion = await self.count_tokens("".join(pieces)) if pieces else 0
+        yield StreamEvent(
+            final=True,
+            stop_type="limit" if completion >= max_tokens else "eos",
+            completion_tokens=completion,
+        )

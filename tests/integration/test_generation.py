@@ -1,0 +1,202 @@
+"""The generation service on a real engine: llama.cpp's llama-server with SmolLM2-135M."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from ragline.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+TEST_MODEL = {
+    "RAGLINE_GENERATION_SMALL_MODEL": "smollm2-135m",
+    "RAGLINE_GENERATION_CONTEXT_PER_SEQ": "2048",
+}
+EVIDENCE = (
+    "Warsaw is the capital and largest city of Poland. It stands on the Vistula River in "
+    "east-central Poland, roughly 260 kilometres from the Baltic Sea and 300 kilometres from "
+    "the Carpathian Mountains. Its population is officially estimated at 1.7 million "
+    "residents within a greater metropolitan area of 3.1 million residents. "
+) * 4
+
+
+def tenant(name: str) -> tuple[tuple[str, str], ...]:
+    return (("x-ragline-tenant", name),)
+
+
+def prompt_request(prompt: str, max_tokens: int, **kwargs) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, **kwargs)
+
+
+ACME = tenant("acme")
+
+
+async def collect(address, request, metadata=ACME, deadline_s=60.0):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        return [m async for m in stub.Generate(request, timeout=deadline_s, metadata=metadata)]
+
+
+@pytest.fixture(scope="module")
+def generation(tmp_path_factory):
+    from conftest import ServiceLauncher
+
+    launcher = ServiceLauncher(tmp_path_factory.mktemp("generation"))
+    handle = launcher.start(
+        "generation",
+        env={
+            **TEST_MODEL,
+            "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+            "RAGLINE_GENERATION_MAX_QUEUE": "1",
+        },
+    )
+    yield handle
+    assert set(launcher.stop_all().values()) == {0}
+
+
+async def test_streams_in_order_with_usage_and_timings(generation):
+    messages = await collect(
+        generation.address,
+        prompt_request("The capital of France is", 12, speculation=generation_pb2.SPECULATION_OFF),
+    )
+    chunks, final = messages[:-1], messages[-1]
+    assert chunks and chunks[0].first_token and not any(m.first_token for m in chunks[1:])
+    assert [m.index for m in messages] == list(range(len(messages)))
+    assert final.HasField("final")
+    summary = final.final
+    assert summary.text == "".join(m.text for m in chunks)
+    assert summary.usage.input_tokens > 0
+    assert 0 < summary.usage.output_tokens <= 12
+    assert summary.finish_reason in (
+        generation_pb2.FINISH_REASON_LENGTH,
+        generation_pb2.FINISH_REASON_STOP,
+    )
+    assert summary.model == "smollm2-135m" and summary.tier == common_pb2.MODEL_TIER_SMALL
+    assert summary.timing.first_token.ToNanoseconds() > 0
+    assert [s.name for s in summary.timing.stages] == ["prefill", "decode"]
+
+
+async def test_chat_is_rendered_with_the_models_template(generation):
+    request = generation_pb2.GenerateRequest(max_tokens=8)
+    request.chat.messages.add(role=generation_pb2.ROLE_SYSTEM, content="Answer briefly.")
+    request.chat.messages.add(role=generation_pb2.ROLE_USER, content="What is 2 + 2?")
+    messages = await collect(generation.address, request)
+    assert messages[-1].final.usage.input_tokens > 10
+
+
+async def test_cancel_mid_stream_frees_the_slot(generation):
+    async with grpc.aio.insecure_channel(generation.address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        call = stub.Generate(
+            prompt_request("Tell a very long story about a river.", 1500),
+            timeout=120,
+            metadata=tenant("acme"),
+        )
+        received = 0
+        async for _ in call:
+            received += 1
+            if received == 5:
+                break
+        call.cancel()
+        started = time.monotonic()
+        messages = [
+            m
+            async for m in stub.Generate(
+                prompt_request("Hello", 4), timeout=60, metadata=tenant("acme")
+            )
+        ]
+        waited = messages[-1].final.timing.queue_wait.ToNanoseconds() / 1e9
+    # 1500 tokens at ~50 tok/s would hold the only slot for half a minute.
+    assert waited < 2.0 and time.monotonic() - started < 10
+
+
+async def test_deadline_stops_decoding_with_finish_reason_deadline(generation):
+    started = time.monotonic()
+    messages = await collect(
+        generation.address, prompt_request("Write a long essay about rivers.", 1800), deadline_s=2.0
+    )
+    elapsed = time.monotonic() - started
+    final = messages[-1].final
+    assert final.finish_reason == generation_pb2.FINISH_REASON_DEADLINE
+    assert elapsed < 2.0
+    assert final.usage.output_tokens > 0 and final.text
+
+
+async def test_full_queue_answers_resource_exhausted_quickly(generation):
+    async with grpc.aio.insecure_channel(generation.address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        running = stub.Generate(
+            prompt_request("Count to one thousand:", 400), timeout=120, metadata=tenant("acme")
+        )
+        await running.read()  # it holds the one slot
+        waiting = stub.Generate(prompt_request("Hi", 2), timeout=120, metadata=tenant("acme"))
+        await asyncio.sleep(0.3)  # it holds the one queue place
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Generate(
+                prompt_request("Hi", 2), timeout=120, metadata=tenant("acme")
+            ):
+                pass
+        refused_after = time.monotonic() - started
+        running.cancel()
+        waiting.cancel()
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused_after < 1.0
+    status = rpc_status.from_call(caught.value)
+    assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details)
+
+
+async def test_prefix_reuse_is_per_tenant(generation):
+    prompt = f"Evidence: {EVIDENCE}\nQuestion: What river does Warsaw stand on?\nAnswer:"
+    first = (
+        await collect(generation.address, prompt_request(prompt, 4), metadata=tenant("tenant-a"))
+    )[-1].final
+    again = (
+        await collect(generation.address, prompt_request(prompt, 4), metadata=tenant("tenant-a"))
+    )[-1].final
+    other = (
+        await collect(generation.address, prompt_request(prompt, 4), metadata=tenant("tenant-b"))
+    )[-1].final
+    assert again.usage.cached_input_tokens >= 0.8 * again.usage.input_tokens
+    assert other.usage.cached_input_tokens == 0
+    # the warm prefix shows in time to first token too (prefill skipped)
+    assert again.timing.first_token.ToNanoseconds() < first.timing.first_token.ToNanoseconds()
+
+
+async def test_count_tokens(generation):
+    async with grpc.aio.insecure_channel(generation.address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        reply = await stub.CountTokens(
+            generation_pb2.CountTokensRequest(prompt="Hello world"),
+            timeout=10,
+            metadata=tenant("acme"),
+        )
+    assert 2 <= reply.tokens <= 4 and reply.context_window == 2048
+    assert reply.model == "smollm2-135m"
+
+
+@pytest.mark.parametrize(
+    "request_fields,field",
+    [
+        ({"prompt": "   ", "max_tokens": 4}, "prompt"),
+        ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "Hi", "max_tokens": 5000}, "max_tokens"),
+        ({"prompt": "Hi", "max_tokens": 4, "tier": common_pb2.MODEL_TIER_LARGE}, "tier"),
+        ({"prompt": "word " * 3000, "max_tokens": 4}, "prompt"),
+        ({"max_tokens": 4}, "input"),
+    ],
+)
+async def test_bad_input_names_the_field(generation, request_fields, field):
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(generation.address, generation_pb2.GenerateRequest(**request_fields))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status = rpc_status.from_call(caught.value)
+    bad_request = error_details_pb2.BadRequest()
+    status.details[0].Unpack(bad_request)
+    assert bad_request.field_violations[0].field == field

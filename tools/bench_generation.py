@@ -1,0 +1,327 @@
+"""Benchmark of the generation service on llama.cpp (CPU), all rows from one run.
+
+    .venv/bin/python tools/bench_generation.py [--model qwen2.5-coder-0.5b] [--tokens 64]
+
+1. overhead: TTFT and decode tok/s through the gRPC service vs the bare llama-server it
+   runs (same prompt, greedy, speculation off), as ratios.
+2. prefix cache: TTFT of a RAG prompt (system + evidence + question) cold (slot erased)
+   vs warm (same tenant, same evidence, a new question).
+3. speculation: n-gram prompt lookup vs plain decoding on RAG answers that quote their
+   evidence: decode tok/s ratio, acceptance rate, and whether the outputs are identical.
+4. batching: aggregate tok/s at concurrency 1/2/4/8 with max_num_seqs=8 (continuous
+   batching) vs max_num_seqs=1 (one at a time).
+Failed or unfinished requests are counted in every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import httpx
+
+from ragline.datasets import load_squad
+from ragline.stack import free_ports, health_status
+from ragline.v1 import generation_pb2, generation_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rag_prompt(evidence: str, question: str) -> list[tuple[int, str]]:
+    return [
+        (
+            generation_pb2.ROLE_SYSTEM,
+            "Answer the question using only the evidence. Quote the evidence where you can.",
+        ),
+        (generation_pb2.ROLE_USER, f"Evidence:\n{evidence}\n\nQuestion: {question}"),
+    ]
+
+
+def chat_request(turns, max_tokens, speculation=generation_pb2.SPECULATION_OFF):
+    request = generation_pb2.GenerateRequest(max_tokens=max_tokens, speculation=speculation)
+    for role, content in turns:
+        request.chat.messages.add(role=role, content=content)
+    return request
+
+
+async def run_one(stub, request, tenant="bench"):
+    started = time.perf_counter()
+    first = None
+    final = None
+    async for message in stub.Generate(
+        request, timeout=600, metadata=(("x-ragline-tenant", tenant),)
+    ):
+        if message.first_token and first is None:
+            first = time.perf_counter() - started
+        if message.HasField("final"):
+            final = message.final
+    return {"ttft_s": first, "total_s": time.perf_counter() - started, "final": final}
+
+
+def start_service(env_extra: dict[str, str], log: Path):
+    port = free_ports(1)[0]
+    env = {**os.environ, "RAGLINE_GENERATION_ACCESS_LOG": "false", **env_extra}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ragline.cli", "serve", "generation", "--port", str(port)],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while asyncio.run(health_status(address)) != "SERVING":
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"generation service did not start; see {log}")
+        time.sleep(0.5)
+    return process, address
+
+
+def engine_port(service_log: Path) -> int:
+    """The llama-server port of the service's small tier (it logs `engine.ready`)."""
+    for line in service_log.read_text().splitlines():
+        if '"engine.ready"' in line:
+            return int(json.loads(line)["port"])
+    raise SystemExit(f"no engine.ready line in {service_log}")
+
+
+async def bare_engine(port: int, prompt: str, max_tokens: int) -> dict:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+        started = time.perf_counter()
+        first = None
+        timings = {}
+        async with client.stream(
+            "POST",
+            "/completion",
+            json={
+                "prompt": prompt,
+                "n_predict": max_tokens,
+                "stream": True,
+                "cache_prompt": False,
+                "temperature": 0.0,
+                "speculative.n_max": 0,
+                "id_slot": 0,
+            },
+        ) as reply:
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = json.loads(line[6:])
+                if data.get("content") and first is None:
+                    first = time.perf_counter() - started
+                if data.get("stop"):
+                    timings = data.get("timings", {})
+        return {
+            "ttft_s": first,
+            "total_s": time.perf_counter() - started,
+            "tokens_per_s": timings.get("predicted_per_second", 0.0),
+        }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--levels", default="1,2,4,8")
+    parser.add_argument("--data", type=Path, default=REPO / "tests/fixtures/squad_dev_sample.json")
+    args = parser.parse_args()
+    passages, questions = load_squad(args.data)
+    by_passage = {}
+    for q in questions:
+        by_passage.setdefault(q.passage_id, []).append(q.text)
+    cases = [(p.text, by_passage[p.id]) for p in passages if len(by_passage.get(p.id, [])) >= 2]
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    rows: list[str] = []
+    base_env = {
+        "RAGLINE_GENERATION_SMALL_MODEL": args.model,
+        "RAGLINE_GENERATION_CONTEXT_PER_SEQ": "2048",
+        "RAGLINE_GENERATION_ENGINE_LOG_DIR": str(logs),
+    }
+
+    # 1-3 on one service with one slot per request at a time.
+    service_log = logs / "bench-generation-1.log"
+    process, address = start_service(
+        {**base_env, "RAGLINE_GENERATION_MAX_NUM_SEQS": "1"}, service_log
+    )
+    try:
+        port = engine_port(service_log)
+
+        async def part1():
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                service, bare = [], []
+                for evidence, qs in cases[: args.rounds]:
+                    turns = rag_prompt(evidence, qs[0])
+                    tenant = uuid.uuid4().hex[:8]  # fresh tenant: slot erased, cold
+                    service.append(await run_one(stub, chat_request(turns, args.tokens), tenant))
+                    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+                        prompt = (
+                            await http.post(
+                                "/apply-template",
+                                json={
+                                    "messages": [
+                                        {
+                                            "role": "system"
+                                            if r == generation_pb2.ROLE_SYSTEM
+                                            else "user",
+                                            "content": c,
+                                        }
+                                        for r, c in turns
+                                    ]
+                                },
+                            )
+                        ).json()["prompt"]
+                    bare.append(await bare_engine(port, prompt, args.tokens))
+                return service, bare
+
+        service, bare = asyncio.run(part1())
+        s_ttft = statistics.median(r["ttft_s"] for r in service)
+        b_ttft = statistics.median(r["ttft_s"] for r in bare)
+        s_tps = statistics.median(r["final"].decode_tokens_per_second for r in service)
+        b_tps = statistics.median(r["tokens_per_s"] for r in bare)
+        rows.append(
+            f"| service vs bare engine: TTFT | {s_ttft * 1000:.0f} ms vs "
+            f"{b_ttft * 1000:.0f} ms | {s_ttft / b_ttft:.3f}x |"
+        )
+        rows.append(
+            f"| service vs bare engine: decode tok/s | {s_tps:.1f} vs {b_tps:.1f} | "
+            f"{s_tps / b_tps:.3f}x |"
+        )
+
+        async def part2():
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                cold, warm, cached = [], [], []
+                for evidence, qs in cases[: args.rounds]:
+                    tenant = uuid.uuid4().hex[:8]
+                    first = await run_one(
+                        stub, chat_request(rag_prompt(evidence, qs[0]), 4), tenant
+                    )
+                    second = await run_one(
+                        stub, chat_request(rag_prompt(evidence, qs[1]), 4), tenant
+                    )
+                    cold.append(first["ttft_s"])
+                    warm.append(second["ttft_s"])
+                    cached.append(
+                        second["final"].usage.cached_input_tokens
+                        / second["final"].usage.input_tokens
+                    )
+                return cold, warm, cached
+
+        cold, warm, cached = asyncio.run(part2())
+        rows.append(
+            f"| warm-prefix vs cold TTFT | {statistics.median(warm) * 1000:.0f} ms vs "
+            f"{statistics.median(cold) * 1000:.0f} ms ({statistics.median(cached):.0%}"
+            f" of the prompt cached) | "
+            f"{statistics.median(warm) / statistics.median(cold):.3f}x |"
+        )
+
+        async def part3():
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                plain, spec, same, rates = [], [], 0, []
+                for evidence, qs in cases[: args.rounds]:
+                    turns = rag_prompt(evidence, qs[0])
+                    a = await run_one(stub, chat_request(turns, args.tokens))
+                    b = await run_one(
+                        stub, chat_request(turns, args.tokens, generation_pb2.SPECULATION_NGRAM)
+                    )
+                    plain.append(a["final"].decode_tokens_per_second)
+                    spec.append(b["final"].decode_tokens_per_second)
+                    same += a["final"].text == b["final"].text
+                    rates.append(b["final"].speculation.acceptance_rate)
+                return plain, spec, same, rates
+
+        plain, spec, same, rates = asyncio.run(part3())
+        rows.append(
+            f"| n-gram speculative vs plain decode tok/s | "
+            f"{statistics.median(spec):.1f} vs {statistics.median(plain):.1f} "
+            f"(acceptance {statistics.median(rates):.0%}, identical outputs "
+            f"{same}/{len(plain)}) | "
+            f"{statistics.median(spec) / statistics.median(plain):.2f}x |"
+        )
+    finally:
+        process.terminate()
+        process.wait()
+
+    # 4. batching: aggregate tok/s at each concurrency, continuous batching vs one at a time.
+    results = {}
+    for slots in (8, 1):
+        process, address = start_service(
+            {
+                **base_env,
+                "RAGLINE_GENERATION_MAX_NUM_SEQS": str(slots),
+                "RAGLINE_GENERATION_MAX_QUEUE": "64",
+                "RAGLINE_GENERATION_SMALL_SPECULATION": "none",
+            },
+            logs / f"bench-generation-{slots}.log",
+        )
+        try:
+            for level in (int(x) for x in args.levels.split(",")):
+
+                async def drive(level=level, address=address):
+                    async with grpc.aio.insecure_channel(address) as channel:
+                        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                        started = time.perf_counter()
+                        outcomes = await asyncio.gather(
+                            *(
+                                run_one(
+                                    stub,
+                                    chat_request(
+                                        rag_prompt(
+                                            cases[i % len(cases)][0][:400],
+                                            cases[i % len(cases)][1][0],
+                                        ),
+                                        args.tokens,
+                                    ),
+                                    f"t{i}",
+                                )
+                                for i in range(level)
+                            ),
+                            return_exceptions=True,
+                        )
+                        elapsed = time.perf_counter() - started
+                        done = [o for o in outcomes if isinstance(o, dict) and o["final"]]
+                        tokens = sum(o["final"].usage.output_tokens for o in done)
+                        return tokens / elapsed, len(outcomes) - len(done)
+
+                results[(slots, level)] = asyncio.run(drive())
+        finally:
+            process.terminate()
+            process.wait()
+    for level in (int(x) for x in args.levels.split(",")):
+        (batched, failed_b), (serial, failed_s) = results[(8, level)], results[(1, level)]
+        rows.append(
+            f"| aggregate tok/s at concurrency {level}: batched vs one at a time | "
+            f"{batched:.1f} vs {serial:.1f} (failed {failed_b}/{failed_s}) | "
+            f"{batched / serial:.2f}x |"
+        )
+    c1 = results[(8, 1)][0]
+    c4 = results.get((8, 4), (float("nan"),))[0]
+    rows.append(
+        f"| batched concurrency 4 vs concurrency 1 (aggregate tok/s) | {c4:.1f} vs "
+        f"{c1:.1f} | {c4 / c1:.2f}x |"
+    )
+
+    print(
+        f"\ngeneration on llama-server, model {args.model}, {args.tokens} tokens, greedy, "
+        f"{args.rounds} RAG prompts from {args.data.name}"
+    )
+    print("| measure | values | ratio |\n|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
