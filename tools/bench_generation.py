@@ -67,6 +67,17 @@ async def run_one(stub, request, tenant="bench"):
     return {"ttft_s": first, "total_s": time.perf_counter() - started, "final": final}
 
 
+async def answers(address: str, cases, max_tokens: int, tier: int = 0) -> list:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        finals = []
+        for evidence, qs in cases:
+            request = chat_request(rag_prompt(evidence, qs[0]), max_tokens)
+            request.tier = tier
+            finals.append((await run_one(stub, request))["final"])
+        return finals
+
+
 def start_service(env_extra: dict[str, str], log: Path):
     port = free_ports(1)[0]
     env = {**os.environ, "RAGLINE_GENERATION_ACCESS_LOG": "false", **env_extra}
@@ -134,6 +145,12 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--levels", default="1,2,4,8")
+    parser.add_argument(
+        "--draft",
+        action="store_true",
+        help="also measure draft-model speculation: the large tier "
+        "(qwen2.5-coder-1.5b) drafted by the small model, vs plain",
+    )
     parser.add_argument("--data", type=Path, default=REPO / "tests/fixtures/squad_dev_sample.json")
     args = parser.parse_args()
     passages, questions = load_squad(args.data)
@@ -149,10 +166,15 @@ def main() -> int:
         "RAGLINE_GENERATION_ENGINE_LOG_DIR": str(logs),
     }
 
-    # 1-3 on one service with one slot per request at a time.
+    # 1-2 on one plain service with one slot (one request at a time).
     service_log = logs / "bench-generation-1.log"
     process, address = start_service(
-        {**base_env, "RAGLINE_GENERATION_MAX_NUM_SEQS": "1"}, service_log
+        {
+            **base_env,
+            "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+            "RAGLINE_GENERATION_SMALL_SPECULATION": "none",
+        },
+        service_log,
     )
     try:
         port = engine_port(service_log)
@@ -227,29 +249,32 @@ def main() -> int:
             f"{statistics.median(warm) / statistics.median(cold):.3f}x |"
         )
 
-        async def part3():
-            async with grpc.aio.insecure_channel(address) as channel:
-                stub = generation_pb2_grpc.GenerationServiceStub(channel)
-                plain, spec, same, rates = [], [], 0, []
-                for evidence, qs in cases[: args.rounds]:
-                    turns = rag_prompt(evidence, qs[0])
-                    a = await run_one(stub, chat_request(turns, args.tokens))
-                    b = await run_one(
-                        stub, chat_request(turns, args.tokens, generation_pb2.SPECULATION_NGRAM)
-                    )
-                    plain.append(a["final"].decode_tokens_per_second)
-                    spec.append(b["final"].decode_tokens_per_second)
-                    same += a["final"].text == b["final"].text
-                    rates.append(b["final"].speculation.acceptance_rate)
-                return plain, spec, same, rates
+        plain = asyncio.run(answers(address, cases[: args.rounds], args.tokens))
+    finally:
+        process.terminate()
+        process.wait()
 
-        plain, spec, same, rates = asyncio.run(part3())
+    # 3. the same answers from a tier that speculates (llama-server decides per process);
+    # min acceptance 0 keeps it from falling back, to measure speculation itself.
+    process, address = start_service(
+        {
+            **base_env,
+            "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+            "RAGLINE_GENERATION_SMALL_SPECULATION": "ngram",
+            "RAGLINE_GENERATION_SPECULATION_MIN_ACCEPTANCE": "0",
+        },
+        logs / "bench-generation-ngram.log",
+    )
+    try:
+        spec = asyncio.run(answers(address, cases[: args.rounds], args.tokens))
+        same = sum(a.text == b.text for a, b in zip(plain, spec, strict=True))
+        rate = statistics.median(b.speculation.acceptance_rate for b in spec)
+        p_tps = statistics.median(a.decode_tokens_per_second for a in plain)
+        s_tps = statistics.median(b.decode_tokens_per_second for b in spec)
         rows.append(
-            f"| n-gram speculative vs plain decode tok/s | "
-            f"{statistics.median(spec):.1f} vs {statistics.median(plain):.1f} "
-            f"(acceptance {statistics.median(rates):.0%}, identical outputs "
-            f"{same}/{len(plain)}) | "
-            f"{statistics.median(spec) / statistics.median(plain):.2f}x |"
+            f"| n-gram speculative vs plain decode tok/s | {s_tps:.1f} vs {p_tps:.1f} "
+            f"(acceptance {rate:.0%}, identical outputs {same}/{len(plain)}) | "
+            f"{s_tps / p_tps:.2f}x |"
         )
     finally:
         process.terminate()
@@ -313,6 +338,37 @@ def main() -> int:
         f"| batched concurrency 4 vs concurrency 1 (aggregate tok/s) | {c4:.1f} vs "
         f"{c1:.1f} | {c4 / c1:.2f}x |"
     )
+
+    if args.draft:
+        runs = {}
+        for mode in ("none", "draft"):
+            process, address = start_service(
+                {
+                    **base_env,
+                    "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+                    "RAGLINE_GENERATION_LARGE_MODEL": "qwen2.5-coder-1.5b",
+                    "RAGLINE_GENERATION_LARGE_SPECULATION": mode,
+                    "RAGLINE_GENERATION_SPECULATION_MIN_ACCEPTANCE": "0",
+                },
+                logs / f"bench-generation-large-{mode}.log",
+            )
+            try:
+                runs[mode] = asyncio.run(
+                    answers(address, cases[: args.rounds], args.tokens, tier=2)
+                )  # MODEL_TIER_LARGE
+            finally:
+                process.terminate()
+                process.wait()
+        plain, draft = runs["none"], runs["draft"]
+        same = sum(a.text == b.text for a, b in zip(plain, draft, strict=True))
+        rate = statistics.median(b.speculation.acceptance_rate for b in draft)
+        p_tps = statistics.median(a.decode_tokens_per_second for a in plain)
+        d_tps = statistics.median(b.decode_tokens_per_second for b in draft)
+        rows.append(
+            f"| draft model (0.5B for 1.5B) vs plain decode tok/s | {d_tps:.1f} vs "
+            f"{p_tps:.1f} (acceptance {rate:.0%}, identical outputs {same}/{len(plain)})"
+            f" | {d_tps / p_tps:.2f}x |"
+        )
 
     print(
         f"\ngeneration on llama-server, model {args.model}, {args.tokens} tokens, greedy, "

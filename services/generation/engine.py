@@ -99,7 +99,15 @@ class LlamaServerEngine:
             "--slot-save-path", str(self.slot_dir),
         ]  # fmt: skip
         if s.speculation == "ngram":
-            command += ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(s.draft_max)]
+            # 3-token lookup, 8-token drafts: the best of the n-gram settings measured here.
+            command += [
+                "--spec-type",
+                "ngram-simple",
+                "--spec-ngram-simple-size-n",
+                "3",
+                "--spec-ngram-simple-size-m",
+                str(s.draft_max),
+            ]
         elif s.speculation == "draft" and s.draft_model_path is not None:
             command += [
                 "--spec-type", "draft-simple", "--model-draft", str(s.draft_model_path),
@@ -171,7 +179,7 @@ class LlamaServerEngine:
         await self._post(f"/slots/{slot}?action=erase", {})
 
     async def stream(
-        self, prompt: str, *, slot: int, max_tokens: int, sampling: dict, speculate: bool
+        self, prompt: str, *, slot: int, max_tokens: int, sampling: dict
     ) -> AsyncIterator[StreamEvent]:
         """Streams one completion in `slot`. Closing the generator closes the HTTP stream,
         which makes llama-server stop decoding and free the slot."""
@@ -184,8 +192,6 @@ class LlamaServerEngine:
             "return_tokens": True,
             **sampling,
         }
-        if not speculate:
-            body["speculative.n_max"] = 0
         try:
             async with self._http.stream("POST", "/completion", json=body) as reply:
                 if reply.status_code != 200:

@@ -25,44 +25,33 @@ DEADLINE_MARGIN_S = 0.05
 
 @dataclass
 class Speculation:
-    """Rolling acceptance of speculative decoding for one tier, and the automatic fallback."""
+    """Acceptance of speculative decoding on one tier, and when to give up on it.
+
+    llama-server decides speculation per process, not per request, so the fallback is
+    per tier: once the acceptance rate over at least `min_drafted` drafted tokens is below
+    `threshold`, the tier's engine is restarted without speculation (see
+    GenerationService), and `fell_back` stays set in every later report.
+    """
 
     mode: str  # none | ngram | draft
     threshold: float = 0.7
-    window_tokens: int = 512
-    # While fallen back, every probe_every-th request speculates again to re-measure.
-    probe_every: int = 16
+    min_drafted: int = 64
     drafted: int = 0
     accepted: int = 0
-    _plain_since_probe: int = 0
+    fell_back: bool = False
 
     @property
     def rate(self) -> float | None:
         return None if self.drafted == 0 else self.accepted / self.drafted
 
-    @property
-    def below_threshold(self) -> bool:
-        rate = self.rate
-        return rate is not None and self.drafted >= 64 and rate < self.threshold
-
-    def choose(self) -> bool:
-        """Whether the next request speculates."""
-        if self.mode == "none":
+    def record(self, drafted: int, accepted: int) -> bool:
+        """Adds one request's counts; True when the tier should fall back to plain decoding."""
+        if self.mode == "none" or self.fell_back:
             return False
-        if not self.below_threshold:
-            return True
-        self._plain_since_probe += 1
-        if self._plain_since_probe >= self.probe_every:
-            self._plain_since_probe = 0
-            return True
-        return False
-
-    def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
-        if self.drafted > self.window_tokens:  # exponential forgetting of old requests
-            self.drafted //= 2
-            self.accepted //= 2
+        rate = self.rate
+        return self.drafted >= self.min_drafted and rate is not None and rate < self.threshold
 
 
 @dataclass
@@ -74,6 +63,8 @@ class Tier:
     scheduler: SlotScheduler
     speculation: Speculation
     context_window: int
+    # Called (as a task) when speculation should be switched off for this tier.
+    on_fall_back: object = None
 
 
 @dataclass
@@ -84,7 +75,9 @@ class GenerationRequest:
     prompt: str | None = None
     chat: list[dict[str, str]] | None = None
     sampling: dict = field(default_factory=dict)
-    speculation: str = ""  # "" (server default), "off", "ngram", "draft"
+    # Caller's preference ("", "off", "ngram", "draft"); the tier's engine decides, and the
+    # final report says what ran.
+    speculation: str = ""
 
 
 @dataclass
@@ -117,6 +110,7 @@ class Summary:
 class Generator:
     def __init__(self, tiers: dict[str, Tier]) -> None:
         self.tiers = tiers
+        self._background: set[asyncio.Future] = set()
 
     def tier(self, name: str) -> Tier:
         try:
@@ -158,7 +152,7 @@ class Generator:
                 f"{tier.context_window}-token context; at most "
                 f"{tier.context_window - prompt_tokens} fit",
             )
-        speculate = self._speculate(tier, request.speculation)
+        speculate = tier.speculation.mode != "none" and not tier.speculation.fell_back
         deadline = deadlines.current_deadline()
         lease = await tier.scheduler.acquire(request.tenant, deadline)
         started = time.monotonic()
@@ -170,7 +164,6 @@ class Generator:
             slot=lease.slot.index,
             max_tokens=request.max_tokens,
             sampling=request.sampling,
-            speculate=speculate,
         )
         try:
             stop_at = None if deadline is None else deadline - DEADLINE_MARGIN_S
@@ -203,8 +196,11 @@ class Generator:
             tier.scheduler.release(lease.slot)
         completion_tokens = final.completion_tokens if final else len(text_parts)
         drafted, accepted = (final.drafted, final.accepted) if final else (0, 0)
-        if speculate:
-            tier.speculation.record(drafted, accepted)
+        if tier.speculation.record(drafted, accepted) and tier.on_fall_back is not None:
+            tier.speculation.fell_back = True
+            task = asyncio.ensure_future(tier.on_fall_back(tier))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         decode_end = time.monotonic()
         yield Summary(
             finish_reason=finish,
@@ -227,17 +223,5 @@ class Generator:
             speculation_mode=tier.speculation.mode if speculate else "none",
             drafted=drafted,
             accepted=accepted,
-            fell_back=tier.speculation.mode != "none"
-            and not speculate
-            and request.speculation in ("", "ngram", "draft"),
+            fell_back=tier.speculation.fell_back,
         )
-
-    def _speculate(self, tier: Tier, requested: str) -> bool:
-        if requested == "off" or tier.speculation.mode == "none":
-            return False
-        if requested in ("ngram", "draft") and requested != tier.speculation.mode:
-            raise InvalidArgument(
-                "speculation",
-                f"tier {tier.name} runs {tier.speculation.mode} speculation, not {requested}",
-            )
-        return tier.speculation.choose()

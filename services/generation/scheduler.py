@@ -14,9 +14,10 @@ No tenant can hit, or time, another tenant's cached prefix.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ragline.errors import DeadlineExceeded, ResourceExhausted
@@ -56,7 +57,10 @@ class SlotScheduler:
     ) -> None:
         self.slots = [Slot(i) for i in range(slots)]
         self.max_queue = max_queue
-        self._erase = erase
+        self.erase = erase
+        self._paused = False
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._queue: deque[_Waiter] = deque()
         self._typical_request_s = typical_request_s
 
@@ -69,6 +73,8 @@ class SlotScheduler:
         return len(self._queue)
 
     def _pick(self, tenant: str) -> Slot | None:
+        if self._paused:
+            return None
         free = [s for s in self.slots if not s.busy]
         if not free:
             return None
@@ -107,11 +113,12 @@ class SlotScheduler:
                 self._abandon(waiter)
                 raise
         slot.busy = True
+        self._idle.clear()
         warm = slot.owner == tenant
         erased = False
         if slot.owner not in (None, tenant):
             try:
-                await self._erase(slot.index)
+                await self.erase(slot.index)
             except BaseException:
                 slot.owner = None  # unknown cache state: never hand it to anyone warm
                 self.release(slot)
@@ -125,14 +132,28 @@ class SlotScheduler:
             self._queue.remove(waiter)
         elif waiter.future.done() and not waiter.future.cancelled():
             # A slot was handed over just as the waiter gave up: pass it on.
-            slot = waiter.future.result()
-            slot.busy = False
-            self._hand_over()
+            self.release(waiter.future.result())
 
     def release(self, slot: Slot) -> None:
         slot.busy = False
         slot.last_used = time.monotonic()
+        if not any(s.busy for s in self.slots):
+            self._idle.set()
         self._hand_over()
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Holds new requests in the queue and waits for running ones to finish (to swap
+        the engine underneath); every slot starts empty afterwards."""
+        self._paused = True
+        try:
+            await self._idle.wait()
+            yield
+            for slot in self.slots:
+                slot.owner = None
+        finally:
+            self._paused = False
+            self._hand_over()
 
     def _hand_over(self) -> None:
         while self._queue:
@@ -145,4 +166,5 @@ class SlotScheduler:
                 return
             self._queue.popleft()
             slot.busy = True  # reserved for the waiter; acquire() finishes the hand-over
+            self._idle.clear()
             waiter.future.set_result(slot)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -101,7 +102,35 @@ class GenerationService(Service):
             scheduler=scheduler,
             speculation=Speculation(speculation, threshold=cfg.speculation_min_acceptance),
             context_window=context,
+            on_fall_back=self._fall_back,
         )
+
+    async def _fall_back(self, tier: Tier) -> None:
+        """Restarts a tier's engine without speculation (llama-server fixes it per process).
+
+        New requests queue (with their deadlines) while the running ones finish; then the
+        plain engine takes over with empty slots.
+        """
+        rate = tier.speculation.rate or 0.0
+        log.warning(
+            "generation.speculation_fallback",
+            tier=tier.name,
+            acceptance=round(rate, 3),
+            threshold=tier.speculation.threshold,
+        )
+        old = tier.engine
+        async with tier.scheduler.paused():
+            new = LlamaServerEngine(
+                replace(old.settings, speculation="none", draft_model_path=None),
+                port=free_ports(1)[0],
+                log_path=old.log_path.with_name(f"{old.log_path.stem}-plain.log"),
+            )
+            self.engines.append(new)
+            await new.start()
+            tier.engine = new
+            tier.scheduler.erase = new.erase_slot
+            await old.close()
+            self.engines.remove(old)
 
     async def _triton_tier(self, name: str, model: str) -> Tier:
         from ragline_services.generation.triton_engine import TritonGenerationEngine

@@ -106,7 +106,7 @@ class TritonGenerationEngine:
         """Nothing to erase: Triton keeps no per-slot cache that this service addresses."""
 
     async def stream(
-        self, prompt: str, *, slot: int, max_tokens: int, sampling: dict, speculate: bool
+        self, prompt: str, *, slot: int, max_tokens: int, sampling: dict
     ) -> AsyncIterator[StreamEvent]:
         request = self._pb.ModelInferRequest(model_name=self.model, id=f"slot-{slot}")
         self._tensor(request, "text_input", "BYTES", encode_bytes([prompt.encode()]))

@@ -200,3 +200,34 @@ async def test_bad_input_names_the_field(generation, request_fields, field):
     bad_request = error_details_pb2.BadRequest()
     status.details[0].Unpack(bad_request)
     assert bad_request.field_violations[0].field == field
+
+
+def test_speculation_falls_back_to_plain_decoding_when_acceptance_is_low(launcher):
+    handle = launcher.start(
+        "generation",
+        env={
+            **TEST_MODEL,
+            "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+            "RAGLINE_GENERATION_SMALL_SPECULATION": "ngram",
+        },
+    )
+    # Counting: n-gram lookup keeps drafting earlier digits that never match (0 of 87).
+    prompt = "List the numbers from 1 to 30 separated by commas: 1, 2, 3,"
+
+    async def run():
+        reports = []
+        for _ in range(8):
+            messages = await collect(handle.address, prompt_request(prompt, 60))
+            reports.append(messages[-1].final.speculation)
+            if reports[-1].fell_back:
+                break
+        after = (await collect(handle.address, prompt_request(prompt, 60)))[-1].final
+        return reports, after
+
+    reports, after = asyncio.run(run())
+    assert reports[0].mode == generation_pb2.SPECULATION_NGRAM and reports[0].drafted_tokens > 0
+    assert reports[-1].fell_back, [r.acceptance_rate for r in reports]
+    assert after.speculation.mode == generation_pb2.SPECULATION_OFF
+    assert after.speculation.drafted_tokens == 0 and after.speculation.fell_back
+    assert after.usage.output_tokens > 0
+    assert "generation.speculation_fallback" in handle.log()

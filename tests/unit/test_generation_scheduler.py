@@ -92,13 +92,31 @@ async def test_deadline_while_queued_and_cancelled_waiters_leave_the_queue():
     assert lease.slot.index == 0
 
 
-def test_speculation_falls_back_below_threshold_probes_and_recovers():
-    speculation = Speculation("ngram", threshold=0.7, probe_every=4)
-    assert speculation.choose()
-    speculation.record(100, 40)
-    choices = [speculation.choose() for _ in range(8)]
-    assert choices == [False, False, False, True, False, False, False, True]
-    for _ in range(4):  # the probes measure a good acceptance again
-        speculation.record(200, 190)
-    assert all(speculation.choose() for _ in range(5))
-    assert not Speculation("none").choose()
+def test_speculation_asks_for_fallback_once_below_threshold():
+    speculation = Speculation("ngram", threshold=0.7, min_drafted=64)
+    assert not speculation.record(30, 3)  # too little evidence yet
+    assert speculation.record(40, 10)  # 13/70 accepted
+    speculation.fell_back = True
+    assert not speculation.record(100, 0)  # already plain: nothing more to decide
+    good = Speculation("ngram", threshold=0.7)
+    assert not good.record(100, 90)
+    assert not Speculation("none").record(100, 0)
+
+
+async def test_paused_scheduler_drains_then_hands_over_with_empty_slots():
+    scheduler = SlotScheduler(1, 4, Eraser())
+    running = await scheduler.acquire("acme", None)
+    swapped = asyncio.Event()
+
+    async def swap():
+        async with scheduler.paused():
+            swapped.set()
+
+    swapper = asyncio.create_task(swap())
+    waiter = asyncio.create_task(scheduler.acquire("acme", None))
+    await asyncio.sleep(0.01)
+    assert not swapped.is_set() and not waiter.done()  # the running request holds it
+    scheduler.release(running.slot)
+    await swapper
+    lease = await asyncio.wait_for(waiter, 1)
+    assert swapped.is_set() and not lease.warm  # the new engine's slot starts empty
