@@ -80,7 +80,7 @@ class Bm25Index:
         if visibility is None:
             return searcher.num_docs
         query = self._tantivy.Query.boolean_query(self._filters(visibility))
-        return searcher.search(query, 0, count=True).count
+        return searcher.search(query, 1, count=True).count
 
     def stored(self, keys: list[str]) -> dict[str, dict]:
         """Title, text and version of documents by key (for `include_text`)."""
@@ -97,3 +97,10 @@ class Bm25Index:
                     "version": doc["version"][0],
                 }
         return out
+
+    def close(self) -> None:
+        """Releases the index writer (and its directory lock)."""
+        import gc
+
+        self._writer = None
+        gc.collect()

@@ -60,6 +60,14 @@ class WriteLog:
                 record = json.loads(payload)
                 yield record["seq"], record, offset
 
+    @classmethod
+    def read(cls, path: Path) -> Iterator[dict]:
+        """Reads a log without opening it for writing (another process may own it)."""
+        reader = cls.__new__(cls)
+        reader.path = path
+        for _, record, _ in reader._records():
+            yield record
+
     def replay(self, after_seq: int = 0) -> Iterator[dict]:
         """Every acknowledged record with seq > after_seq, in order."""
         for seq, record, _ in self._records():

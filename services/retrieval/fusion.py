@@ -1,0 +1,48 @@
+"""Merging the BM25 and vector candidate lists (HYBRID mode)."""
+
+from __future__ import annotations
+
+from ragline_services.retrieval.documents import Candidate
+
+RRF_K = 60
+
+
+def rrf(
+    bm25: list[Candidate], vector: list[Candidate], vector_weight: float, k: int
+) -> list[tuple[str, float, dict[str, float]]]:
+    """Weighted reciprocal-rank fusion: w/(60 + rank_vector) + (1 - w)/(60 + rank_bm25)."""
+    fused: dict[str, float] = {}
+    parts: dict[str, dict[str, float]] = {}
+    for weight, name, ranked in (
+        (1 - vector_weight, "bm25", bm25),
+        (vector_weight, "vector", vector),
+    ):
+        for rank, candidate in enumerate(ranked, start=1):
+            fused[candidate.key] = fused.get(candidate.key, 0.0) + weight / (RRF_K + rank)
+            parts.setdefault(candidate.key, {})[name] = candidate.score
+    ordered = sorted(fused.items(), key=lambda item: -item[1])[:k]
+    return [(key, score, parts[key]) for key, score in ordered]
+
+
+def _normalised(ranked: list[Candidate]) -> dict[str, float]:
+    if not ranked:
+        return {}
+    scores = [c.score for c in ranked]
+    low, high = min(scores), max(scores)
+    span = high - low or 1.0
+    return {c.key: (c.score - low) / span for c in ranked}
+
+
+def score_fusion(
+    bm25: list[Candidate], vector: list[Candidate], vector_weight: float, k: int
+) -> list[tuple[str, float, dict[str, float]]]:
+    """Weighted sum of min-max normalised scores (a list's missing document scores 0)."""
+    b, v = _normalised(bm25), _normalised(vector)
+    raw = {c.key: {"bm25": c.score} for c in bm25}
+    for c in vector:
+        raw.setdefault(c.key, {})["vector"] = c.score
+    fused = {
+        key: (1 - vector_weight) * b.get(key, 0.0) + vector_weight * v.get(key, 0.0) for key in raw
+    }
+    ordered = sorted(fused.items(), key=lambda item: -item[1])[:k]
+    return [(key, score, raw[key]) for key, score in ordered]

@@ -1,0 +1,339 @@
+"""The retrieval domain: durable writes, BM25 + vector search modes, freshness, status.
+
+A write is: validated, embedded if it has no vectors, appended to the write log (fsynced:
+then it is acknowledged), applied to the BM25 index (commit) and to the vector delta, in
+log order. So a write is searchable when its call returns, and a restart replays the log
+past what each index had applied. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from ragline.errors import DeadlineExceeded, InvalidArgument, RaglineError, Unavailable
+from ragline_services.retrieval.bm25 import Bm25Index
+from ragline_services.retrieval.documents import StoredDocument, Visibility, doc_key
+from ragline_services.retrieval.fusion import rrf, score_fusion
+from ragline_services.retrieval.vectors import VectorIndex
+from ragline_services.retrieval.wal import WriteLog
+
+log = structlog.get_logger("ragline.retrieval")
+
+BM25, VECTOR, HYBRID, PREFILTER = "bm25", "vector", "hybrid", "prefilter"
+
+# (texts, input kind "query" | "passage") -> vectors; raises Unavailable when it can't.
+Embed = Callable[[list[str], str], Awaitable[np.ndarray]]
+
+
+@dataclass(frozen=True)
+class DocumentInput:
+    id: str
+    title: str
+    text: str
+    acl: tuple[str, ...] = ()
+    attributes: dict[str, str] = field(default_factory=dict)
+    vector: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    seq: int
+    versions: list[int]
+    deleted: int = 0
+    not_found: int = 0
+
+
+@dataclass(frozen=True)
+class SearchQuery:
+    text: str
+    k: int
+    mode: str = HYBRID
+    vector: tuple[float, ...] = ()
+    hnsw_ef: int = 0
+    candidates: int = 0
+    fusion: str = "rrf"
+    vector_weight: float = 0.0
+    include_text: bool = False
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    id: str
+    score: float
+    version: int
+    scores: dict[str, float]
+    title: str = ""
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    hits: list[SearchHit]
+    mode_used: str
+    fell_back: bool
+    fallback_reason: str
+    index_version: int
+    stages: list[tuple[str, float]]
+
+
+@dataclass
+class IndexSettings:
+    dim: int
+    embedding_model_version: str = ""
+    default_candidates: int = 100
+    default_hnsw_ef: int = 128
+    # HYBRID weight of the vector list (BM25 gets the rest); tuned on SQuAD dev.
+    default_vector_weight: float = 0.3
+    max_k: int = 1000
+
+
+class RetrievalIndex:
+    def __init__(
+        self, directory: Path, vectors: VectorIndex, settings: IndexSettings, embed: Embed | None
+    ) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self.settings = settings
+        self.wal = WriteLog(directory / "write.log")
+        self.bm25 = Bm25Index(directory / "bm25")
+        self.vectors = vectors
+        self._embed = embed
+        self._state_path = directory / "state.json"
+        state = json.loads(self._state_path.read_text()) if self._state_path.exists() else {}
+        self.bm25_seq = int(state.get("bm25_seq", 0))
+        self.applied_seq = 0
+        self._apply_turn = asyncio.Condition()
+        self._writes: set[asyncio.Task] = set()
+        self.last_build_finished: float | None = None
+
+    # -- start: replay the log ------------------------------------------------------------
+
+    def replay(self) -> int:
+        """Applies every logged write the indexes have not seen; returns how many records."""
+        start = min(self.bm25_seq, getattr(self.vectors, "built_seq", self.bm25_seq))
+        count = 0
+        pending_upserts: list[StoredDocument] = []
+        pending_deletes: list[str] = []
+        for record in self.wal.replay(after_seq=start):
+            seq = record["seq"]
+            upserts = [StoredDocument.from_record(d) for d in record.get("upserts", ())]
+            deletes = list(record.get("deletes", ()))
+            self.vectors.apply(seq, upserts, deletes)
+            if seq > self.bm25_seq:
+                pending_deletes.extend(deletes)
+                pending_upserts.extend(upserts)
+            if len(pending_upserts) >= 5000:
+                self._bm25_apply(seq, pending_upserts, pending_deletes)
+                pending_upserts, pending_deletes = [], []
+            self.applied_seq = seq
+            count += 1
+        if pending_upserts or pending_deletes:
+            self._bm25_apply(self.applied_seq, pending_upserts, pending_deletes)
+        self.applied_seq = max(self.applied_seq, self.wal.last_seq)
+        return count
+
+    def _bm25_apply(self, seq: int, upserts: list[StoredDocument], deletes: list[str]) -> None:
+        # Apply deletions and upserts in log order: a delete followed by a re-upsert of the
+        # same key must leave the document.
+        self.bm25.apply(upserts, [k for k in deletes if k not in {d.key for d in upserts}])
+        self.bm25_seq = seq
+        tmp = self._state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"bm25_seq": seq}))
+        tmp.replace(self._state_path)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    async def upsert(self, tenant: str, documents: list[DocumentInput]) -> WriteResult:
+        dim = self.settings.dim
+        seen: set[str] = set()
+        for index, doc in enumerate(documents):
+            if doc.vector and len(doc.vector) != dim:
+                raise InvalidArgument(
+                    f"documents[{index}].vector",
+                    f"has {len(doc.vector)} dimensions; this index has {dim}",
+                )
+            if doc.id in seen:
+                raise InvalidArgument(
+                    f"documents[{index}].id", f"{doc.id!r} appears twice in one request"
+                )
+            seen.add(doc.id)
+        missing = [i for i, d in enumerate(documents) if not d.vector]
+        vectors: dict[int, tuple[float, ...]] = {}
+        if missing:
+            if self._embed is None:
+                raise InvalidArgument(
+                    "documents[].vector", "this index has no embedding service; send vectors"
+                )
+            embedded = await self._embed(
+                [f"{documents[i].title}. {documents[i].text}".strip(". ") for i in missing],
+                "passage",
+            )
+            vectors = {i: tuple(float(x) for x in embedded[n]) for n, i in enumerate(missing)}
+        # The log assigns the version; documents carry it once the sequence is known.
+        records = [
+            {"tenant": tenant, "id": d.id, "title": d.title, "text": d.text,
+             "acl": list(d.acl), "attributes": dict(d.attributes),
+             "vector": list(d.vector or vectors[i]), "version": 0}
+            for i, d in enumerate(documents)
+        ]  # fmt: skip
+        seq = await self._write({"op": "write", "upserts": records, "deletes": []})
+        return WriteResult(seq, [seq] * len(records))
+
+    async def delete(self, tenant: str, ids: list[str]) -> WriteResult:
+        keys = [doc_key(tenant, i) for i in dict.fromkeys(ids)]
+        existing = await asyncio.to_thread(self.bm25.stored, keys)
+        present = [k for k in keys if k in existing]
+        if not present:
+            return WriteResult(self.applied_seq, [], 0, len(keys))
+        seq = await self._write({"op": "write", "upserts": [], "deletes": present})
+        return WriteResult(seq, [], len(present), len(keys) - len(present))
+
+    async def _write(self, record: dict) -> int:
+        """Log, then apply. Shielded: once a record may be in the log it is applied even
+        if the caller goes away, or every later write would wait for it forever."""
+
+        async def log_and_apply() -> int:
+            seq = await self.wal.append(record)
+            upserts = [StoredDocument.from_record({**r, "version": seq}) for r in record["upserts"]]
+            await self._apply_in_order(seq, upserts, list(record["deletes"]))
+            return seq
+
+        task = asyncio.ensure_future(log_and_apply())
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return await asyncio.shield(task)
+
+    async def _apply_in_order(
+        self, seq: int, upserts: list[StoredDocument], deletes: list[str]
+    ) -> None:
+        # Appends can complete out of order relative to their callers; apply strictly in
+        # log order so a later write never lands under an earlier one.
+        async with self._apply_turn:
+            await self._apply_turn.wait_for(lambda: self.applied_seq >= seq - 1)
+            try:
+                await asyncio.to_thread(self._apply_sync, seq, upserts, deletes)
+            finally:
+                self.applied_seq = max(self.applied_seq, seq)
+                self._apply_turn.notify_all()
+
+    def _apply_sync(self, seq: int, upserts: list[StoredDocument], deletes: list[str]) -> None:
+        self._bm25_apply(seq, upserts, deletes)
+        self.vectors.apply(seq, upserts, deletes)
+
+    # -- search -----------------------------------------------------------------------------
+
+    async def search(self, visibility: Visibility, query: SearchQuery) -> SearchResult:
+        s = self.settings
+        if query.k > s.max_k:
+            raise InvalidArgument("k", f"is {query.k}; the maximum is {s.max_k}")
+        if query.vector and len(query.vector) != s.dim:
+            raise InvalidArgument(
+                "query_vector", f"has {len(query.vector)} dimensions; this index has {s.dim}"
+            )
+        stages: list[tuple[str, float]] = []
+        mode, reason = query.mode, ""
+        candidates = max(query.candidates or s.default_candidates, query.k)
+        ef = query.hnsw_ef or max(s.default_hnsw_ef, candidates)
+        vector = None
+        if mode != BM25:
+            if not self.vectors.status().ready:
+                mode, reason = BM25, "vector_index_not_ready"
+            elif query.vector:
+                vector = np.asarray(query.vector, dtype=np.float32)
+            else:
+                started = time.perf_counter()
+                try:
+                    vector = (await self._embed([query.text], "query"))[0]
+                except (Unavailable, DeadlineExceeded) as error:
+                    log.warning("retrieval.embed_failed", error=str(error))
+                    mode, reason = BM25, "embedding_unavailable"
+                except RaglineError:
+                    raise
+                stages.append(("embed", time.perf_counter() - started))
+
+        async def timed(name: str, fn, *args):
+            started = time.perf_counter()
+            result = await asyncio.to_thread(fn, *args)
+            stages.append((name, time.perf_counter() - started))
+            return result
+
+        scores_by_key: dict[str, dict[str, float]] = {}
+        if mode == BM25:
+            ranked = await timed("bm25", self.bm25.search, query.text, visibility, query.k)
+            ordered = [(c.key, c.score, {"bm25": c.score}) for c in ranked]
+        elif mode == VECTOR:
+            ranked = await timed("vector", self.vectors.search, vector, visibility, query.k, ef)
+            ordered = [(c.key, c.score, {"vector": c.score}) for c in ranked]
+        elif mode == PREFILTER:
+            pool = await timed("bm25", self.bm25.search, query.text, visibility, candidates)
+            bm25_scores = {c.key: c.score for c in pool}
+            ranked = (
+                await timed(
+                    "vector",
+                    self.vectors.search,
+                    vector,
+                    visibility,
+                    query.k,
+                    ef,
+                    [c.key for c in pool],
+                )
+                if pool
+                else []
+            )
+            ordered = [
+                (c.key, c.score, {"vector": c.score, "bm25": bm25_scores[c.key]}) for c in ranked
+            ]
+        else:  # HYBRID
+            bm25_list, vector_list = await asyncio.gather(
+                timed("bm25", self.bm25.search, query.text, visibility, candidates),
+                timed("vector", self.vectors.search, vector, visibility, candidates, ef),
+            )
+            started = time.perf_counter()
+            weight = query.vector_weight or s.default_vector_weight
+            fuse = score_fusion if query.fusion == "score" else rrf
+            ordered = [
+                (key, fused, {**parts, "fused": fused})
+                for key, fused, parts in fuse(bm25_list, vector_list, weight, query.k)
+            ]
+            stages.append(("fusion", time.perf_counter() - started))
+        for key, _, parts in ordered:
+            scores_by_key[key] = parts
+        stored = await asyncio.to_thread(self.bm25.stored, [key for key, _, _ in ordered])
+        hits = []
+        for key, score, parts in ordered:
+            info = stored.get(key)
+            if info is None:
+                continue  # deleted between the engines' reads
+            hits.append(SearchHit(
+                id=key.split("\x1f", 1)[1], score=score, version=info["version"], scores=parts,
+                title=info["title"] if query.include_text else "",
+                text=info["text"] if query.include_text else "",
+            ))  # fmt: skip
+        return SearchResult(hits, mode, mode != query.mode, reason, self.applied_seq, stages)
+
+    # -- background HNSW builds -------------------------------------------------------------
+
+    async def maybe_build(self) -> bool:
+        if not self.vectors.needs_build():
+            return False
+        upto = self.applied_seq
+        started = time.monotonic()
+        await asyncio.to_thread(self.vectors.build, upto)
+        self.last_build_finished = time.time()
+        log.info(
+            "retrieval.hnsw_built", upto_seq=upto, seconds=round(time.monotonic() - started, 1)
+        )
+        return True
+
+    def close(self) -> None:
+        self.wal.close()
+        self.bm25.close()
+        self.vectors.close()

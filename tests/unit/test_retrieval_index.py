@@ -1,0 +1,187 @@
+"""The retrieval domain on real Tantivy and qdrant-edge (in a temp dir) with a toy embedder."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+
+import numpy as np
+import pytest
+
+from ragline.errors import InvalidArgument
+from ragline_services.retrieval.documents import Visibility
+from ragline_services.retrieval.index import (
+    BM25,
+    HYBRID,
+    PREFILTER,
+    VECTOR,
+    DocumentInput,
+    IndexSettings,
+    RetrievalIndex,
+    SearchQuery,
+)
+from ragline_services.retrieval.vectors import EdgeVectorIndex
+
+DIM = 64
+
+
+def toy_vector(text: str) -> np.ndarray:
+    """Bag of hashed words: texts sharing words are near each other."""
+    vector = np.zeros(DIM, dtype=np.float32)
+    for word in re.findall(r"\w+", text.lower()):
+        vector[int(hashlib.md5(word.encode()).hexdigest(), 16) % DIM] += 1.0
+    return vector / max(np.linalg.norm(vector), 1e-9)
+
+
+async def toy_embed(texts: list[str], kind: str) -> np.ndarray:
+    return np.stack([toy_vector(t) for t in texts])
+
+
+def open_index(path, exact_limit=20_000, rebuild_after=2_000) -> RetrievalIndex:
+    vectors = EdgeVectorIndex(
+        path / "vectors",
+        DIM,
+        path / "write.log",
+        exact_limit=exact_limit,
+        rebuild_after=rebuild_after,
+    )
+    index = RetrievalIndex(path, vectors, IndexSettings(dim=DIM), toy_embed)
+    index.replay()
+    return index
+
+
+DOCS = [
+    DocumentInput("warsaw", "Warsaw", "Warsaw is the capital of Poland on the Vistula river."),
+    DocumentInput("paris", "Paris", "Paris is the capital of France on the Seine river."),
+    DocumentInput("salary", "Salaries", "Salary bands of the engineering team.", acl=("hr",)),
+    DocumentInput(
+        "tesla", "Tesla", "Nikola Tesla worked on alternating current.", attributes={"lang": "en"}
+    ),
+]
+ACME = Visibility("acme")
+
+
+def ids(result) -> list[str]:
+    return [h.id for h in result.hits]
+
+
+@pytest.mark.parametrize("mode", [BM25, VECTOR, HYBRID, PREFILTER])
+async def test_writes_are_searchable_at_once_in_every_mode(tmp_path, mode):
+    index = open_index(tmp_path)
+    result = await index.upsert("acme", DOCS)
+    assert result.versions == [1] * 4
+    found = await index.search(ACME, SearchQuery("capital of Poland Vistula", 2, mode))
+    assert ids(found)[0] == "warsaw"
+    assert found.mode_used == mode and not found.fell_back
+    assert found.hits[0].version == 1
+
+
+async def test_tenants_never_see_each_other(tmp_path):
+    index = open_index(tmp_path)
+    await index.upsert("acme", DOCS)
+    await index.upsert("globex", [DocumentInput("warsaw", "Warsaw", "Globex notes on Warsaw.")])
+    for mode in (BM25, VECTOR, HYBRID, PREFILTER):
+        found = await index.search(Visibility("globex"), SearchQuery("Warsaw capital", 10, mode))
+        assert (
+            ids(found) == ["warsaw"]
+            and "Globex"
+            in (
+                await index.search(
+                    Visibility("globex"), SearchQuery("Warsaw", 1, mode, include_text=True)
+                )
+            )
+            .hits[0]
+            .text
+        )
+        nobody = await index.search(Visibility("initech"), SearchQuery("Warsaw", 10, mode))
+        assert ids(nobody) == []
+
+
+async def test_acl_scopes_and_attributes_are_hard_filters(tmp_path):
+    index = open_index(tmp_path)
+    await index.upsert("acme", DOCS)
+    for mode in (BM25, VECTOR, HYBRID, PREFILTER):
+        public = await index.search(ACME, SearchQuery("salary bands engineering", 10, mode))
+        assert "salary" not in ids(public)
+        hr = Visibility("acme", frozenset({"hr"}))
+        assert "salary" in ids(await index.search(hr, SearchQuery("salary bands", 10, mode)))
+        english = Visibility("acme", attributes=(("lang", "en"),))
+        assert ids(await index.search(english, SearchQuery("capital current", 10, mode))) == [
+            "tesla"
+        ]
+
+
+async def test_revoked_scope_disappears(tmp_path):
+    index = open_index(tmp_path)
+    await index.upsert("acme", DOCS)
+    hr = Visibility("acme", frozenset({"hr"}))
+    await index.upsert(
+        "acme",
+        [
+            DocumentInput(
+                "salary", "Salaries", "Salary bands of the engineering team.", acl=("finance",)
+            )
+        ],
+    )
+    for mode in (BM25, VECTOR, HYBRID):
+        assert "salary" not in ids(await index.search(hr, SearchQuery("salary bands", 10, mode)))
+
+
+async def test_delete_and_not_found(tmp_path):
+    index = open_index(tmp_path)
+    await index.upsert("acme", DOCS)
+    result = await index.delete("acme", ["paris", "nope"])
+    assert (result.deleted, result.not_found) == (1, 1)
+    for mode in (BM25, VECTOR, HYBRID):
+        assert "paris" not in ids(await index.search(ACME, SearchQuery("Paris Seine", 10, mode)))
+
+
+async def test_restart_replays_without_duplicates(tmp_path):
+    index = open_index(tmp_path)
+    await index.upsert("acme", DOCS)
+    await index.upsert("acme", [DocumentInput("warsaw", "Warsaw", "Warsaw, updated text.")])
+    index.close()
+    reopened = open_index(tmp_path)
+    assert reopened.applied_seq == 2
+    assert reopened.bm25.count(ACME) == 3  # salary is hr-only
+    hits = (await reopened.search(ACME, SearchQuery("Warsaw", 10, BM25, include_text=True))).hits
+    assert [h.text for h in hits if h.id == "warsaw"] == ["Warsaw, updated text."]
+
+
+async def test_bad_input(tmp_path):
+    index = open_index(tmp_path)
+    with pytest.raises(InvalidArgument, match=r"documents\[0\]\.vector"):
+        await index.upsert("acme", [DocumentInput("a", "", "t", vector=(1.0, 2.0))])
+    with pytest.raises(InvalidArgument, match=r"documents\[1\]\.id"):
+        await index.upsert("acme", [DocumentInput("a", "", "t"), DocumentInput("a", "", "u")])
+    with pytest.raises(InvalidArgument):
+        await index.search(ACME, SearchQuery("q", 5, VECTOR, vector=(1.0,)))
+    assert index.wal.last_seq == 0  # nothing half-written
+
+
+async def test_without_a_vector_index_search_falls_back_to_bm25(tmp_path):
+    index = open_index(tmp_path, exact_limit=2)
+    await index.upsert("acme", DOCS)
+    found = await index.search(ACME, SearchQuery("Warsaw capital", 3, HYBRID))
+    assert found.mode_used == BM25 and found.fell_back
+    assert found.fallback_reason == "vector_index_not_ready"
+    assert ids(found)[0] == "warsaw"
+
+
+async def test_build_swaps_in_hnsw_while_queries_keep_answering(tmp_path):
+    index = open_index(tmp_path, exact_limit=10_000, rebuild_after=1)
+    await index.upsert("acme", DOCS)
+    build = asyncio.create_task(index.maybe_build())
+    answered = 0
+    while not build.done():
+        found = await index.search(ACME, SearchQuery("Warsaw capital", 2, VECTOR))
+        assert ids(found)[0] == "warsaw"
+        answered += 1
+        await asyncio.sleep(0.01)
+    assert await build and answered > 0
+    status = index.vectors.status()
+    assert status.indexed_points == 4 and status.built_seq == 1
+    await index.upsert("acme", [DocumentInput("warsaw", "Warsaw", "Renamed to Varsovia.")])
+    found = await index.search(ACME, SearchQuery("Varsovia", 1, VECTOR))
+    assert ids(found) == ["warsaw"]  # the delta overrides the shard's older version
