@@ -6,7 +6,6 @@ Integration tests start services as real processes (`ragline serve NAME`) on fre
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ import pytest
 
 from ragline.etcd_server import EtcdServer
 from ragline.processes import terminate
-from ragline.stack import free_ports, health_status
+from ragline.stack import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Tests run generation on the smallest real model (SmolLM2-135M) with a short context.
@@ -62,6 +61,21 @@ class ServiceHandle:
         return code
 
 
+def health_status_sync(address: str, timeout_s: float = 0.5) -> str:
+    """grpc.health.v1 check without an event loop (async tests start services too)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def wait_serving(handle: ServiceHandle, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -69,7 +83,7 @@ def wait_serving(handle: ServiceHandle, timeout_s: float = 60.0) -> None:
             raise AssertionError(
                 f"{handle.name} exited with {handle.process.returncode}:\n{handle.log()[-3000:]}"
             )
-        if asyncio.run(health_status(handle.address, 0.5)) == "SERVING":
+        if health_status_sync(handle.address) == "SERVING":
             return
         time.sleep(0.1)
     raise AssertionError(f"{handle.name} not SERVING after {timeout_s} s:\n{handle.log()[-3000:]}")
@@ -83,9 +97,13 @@ class ServiceLauncher:
         self.handles: list[ServiceHandle] = []
 
     def start(
-        self, name: str, env: dict[str, str] | None = None, wait: bool = True
+        self,
+        name: str,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+        port: int | None = None,
     ) -> ServiceHandle:
-        port = free_ports(1)[0]
+        port = port or free_ports(1)[0]
         log_path = self.log_dir / f"{name}-{port}.log"
         full_env = {**os.environ, "RAGLINE_LOG_LEVEL": "debug", **(env or {})}
         with log_path.open("wb") as log_file:
@@ -120,8 +138,14 @@ def all_services(tmp_path_factory, etcd) -> Iterator[dict[str, ServiceHandle]]:
     from ragline_services.registry import service_names
 
     launcher = ServiceLauncher(tmp_path_factory.mktemp("services"))
-    env = {"RAGLINE_BUDGET_ETCD_ENDPOINTS": etcd.endpoint, **SMALL_GENERATION}
-    handles = {name: launcher.start(name, env=env, wait=False) for name in service_names()}
+    names = service_names()
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
+    env = {
+        "RAGLINE_BUDGET_ETCD_ENDPOINTS": etcd.endpoint,
+        **SMALL_GENERATION,
+        **{f"RAGLINE_{n.upper()}_ADDR": f"127.0.0.1:{p}" for n, p in ports.items()},
+    }
+    handles = {name: launcher.start(name, env=env, wait=False, port=ports[name]) for name in names}
     for handle in handles.values():
         wait_serving(handle)
     yield handles

