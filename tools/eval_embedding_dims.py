@@ -20,40 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from ragline.datasets import load_squad
+from ragline.evaluation import ranking_metrics
 from ragline.models import ModelStore
 from ragline_services.embedding.backends import OnnxRuntimeBackend, file_version, normalise
-from ragline_services.embedding.batcher import bucket_groups, pad
+from ragline_services.embedding.offline import embed_texts
 from ragline_services.embedding.tokenization import Tokenizer
-
-
-def embed_all(backend, tokenizer, texts: list[str], batch: int = 32) -> np.ndarray:
-    tokens = tokenizer.encode(texts, refuse_over_limit=False)
-    out = np.empty((len(texts), backend.dim), dtype=np.float32)
-    for group in bucket_groups([t.length for t in tokens], batch):
-        out[group] = backend.run(*pad([tokens[i] for i in group]))
-    return out
-
-
-def metrics(scores: np.ndarray, relevant: np.ndarray) -> dict[str, float]:
-    """scores [questions, passages]; relevant [questions] = index of the one relevant passage."""
-    top = np.argsort(-scores, axis=1)[:, :100]
-    ranks = np.array(
-        [
-            np.where(row == r)[0][0] + 1 if r in row else 0
-            for row, r in zip(top, relevant, strict=True)
-        ]
-    )
-    found10 = (ranks > 0) & (ranks <= 10)
-    gains = np.zeros(len(ranks))
-    gains[found10] = 1 / np.log2(ranks[found10] + 1)
-    reciprocal = np.zeros(len(ranks))
-    reciprocal[found10] = 1 / ranks[found10]
-    return {
-        "ndcg@10": float(gains.mean()),
-        "recall@10": float(np.mean(found10)),
-        "recall@100": float(np.mean(ranks > 0)),
-        "mrr@10": float(reciprocal.mean()),
-    }
 
 
 def main() -> int:
@@ -80,8 +51,8 @@ def main() -> int:
     else:
         backend = OnnxRuntimeBackend(model_path, intra_op_threads=args.threads)
         started = time.monotonic()
-        p_vecs = embed_all(backend, tokenizer, [f"{p.title}. {p.text}" for p in passages])
-        q_vecs = embed_all(backend, tokenizer, [q.text for q in questions])
+        p_vecs = embed_texts(backend, tokenizer, [f"{p.title}. {p.text}" for p in passages])
+        q_vecs = embed_texts(backend, tokenizer, [q.text for q in questions])
         print(
             f"embedded {len(passages)} passages and {len(questions)} questions in "
             f"{time.monotonic() - started:.0f} s",
@@ -91,12 +62,13 @@ def main() -> int:
             np.savez(cache, passages=p_vecs, questions=q_vecs)
         except OSError:
             pass  # read-only data folder: no cache
-    index = {p.id: i for i, p in enumerate(passages)}
-    relevant = np.array([index[q.passage_id] for q in questions])
+    ids = [p.id for p in passages]
+    relevant = [q.passage_id for q in questions]
     rows = []
     for dim in (int(d) for d in args.dims.split(",")):
         p, q = normalise(p_vecs[:, :dim]), normalise(q_vecs[:, :dim])
-        rows.append((dim, metrics(q @ p.T, relevant)))
+        top = np.argsort(-(q @ p.T), axis=1)[:, :100]
+        rows.append((dim, ranking_metrics([[ids[i] for i in row] for row in top], relevant)))
     full = rows[0][1]["ndcg@10"]
     print(
         f"\n{args.data.name}: {len(questions)} questions, {len(passages)} passages, "

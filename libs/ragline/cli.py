@@ -133,6 +133,71 @@ def cmd_up(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_ingest(args: argparse.Namespace) -> int:
+    import hashlib
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from ragline.ingest import Checkpoint, ingest
+    from ragline.stack import read_state_address
+
+    common = CommonConfig()
+    path = Path(args.path)
+    if not path.exists():
+        print(f"ragline ingest: {path} does not exist", file=sys.stderr)
+        return 2
+    state = common.data_dir / "up.json"
+
+    def address(service: str) -> str:
+        if f"RAGLINE_{service.upper()}_ADDR" in os.environ:
+            return common.address_of(service)
+        return read_state_address(state, service) or common.address_of(service)
+
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    checkpoint = Checkpoint(
+        Path(args.checkpoint)
+        if args.checkpoint
+        else common.data_dir / "ingest" / f"{path.name}-{digest}.json"
+    )
+    if args.restart:
+        checkpoint.path.unlink(missing_ok=True)
+        checkpoint.done = 0
+    if checkpoint.done:
+        print(f"resuming after record {checkpoint.done} ({checkpoint.path})")
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=not sys.stdout.isatty(),
+        disable=args.quiet,
+    ) as bar:
+        task = bar.add_task(f"ingest {path.name}", total=None)
+        try:
+            written, bad = asyncio.run(ingest(
+                path, retrieval_addr=address("retrieval"), embedding_addr=address("embedding"),
+                default_tenant=args.tenant, batch_size=args.batch, checkpoint=checkpoint,
+                progress=lambda n: bar.update(task, completed=n),
+            ))  # fmt: skip
+        except grpc.aio.AioRpcError as error:
+            print(
+                f"ragline ingest: {error.code().name}: {error.details()} (progress is "
+                f"saved; run again to resume)",
+                file=sys.stderr,
+            )
+            return 1
+    print(f"ingested {written} documents from {path}")
+    if bad:
+        report = checkpoint.path.with_suffix(".errors.jsonl")
+        report.write_text(
+            "".join(json.dumps({"record": b.number, "reason": b.reason}) + "\n" for b in bad)
+        )
+        print(f"{len(bad)} bad records skipped (listed in {report}):", file=sys.stderr)
+        for b in bad[:20]:
+            print(f"  record {b.number}: {b.reason}", file=sys.stderr)
+    return 0
+
+
 def _orchestrator_address(args: argparse.Namespace, common: CommonConfig) -> str:
     from ragline.stack import read_state_address
 
@@ -313,6 +378,15 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--task-id", help="idempotency id of the task (default: generated)")
     ask.add_argument("--json", action="store_true", help="print the final result as JSON")
     ask.set_defaults(func=cmd_ask)
+
+    ingest = sub.add_parser("ingest", help="load documents (SQuAD JSON or JSONL) into retrieval")
+    ingest.add_argument("path")
+    ingest.add_argument("--tenant", default="default", help="tenant of records that name none")
+    ingest.add_argument("--batch", type=int, default=64)
+    ingest.add_argument("--checkpoint", help="resume file (default .ragline/ingest/...)")
+    ingest.add_argument("--restart", action="store_true", help="ignore an earlier checkpoint")
+    ingest.add_argument("--quiet", action="store_true", help="no progress bar")
+    ingest.set_defaults(func=cmd_ingest)
 
     models = sub.add_parser("models", help="list, fetch and verify models (see the manifest)")
     models.add_argument("action", choices=["list", "prepare", "verify"])

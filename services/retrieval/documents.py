@@ -15,6 +15,11 @@ def doc_key(tenant: str, doc_id: str) -> str:
     return f"{tenant}{KEY_SEPARATOR}{doc_id}"
 
 
+def passage_text(title: str, text: str) -> str:
+    """What gets embedded for a document (the ingest tool and the service must agree)."""
+    return f"{title}. {text}" if title else text
+
+
 def split_key(key: str) -> tuple[str, str]:
     tenant, doc_id = key.split(KEY_SEPARATOR, 1)
     return tenant, doc_id

@@ -20,7 +20,12 @@ import structlog
 
 from ragline.errors import DeadlineExceeded, InvalidArgument, RaglineError, Unavailable
 from ragline_services.retrieval.bm25 import Bm25Index
-from ragline_services.retrieval.documents import StoredDocument, Visibility, doc_key
+from ragline_services.retrieval.documents import (
+    StoredDocument,
+    Visibility,
+    doc_key,
+    passage_text,
+)
 from ragline_services.retrieval.fusion import rrf, score_fusion
 from ragline_services.retrieval.vectors import VectorIndex
 from ragline_services.retrieval.wal import WriteLog
@@ -173,7 +178,7 @@ class RetrievalIndex:
                     "documents[].vector", "this index has no embedding service; send vectors"
                 )
             embedded = await self._embed(
-                [f"{documents[i].title}. {documents[i].text}".strip(". ") for i in missing],
+                [passage_text(documents[i].title, documents[i].text) for i in missing],
                 "passage",
             )
             vectors = {i: tuple(float(x) for x in embedded[n]) for n, i in enumerate(missing)}
@@ -181,7 +186,7 @@ class RetrievalIndex:
         records = [
             {"tenant": tenant, "id": d.id, "title": d.title, "text": d.text,
              "acl": list(d.acl), "attributes": dict(d.attributes),
-             "vector": list(d.vector or vectors[i]), "version": 0}
+             "vector": [float(x) for x in (d.vector or vectors[i])], "version": 0}
             for i, d in enumerate(documents)
         ]  # fmt: skip
         seq = await self._write({"op": "write", "upserts": records, "deletes": []})
