@@ -92,7 +92,10 @@ class RetrievalService(Service):
         if cfg.vector_backend == "qdrant":
             from ragline_services.retrieval.qdrant_server import QdrantServerIndex
 
-            vectors = QdrantServerIndex(cfg.qdrant_url, cfg.qdrant_collection, cfg.dim)
+            directory.mkdir(parents=True, exist_ok=True)
+            vectors = QdrantServerIndex(
+                cfg.qdrant_url, cfg.qdrant_collection, cfg.dim, directory / "qdrant_state.json"
+            )
         else:
             vectors = EdgeVectorIndex(
                 directory / "vectors",

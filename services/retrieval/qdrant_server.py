@@ -1,0 +1,173 @@
+"""Vector index on a Qdrant server (cluster deployments), over gRPC.
+
+A thin adapter on the gRPC stubs that `qdrant-client` ships (`qdrant_client.grpc`): one
+collection, cosine distance, HNSW m=16 / ef_construct=200, keyword payload indexes on the
+filter fields. Qdrant indexes in the background and searches unindexed segments exactly,
+so this backend has no delta and no builder of its own. The last write-log sequence it
+applied is kept beside the index so a restart replays only what Qdrant has not seen.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from ragline.errors import Unavailable
+from ragline_services.retrieval.documents import Candidate, StoredDocument, Visibility
+from ragline_services.retrieval.vectors import (
+    HNSW_EF_CONSTRUCT,
+    HNSW_M,
+    VectorIndexStatus,
+    point_id,
+)
+
+_FILTER_FIELDS = ("tenant", "scope", "attr", "key")
+
+
+def _value(item):
+    from qdrant_client import grpc as q
+
+    if isinstance(item, str):
+        return q.Value(string_value=item)
+    if isinstance(item, list):
+        return q.Value(list_value=q.ListValue(values=[_value(i) for i in item]))
+    raise TypeError(f"unsupported payload value {item!r}")
+
+
+class QdrantServerIndex:
+    def __init__(
+        self, url: str, collection: str, dim: int, state_path: Path, *, timeout_s: float = 10.0
+    ) -> None:
+        from qdrant_client import grpc as q
+
+        self._q = q
+        self.url = url
+        self.collection = collection
+        self.dim = dim
+        self._timeout = timeout_s
+        self._channel = grpc.insecure_channel(url)
+        self._points = q.PointsStub(self._channel)
+        self._collections = q.CollectionsStub(self._channel)
+        self._state_path = state_path
+        self.built_seq = json.loads(state_path.read_text())["seq"] if state_path.exists() else 0
+        self.building = False
+        self._call(self._ensure_collection)
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except grpc.RpcError as error:
+            raise Unavailable(f"Qdrant at {self.url}: {error.details()}") from error
+
+    def _ensure_collection(self) -> None:
+        q = self._q
+        exists = self._collections.CollectionExists(
+            q.CollectionExistsRequest(collection_name=self.collection), timeout=self._timeout
+        )
+        if exists.result.exists:
+            return
+        self._collections.Create(q.CreateCollection(
+            collection_name=self.collection,
+            vectors_config=q.VectorsConfig(params=q.VectorParams(size=self.dim,
+                                                                distance=q.Distance.Cosine)),
+            hnsw_config=q.HnswConfigDiff(m=HNSW_M, ef_construct=HNSW_EF_CONSTRUCT),
+        ), timeout=self._timeout)  # fmt: skip
+        for field in _FILTER_FIELDS:
+            self._points.CreateFieldIndex(q.CreateFieldIndexCollection(
+                collection_name=self.collection, wait=True, field_name=field,
+                field_type=q.FieldType.FieldTypeKeyword,
+            ), timeout=self._timeout)  # fmt: skip
+
+    def apply(self, seq: int, upserts: list[StoredDocument], deletes: list[str]) -> None:
+        if seq <= self.built_seq:
+            return
+        q = self._q
+        if deletes:
+            self._call(self._points.Delete, q.DeletePoints(
+                collection_name=self.collection, wait=True,
+                points=q.PointsSelector(points=q.PointsIdsList(
+                    ids=[q.PointId(num=point_id(k)) for k in deletes])),
+            ))  # fmt: skip
+        if upserts:
+            points = [
+                q.PointStruct(
+                    id=q.PointId(num=point_id(doc.key)),
+                    vectors=q.Vectors(vector=q.Vector(dense=q.DenseVector(
+                        data=[float(x) for x in doc.vector]))),
+                    payload={"key": _value(doc.key), "tenant": _value(doc.tenant),
+                             "scope": _value(list(doc.scopes)),
+                             "attr": _value(doc.attribute_terms)},
+                )
+                for doc in upserts
+            ]  # fmt: skip
+            self._call(
+                self._points.Upsert,
+                q.UpsertPoints(collection_name=self.collection, wait=True, points=points),
+            )
+        self.built_seq = seq
+        tmp = self._state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"seq": seq}))
+        tmp.replace(self._state_path)
+
+    def search(
+        self,
+        vector: np.ndarray,
+        visibility: Visibility,
+        k: int,
+        hnsw_ef: int,
+        only_keys: list[str] | None = None,
+    ) -> list[Candidate]:
+        q = self._q
+
+        def keyword(field, value):
+            return q.Condition(field=q.FieldCondition(key=field, match=q.Match(keyword=value)))
+
+        def any_of(field, values):
+            return q.Condition(
+                field=q.FieldCondition(
+                    key=field, match=q.Match(keywords=q.RepeatedStrings(strings=list(values)))
+                )
+            )
+
+        must = [keyword("tenant", visibility.tenant), any_of("scope", visibility.allowed_scopes)]
+        must += [keyword("attr", term) for term in visibility.attribute_terms]
+        if only_keys is not None:
+            must.append(any_of("key", only_keys))
+        reply = self._call(self._points.Query, q.QueryPoints(
+            collection_name=self.collection,
+            query=q.Query(nearest=q.VectorInput(dense=q.DenseVector(
+                data=[float(x) for x in vector]))),
+            filter=q.Filter(must=must),
+            limit=k,
+            with_payload=q.WithPayloadSelector(enable=True),
+            params=q.SearchParams(hnsw_ef=hnsw_ef, exact=only_keys is not None),
+        ))  # fmt: skip
+        return [Candidate(p.payload["key"].string_value, p.score) for p in reply.result]
+
+    def needs_build(self) -> bool:
+        return False
+
+    def build(self, upto_seq: int) -> None:
+        """Nothing to do: the Qdrant server builds its HNSW segments itself."""
+
+    def status(self) -> VectorIndexStatus:
+        q = self._q
+        try:
+            info = self._collections.Get(
+                q.GetCollectionInfoRequest(collection_name=self.collection), timeout=self._timeout
+            ).result
+        except grpc.RpcError:
+            return VectorIndexStatus(0, 0, ready=False, building=False, built_seq=self.built_seq)
+        return VectorIndexStatus(
+            points=info.points_count,
+            indexed_points=info.indexed_vectors_count,
+            ready=True,
+            building=info.status == q.CollectionStatus.Yellow,
+            built_seq=self.built_seq,
+        )
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,91 @@
+"""The retrieval service on the Qdrant-server backend, against a Qdrant-protocol stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ragline.stack import free_ports
+from ragline.v1 import retrieval_pb2
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def qdrant():
+    from fake_qdrant import start_fake_qdrant
+
+    port = free_ports(1)[0]
+    server, fake = start_fake_qdrant(port)
+    yield f"127.0.0.1:{port}", fake
+    server.stop(0)
+
+
+def test_qdrant_backend_writes_filters_and_replays_only_unseen(launcher, qdrant, tmp_path):
+    from test_retrieval import Client
+
+    url, fake = qdrant
+    env = {
+        "RAGLINE_RETRIEVAL_VECTOR_BACKEND": "qdrant",
+        "RAGLINE_RETRIEVAL_QDRANT_URL": url,
+        "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path / "index"),
+        "RAGLINE_EMBEDDING_ADDR": f"127.0.0.1:{free_ports(1)[0]}",
+    }  # vectors are sent
+    service = launcher.start("retrieval", env=env)
+    rng = np.random.default_rng(3)
+    vectors = rng.normal(size=(6, 384)).tolist()
+
+    async def scenario(address):
+        client = Client(address)
+        await client.upsert(
+            "acme",
+            [
+                {
+                    "id": f"a{i}",
+                    "title": f"A{i}",
+                    "text": f"acme doc {i}",
+                    "vector": vectors[i],
+                    "acl": ["hr"] if i == 2 else [],
+                }
+                for i in range(3)
+            ],
+        )
+        await client.upsert(
+            "globex", [{"id": "g", "title": "G", "text": "globex doc", "vector": vectors[0]}]
+        )
+        found = await client.search("acme", "x", "vector", k=3, query_vector=vectors[1])
+        assert found.hits[0].id == "a1"
+        assert "a2" not in [h.id for h in found.hits]  # hr only
+        hr = await client.search("acme", "x", "vector", k=1, scopes="hr", query_vector=vectors[2])
+        assert hr.hits[0].id == "a2"
+        globex = await client.search("globex", "x", "vector", k=5, query_vector=vectors[1])
+        assert [h.id for h in globex.hits] == ["g"]
+        await client.stub.Delete(
+            __import__("ragline.v1.retrieval_pb2", fromlist=["x"]).DeleteRequest(ids=["a1"]),
+            timeout=10,
+            metadata=(("x-ragline-tenant", "acme"),),
+        )
+        after = await client.search("acme", "x", "vector", k=3, query_vector=vectors[1])
+        assert "a1" not in [h.id for h in after.hits]
+        status = await client.status("acme")
+        assert status.vector_index_ready
+        await client.close()
+
+    asyncio.run(scenario(service.address))
+    assert fake.calls.count("Create") == 1
+    upserts = fake.calls.count("Upsert")
+    assert service.stop() == 0
+    launcher.handles.remove(service)
+    restarted = launcher.start("retrieval", env=env)
+    assert fake.calls.count("Upsert") == upserts  # nothing replayed twice into Qdrant
+    assert fake.calls.count("Create") == 1
+
+    async def still_there(address):
+        client = Client(address)
+        found = await client.search("acme", "x", "vector", k=1, query_vector=vectors[0])
+        assert found.hits[0].id == "a0"
+        await client.close()
+
+    asyncio.run(still_there(restarted.address))
