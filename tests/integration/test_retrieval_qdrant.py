@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from ragline.stack import free_ports
-from ragline.v1 import retrieval_pb2
 
 pytestmark = pytest.mark.integration
 
