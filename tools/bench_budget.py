@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 import grpc
 
 from ragline.etcd_server import EtcdServer
-from ragline.stack import free_ports, health_status
+from ragline.stack import free_ports, spawn_service
 from ragline.v1 import budget_pb2, budget_pb2_grpc, common_pb2
 
 LIMITS = common_pb2.BudgetAmounts(input_tokens=10**12, output_tokens=10**12, calls=10**12)
@@ -189,38 +188,14 @@ def main() -> int:
         etcd.start()
         services = []
         try:
-            env = {
-                **os.environ,
-                "RAGLINE_BUDGET_ETCD_ENDPOINTS": etcd.endpoint,
-                "RAGLINE_BUDGET_ACCESS_LOG": "false",
-                "RAGLINE_LOG_LEVEL": "warning",
-            }
-            for port in free_ports(args.replicas):
-                log = (tmp_path / f"budget-{port}.log").open("wb")
-                services.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "ragline.cli",
-                            "serve",
-                            "budget",
-                            "--port",
-                            str(port),
-                        ],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
+            env = {"RAGLINE_BUDGET_ETCD_ENDPOINTS": etcd.endpoint, "RAGLINE_LOG_LEVEL": "warning"}
+            addresses = []
+            for replica in range(args.replicas):
+                process, address = spawn_service(
+                    "budget", env, tmp_path / f"budget-{replica}.log", wait_s=60
                 )
-                services[-1].address = f"127.0.0.1:{port}"
-            for service in services:
-                deadline = time.monotonic() + 60
-                while asyncio.run(health_status(service.address)) != "SERVING":
-                    if time.monotonic() > deadline:
-                        raise SystemExit("budget service did not start")
-                    time.sleep(0.2)
-            addresses = [s.address for s in services]
+                services.append(process)
+                addresses.append(address)
             rows = []
             for level in (int(x) for x in args.levels.split(",")):
                 for shared in (True, False):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import numpy as np
 
 from ragline.datasets import load_squad
 from ragline.models import ModelStore
-from ragline.stack import free_ports, health_status
+from ragline.stack import spawn_service
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TEXTS = REPO / "tests/fixtures/squad_dev_sample.json"
@@ -132,24 +131,6 @@ async def drive(address: str, texts: list[str], concurrency: int, seconds: float
     }
 
 
-def start_service(env_extra: dict[str, str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_ports(1)[0]
-    env = {**os.environ, "RAGLINE_EMBEDDING_ACCESS_LOG": "false", **env_extra}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ragline.cli", "serve", "embedding", "--port", str(port)],
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while asyncio.run(health_status(address)) != "SERVING":
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"embedding service did not start; see {log}")
-        time.sleep(0.2)
-    return process, address
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -176,9 +157,11 @@ def main() -> int:
             )
 
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
-    batched, batched_addr = start_service({}, log_dir / "bench-embedding-batched.log")
-    unbatched, unbatched_addr = start_service(
-        {"RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "1"}, log_dir / "bench-embedding-unbatched.log"
+    batched, batched_addr = spawn_service("embedding", {}, log_dir / "bench-embedding-batched.log")
+    unbatched, unbatched_addr = spawn_service(
+        "embedding",
+        {"RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "1"},
+        log_dir / "bench-embedding-unbatched.log",
     )
     try:
         print(f"\nthrough gRPC, one question per request, {args.seconds:.0f} s per row")

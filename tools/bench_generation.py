@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -30,7 +29,7 @@ import grpc
 import httpx
 
 from ragline.datasets import load_squad
-from ragline.stack import free_ports, health_status
+from ragline.stack import spawn_service
 from ragline.v1 import generation_pb2, generation_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,24 +75,6 @@ async def answers(address: str, cases, max_tokens: int, tier: int = 0) -> list:
             request.tier = tier
             finals.append((await run_one(stub, request))["final"])
         return finals
-
-
-def start_service(env_extra: dict[str, str], log: Path):
-    port = free_ports(1)[0]
-    env = {**os.environ, "RAGLINE_GENERATION_ACCESS_LOG": "false", **env_extra}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ragline.cli", "serve", "generation", "--port", str(port)],
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-    )
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while asyncio.run(health_status(address)) != "SERVING":
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"generation service did not start; see {log}")
-        time.sleep(0.5)
-    return process, address
 
 
 def engine_port(service_log: Path) -> int:
@@ -174,7 +155,8 @@ def main() -> int:
 
     # 1-2 on one plain service with one slot (one request at a time).
     service_log = logs / "bench-generation-1.log"
-    process, address = start_service(
+    process, address = spawn_service(
+        "generation",
         {
             **base_env,
             "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
@@ -273,7 +255,8 @@ def main() -> int:
 
     # 3. the same answers from a tier that speculates (llama-server decides per process);
     # min acceptance 0 keeps it from falling back, to measure speculation itself.
-    process, address = start_service(
+    process, address = spawn_service(
+        "generation",
         {
             **base_env,
             "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
@@ -300,7 +283,8 @@ def main() -> int:
     # 4. batching: aggregate tok/s at each concurrency, continuous batching vs one at a time.
     results = {}
     for slots in (8, 1):
-        process, address = start_service(
+        process, address = spawn_service(
+            "generation",
             {
                 **base_env,
                 "RAGLINE_GENERATION_MAX_NUM_SEQS": str(slots),
@@ -359,7 +343,8 @@ def main() -> int:
     if args.draft:
         runs = {}
         for mode in ("none", "draft"):
-            process, address = start_service(
+            process, address = spawn_service(
+                "generation",
                 {
                     **base_env,
                     "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import numpy as np
 
 from ragline.datasets import load_squad
 from ragline.models import ModelStore
-from ragline.stack import free_ports, health_status
+from ragline.stack import spawn_service
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
 
 TENANT = (("x-ragline-tenant", "bench"),)
@@ -59,27 +58,11 @@ def query_vectors(questions: list[str]) -> np.ndarray:
     return embed_texts(backend, tokenizer, questions)
 
 
-def start_service(index_dir: Path, env_extra: dict) -> tuple[subprocess.Popen, str, Path]:
-    port = free_ports(1)[0]
-    log = index_dir.parent / f"retrieval-{port}.log"
-    env = {
-        **os.environ,
-        "RAGLINE_RETRIEVAL_INDEX_DIR": str(index_dir),
-        "RAGLINE_RETRIEVAL_ACCESS_LOG": "false",
-        **env_extra,
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ragline.cli", "serve", "retrieval", "--port", str(port)],
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
+def start_service(index_dir: Path, env_extra: dict) -> tuple[subprocess.Popen, str]:
+    log = index_dir.parent / f"retrieval-{len(list(index_dir.parent.glob('*.log')))}.log"
+    return spawn_service(
+        "retrieval", {"RAGLINE_RETRIEVAL_INDEX_DIR": str(index_dir), **env_extra}, log
     )
-    address = f"127.0.0.1:{port}"
-    while asyncio.run(health_status(address)) != "SERVING":
-        if process.poll() is not None:
-            raise SystemExit(f"retrieval service died; see {log}")
-        time.sleep(0.2)
-    return process, address, log
 
 
 async def ingest(address: str, docs: list[dict], vectors: np.ndarray, start: int = 0) -> float:
@@ -171,7 +154,7 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
     docs, vectors = docs_all[:size], vectors_all[:size]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-retrieval-") as tmp:
-        process, address, _ = start_service(
+        process, address = start_service(
             Path(tmp) / "index",
             {
                 "RAGLINE_RETRIEVAL_REBUILD_AFTER": str(size + 1_000_000),  # one build, at the end
@@ -184,7 +167,7 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
             process.terminate()
             process.wait()
             # Restart with normal thresholds: the first build runs now, over everything.
-            process, address, _ = start_service(
+            process, address = start_service(
                 Path(tmp) / "index",
                 {
                     "RAGLINE_RETRIEVAL_REBUILD_AFTER": "2000",

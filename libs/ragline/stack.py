@@ -88,6 +88,42 @@ def plan_ports(names: list[str], base_port: int | None, host: str) -> dict[str, 
     return {name: start + offsets[name] for name in names}
 
 
+def health_status_sync(address: str, timeout_s: float = 0.5) -> str:
+    """The same check without an event loop (tests and tools that start services)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def spawn_service(
+    name: str, env_extra: dict[str, str], log_path: Path, *, wait_s: float = 600.0
+) -> tuple[subprocess.Popen, str]:
+    """`ragline serve NAME` on a free loopback port, waited until SERVING (for tools)."""
+    port = free_ports(1)[0]
+    env = {**os.environ, f"RAGLINE_{name.upper()}_ACCESS_LOG": "false", **env_extra}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ragline.cli", "serve", name, "--port", str(port)],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + wait_s
+    while health_status_sync(address) != "SERVING":
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"{name} service did not start; see {log_path}")
+        time.sleep(0.2)
+    return process, address
+
+
 async def health_status(address: str, timeout_s: float = 1.0) -> str:
     """SERVING / NOT_SERVING / UNREACHABLE for the server at `address`."""
     async with grpc.aio.insecure_channel(address) as channel:

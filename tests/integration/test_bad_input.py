@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
+from conftest import field_violations
 
 from ragline.v1 import (
     embedding_pb2,
@@ -19,18 +18,6 @@ from ragline.v1 import (
 pytestmark = pytest.mark.integration
 
 TENANT = (("x-ragline-tenant", "acme"),)
-
-
-def field_violations(error: grpc.aio.AioRpcError) -> dict[str, str]:
-    status = rpc_status.from_call(error)
-    assert status is not None, "no google.rpc.Status details in the trailers"
-    violations = {}
-    for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad_request = error_details_pb2.BadRequest()
-            detail.Unpack(bad_request)
-            violations.update({v.field: v.description for v in bad_request.field_violations})
-    return violations
 
 
 @pytest.fixture
