@@ -128,30 +128,36 @@ class RetrievalIndex:
         """Applies every logged write the indexes have not seen; returns how many records."""
         start = min(self.bm25_seq, getattr(self.vectors, "built_seq", self.bm25_seq))
         count = 0
-        pending_upserts: list[StoredDocument] = []
-        pending_deletes: list[str] = []
+        # The last state of each key over a run of records (None: deleted), so a batch
+        # applied to BM25 at once ends exactly as the records applied one by one would.
+        final: dict[str, StoredDocument | None] = {}
         for record in self.wal.replay(after_seq=start):
             seq = record["seq"]
             upserts = [StoredDocument.from_record(d) for d in record.get("upserts", ())]
             deletes = list(record.get("deletes", ()))
             self.vectors.apply(seq, upserts, deletes)
             if seq > self.bm25_seq:
-                pending_deletes.extend(deletes)
-                pending_upserts.extend(upserts)
-            if len(pending_upserts) >= 5000:
-                self._bm25_apply(seq, pending_upserts, pending_deletes)
-                pending_upserts, pending_deletes = [], []
+                final.update(dict.fromkeys(deletes))
+                final.update((doc.key, doc) for doc in upserts)
+            if len(final) >= 5000:
+                self._bm25_apply_final(seq, final)
+                final = {}
             self.applied_seq = seq
             count += 1
-        if pending_upserts or pending_deletes:
-            self._bm25_apply(self.applied_seq, pending_upserts, pending_deletes)
+        if final:
+            self._bm25_apply_final(self.applied_seq, final)
         self.applied_seq = max(self.applied_seq, self.wal.last_seq)
         return count
 
+    def _bm25_apply_final(self, seq: int, final: dict[str, StoredDocument | None]) -> None:
+        self._bm25_apply(
+            seq,
+            [d for d in final.values() if d is not None],
+            [k for k, d in final.items() if d is None],
+        )
+
     def _bm25_apply(self, seq: int, upserts: list[StoredDocument], deletes: list[str]) -> None:
-        # Apply deletions and upserts in log order: a delete followed by a re-upsert of the
-        # same key must leave the document.
-        self.bm25.apply(upserts, [k for k in deletes if k not in {d.key for d in upserts}])
+        self.bm25.apply(upserts, deletes)
         self.bm25_seq = seq
         tmp = self._state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"bm25_seq": seq}))

@@ -149,6 +149,20 @@ async def test_restart_replays_without_duplicates(tmp_path):
     assert [h.text for h in hits if h.id == "warsaw"] == ["Warsaw, updated text."]
 
 
+async def test_replay_keeps_log_order_for_a_key_written_then_deleted(tmp_path):
+    index = open_index(tmp_path)
+    await index.upsert("acme", DOCS)
+    await index.delete("acme", ["paris"])
+    await index.upsert("acme", [DocumentInput("rome", "Rome", "Rome on the Tiber river.")])
+    await index.delete("acme", ["rome"])
+    index.close()
+    (tmp_path / "state.json").unlink()  # as if BM25 had applied nothing: replay it all
+    reopened = open_index(tmp_path)
+    for mode in (BM25, VECTOR):
+        found = ids(await reopened.search(ACME, SearchQuery("Paris Rome river", 10, mode)))
+        assert "paris" not in found and "rome" not in found, mode
+
+
 async def test_bad_input(tmp_path):
     index = open_index(tmp_path)
     with pytest.raises(InvalidArgument, match=r"documents\[0\]\.vector"):
