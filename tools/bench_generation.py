@@ -342,7 +342,7 @@ def main() -> int:
 
     if args.draft:
         runs = {}
-        for mode in ("none", "draft"):
+        for mode in ("none", "draft", "ngram"):
             process, address = spawn_service(
                 "generation",
                 {
@@ -361,16 +361,18 @@ def main() -> int:
             finally:
                 process.terminate()
                 process.wait()
-        plain, draft = runs["none"], runs["draft"]
-        same = sum(a.text == b.text for a, b in zip(plain, draft, strict=True))
-        rate = statistics.median(b.speculation.acceptance_rate for b in draft)
+        plain = runs["none"]
         p_tps = statistics.median(a.decode_tokens_per_second for a in plain)
-        d_tps = statistics.median(b.decode_tokens_per_second for b in draft)
-        rows.append(
-            f"| draft model (0.5B for 1.5B) vs plain decode tok/s | {d_tps:.1f} vs "
-            f"{p_tps:.1f} (acceptance {rate:.0%}, identical outputs {same}/{len(plain)})"
-            f" | {d_tps / p_tps:.2f}x |"
-        )
+        for mode, label in (("draft", "draft model (0.5B for 1.5B)"), ("ngram", "n-gram on 1.5B")):
+            spec = runs[mode]
+            same = sum(a.text == b.text for a, b in zip(plain, spec, strict=True))
+            rate = statistics.median(b.speculation.acceptance_rate for b in spec)
+            d_tps = statistics.median(b.decode_tokens_per_second for b in spec)
+            rows.append(
+                f"| {label} vs plain decode tok/s | {d_tps:.1f} vs {p_tps:.1f} "
+                f"(acceptance {rate:.0%}, identical outputs {same}/{len(plain)}) | "
+                f"{d_tps / p_tps:.2f}x |"
+            )
 
     print(
         f"\ngeneration on llama-server, model {args.model}, {args.tokens} tokens, greedy, "

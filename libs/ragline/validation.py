@@ -44,6 +44,17 @@ class _FieldCheck:
     maximum: float | None
     no_empty_items: bool
 
+    @property
+    def items_checked(self) -> bool:
+        """Whether the items of a repeated scalar field need a look one by one (a vector of
+        floats without rules is skipped: visiting 192k floats took half of an Upsert's CPU)."""
+        kind = self.field.type
+        return (
+            kind == FieldDescriptor.TYPE_ENUM
+            or (kind in _STRING_TYPES and (self.no_empty_items or self.max_bytes > 0))
+            or (self.minimum is not None or self.maximum is not None)
+        )
+
 
 @dataclass(frozen=True)
 class _MessageChecks:
@@ -92,6 +103,43 @@ def _checks_for(descriptor: Descriptor) -> _MessageChecks:
         if options.HasExtension(oneof_ext) and options.Extensions[oneof_ext]:
             oneofs.append((oneof.name, tuple(f.name for f in oneof.fields)))
     return _MessageChecks(fields=tuple(checks), required_oneofs=tuple(oneofs))
+
+
+@cache
+def _has_checks(descriptor: Descriptor) -> bool:
+    """Whether a message type, or any message inside it, has something to check."""
+    return _search_checks(descriptor, frozenset())
+
+
+def _search_checks(descriptor: Descriptor, visiting: frozenset) -> bool:
+    checks = _checks_for(descriptor)
+    if checks.required_oneofs:
+        return True
+    visiting = visiting | {descriptor.full_name}
+    for check in checks.fields:
+        field = check.field
+        if (
+            check.required
+            or check.max_items
+            or check.max_bytes
+            or check.minimum is not None
+            or check.maximum is not None
+            or check.no_empty_items
+            or field.type == FieldDescriptor.TYPE_ENUM
+        ):
+            return True
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            inner = field.message_type
+            if check.is_map:
+                value = inner.fields_by_name["value"]
+                if value.type == FieldDescriptor.TYPE_ENUM:
+                    return True
+                if value.type != FieldDescriptor.TYPE_MESSAGE:
+                    continue
+                inner = value.message_type
+            if inner.full_name not in visiting and _search_checks(inner, visiting):
+                return True
+    return False
 
 
 def _enum_names(field: FieldDescriptor) -> str:
@@ -157,7 +205,9 @@ def _collect(message: Message, prefix: str, out: list[FieldViolation]) -> None:
                     )
                 )
             value_field = field.message_type.fields_by_name["value"]
-            if value_field.type == FieldDescriptor.TYPE_MESSAGE:
+            if value_field.type == FieldDescriptor.TYPE_MESSAGE and _has_checks(
+                value_field.message_type
+            ):
                 for key, item in value.items():
                     _collect(item, f"{path}[{key!r}].", out)
             continue
@@ -168,16 +218,18 @@ def _collect(message: Message, prefix: str, out: list[FieldViolation]) -> None:
                 out.append(
                     FieldViolation(path, f"has {len(value)} items; the limit is {check.max_items}")
                 )
-            for index, item in enumerate(value):
-                item_path = f"{path}[{index}]"
-                if field.type == FieldDescriptor.TYPE_MESSAGE:
-                    _collect(item, f"{item_path}.", out)
-                else:
-                    _check_scalar(check, item, item_path, out, is_item=True)
+            if field.type == FieldDescriptor.TYPE_MESSAGE:
+                if _has_checks(field.message_type):
+                    for index, item in enumerate(value):
+                        _collect(item, f"{path}[{index}].", out)
+            elif check.items_checked:
+                for index, item in enumerate(value):
+                    _check_scalar(check, item, f"{path}[{index}]", out, is_item=True)
             continue
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             if message.HasField(field.name):
-                _collect(value, f"{path}.", out)
+                if _has_checks(field.message_type):
+                    _collect(value, f"{path}.", out)
             elif check.required:
                 out.append(FieldViolation(path, "is required"))
             continue

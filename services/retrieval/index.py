@@ -24,6 +24,7 @@ from ragline_services.retrieval.documents import (
     StoredDocument,
     Visibility,
     doc_key,
+    encode_vector,
     passage_text,
 )
 from ragline_services.retrieval.fusion import rrf, score_fusion
@@ -190,12 +191,12 @@ class RetrievalIndex:
                 [passage_text(documents[i].title, documents[i].text) for i in missing],
                 "passage",
             )
-            vectors = {i: tuple(float(x) for x in embedded[n]) for n, i in enumerate(missing)}
+            vectors = {i: embedded[n] for n, i in enumerate(missing)}
         # The log assigns the version; documents carry it once the sequence is known.
         records = [
             {"tenant": tenant, "id": d.id, "title": d.title, "text": d.text,
              "acl": list(d.acl), "attributes": dict(d.attributes),
-             "vector": [float(x) for x in (d.vector or vectors[i])], "version": 0}
+             "vector": encode_vector(d.vector if d.vector else vectors[i]), "version": 0}
             for i, d in enumerate(documents)
         ]  # fmt: skip
         seq = await self._write({"op": "write", "upserts": records, "deletes": []})

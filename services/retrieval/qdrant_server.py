@@ -96,7 +96,7 @@ class QdrantServerIndex:
                 q.PointStruct(
                     id=q.PointId(num=point_id(doc.key)),
                     vectors=q.Vectors(vector=q.Vector(dense=q.DenseVector(
-                        data=[float(x) for x in doc.vector]))),
+                        data=doc.vector.tolist()))),
                     payload={"key": _value(doc.key), "tenant": _value(doc.tenant),
                              "scope": _value(list(doc.scopes)),
                              "attr": _value(doc.attribute_terms)},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -46,6 +47,10 @@ class RetrievalConfig(ServiceConfig):
     exact_limit: int = Field(20_000, ge=1)
     rebuild_after: int = Field(2_000, ge=1)
     build_check_s: float = Field(2.0, gt=0)
+    # The HNSW builder's threads (0: every core) and CPU niceness: a build is background
+    # work and must not take the cores the queries need.
+    build_threads: int = Field(default_factory=lambda: max(1, (os.cpu_count() or 2) // 2), ge=0)
+    build_niceness: int = Field(19, ge=0, le=19)
     default_vector_weight: float = Field(0.2, gt=0, lt=1)
     default_candidates: int = Field(100, ge=1)
     default_hnsw_ef: int = Field(128, ge=1)
@@ -103,6 +108,8 @@ class RetrievalService(Service):
                 directory / "write.log",
                 exact_limit=cfg.exact_limit,
                 rebuild_after=cfg.rebuild_after,
+                build_threads=cfg.build_threads,
+                build_niceness=cfg.build_niceness,
             )
         settings = IndexSettings(
             dim=cfg.dim,

@@ -81,14 +81,67 @@ class _DeltaEntry:
     tenant: str
     scopes: frozenset[str]
     attrs: frozenset[str]
+    point_id: int
 
 
-def _visible(entry: _DeltaEntry, visibility: Visibility) -> bool:
-    return (
-        entry.tenant == visibility.tenant
-        and not entry.scopes.isdisjoint(visibility.allowed_scopes)
-        and set(visibility.attribute_terms) <= entry.attrs
-    )
+@dataclass(frozen=True)
+class _TenantDelta:
+    """One tenant's delta as arrays: built once after a write, not on every query (the
+    per-query scan of the whole delta was the query path's cost while writes streamed in)."""
+
+    keys: list[str]  # entries with a vector
+    rows: dict[str, int]
+    matrix: np.ndarray  # their normalised vectors, one row per key
+    scopes: list[frozenset[str]]
+    attrs: list[frozenset[str]]
+    # Point ids of every delta key of the tenant, deletions included: the shard's copy of
+    # these is stale, so the shard query excludes them inside the engine (no over-fetch).
+    shadow_ids: set[int]
+
+    def search(
+        self, vector: np.ndarray, visibility: Visibility, k: int, only: list[str] | None
+    ) -> list[Candidate]:
+        if not self.keys:
+            return []
+        if only is None:
+            rows = np.argsort(-(self.matrix @ vector))
+        else:
+            subset = np.asarray([self.rows[key] for key in only if key in self.rows], dtype=int)
+            if not subset.size:
+                return []
+            rows = subset[np.argsort(-(self.matrix[subset] @ vector))]
+        allowed = set(visibility.allowed_scopes)
+        wanted = set(visibility.attribute_terms)
+        found = []
+        for row in rows:
+            if self.scopes[row].isdisjoint(allowed) or not wanted <= self.attrs[row]:
+                continue
+            found.append(Candidate(self.keys[row], float(self.matrix[row] @ vector)))
+            if len(found) == k:
+                break
+        return found
+
+
+def _tenant_deltas(delta: dict[str, _DeltaEntry], dim: int) -> dict[str, _TenantDelta]:
+    grouped: dict[str, list[tuple[str, _DeltaEntry]]] = {}
+    for key, entry in delta.items():
+        grouped.setdefault(entry.tenant, []).append((key, entry))
+    out = {}
+    for tenant, items in grouped.items():
+        live = [(key, entry) for key, entry in items if entry.vector is not None]
+        out[tenant] = _TenantDelta(
+            keys=[key for key, _ in live],
+            rows={key: row for row, (key, _) in enumerate(live)},
+            matrix=(
+                np.stack([entry.vector for _, entry in live])
+                if live
+                else np.zeros((0, dim), dtype=np.float32)
+            ),
+            scopes=[entry.scopes for _, entry in live],
+            attrs=[entry.attrs for _, entry in live],
+            shadow_ids={entry.point_id for _, entry in items},
+        )
+    return out
 
 
 class EdgeVectorIndex:
@@ -100,8 +153,12 @@ class EdgeVectorIndex:
         *,
         exact_limit: int = 20_000,
         rebuild_after: int = 2_000,
+        build_threads: int = 1,
+        build_niceness: int = 19,
     ) -> None:
         self.directory = directory
+        self.build_threads = build_threads
+        self.build_niceness = build_niceness
         self.dim = dim
         self.wal_path = wal_path
         self.exact_limit = exact_limit
@@ -109,8 +166,13 @@ class EdgeVectorIndex:
         directory.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()  # guards shard / delta swaps, never held for I/O
         self._delta: dict[str, _DeltaEntry] = {}
-        self._delta_cache: tuple[list[str], np.ndarray] | None = None
+        self._by_tenant: dict[str, _TenantDelta] | None = None  # derived from _delta
         self._shard = None
+        self._shard_dir: Path | None = None
+        # Searches in flight per shard (by id): a swapped-out shard is closed and its files
+        # removed only once the last search that took it has finished.
+        self._readers: dict[int, int] = {}
+        self._retired: list[tuple[object, Path]] = []
         self._shard_points = 0
         self.built_seq = 0
         self.building = False
@@ -126,7 +188,8 @@ class EdgeVectorIndex:
         current = json.loads(manifest.read_text())
         import qdrant_edge as qe
 
-        self._shard = qe.EdgeShard.load(str(self.directory / current["dir"]))
+        self._shard_dir = self.directory / current["dir"]
+        self._shard = qe.EdgeShard.load(str(self._shard_dir))
         self._shard_points = current["points"]
         self.built_seq = current["seq"]
 
@@ -145,7 +208,8 @@ class EdgeVectorIndex:
                 shutil.rmtree(target)
             self._builder = subprocess.Popen(
                 [sys.executable, "-m", "ragline_services.retrieval.hnsw_builder",
-                 str(self.wal_path), str(upto_seq), str(target), str(self.dim)],
+                 str(self.wal_path), str(upto_seq), str(target), str(self.dim),
+                 "--threads", str(self.build_threads), "--niceness", str(self.build_niceness)],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
             out, err = self._builder.communicate()
@@ -156,22 +220,32 @@ class EdgeVectorIndex:
 
             shard = qe.EdgeShard.load(str(target))
             with self._lock:
-                old, self._shard = self._shard, shard
+                if self._shard is not None:
+                    self._retired.append((self._shard, self._shard_dir))
+                self._shard, self._shard_dir = shard, target
                 self._shard_points = points
                 self.built_seq = upto_seq
                 self._delta = {k: e for k, e in self._delta.items() if e.seq > upto_seq}
-                self._delta_cache = None
+                self._by_tenant = None
             (self.directory / "current.json.tmp").write_text(
                 json.dumps({"dir": name, "seq": upto_seq, "points": points})
             )
             (self.directory / "current.json.tmp").replace(self.directory / "current.json")
-            if old is not None:
-                old.close()
+            self._release_retired()
+            busy = {path for _, path in self._retired} | {target}
             for stale in self.directory.glob("hnsw-*"):
-                if stale.name != name:
+                if stale not in busy:  # left by a crash or a failed build
                     shutil.rmtree(stale, ignore_errors=True)
         finally:
             self.building = False
+
+    def _release_retired(self) -> None:
+        with self._lock:
+            idle = [(s, p) for s, p in self._retired if not self._readers.get(id(s))]
+            self._retired = [(s, p) for s, p in self._retired if self._readers.get(id(s))]
+        for shard, path in idle:
+            shard.close()
+            shutil.rmtree(path, ignore_errors=True)
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -181,36 +255,22 @@ class EdgeVectorIndex:
         with self._lock:
             for key in deletes:
                 tenant = key.split("\x1f", 1)[0]
-                self._delta[key] = _DeltaEntry(seq, None, tenant, frozenset(), frozenset())
+                self._delta[key] = _DeltaEntry(
+                    seq, None, tenant, frozenset(), frozenset(), point_id(key)
+                )
             for doc in upserts:
                 vector = np.asarray(doc.vector, dtype=np.float32)
-                vector /= max(float(np.linalg.norm(vector)), 1e-12)
+                vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
                 self._delta[doc.key] = _DeltaEntry(
-                    seq, vector, doc.tenant, frozenset(doc.scopes), frozenset(doc.attribute_terms)
-                )
-            self._delta_cache = None
+                    seq, vector, doc.tenant, frozenset(doc.scopes),
+                    frozenset(doc.attribute_terms), point_id(doc.key),
+                )  # fmt: skip
+            self._by_tenant = None
 
     # -- reads ----------------------------------------------------------------------------
 
     def ready(self) -> bool:
         return self._shard is not None or len(self._delta) <= self.exact_limit
-
-    def _delta_search(
-        self, vector: np.ndarray, visibility: Visibility, k: int, only: set[str] | None
-    ) -> list[Candidate]:
-        keys = [
-            key
-            for key, entry in self._delta.items()
-            if entry.vector is not None
-            and _visible(entry, visibility)
-            and (only is None or key in only)
-        ]
-        if not keys:
-            return []
-        matrix = np.stack([self._delta[key].vector for key in keys])
-        scores = matrix @ vector
-        top = np.argsort(-scores)[:k]
-        return [Candidate(keys[i], float(scores[i])) for i in top]
 
     def search(
         self,
@@ -221,25 +281,35 @@ class EdgeVectorIndex:
         only_keys: list[str] | None = None,
     ) -> list[Candidate]:
         vector = np.asarray(vector, dtype=np.float32)
-        vector /= max(float(np.linalg.norm(vector)), 1e-12)
+        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
         with self._lock:
-            shard, delta = self._shard, self._delta
-            only = set(only_keys) if only_keys is not None else None
-            found = self._delta_search(vector, visibility, k, only)
-            shadowed = len(delta)
-        if shard is not None:
-            # Over-fetch by what the delta may shadow (newer versions, deletions).
-            extra = min(shadowed, 1000)
-            for candidate in self._shard_search(
-                shard, vector, visibility, k + extra, hnsw_ef, only_keys
-            ):
-                if candidate.key not in delta:
-                    found.append(candidate)
+            shard = self._shard
+            if shard is not None:
+                self._readers[id(shard)] = self._readers.get(id(shard), 0) + 1
+            if self._by_tenant is None:
+                self._by_tenant = _tenant_deltas(self._delta, self.dim)
+            delta = self._by_tenant.get(visibility.tenant)
+        # Both are immutable snapshots taken together: search them outside the lock.
+        try:
+            found = delta.search(vector, visibility, k, only_keys) if delta is not None else []
+            if shard is not None:
+                found += self._shard_search(
+                    shard, vector, visibility, k, hnsw_ef, only_keys,
+                    exclude=delta.shadow_ids if delta is not None else set(),
+                )  # fmt: skip
+        finally:
+            if shard is not None:
+                with self._lock:
+                    remaining = self._readers.pop(id(shard)) - 1
+                    if remaining:
+                        self._readers[id(shard)] = remaining
+                if self._retired:
+                    self._release_retired()
         found.sort(key=lambda c: -c.score)
         return found[:k]
 
     @staticmethod
-    def _shard_search(shard, vector, visibility, limit, hnsw_ef, only_keys):
+    def _shard_search(shard, vector, visibility, limit, hnsw_ef, only_keys, exclude):
         import qdrant_edge as qe
 
         must = [
@@ -253,7 +323,7 @@ class EdgeVectorIndex:
         request = qe.QueryRequest(
             limit=limit,
             query=qe.Query.Nearest(vector.tolist()),
-            filter=qe.Filter(must=must),
+            filter=qe.Filter(must=must, must_not=[qe.HasIdCondition(exclude)] if exclude else None),
             with_payload=True,
             params=qe.SearchParams(hnsw_ef=hnsw_ef, exact=only_keys is not None),
         )
@@ -276,5 +346,8 @@ class EdgeVectorIndex:
     def close(self) -> None:
         if self._builder is not None and self._builder.poll() is None:
             self._builder.kill()  # a build in flight is simply redone after restart
+        for shard, _ in self._retired:
+            shard.close()
+        self._retired = []
         if self._shard is not None:
             self._shard.close()

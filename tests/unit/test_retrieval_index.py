@@ -199,3 +199,44 @@ async def test_build_swaps_in_hnsw_while_queries_keep_answering(tmp_path):
     await index.upsert("acme", [DocumentInput("warsaw", "Warsaw", "Renamed to Varsovia.")])
     found = await index.search(ACME, SearchQuery("Varsovia", 1, VECTOR))
     assert ids(found) == ["warsaw"]  # the delta overrides the shard's older version
+
+
+async def test_stale_shard_copies_never_surface_whatever_k(tmp_path):
+    index = open_index(tmp_path, exact_limit=10_000, rebuild_after=1)
+    await index.upsert("acme", DOCS)
+    assert await index.maybe_build()
+    # Change every public document after the build: the shard's copies are all stale and
+    # must be excluded inside the engine, not by over-fetching.
+    await index.delete("acme", ["paris", "tesla"])
+    await index.upsert("acme", [DocumentInput("warsaw", "Warsaw", "Renamed to Varsovia.")])
+    found = await index.search(ACME, SearchQuery("Paris capital river Tesla", 10, VECTOR))
+    assert ids(found) == ["warsaw"]
+    assert found.hits[0].version == index.applied_seq
+
+
+def test_a_swapped_out_shard_closes_only_after_its_last_search(tmp_path):
+    vectors = EdgeVectorIndex(tmp_path / "vectors", DIM, tmp_path / "write.log", rebuild_after=1)
+    index = RetrievalIndex(tmp_path, vectors, IndexSettings(dim=DIM), toy_embed)
+    asyncio.run(index.upsert("acme", DOCS))
+    vectors.build(index.applied_seq)
+    first_dir = vectors._shard_dir
+    vectors._readers[id(vectors._shard)] = 1  # a search holding the first shard
+    asyncio.run(index.upsert("acme", [DocumentInput("oslo", "Oslo", "Oslo is in Norway.")]))
+    vectors.build(index.applied_seq)
+    assert first_dir.exists() and len(vectors._retired) == 1
+    old_shard = vectors._retired[0][0]
+    vectors._readers.pop(id(old_shard))
+    vectors._release_retired()
+    assert not first_dir.exists() and not vectors._retired
+    hits = vectors.search(toy_vector("Oslo Norway"), ACME, 1, 64)
+    assert [h.key.split("\x1f")[1] for h in hits] == ["oslo"]
+    vectors.close()
+
+
+def test_vectors_in_the_log_are_lossless_and_older_json_logs_still_read():
+    from ragline_services.retrieval.documents import decode_vector, encode_vector
+
+    values = np.random.default_rng(1).standard_normal(384).astype(np.float32)
+    assert np.array_equal(decode_vector(encode_vector(values)), values)
+    assert np.array_equal(decode_vector(values.tolist()), values)  # a JSON list
+    assert len(encode_vector(values)) < len(str(values.tolist())) / 3

@@ -131,3 +131,21 @@ def test_check_size_names_the_largest_field():
         check_size(request, 5000)
     assert caught.value.field == "documents"
     assert "limit of 5000 bytes" in caught.value.message
+
+
+def test_only_what_has_rules_is_walked_item_by_item():
+    from google.protobuf import timestamp_pb2
+
+    from ragline.validation import _checks_for, _has_checks
+
+    document = retrieval_pb2.UpsertRequest.DESCRIPTOR.fields_by_name["documents"].message_type
+    checks = {c.field.name: c for c in _checks_for(document).fields}
+    assert not checks["vector"].items_checked  # floats without rules: not visited one by one
+    assert checks["acl"].items_checked
+    assert _has_checks(document)
+    assert not _has_checks(timestamp_pb2.Timestamp.DESCRIPTOR)
+    # and a violation deep inside a repeated message is still found
+    request = retrieval_pb2.UpsertRequest()
+    request.documents.add(id="a", text="ok", vector=[0.1] * 384)
+    request.documents.add(id="", text="ok", acl=[""])
+    assert set(found(request)) == {"documents[1].id", "documents[1].acl[0]"}
