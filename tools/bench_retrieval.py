@@ -28,7 +28,6 @@ import grpc
 import numpy as np
 
 from ragline.datasets import load_squad
-from ragline.models import ModelStore
 from ragline.stack import spawn_service
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
 
@@ -45,14 +44,9 @@ def pct(values, q):
 
 
 def query_vectors(questions: list[str], model: str) -> np.ndarray:
-    from ragline_services.embedding.backends import OnnxRuntimeBackend
-    from ragline_services.embedding.offline import embed_texts
-    from ragline_services.embedding.tokenization import Tokenizer
+    from ragline_services.embedding.offline import embed_texts, load_embedder
 
-    store = ModelStore()
-    spec = store.spec(model)
-    tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
-    backend = OnnxRuntimeBackend(store.file(model, "model.onnx"), intra_op_threads=2)
+    backend, tokenizer = load_embedder(model)
     return embed_texts(backend, tokenizer, questions)
 
 

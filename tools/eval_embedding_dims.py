@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from ragline.datasets import load_squad
 from ragline.evaluation import ranking_metrics
-from ragline.models import ModelStore
-from ragline_services.embedding.backends import OnnxRuntimeBackend, file_version, normalise
-from ragline_services.embedding.offline import embed_texts
-from ragline_services.embedding.tokenization import Tokenizer
+from ragline_services.embedding.backends import normalise
+from ragline_services.embedding.offline import squad_vectors
 
 
 def main() -> int:
@@ -37,31 +34,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    store = ModelStore()
-    store.prepare(args.model)
-    spec = store.spec(args.model)
-    model_path = store.file(args.model, "model.onnx")
-    version = file_version(model_path)
-    tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
     passages, questions = load_squad(args.data)
-    cache = args.data.with_suffix(f".{args.model}.{version}.npz")
-    if cache.exists():
-        loaded = np.load(cache)
-        p_vecs, q_vecs = loaded["passages"], loaded["questions"]
-    else:
-        backend = OnnxRuntimeBackend(model_path, intra_op_threads=args.threads)
-        started = time.monotonic()
-        p_vecs = embed_texts(backend, tokenizer, [f"{p.title}. {p.text}" for p in passages])
-        q_vecs = embed_texts(backend, tokenizer, [q.text for q in questions])
-        print(
-            f"embedded {len(passages)} passages and {len(questions)} questions in "
-            f"{time.monotonic() - started:.0f} s",
-            file=sys.stderr,
-        )
-        try:
-            np.savez(cache, passages=p_vecs, questions=q_vecs)
-        except OSError:
-            pass  # read-only data folder: no cache
+    p_vecs, q_vecs, version = squad_vectors(
+        args.data, args.model, passages, questions, args.threads
+    )
     ids = [p.id for p in passages]
     relevant = [q.passage_id for q in questions]
     rows = []

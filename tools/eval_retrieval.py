@@ -20,14 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from ragline.datasets import load_squad
 from ragline.evaluation import ranking_metrics
-from ragline.models import ModelStore
-from ragline_services.embedding.backends import OnnxRuntimeBackend, file_version
-from ragline_services.embedding.offline import embed_texts
-from ragline_services.embedding.tokenization import Tokenizer
+from ragline_services.embedding.offline import squad_vectors
 from ragline_services.retrieval.documents import Visibility
 from ragline_services.retrieval.index import (
     BM25,
@@ -42,34 +37,9 @@ from ragline_services.retrieval.index import (
 from ragline_services.retrieval.vectors import EdgeVectorIndex
 
 
-def vectors_for(path: Path, model: str, passages, questions, threads: int):
-    store = ModelStore()
-    store.prepare(model)
-    spec = store.spec(model)
-    model_path = store.file(model, "model.onnx")
-    cache = path.with_suffix(f".{model}.{file_version(model_path)}.npz")
-    if cache.exists():
-        data = np.load(cache)
-        return data["passages"], data["questions"]
-    tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
-    backend = OnnxRuntimeBackend(model_path, intra_op_threads=threads)
-    started = time.monotonic()
-    p = embed_texts(backend, tokenizer, [f"{x.title}. {x.text}" for x in passages])
-    q = embed_texts(backend, tokenizer, [x.text for x in questions])
-    print(
-        f"embedded {len(p)} passages, {len(q)} questions in {time.monotonic() - started:.0f} s",
-        file=sys.stderr,
-    )
-    try:
-        np.savez(cache, passages=p, questions=q)
-    except OSError:
-        pass
-    return p, q
-
-
 async def evaluate(path: Path, args) -> list[tuple[str, dict]]:
     passages, questions = load_squad(path)
-    p_vecs, q_vecs = vectors_for(path, args.model, passages, questions, args.threads)
+    p_vecs, q_vecs, _ = squad_vectors(path, args.model, passages, questions, args.threads)
     with tempfile.TemporaryDirectory(prefix="eval-retrieval-") as tmp:
         directory = Path(tmp)
         vectors = EdgeVectorIndex(directory / "vectors", p_vecs.shape[1], directory / "write.log")

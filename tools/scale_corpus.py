@@ -87,17 +87,10 @@ def corpus(data: Path, root: Path) -> Iterator[dict]:
 def embed_corpus(path: Path, out: Path, model: str, max_tokens: int) -> None:
     import numpy as np
 
-    from ragline.models import ModelStore
-    from ragline_services.embedding.backends import OnnxRuntimeBackend
-    from ragline_services.embedding.offline import embed_texts
-    from ragline_services.embedding.tokenization import Tokenizer
+    from ragline_services.embedding.offline import embed_texts, load_embedder
     from ragline_services.retrieval.documents import passage_text
 
-    store = ModelStore()
-    store.prepare(model)
-    spec = store.spec(model)
-    tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), max_tokens)
-    backend = OnnxRuntimeBackend(store.file(model, "model.onnx"), intra_op_threads=2)
+    backend, tokenizer = load_embedder(model, max_tokens=max_tokens)
     docs = [json.loads(line) for line in path.open()]
     started = time.monotonic()
     chunks = []

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 
+from ragline.models import ModelStore
+from ragline_services.embedding.backends import OnnxRuntimeBackend, file_version
 from ragline_services.embedding.batcher import bucket_groups, pad
+from ragline_services.embedding.tokenization import Tokenizer
 
 
 def embed_texts(backend, tokenizer, texts: list[str], batch: int = 32) -> np.ndarray:
@@ -14,3 +21,43 @@ def embed_texts(backend, tokenizer, texts: list[str], batch: int = 32) -> np.nda
     for group in bucket_groups([t.length for t in tokens], batch):
         out[group] = backend.run(*pad([tokens[i] for i in group]))
     return out
+
+
+def load_embedder(
+    model: str, *, threads: int = 2, max_tokens: int | None = None
+) -> tuple[OnnxRuntimeBackend, Tokenizer]:
+    """A model's ONNX graph and its tokenizer from the model store (fetched if missing)."""
+    store = ModelStore()
+    store.prepare(model)
+    spec = store.spec(model)
+    tokenizer = Tokenizer(
+        store.file(spec.tokenizer, "tokenizer.json"), max_tokens or spec.max_tokens
+    )
+    return OnnxRuntimeBackend(store.file(model, "model.onnx"), intra_op_threads=threads), tokenizer
+
+
+def squad_vectors(
+    path: Path, model: str, passages, questions, threads: int
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """Passage and question vectors of a SQuAD-format file and the model version, cached
+    next to the file in a .npz keyed by that version (a read-only folder: no cache)."""
+    store = ModelStore()
+    store.prepare(model)
+    version = file_version(store.file(model, "model.onnx"))
+    cache = path.with_suffix(f".{model}.{version}.npz")
+    if cache.exists():
+        data = np.load(cache)
+        return data["passages"], data["questions"], version
+    backend, tokenizer = load_embedder(model, threads=threads)
+    started = time.monotonic()
+    p = embed_texts(backend, tokenizer, [f"{x.title}. {x.text}" for x in passages])
+    q = embed_texts(backend, tokenizer, [x.text for x in questions])
+    print(
+        f"embedded {len(p)} passages, {len(q)} questions in {time.monotonic() - started:.0f} s",
+        file=sys.stderr,
+    )
+    try:
+        np.savez(cache, passages=p, questions=q)
+    except OSError:
+        pass
+    return p, q, version
