@@ -26,6 +26,7 @@ from ragline_services.retrieval.documents import (
     doc_key,
     encode_vector,
     passage_text,
+    split_key,
 )
 from ragline_services.retrieval.fusion import rrf, score_fusion
 from ragline_services.retrieval.vectors import VectorIndex
@@ -330,7 +331,7 @@ class RetrievalIndex:
             if info is None:
                 continue  # deleted between the engines' reads
             hits.append(SearchHit(
-                id=key.split("\x1f", 1)[1], score=score, version=info["version"], scores=parts,
+                id=split_key(key)[1], score=score, version=info["version"], scores=parts,
                 title=info["title"] if query.include_text else "",
                 text=info["text"] if query.include_text else "",
             ))  # fmt: skip

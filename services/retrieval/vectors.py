@@ -30,10 +30,21 @@ from typing import Protocol
 
 import numpy as np
 
-from ragline_services.retrieval.documents import Candidate, StoredDocument, Visibility
+from ragline_services.retrieval.documents import (
+    Candidate,
+    StoredDocument,
+    Visibility,
+    split_key,
+)
 
 HNSW_M = 16
 HNSW_EF_CONSTRUCT = 200
+
+
+def _unit(vector) -> np.ndarray:
+    """A float32 copy scaled to length 1 (cosine = dot product); the input is not changed."""
+    vector = np.asarray(vector, dtype=np.float32)
+    return vector / max(float(np.linalg.norm(vector)), 1e-12)
 
 
 def point_id(key: str) -> int:
@@ -104,19 +115,21 @@ class _TenantDelta:
         if not self.keys:
             return []
         if only is None:
-            rows = np.argsort(-(self.matrix @ vector))
+            rows = np.arange(len(self.keys))
+            scores = self.matrix @ vector
         else:
-            subset = np.asarray([self.rows[key] for key in only if key in self.rows], dtype=int)
-            if not subset.size:
+            rows = np.asarray([self.rows[key] for key in only if key in self.rows], dtype=int)
+            if not rows.size:
                 return []
-            rows = subset[np.argsort(-(self.matrix[subset] @ vector))]
+            scores = self.matrix[rows] @ vector
         allowed = set(visibility.allowed_scopes)
         wanted = set(visibility.attribute_terms)
         found = []
-        for row in rows:
+        for i in np.argsort(-scores):
+            row = rows[i]
             if self.scopes[row].isdisjoint(allowed) or not wanted <= self.attrs[row]:
                 continue
-            found.append(Candidate(self.keys[row], float(self.matrix[row] @ vector)))
+            found.append(Candidate(self.keys[row], float(scores[i])))
             if len(found) == k:
                 break
         return found
@@ -254,15 +267,13 @@ class EdgeVectorIndex:
             return  # already inside the shard (a replay after restart)
         with self._lock:
             for key in deletes:
-                tenant = key.split("\x1f", 1)[0]
+                tenant, _ = split_key(key)
                 self._delta[key] = _DeltaEntry(
                     seq, None, tenant, frozenset(), frozenset(), point_id(key)
                 )
             for doc in upserts:
-                vector = np.asarray(doc.vector, dtype=np.float32)
-                vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
                 self._delta[doc.key] = _DeltaEntry(
-                    seq, vector, doc.tenant, frozenset(doc.scopes),
+                    seq, _unit(doc.vector), doc.tenant, frozenset(doc.scopes),
                     frozenset(doc.attribute_terms), point_id(doc.key),
                 )  # fmt: skip
             self._by_tenant = None
@@ -280,8 +291,7 @@ class EdgeVectorIndex:
         hnsw_ef: int,
         only_keys: list[str] | None = None,
     ) -> list[Candidate]:
-        vector = np.asarray(vector, dtype=np.float32)
-        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        vector = _unit(vector)
         with self._lock:
             shard = self._shard
             if shard is not None:

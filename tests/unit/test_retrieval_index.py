@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ragline.errors import InvalidArgument
-from ragline_services.retrieval.documents import Visibility
+from ragline_services.retrieval.documents import Visibility, split_key
 from ragline_services.retrieval.index import (
     BM25,
     HYBRID,
@@ -229,7 +229,7 @@ def test_a_swapped_out_shard_closes_only_after_its_last_search(tmp_path):
     vectors._release_retired()
     assert not first_dir.exists() and not vectors._retired
     hits = vectors.search(toy_vector("Oslo Norway"), ACME, 1, 64)
-    assert [h.key.split("\x1f")[1] for h in hits] == ["oslo"]
+    assert [split_key(h.key)[1] for h in hits] == ["oslo"]
     vectors.close()
 
 
