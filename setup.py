@@ -12,7 +12,11 @@ from setuptools.command.build_py import build_py
 ROOT = Path(__file__).resolve().parent
 PROTO_ROOT = ROOT / "proto"
 STUB_ROOT = ROOT / "libs"  # proto/ragline/v1/x.proto -> libs/ragline/v1/x_pb2.py
-PACKAGE_ROOTS = {"ragline": ROOT / "libs" / "ragline", "ragline_services": ROOT / "services"}
+PACKAGE_ROOTS = {
+    "ragline": ROOT / "libs" / "ragline",
+    "ragline_services": ROOT / "services",
+    "ragline_app": ROOT / "app",
+}
 
 
 def generate_stubs() -> None:

@@ -1,7 +1,8 @@
-"""Hermetic fixtures for every test: free loopback ports, real service processes, grpcurl.
+"""Every fixture of the test suite, hermetic: free loopback ports, real service processes,
+real etcd / tritonserver / grpcurl. Helpers that are not fixtures live in tests/support/.
 
 Integration tests start services as real processes (`ragline serve NAME`) on free ports of
-127.0.0.1 and stop them with SIGTERM, asserting a clean exit.
+127.0.0.1 and stop them with SIGTERM; every launcher asserts a clean exit 0 at teardown.
 """
 
 from __future__ import annotations
@@ -17,17 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from ragline.etcd_server import EtcdServer
-from ragline.processes import terminate
-from ragline.stack import free_ports, health_status_sync
+from ragline.processes import free_ports, terminate
+from ragline_app.etcd_server import EtcdServer
+from ragline_app.stack import health_status_sync
+from support import REPO_ROOT, SMALL_GENERATION
+from support.budget import Api, budget_env, new_id
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-# Tests run generation on the smallest real model (SmolLM2-135M) with a short context.
-SMALL_GENERATION = {
-    "RAGLINE_GENERATION_SMALL_MODEL": "smollm2-135m",
-    "RAGLINE_GENERATION_CONTEXT_PER_SEQ": "2048",
-    "RAGLINE_GENERATION_MAX_NUM_SEQS": "2",
-}
 BIN_DIR = Path(sys.executable).parent
 
 
@@ -40,20 +36,7 @@ def grpcurl_bin() -> str:
     return found
 
 
-def field_violations(error) -> dict[str, str]:
-    """field -> description of the google.rpc.BadRequest details of a failed call."""
-    from google.rpc import error_details_pb2
-    from grpc_status import rpc_status
-
-    status = rpc_status.from_call(error)
-    assert status is not None, "no google.rpc.Status details in the trailers"
-    violations = {}
-    for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad_request = error_details_pb2.BadRequest()
-            detail.Unpack(bad_request)
-            violations.update({v.field: v.description for v in bad_request.field_violations})
-    return violations
+# -- service processes ----------------------------------------------------------------------
 
 
 @dataclass
@@ -91,7 +74,7 @@ def wait_serving(handle: ServiceHandle, timeout_s: float = 60.0) -> None:
 
 
 class ServiceLauncher:
-    """Starts `ragline serve NAME` processes; stops them (and checks a clean exit) at teardown."""
+    """Starts `ragline serve NAME` processes and stops them (checking a clean exit)."""
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -109,7 +92,7 @@ class ServiceLauncher:
         full_env = {**os.environ, "RAGLINE_LOG_LEVEL": "debug", **(env or {})}
         with log_path.open("wb") as log_file:
             process = subprocess.Popen(
-                [sys.executable, "-m", "ragline.cli", "serve", name, "--port", str(port)],
+                [sys.executable, "-m", "ragline_app.cli", "serve", name, "--port", str(port)],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=full_env,
@@ -121,16 +104,34 @@ class ServiceLauncher:
             wait_serving(handle)
         return handle
 
-    def stop_all(self) -> dict[str, int]:
-        return {h.name: h.stop() for h in reversed(self.handles)}
+    def forget(self, handle: ServiceHandle) -> None:
+        """A process the test ended itself (an expected crash, a kill -9)."""
+        self.handles.remove(handle)
+
+    def stop_all(self) -> None:
+        codes = {f"{h.name}:{h.port}": h.stop() for h in reversed(self.handles)}
+        self.handles.clear()
+        assert all(code == 0 for code in codes.values()), f"unclean exits: {codes}"
+
+
+def _launcher(directory: Path) -> Iterator[ServiceLauncher]:
+    launcher = ServiceLauncher(directory)
+    try:
+        yield launcher
+    finally:
+        launcher.stop_all()
 
 
 @pytest.fixture
 def launcher(tmp_path: Path) -> Iterator[ServiceLauncher]:
-    launcher = ServiceLauncher(tmp_path)
-    yield launcher
-    codes = launcher.stop_all()
-    assert all(code == 0 for code in codes.values()), f"unclean exits: {codes}"
+    """Services for one test."""
+    yield from _launcher(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_launcher(tmp_path_factory) -> Iterator[ServiceLauncher]:
+    """Services shared by the tests of one module."""
+    yield from _launcher(tmp_path_factory.mktemp("services"))
 
 
 @pytest.fixture(scope="session")
@@ -150,8 +151,153 @@ def all_services(tmp_path_factory, etcd) -> Iterator[dict[str, ServiceHandle]]:
     for handle in handles.values():
         wait_serving(handle)
     yield handles
-    codes = launcher.stop_all()
-    assert all(code == 0 for code in codes.values()), f"unclean exits: {codes}"
+    launcher.stop_all()
+
+
+# -- per-service setups -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def embedding_service(module_launcher) -> ServiceHandle:
+    """The embedding service with its defaults."""
+    return module_launcher.start("embedding")
+
+
+@pytest.fixture(scope="module")
+def embedding_pair(module_launcher) -> tuple[ServiceHandle, ServiceHandle]:
+    """Two embedding services: one batching across requests, one running texts alone."""
+    batched = module_launcher.start("embedding", env={"RAGLINE_EMBEDDING_MAX_WAIT_MS": "5"})
+    unbatched = module_launcher.start("embedding", env={"RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "1"})
+    return batched, unbatched
+
+
+@pytest.fixture
+def small_embedding(launcher) -> ServiceHandle:
+    """An embedding service with a 4 KiB request limit and a 64 KiB transport cap."""
+    return launcher.start(
+        "embedding",
+        env={
+            "RAGLINE_EMBEDDING_MAX_REQUEST_BYTES": "4096",
+            "RAGLINE_EMBEDDING_MAX_MESSAGE_BYTES": "65536",
+        },
+    )
+
+
+@pytest.fixture
+def ingest_stack(launcher, tmp_path) -> tuple[ServiceHandle, dict[str, str]]:
+    """Embedding + retrieval, and the environment a `ragline ingest` needs to find them."""
+    embedding = launcher.start("embedding")
+    retrieval = launcher.start(
+        "retrieval",
+        env={
+            "RAGLINE_EMBEDDING_ADDR": embedding.address,
+            "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path / "index"),
+        },
+    )
+    env = {
+        **os.environ,
+        "RAGLINE_EMBEDDING_ADDR": embedding.address,
+        "RAGLINE_RETRIEVAL_ADDR": retrieval.address,
+        "RAGLINE_DATA_DIR": str(tmp_path),
+    }
+    return retrieval, env
+
+
+@pytest.fixture(scope="module")
+def generation_service(module_launcher) -> ServiceHandle:
+    """Generation on SmolLM2 with one slot and a one-request queue (easy to fill)."""
+    return module_launcher.start(
+        "generation",
+        env={
+            **SMALL_GENERATION,
+            "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+            "RAGLINE_GENERATION_MAX_QUEUE": "1",
+        },
+    )
+
+
+@pytest.fixture
+def generation_on_triton(triton_generation, launcher) -> ServiceHandle:
+    return launcher.start(
+        "generation",
+        env={
+            "RAGLINE_GENERATION_ENGINE": "triton",
+            "RAGLINE_GENERATION_TRITON_URL": triton_generation.grpc_url,
+            "RAGLINE_GENERATION_MAX_NUM_SEQS": "2",
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def budget(etcd, module_launcher) -> ServiceHandle:
+    return module_launcher.start("budget", env=budget_env(etcd, RAGLINE_BUDGET_EXPIRY_GRACE_S="1"))
+
+
+@pytest.fixture
+async def api(budget) -> Iterator[Api]:
+    """The budget service's stub bound to a fresh tenant."""
+    import grpc
+
+    async with grpc.aio.insecure_channel(budget.address) as channel:
+        yield Api(channel, new_id("tenant"))
+
+
+@pytest.fixture
+def ledger():
+    """The budget ledger's decisions on an in-memory store with a settable clock."""
+    from ragline_services.budget.ledger import TaskLedger
+    from support.memory_ledger import Clock, MemoryStore
+
+    store, clock = MemoryStore(), Clock()
+    return TaskLedger(store, clock_ns=clock), store, clock
+
+
+@pytest.fixture
+def qdrant():
+    """A Qdrant-protocol stand-in (qdrant-client's own gRPC stubs over qdrant-edge)."""
+    from support.fake_qdrant import start_fake_qdrant
+
+    port = free_ports(1)[0]
+    server, fake = start_fake_qdrant(port)
+    yield f"127.0.0.1:{port}", fake
+    server.stop(0)
+
+
+@pytest.fixture
+async def hop():
+    """caller -> relay (A) -> callee (B): two kit servers in this process."""
+    import grpc
+
+    from ragline.clients import ChannelPool, ServiceClient
+    from ragline.config import CommonConfig
+    from ragline.server.bootstrap import ServerRunner
+    from ragline.v1 import embedding_pb2_grpc
+    from support.relay import MARGIN_S, CalleeServicer, KitTestConfig, RelayServicer, kit_spec
+
+    pool = ChannelPool()
+    callee = CalleeServicer()
+    callee_runner = ServerRunner(kit_spec(callee), KitTestConfig(), CommonConfig())
+    callee_port = await callee_runner.start()
+    relay = RelayServicer(
+        ServiceClient(
+            embedding_pb2_grpc.EmbeddingServiceStub,
+            f"127.0.0.1:{callee_port}",
+            pool=pool,
+            hop_margin_s=MARGIN_S,
+        )
+    )
+    relay_runner = ServerRunner(kit_spec(relay), KitTestConfig(), CommonConfig())
+    relay_port = await relay_runner.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{relay_port}")
+    stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+    yield stub, relay, callee
+    await channel.close()
+    await relay_runner.stop()
+    await callee_runner.stop()
+    await pool.close()
+
+
+# -- real servers ---------------------------------------------------------------------------
 
 
 def start_etcd(directory: Path, name: str = "etcd") -> EtcdServer:
@@ -185,9 +331,11 @@ def own_etcd(tmp_path) -> Iterator[EtcdServer]:
 
 def start_triton(source: Path, work: Path, links: dict[str, Path] | None = None):
     """tritonserver 2.51 (PyPI nvidia-pytriton, CPU) on a copy of a repository in deploy/."""
-    from ragline.triton_server import TritonServer
+    from ragline.config import CommonConfig
+    from ragline_app.triton_server import TritonServer
 
-    venv = Path(os.environ.get("RAGLINE_TRITON_VENV", REPO_ROOT / ".venv-triton"))
+    configured = CommonConfig().triton_venv
+    venv = configured if configured.is_absolute() else REPO_ROOT / configured
     if not (venv / "bin" / "python").exists():
         pytest.fail(f"no Triton virtualenv at {venv}: run `make triton-env`")
     repository = work / "models"

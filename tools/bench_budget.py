@@ -23,9 +23,9 @@ from pathlib import Path
 
 import grpc
 
-from ragline.etcd_server import EtcdServer
-from ragline.stack import free_ports, spawn_service
 from ragline.v1 import budget_pb2, budget_pb2_grpc, common_pb2
+from ragline_app.etcd_server import EtcdServer
+from ragline_app.stack import free_ports, spawn_service
 
 LIMITS = common_pb2.BudgetAmounts(input_tokens=10**12, output_tokens=10**12, calls=10**12)
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ragline.datasets import load_squad
 from ragline.models import ModelStore
-from ragline.stack import spawn_service
+from ragline_app.datasets import load_squad
+from ragline_app.stack import spawn_service
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TEXTS = REPO / "tests/fixtures/squad_dev_sample.json"

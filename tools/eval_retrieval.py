@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ragline.datasets import load_squad
-from ragline.evaluation import ranking_metrics
+from ragline_app.datasets import load_squad
+from ragline_app.evaluation import ranking_metrics
 from ragline_services.embedding.offline import squad_vectors
 from ragline_services.retrieval.documents import Visibility
 from ragline_services.retrieval.index import (

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ragline.datasets import load_squad
 from ragline.models import ModelStore
 from ragline.models.store import sha256_of
+from ragline_app.datasets import load_squad
 from ragline_services.embedding.reference import build_torch_model
 
 SOURCE = "all-minilm-l6-v2"

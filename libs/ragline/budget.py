@@ -19,7 +19,10 @@ from dataclasses import dataclass, fields
 
 import grpc
 
+from ragline import deadlines
+from ragline.clients import ServiceClient
 from ragline.errors import ResourceExhausted
+from ragline.retry import DEFAULT_POLICY, RetryPolicy
 
 AMOUNT_FIELDS = ("input_tokens", "output_tokens", "cost_micros", "calls")
 
@@ -86,7 +89,6 @@ class Amounts:
 # Time a settlement may take after the caller's own deadline passed: settling partial use
 # is bookkeeping that must happen even when the work it accounts for ran out of time.
 SETTLE_TIMEOUT_S = 5.0
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class BudgetRefused(ResourceExhausted):
@@ -118,7 +120,7 @@ class Reservation:
             stage=self.stage,
         )
         try:
-            self.response = await self.budget.call_idempotent(self.budget.client.reserve, request)
+            self.response = await self.budget.call("Reserve", request)
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise BudgetRefused(error.details()) from error
@@ -140,55 +142,42 @@ class Reservation:
     async def _finish(self, actual: Amounts, *, failed: bool, cancelled: bool) -> None:
         from ragline.v1 import budget_pb2
 
-        if cancelled:
-            await self.budget.call_idempotent(
-                self.budget.client.cancel,
-                budget_pb2.CancelRequest(
-                    task_id=self.budget.task_id,
-                    reservation_id=self.reservation_id,
-                    reason="caller cancelled",
+        task_id, reservation_id = self.budget.task_id, self.reservation_id
+        with deadlines.detached(SETTLE_TIMEOUT_S):
+            if cancelled:
+                await self.budget.call(
+                    "Cancel",
+                    budget_pb2.CancelRequest(
+                        task_id=task_id, reservation_id=reservation_id, reason="caller cancelled"
+                    ),
+                )
+            self.final = await self.budget.call(
+                "Settle",
+                budget_pb2.SettleRequest(
+                    task_id=task_id,
+                    reservation_id=reservation_id,
+                    actual=actual.to_proto(),
+                    failed=failed,
                 ),
-                detached=True,
             )
-        self.final = await self.budget.call_idempotent(
-            self.budget.client.settle,
-            budget_pb2.SettleRequest(
-                task_id=self.budget.task_id,
-                reservation_id=self.reservation_id,
-                actual=actual.to_proto(),
-                failed=failed,
-            ),
-            detached=True,
-        )
 
 
 class TaskBudget:
-    """Reservations against one task ledger, through a BudgetClient."""
+    """Reservations against one task ledger, through a client of the budget service.
 
-    def __init__(self, client, task_id: str, *, attempts: int = 3) -> None:
+    Every call is idempotent by its reservation id, so the kit's retry rule applies: a
+    lost response followed by a retry is answered as a replay, never charged twice.
+    """
+
+    def __init__(self, client: ServiceClient, task_id: str, *, retry: RetryPolicy = DEFAULT_POLICY):
         self.client = client
         self.task_id = task_id
-        self.attempts = attempts
+        self.retry = retry
 
     def reserve(
         self, amounts: Amounts, *, stage: str = "", reservation_id: str | None = None
     ) -> Reservation:
         return Reservation(self, reservation_id or uuid.uuid4().hex, amounts, stage)
 
-    async def call_idempotent(self, method, request, *, detached: bool = False):
-        """Calls `method`, retrying transport failures with the same idempotency id.
-
-        A lost response followed by a retry is answered as a replay by the ledger, never
-        charged twice. `detached` calls run on their own short timeout, not the caller's
-        deadline (settlement after a deadline).
-        """
-        for attempt in range(1, self.attempts + 1):
-            try:
-                if detached:
-                    return await method(request, detached_timeout_s=SETTLE_TIMEOUT_S)
-                return await method(request)
-            except grpc.aio.AioRpcError as error:
-                if error.code() not in _RETRYABLE or attempt == self.attempts:
-                    raise
-                await asyncio.sleep(0.05 * attempt)
-        raise AssertionError("unreachable")
+    async def call(self, method: str, request):
+        return await self.client.unary(method, request, retry=self.retry)

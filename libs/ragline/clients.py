@@ -1,24 +1,30 @@
-"""Async clients of the ragline services, with channel reuse and deadline propagation.
+"""One async client for any ragline service: channel reuse and deadline propagation.
+
+    embedding = connect("embedding", embedding_pb2_grpc.EmbeddingServiceStub)
+    reply = await embedding.unary("Embed", request)
+    async for message in generation.stream("Generate", request): ...
 
 Every call: timeout = the current deadline's remaining time - hop margin (capped by an
 optional stage budget), or DEADLINE_EXCEEDED without calling when nothing is left; the
 caller's identity and run id travel in metadata. Cancelling the awaiting task cancels the
-RPC, and the callee sees the cancellation.
+RPC, and the callee sees the cancellation. Unary calls may pass a `ragline.retry` policy;
+its retries share the same deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from ragline import deadlines, identity
-from ragline.config import CommonConfig
+from ragline.config import TRANSPORT_CAP_BYTES, CommonConfig
+from ragline.retry import RetryPolicy, call_with_retry
 
 _CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", TRANSPORT_CAP_BYTES),
+    ("grpc.max_send_message_length", TRANSPORT_CAP_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
@@ -49,45 +55,39 @@ default_pool = ChannelPool()
 
 
 class ServiceClient:
-    """Base of the per-service clients: deadline- and identity-aware unary and stream calls."""
-
-    service: str = ""
+    """Deadline- and identity-aware calls through a generated stub class."""
 
     def __init__(
         self,
+        stub_class: Callable[[grpc.aio.Channel], object],
         target: str,
         *,
         pool: ChannelPool | None = None,
         hop_margin_s: float = 0.005,
         caller: identity.Caller | None = None,
     ) -> None:
+        self.stub_class = stub_class
         self.target = target
         self._pool = pool or default_pool
         self._hop_margin_s = hop_margin_s
         self._caller = caller
         self._stub_cache: tuple[grpc.aio.Channel, object] | None = None
 
-    def _stub_class(self):
-        raise NotImplementedError
+    @property
+    def service(self) -> str:
+        """The stub's service name, for messages (`EmbeddingService`)."""
+        return self.stub_class.__name__.removesuffix("Stub")
 
     def _stub(self):
         channel = self._pool.get(self.target)
         if self._stub_cache is None or self._stub_cache[0] is not channel:
-            self._stub_cache = (channel, self._stub_class()(channel))
+            self._stub_cache = (channel, self.stub_class(channel))
         return self._stub_cache[1]
 
-    def _call_options(
-        self, method: str, stage_budget_s: float | None, detached_timeout_s: float | None = None
-    ):
-        if detached_timeout_s is not None:
-            # Bookkeeping that must outlive the caller's deadline (budget settlement).
-            timeout = detached_timeout_s
-        else:
-            timeout = deadlines.outbound_timeout(
-                f"{self.service}.{method}",
-                margin_s=self._hop_margin_s,
-                stage_budget_s=stage_budget_s,
-            )
+    def _call_options(self, method: str, stage_budget_s: float | None):
+        timeout = deadlines.outbound_timeout(
+            f"{self.service}.{method}", margin_s=self._hop_margin_s, stage_budget_s=stage_budget_s
+        )
         metadata = identity.outbound_metadata()
         if self._caller is not None:
             # An explicit caller (a CLI, a test) replaces the propagated identity.
@@ -101,10 +101,17 @@ class ServiceClient:
         request,
         *,
         stage_budget_s: float | None = None,
-        detached_timeout_s: float | None = None,
+        retry: RetryPolicy | None = None,
     ):
-        timeout, metadata = self._call_options(method, stage_budget_s, detached_timeout_s)
-        return await getattr(self._stub(), method)(request, timeout=timeout, metadata=metadata)
+        async def attempt():
+            timeout, metadata = self._call_options(method, stage_budget_s)
+            return await getattr(self._stub(), method)(request, timeout=timeout, metadata=metadata)
+
+        if retry is None:
+            return await attempt()
+        return await call_with_retry(
+            attempt, retry, what=f"{self.service}.{method}", margin_s=self._hop_margin_s
+        )
 
     async def stream(
         self, method: str, request, *, stage_budget_s: float | None = None
@@ -119,119 +126,14 @@ class ServiceClient:
             call.cancel()
 
 
-class EmbeddingClient(ServiceClient):
-    service = "embedding"
-
-    def _stub_class(self):
-        from ragline.v1 import embedding_pb2_grpc
-
-        return embedding_pb2_grpc.EmbeddingServiceStub
-
-    async def embed(self, request, **kwargs):
-        return await self.unary("Embed", request, **kwargs)
-
-
-class RetrievalClient(ServiceClient):
-    service = "retrieval"
-
-    def _stub_class(self):
-        from ragline.v1 import retrieval_pb2_grpc
-
-        return retrieval_pb2_grpc.RetrievalServiceStub
-
-    async def upsert(self, request, **kwargs):
-        return await self.unary("Upsert", request, **kwargs)
-
-    async def delete(self, request, **kwargs):
-        return await self.unary("Delete", request, **kwargs)
-
-    async def search(self, request, **kwargs):
-        return await self.unary("Search", request, **kwargs)
-
-    async def index_status(self, request, **kwargs):
-        return await self.unary("IndexStatus", request, **kwargs)
-
-
-class RerankClient(ServiceClient):
-    service = "rerank"
-
-    def _stub_class(self):
-        from ragline.v1 import rerank_pb2_grpc
-
-        return rerank_pb2_grpc.RerankServiceStub
-
-    async def rerank(self, request, **kwargs):
-        return await self.unary("Rerank", request, **kwargs)
-
-
-class GenerationClient(ServiceClient):
-    service = "generation"
-
-    def _stub_class(self):
-        from ragline.v1 import generation_pb2_grpc
-
-        return generation_pb2_grpc.GenerationServiceStub
-
-    def generate(self, request, **kwargs) -> AsyncIterator:
-        return self.stream("Generate", request, **kwargs)
-
-    async def count_tokens(self, request, **kwargs):
-        return await self.unary("CountTokens", request, **kwargs)
-
-
-class BudgetClient(ServiceClient):
-    service = "budget"
-
-    def _stub_class(self):
-        from ragline.v1 import budget_pb2_grpc
-
-        return budget_pb2_grpc.BudgetServiceStub
-
-    async def open_task(self, request, **kwargs):
-        return await self.unary("OpenTask", request, **kwargs)
-
-    async def reserve(self, request, **kwargs):
-        return await self.unary("Reserve", request, **kwargs)
-
-    async def settle(self, request, **kwargs):
-        return await self.unary("Settle", request, **kwargs)
-
-    async def cancel(self, request, **kwargs):
-        return await self.unary("Cancel", request, **kwargs)
-
-    async def get_ledger(self, request, **kwargs):
-        return await self.unary("GetLedger", request, **kwargs)
-
-    async def close_task(self, request, **kwargs):
-        return await self.unary("CloseTask", request, **kwargs)
-
-
-class OrchestratorClient(ServiceClient):
-    service = "orchestrator"
-
-    def _stub_class(self):
-        from ragline.v1 import orchestrator_pb2_grpc
-
-        return orchestrator_pb2_grpc.OrchestratorServiceStub
-
-    def ask(self, request, **kwargs) -> AsyncIterator:
-        return self.stream("Ask", request, **kwargs)
-
-
-CLIENTS: dict[str, type[ServiceClient]] = {
-    cls.service: cls
-    for cls in (
-        EmbeddingClient,
-        RetrievalClient,
-        RerankClient,
-        GenerationClient,
-        BudgetClient,
-        OrchestratorClient,
-    )
-}
-
-
-def client_for(service: str, common: CommonConfig | None = None, **kwargs) -> ServiceClient:
-    """A client of `service` at the address the common config gives."""
+def connect(
+    name: str,
+    stub_class: Callable[[grpc.aio.Channel], object],
+    common: CommonConfig | None = None,
+    **kwargs,
+) -> ServiceClient:
+    """A client of the service registered as `name`, at its configured address."""
     common = common or CommonConfig()
-    return CLIENTS[service](common.address_of(service), hop_margin_s=common.hop_margin_s, **kwargs)
+    return ServiceClient(
+        stub_class, common.address_of(name), hop_margin_s=common.hop_margin_s, **kwargs
+    )

@@ -1,31 +1,37 @@
 """Typed configuration from environment variables, with defaults that work on a laptop.
 
 Each service has one config class with its own prefix (`RAGLINE_EMBEDDING_PORT`, ...);
-settings every process shares (logging, where the other services listen) use `RAGLINE_`.
+settings every process shares (logging, caches, where the other services listen) use
+`RAGLINE_`. The kit knows no service by name: a service's address is whatever
+`RAGLINE_<NAME>_ADDR` says (the application layer sets them all from the registry).
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
+# gRPC message size cap of servers and clients alike (a larger message is RESOURCE_EXHAUSTED).
+TRANSPORT_CAP_BYTES = 64 * MiB
 
 # A TCP port; 0 asks the kernel for a free one.
 Port = Annotated[int, Field(ge=0, le=65535)]
 
-# Default loopback ports of `ragline up`; the orchestrator sits at the base.
-DEFAULT_PORTS: dict[str, int] = {
-    "orchestrator": 50100,
-    "embedding": 50101,
-    "retrieval": 50102,
-    "rerank": 50103,
-    "generation": 50104,
-    "budget": 50105,
-}
+_ADDRESS_VARIABLE = re.compile(r"^RAGLINE_([A-Z][A-Z0-9_]*)_ADDR$")
+
+
+class ConfigError(RuntimeError):
+    """A setting is missing or wrong; the message names the variable to set."""
+
+
+def _default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ragline"
 
 
 class CommonConfig(BaseSettings):
@@ -37,32 +43,51 @@ class CommonConfig(BaseSettings):
     log_format: Literal["json", "console"] = "json"
     # Time kept back on every outbound call so the callee answers before our own deadline.
     hop_margin_s: float = Field(0.005, ge=0)
-    # Where the services listen, as host:port (clients and the orchestrator use these).
-    orchestrator_addr: str = f"127.0.0.1:{DEFAULT_PORTS['orchestrator']}"
-    embedding_addr: str = f"127.0.0.1:{DEFAULT_PORTS['embedding']}"
-    retrieval_addr: str = f"127.0.0.1:{DEFAULT_PORTS['retrieval']}"
-    rerank_addr: str = f"127.0.0.1:{DEFAULT_PORTS['rerank']}"
-    generation_addr: str = f"127.0.0.1:{DEFAULT_PORTS['generation']}"
-    budget_addr: str = f"127.0.0.1:{DEFAULT_PORTS['budget']}"
     # State (indexes, logs, caches) of embedded backends.
     data_dir: Path = Path(".ragline")
+    # Downloads and builds shared between runs (models, llama.cpp).
+    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    # The model store (default: <cache_dir>/models).
+    model_dir: Path | None = None
+    # The virtualenv holding the local tritonserver (PyPI nvidia-pytriton; `make triton-env`)
+    # that tests and laptops start.
+    triton_venv: Path = Path(".venv-triton")
+    # Where each service listens: RAGLINE_<NAME>_ADDR (host:port), keyed by name.
+    _addresses: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _resolve(self) -> CommonConfig:
+        if self.model_dir is None:
+            self.model_dir = self.cache_dir / "models"
+        for variable, value in os.environ.items():
+            match = _ADDRESS_VARIABLE.match(variable)
+            if match and value.strip():
+                self._addresses[match.group(1).lower()] = value.strip()
+        return self
 
     def address_of(self, service: str) -> str:
-        return getattr(self, f"{service}_addr")
+        """host:port of `service`; ConfigError naming the variable when it is not set."""
+        try:
+            return self._addresses[service]
+        except KeyError:
+            raise ConfigError(
+                f"no address for the {service} service: set RAGLINE_{service.upper()}_ADDR "
+                "(host:port); `ragline serve` and `ragline up` set it for the local layout"
+            ) from None
 
 
 class ServiceConfig(BaseSettings):
-    """Settings of one gRPC service. Subclasses set `service_name` and their env prefix."""
+    """Settings of one gRPC service. Subclasses set their env prefix with `env_for(name)`."""
 
-    service_name: ClassVar[str] = ""
     model_config = SettingsConfigDict(extra="ignore")
 
     host: str = "127.0.0.1"
+    # 0 asks the kernel for a free port; `ragline serve` applies the registry's default.
     port: Port = 0
     # Seconds in-flight calls get to finish after SIGTERM / SIGINT.
     grace_s: float = Field(5.0, ge=0)
     # Transport cap: larger messages are refused by gRPC itself (RESOURCE_EXHAUSTED).
-    max_message_bytes: int = Field(64 * MiB, ge=1024)
+    max_message_bytes: int = Field(TRANSPORT_CAP_BYTES, ge=1024)
     # Application cap, checked first with INVALID_ARGUMENT naming the largest field.
     max_request_bytes: int = Field(16 * MiB, ge=1024)
     # Deadline applied when a caller sends none; 0 disables it.

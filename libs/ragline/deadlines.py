@@ -69,6 +69,20 @@ def deadline_scope(timeout_s: float | None) -> Iterator[float | None]:
         _deadline.reset(token)
 
 
+@contextmanager
+def detached(timeout_s: float) -> Iterator[float]:
+    """A fresh deadline `timeout_s` from now, whatever the caller's was.
+
+    Only for bookkeeping that must happen after the work it accounts for ran out of time
+    (settling a budget reservation); never for the work itself.
+    """
+    token = _deadline.set(now() + timeout_s)
+    try:
+        yield _deadline.get()
+    finally:
+        _deadline.reset(token)
+
+
 def set_deadline(deadline: float | None):
     """Sets the absolute deadline; returns a token for `reset_deadline`."""
     return _deadline.set(deadline)

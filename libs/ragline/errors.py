@@ -1,7 +1,9 @@
 """Domain errors and their mapping to gRPC status codes.
 
-Domain code raises these (or ValueError); only the server interceptor turns them into a
-status, with google.rpc details a caller in any language can read.
+Domain code raises these; only the server interceptor turns them into a status, with
+google.rpc details a caller in any language can read. Only `InvalidArgument` (naming the
+field) tells a caller its request was wrong: any other exception, a ValueError from deep
+inside a library included, is the server's fault and answers INTERNAL.
 """
 
 from __future__ import annotations
@@ -124,9 +126,6 @@ def to_rpc_status(error: BaseException) -> tuple[grpc.StatusCode, str, status_pb
         # A downstream call failed: keep its code so the caller sees DEADLINE_EXCEEDED,
         # UNAVAILABLE, ... for what it is.
         code, message, details = error.code(), f"downstream call failed: {error.details()}", []
-    elif isinstance(error, ValueError):
-        # Domain code validates with ValueError; the message must already say what to fix.
-        code, message, details = grpc.StatusCode.INVALID_ARGUMENT, str(error), []
     elif isinstance(error, TimeoutError):
         code, message, details = grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "timed out", []
     else:

@@ -17,6 +17,18 @@ RUN_ID_KEY = "x-ragline-run-id"
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+TENANT_RULE = "1-64 characters of letters, digits, '_', '.', '-'"
+NAME_RULE = "1-128 characters of letters, digits, '_.:@-'"
+
+
+def is_tenant(value: str) -> bool:
+    """Whether `value` is a well-formed tenant id."""
+    return bool(_TENANT.match(value))
+
+
+def is_name(value: str) -> bool:
+    """Whether `value` is a well-formed principal or scope name."""
+    return bool(_NAME.match(value))
 
 
 @dataclass(frozen=True)
@@ -48,22 +60,15 @@ def caller_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> 
     tenant = values.get(TENANT_KEY, "").strip()
     if not tenant:
         return None
-    if not _TENANT.match(tenant):
-        raise InvalidArgument(
-            f"metadata {TENANT_KEY}", "must be 1-64 characters of letters, digits, '_', '.', '-'"
-        )
+    if not is_tenant(tenant):
+        raise InvalidArgument(f"metadata {TENANT_KEY}", f"must be {TENANT_RULE}")
     principal = values.get(PRINCIPAL_KEY, "").strip()
-    if principal and not _NAME.match(principal):
-        raise InvalidArgument(
-            f"metadata {PRINCIPAL_KEY}", "must be 1-128 characters of letters, digits, '_.:@-'"
-        )
+    if principal and not is_name(principal):
+        raise InvalidArgument(f"metadata {PRINCIPAL_KEY}", f"must be {NAME_RULE}")
     scopes = frozenset(s.strip() for s in values.get(SCOPES_KEY, "").split(",") if s.strip())
     for scope in scopes:
-        if not _NAME.match(scope):
-            raise InvalidArgument(
-                f"metadata {SCOPES_KEY}",
-                f"scope {scope!r} must be 1-128 characters of letters, digits, '_.:@-'",
-            )
+        if not is_name(scope):
+            raise InvalidArgument(f"metadata {SCOPES_KEY}", f"scope {scope!r} must be {NAME_RULE}")
     return Caller(tenant=tenant, principal=principal, scopes=scopes)
 
 
@@ -71,7 +76,7 @@ def run_id_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> 
     for key, value in metadata or ():
         if key.lower() == RUN_ID_KEY:
             text = _as_text(value).strip()
-            if _NAME.match(text):
+            if is_name(text):
                 return text
     return uuid.uuid4().hex[:16]
 

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from typing import ClassVar
-
 import grpc
 import structlog
 from pydantic import Field
 
-from ragline.config import DEFAULT_PORTS, Port, ServiceConfig
+from ragline.config import ServiceConfig
 from ragline.errors import RaglineError
-from ragline.server import Service, ServiceSpec
+from ragline.server import Periodic, Service, ServiceSpec
 from ragline.v1 import budget_pb2, budget_pb2_grpc
 from ragline_services.budget.ledger import TaskLedger
 from ragline_services.budget.servicer import BudgetServicer
@@ -22,9 +18,7 @@ log = structlog.get_logger("ragline.budget")
 
 
 class BudgetConfig(ServiceConfig):
-    service_name: ClassVar[str] = "budget"
     model_config = ServiceConfig.env_for("budget")
-    port: Port = DEFAULT_PORTS["budget"]
     # Comma-separated host:port of the etcd cluster's client endpoints.
     etcd_endpoints: str = "127.0.0.1:2379"
     # Longest one etcd operation may take before the call fails with UNAVAILABLE.
@@ -46,7 +40,7 @@ class BudgetService(Service):
         self.ledger = TaskLedger(
             self.store, key_prefix=config.key_prefix, expiry_grace_s=config.expiry_grace_s
         )
-        self._probe: asyncio.Task | None = None
+        self._probe = Periodic(config.health_probe_s, self._update_health, "etcd-probe")
 
     def register(self, server: grpc.aio.Server) -> None:
         budget_pb2_grpc.add_BudgetServiceServicer_to_server(BudgetServicer(self.ledger), server)
@@ -64,22 +58,17 @@ class BudgetService(Service):
 
     async def ready(self) -> bool:
         reachable = await self._etcd_reachable()
-        self._probe = asyncio.create_task(self._probe_forever())
+        self._probe.start()
         return reachable
 
-    async def _probe_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_probe_s)
-            reachable = await self._etcd_reachable()
-            await self.health.set_serving(
-                reachable, reason="etcd reachable" if reachable else "etcd unreachable"
-            )
+    async def _update_health(self) -> None:
+        reachable = await self._etcd_reachable()
+        await self.health.set_serving(
+            reachable, reason="etcd reachable" if reachable else "etcd unreachable"
+        )
 
     async def stop(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe
+        await self._probe.stop()
         await self.store.close()
 
 

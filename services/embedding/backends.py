@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 from pathlib import Path
 from typing import Protocol
 
@@ -19,6 +18,9 @@ import numpy as np
 class EmbeddingBackend(Protocol):
     name: str
     dim: int
+
+    async def check_ready(self) -> None:
+        """Raises Unavailable unless the backend can run the model now."""
 
     async def embed(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """[batch, tokens] int64 -> [batch, dim] float32, each row L2-normalised."""
@@ -37,15 +39,6 @@ def mean_pool_normalise(hidden: np.ndarray, attention_mask: np.ndarray) -> np.nd
 def normalise(vectors: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     return (vectors / np.clip(norms, 1e-12, None)).astype(np.float32)
-
-
-def file_version(path: Path) -> str:
-    """A short content hash: the model version that caches and indexes key on."""
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()[:16]
 
 
 class OnnxRuntimeBackend:
@@ -73,6 +66,9 @@ class OnnxRuntimeBackend:
         shape = self._session.get_outputs()[outputs.index(self._output)].shape
         self.dim = int(shape[-1])
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ort")
+
+    async def check_ready(self) -> None:
+        """In process: ready once the session is built."""
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask}

@@ -27,6 +27,9 @@ class EmbedResult:
     batch_texts: int
 
 
+QUERY, PASSAGE = "query", "passage"
+
+
 class Embedder:
     def __init__(
         self,
@@ -36,20 +39,32 @@ class Embedder:
         model: str,
         model_version: str,
         dim: int,
+        prefixes: dict[str, str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.batcher = batcher
         self.model = model
         self.model_version = model_version
         self.dim = dim
+        # Asymmetric models (e5: "query: " / "passage: ") embed each kind with its own
+        # prefix; symmetric ones (MiniLM) have none and treat both alike.
+        self.prefixes = prefixes or {}
 
     async def embed(
-        self, texts: list[str], *, dim: int = 0, refuse_over_limit: bool = False
+        self,
+        texts: list[str],
+        *,
+        dim: int = 0,
+        refuse_over_limit: bool = False,
+        input_type: str = PASSAGE,
     ) -> EmbedResult:
         if dim > self.dim:
             raise InvalidArgument(
                 "dim", f"is {dim}; model {self.model} has {self.dim} dimensions (0 means all)"
             )
+        prefix = self.prefixes.get(input_type, "")
+        if prefix:
+            texts = [prefix + text for text in texts]
         started = time.monotonic()
         tokens = self.tokenizer.encode(texts, refuse_over_limit=refuse_over_limit)
         tokenize_s = time.monotonic() - started

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ragline.models import ModelStore
-from ragline_services.embedding.backends import OnnxRuntimeBackend, file_version
+from ragline_services.embedding.backends import OnnxRuntimeBackend
 from ragline_services.embedding.batcher import bucket_groups, pad
 from ragline_services.embedding.tokenization import Tokenizer
 
@@ -43,7 +43,7 @@ def squad_vectors(
     next to the file in a .npz keyed by that version (a read-only folder: no cache)."""
     store = ModelStore()
     store.prepare(model)
-    version = file_version(store.file(model, "model.onnx"))
+    version = store.version(model).split("@", 1)[1]
     cache = path.with_suffix(f".{model}.{version}.npz")
     if cache.exists():
         data = np.load(cache)

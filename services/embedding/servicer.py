@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
-from ragline.errors import Unavailable
+from ragline.server import Deferred
 from ragline.timing import current_clock
 from ragline.v1 import common_pb2, embedding_pb2, embedding_pb2_grpc
-from ragline_services.embedding.embedder import Embedder
+from ragline_services.embedding.embedder import PASSAGE, QUERY, Embedder
+
+_INPUT_TYPES = {
+    embedding_pb2.INPUT_TYPE_UNSPECIFIED: PASSAGE,
+    embedding_pb2.INPUT_TYPE_PASSAGE: PASSAGE,
+    embedding_pb2.INPUT_TYPE_QUERY: QUERY,
+}
 
 
 class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
-    def __init__(self, embedder: Embedder | None) -> None:
-        self.embedder = embedder  # set once the model is loaded
+    def __init__(self) -> None:
+        self.embedder: Deferred[Embedder] = Deferred("the embedding model")
 
     async def Embed(self, request, context):
-        if self.embedder is None:
-            raise Unavailable("the embedding model is still loading; retry shortly")
-        result = await self.embedder.embed(
+        embedder = self.embedder.value
+        result = await embedder.embed(
             list(request.texts),
             dim=request.dim,
             refuse_over_limit=request.truncation == embedding_pb2.TRUNCATION_NONE,
+            input_type=_INPUT_TYPES[request.input_type],
         )
         clock = current_clock()
         clock.add_stage("tokenize", result.tokenize_s)
@@ -34,8 +40,8 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
                     result.vectors, result.token_counts, result.truncated, strict=True
                 )
             ],
-            model=self.embedder.model,
-            model_version=self.embedder.model_version,
+            model=embedder.model,
+            model_version=embedder.model_version,
             dim=result.dim,
             usage=common_pb2.Usage(input_tokens=sum(result.token_counts)),
             timing=clock.to_proto(),

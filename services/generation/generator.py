@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ragline import deadlines
 from ragline.errors import InvalidArgument
-from ragline_services.generation.engine import StreamEvent
+from ragline_services.generation.engine import GenerationEngine, StreamEvent
 from ragline_services.generation.scheduler import SlotScheduler
 
 SMALL, LARGE = "small", "large"
@@ -59,12 +59,12 @@ class Tier:
     name: str
     model: str
     model_version: str
-    engine: object  # LlamaServerEngine or another engine with the same methods
+    engine: GenerationEngine
     scheduler: SlotScheduler
     speculation: Speculation
     context_window: int
     # Called (as a task) when speculation should be switched off for this tier.
-    on_fall_back: object = None
+    on_fall_back: Callable[[Tier], Awaitable[None]] | None = None
 
 
 @dataclass
@@ -75,9 +75,6 @@ class GenerationRequest:
     prompt: str | None = None
     chat: list[dict[str, str]] | None = None
     sampling: dict = field(default_factory=dict)
-    # Caller's preference ("", "off", "ngram", "draft"); the tier's engine decides, and the
-    # final report says what ran.
-    speculation: str = ""
 
 
 @dataclass
@@ -89,7 +86,7 @@ class Chunk:
 
 @dataclass
 class Summary:
-    finish_reason: str  # stop | length | deadline | cancelled
+    finish_reason: str  # stop | length | deadline
     text: str
     prompt_tokens: int
     completion_tokens: int

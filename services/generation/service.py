@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import grpc
 import structlog
 from pydantic import Field
 
-from ragline.config import DEFAULT_PORTS, Port, ServiceConfig
+from ragline.config import ServiceConfig
+from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
+from ragline.processes import free_ports
 from ragline.server import Service, ServiceSpec
-from ragline.stack import free_ports
 from ragline.v1 import generation_pb2, generation_pb2_grpc
-from ragline_services.embedding.backends import file_version
-from ragline_services.generation.engine import EngineSettings, LlamaServerEngine
+from ragline_services.generation.engine import GenerationEngine
 from ragline_services.generation.generator import LARGE, SMALL, Generator, Speculation, Tier
+from ragline_services.generation.llama_engine import (
+    EngineSettings,
+    LlamaServerEngine,
+    default_llama_cache,
+)
 from ragline_services.generation.scheduler import SlotScheduler
 from ragline_services.generation.servicer import GenerationServicer
 
@@ -25,12 +31,11 @@ log = structlog.get_logger("ragline.generation")
 
 
 class GenerationConfig(ServiceConfig):
-    service_name: ClassVar[str] = "generation"
     model_config = ServiceConfig.env_for("generation")
-    port: Port = DEFAULT_PORTS["generation"]
     # Models of the manifest per tier; an empty large model means "small only".
     small_model: str = "qwen2.5-coder-0.5b"
     large_model: str = ""
+    # Where prepared models live (default: the shared RAGLINE_MODEL_DIR).
     model_dir: Path | None = None
     prepare_models: bool = True
     # Sequences decoded together per tier (llama-server slots) and the waiting-queue bound.
@@ -44,6 +49,10 @@ class GenerationConfig(ServiceConfig):
     large_speculation: Literal["none", "ngram", "draft"] = "ngram"
     speculation_min_acceptance: float = Field(0.7, ge=0, le=1)
     engine_log_dir: Path | None = None
+    # The llama-server binary: an explicit path, else the build tool's cache folder
+    # (default <RAGLINE_CACHE_DIR>/llama.cpp/<build tag>).
+    llama_server: Path | None = None
+    llama_cache: Path | None = None
     # "llama": llama-server processes on this machine (CPU). "triton": TensorRT-LLM
     # ensembles on a Triton server (GPU nodes); tiers map to Triton model names.
     engine: Literal["llama", "triton"] = "llama"
@@ -58,8 +67,8 @@ class GenerationService(Service):
 
     def __init__(self, config: GenerationConfig, common) -> None:
         super().__init__(config, common)
-        self.engines: list[LlamaServerEngine] = []
-        self._servicer = GenerationServicer(generator=None)
+        self.engines: list[GenerationEngine] = []
+        self._servicer = GenerationServicer()
 
     def register(self, server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(self._servicer, server)
@@ -69,10 +78,13 @@ class GenerationService(Service):
     ) -> Tier:
         cfg = self.config
         if cfg.prepare_models:
-            store.prepare(model, log=lambda line: log.info("models.prepare", detail=line))
+            # Downloads and hashes: off the event loop, so health answers meanwhile.
+            await asyncio.to_thread(
+                store.prepare, model, log=lambda line: log.info("models.prepare", detail=line)
+            )
         spec = store.spec(model)
         if spec.kind != "gguf":
-            raise ValueError(f"model {model} is a {spec.kind}, not a gguf model")
+            raise FailedPrecondition(f"model {model} is a {spec.kind}, not a gguf model")
         model_path = store.file(model, spec.assembled or "model.gguf")
         context = min(cfg.context_per_seq, int(spec.extra.get("context", cfg.context_per_seq)))
         draft_path = None
@@ -82,6 +94,7 @@ class GenerationService(Service):
         engine = LlamaServerEngine(
             EngineSettings(
                 model_path,
+                self._llama_binary(),
                 slots=cfg.max_num_seqs,
                 context_per_slot=context,
                 threads=cfg.threads,
@@ -97,13 +110,20 @@ class GenerationService(Service):
         return Tier(
             name=name,
             model=model,
-            model_version=f"{model}@{file_version(model_path)}",
+            model_version=store.version(model),
             engine=engine,
             scheduler=scheduler,
             speculation=Speculation(speculation, threshold=cfg.speculation_min_acceptance),
             context_window=context,
             on_fall_back=self._fall_back,
         )
+
+    def _llama_binary(self) -> Path:
+        cfg = self.config
+        if cfg.llama_server is not None:
+            return cfg.llama_server
+        cache = cfg.llama_cache or default_llama_cache(self.common.cache_dir)
+        return cache / "llama-server"
 
     async def _fall_back(self, tier: Tier) -> None:
         """Restarts a tier's engine without speculation (llama-server fixes it per process).
@@ -119,6 +139,7 @@ class GenerationService(Service):
             threshold=tier.speculation.threshold,
         )
         old = tier.engine
+        assert isinstance(old, LlamaServerEngine)  # only llama tiers speculate per process
         async with tier.scheduler.paused():
             new = LlamaServerEngine(
                 replace(old.settings, speculation="none", draft_model_path=None),
@@ -160,15 +181,15 @@ class GenerationService(Service):
             tiers = {SMALL: await self._triton_tier(SMALL, cfg.triton_small_model)}
             if cfg.triton_large_model:
                 tiers[LARGE] = await self._triton_tier(LARGE, cfg.triton_large_model)
-            self._servicer.generator = Generator(tiers)
+            self._servicer.generator.set(Generator(tiers))
             return
-        store = ModelStore(cfg.model_dir)
+        store = ModelStore(cfg.model_dir or self.common.model_dir)
         tiers = {SMALL: await self._tier(store, SMALL, cfg.small_model, cfg.small_speculation, "")}
         if cfg.large_model:
             tiers[LARGE] = await self._tier(
                 store, LARGE, cfg.large_model, cfg.large_speculation, cfg.small_model
             )
-        self._servicer.generator = Generator(tiers)
+        self._servicer.generator.set(Generator(tiers))
 
     async def stop(self) -> None:
         for engine in self.engines:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
-from ragline.errors import Unavailable
 from ragline.identity import current_caller
+from ragline.server import Deferred
 from ragline.timing import current_clock
 from ragline.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from ragline_services.generation.generator import (
@@ -28,12 +28,6 @@ _TIERS = {
     common_pb2.MODEL_TIER_LARGE: LARGE,
 }
 _TIER_ENUM = {SMALL: common_pb2.MODEL_TIER_SMALL, LARGE: common_pb2.MODEL_TIER_LARGE}
-_SPECULATION = {
-    generation_pb2.SPECULATION_UNSPECIFIED: "",
-    generation_pb2.SPECULATION_OFF: "off",
-    generation_pb2.SPECULATION_NGRAM: "ngram",
-    generation_pb2.SPECULATION_DRAFT_MODEL: "draft",
-}
 _SPECULATION_ENUM = {
     "none": generation_pb2.SPECULATION_OFF,
     "ngram": generation_pb2.SPECULATION_NGRAM,
@@ -43,7 +37,6 @@ _FINISH = {
     "stop": generation_pb2.FINISH_REASON_STOP,
     "length": generation_pb2.FINISH_REASON_LENGTH,
     "deadline": generation_pb2.FINISH_REASON_DEADLINE,
-    "cancelled": generation_pb2.FINISH_REASON_CANCELLED,
 }
 
 
@@ -63,34 +56,45 @@ def _sampling(message: generation_pb2.Sampling) -> dict:
     return sampling
 
 
-def to_domain(request, tenant: str, max_tokens: int) -> GenerationRequest:
-    chat = None
-    if request.WhichOneof("input") == "chat":
-        chat = [{"role": _ROLES[m.role], "content": m.content} for m in request.chat.messages]
+def _chat(request) -> list[dict[str, str]] | None:
+    if request.WhichOneof("input") != "chat":
+        return None
+    return [{"role": _ROLES[m.role], "content": m.content} for m in request.chat.messages]
+
+
+def generation_request(request: generation_pb2.GenerateRequest, tenant: str) -> GenerationRequest:
+    # The speculation field is advisory: llama.cpp fixes speculation per engine process,
+    # so the tier decides and the final message's SpeculationStats says what ran.
+    chat = _chat(request)
     return GenerationRequest(
         tenant=tenant,
         tier=_TIERS[request.tier],
-        max_tokens=max_tokens,
+        max_tokens=request.max_tokens,
         prompt=request.prompt if chat is None else None,
         chat=chat,
-        sampling=_sampling(request.sampling) if hasattr(request, "sampling") else {},
-        speculation=_SPECULATION.get(getattr(request, "speculation", 0), ""),
+        sampling=_sampling(request.sampling),
+    )
+
+
+def count_request(request: generation_pb2.CountTokensRequest, tenant: str) -> GenerationRequest:
+    chat = _chat(request)
+    return GenerationRequest(
+        tenant=tenant,
+        tier=_TIERS[request.tier],
+        max_tokens=1,
+        prompt=request.prompt if chat is None else None,
+        chat=chat,
     )
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, generator: Generator | None) -> None:
-        self.generator = generator  # set once the engines are up
-
-    def _ready(self) -> Generator:
-        if self.generator is None:
-            raise Unavailable("the generation engines are still starting; retry shortly")
-        return self.generator
+    def __init__(self) -> None:
+        self.generator: Deferred[Generator] = Deferred("the generation engines")
 
     async def Generate(self, request, context):
-        generator = self._ready()
+        generator = self.generator.value
         clock = current_clock()
-        domain = to_domain(request, current_caller().tenant, request.max_tokens)
+        domain = generation_request(request, current_caller().tenant)
         index = 0
         async with contextlib.aclosing(generator.generate(domain)) as events:
             async for event in events:
@@ -139,7 +143,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         )
 
     async def CountTokens(self, request, context):
-        generator = self._ready()
-        domain = to_domain(request, current_caller().tenant, 1)
+        generator = self.generator.value
+        domain = count_request(request, current_caller().tenant)
         tokens, window, model = await generator.count_tokens(domain)
         return generation_pb2.CountTokensResponse(tokens=tokens, context_window=window, model=model)

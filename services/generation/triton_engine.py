@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
-from ragline.errors import Unavailable
+from ragline.errors import InvalidArgument, Unavailable
 from ragline_services.generation.engine import StreamEvent
 
 _CHATML_ROLES = ("system", "user", "assistant")
@@ -43,13 +43,15 @@ def render_chatml(messages: list[dict[str, str]]) -> str:
     parts = []
     for message in messages:
         if message["role"] not in _CHATML_ROLES:
-            raise ValueError(f"unknown chat role {message['role']!r}")
+            raise InvalidArgument("chat.messages.role", f"{message['role']!r} is not a chat role")
         parts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
     parts.append("<|im_start|>assistant\n")
     return "".join(parts)
 
 
 class TritonGenerationEngine:
+    """A TensorRT-LLM ensemble on Triton behind the GenerationEngine interface."""
+
     def __init__(
         self,
         url: str,

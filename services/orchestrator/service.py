@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import grpc
 
-from ragline.config import DEFAULT_PORTS, Port, ServiceConfig
+from ragline.config import ServiceConfig
 from ragline.server import Service, ServiceSpec
 from ragline.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from ragline_services.orchestrator.servicer import OrchestratorServicer
 
 
 class OrchestratorConfig(ServiceConfig):
-    service_name: ClassVar[str] = "orchestrator"
     model_config = ServiceConfig.env_for("orchestrator")
-    port: Port = DEFAULT_PORTS["orchestrator"]
 
 
 class OrchestratorService(Service):

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import grpc
 
-from ragline.config import DEFAULT_PORTS, Port, ServiceConfig
+from ragline.config import ServiceConfig
 from ragline.server import Service, ServiceSpec
 from ragline.v1 import rerank_pb2, rerank_pb2_grpc
 from ragline_services.rerank.servicer import RerankServicer
 
 
 class RerankConfig(ServiceConfig):
-    service_name: ClassVar[str] = "rerank"
     model_config = ServiceConfig.env_for("rerank")
-    port: Port = DEFAULT_PORTS["rerank"]
 
 
 class RerankService(Service):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 from pathlib import Path
+from typing import Protocol
 
 from ragline_services.retrieval.documents import Candidate, StoredDocument, Visibility
 
@@ -16,7 +17,27 @@ def sanitise(query: str) -> str:
     return _NOT_WORD.sub(" ", query).lower().strip()
 
 
+class LexicalIndex(Protocol):
+    """Keyword search over the documents, with the same hard filters as vector search."""
+
+    def apply(self, upserts: list[StoredDocument], deletes: list[str]) -> None:
+        """Upserts and deletes (by key) at once; searchable when this returns."""
+
+    def search(self, query: str, visibility: Visibility, k: int) -> list[Candidate]: ...
+
+    def count(self, visibility: Visibility | None = None) -> int: ...
+
+    def count_tenant(self, tenant: str) -> int: ...
+
+    def stored(self, keys: list[str]) -> dict[str, dict]:
+        """Title, text and version by key, for the keys that exist."""
+
+    def close(self) -> None: ...
+
+
 class Bm25Index:
+    """Tantivy behind the LexicalIndex interface."""
+
     def __init__(self, directory: Path, *, heap_bytes: int = 64_000_000) -> None:
         import tantivy
 

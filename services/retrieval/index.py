@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 
 from ragline.errors import DeadlineExceeded, InvalidArgument, RaglineError, Unavailable
-from ragline_services.retrieval.bm25 import Bm25Index
+from ragline_services.retrieval.bm25 import Bm25Index, LexicalIndex
 from ragline_services.retrieval.documents import (
     StoredDocument,
     Visibility,
@@ -91,6 +91,20 @@ class SearchResult:
     stages: list[tuple[str, float]]
 
 
+@dataclass(frozen=True)
+class IndexStatus:
+    index_version: int
+    tenant_documents: int
+    total_documents: int
+    log_sequence: int
+    applied_sequence: int
+    delta_documents: int
+    vector_index_ready: bool
+    rebuilding: bool
+    last_build_finished: float | None  # unix time
+    dim: int
+
+
 @dataclass
 class IndexSettings:
     dim: int
@@ -102,7 +116,6 @@ class IndexSettings:
     default_vector_weight: float = 0.2
     # ... and for min-max score fusion: nDCG@10 0.886 at 0.2, 0.893 at 0.3, 0.897 at 0.4.
     default_score_weight: float = 0.4
-    max_k: int = 1000
 
 
 class RetrievalIndex:
@@ -113,7 +126,7 @@ class RetrievalIndex:
         directory.mkdir(parents=True, exist_ok=True)
         self.settings = settings
         self.wal = WriteLog(directory / "write.log")
-        self.bm25 = Bm25Index(directory / "bm25")
+        self.bm25: LexicalIndex = Bm25Index(directory / "bm25")
         self.vectors = vectors
         self._embed = embed
         self._state_path = directory / "state.json"
@@ -128,7 +141,7 @@ class RetrievalIndex:
 
     def replay(self) -> int:
         """Applies every logged write the indexes have not seen; returns how many records."""
-        start = min(self.bm25_seq, getattr(self.vectors, "built_seq", self.bm25_seq))
+        start = min(self.bm25_seq, self.vectors.built_seq)
         count = 0
         # The last state of each key over a run of records (None: deleted), so a batch
         # applied to BM25 at once ends exactly as the records applied one by one would.
@@ -248,8 +261,6 @@ class RetrievalIndex:
 
     async def search(self, visibility: Visibility, query: SearchQuery) -> SearchResult:
         s = self.settings
-        if query.k > s.max_k:
-            raise InvalidArgument("k", f"is {query.k}; the maximum is {s.max_k}")
         if query.vector and len(query.vector) != s.dim:
             raise InvalidArgument(
                 "query_vector", f"has {len(query.vector)} dimensions; this index has {s.dim}"
@@ -260,7 +271,7 @@ class RetrievalIndex:
         ef = query.hnsw_ef or max(s.default_hnsw_ef, candidates)
         vector = None
         if mode != BM25:
-            if not self.vectors.status().ready:
+            if not self.vectors.ready():
                 mode, reason = BM25, "vector_index_not_ready"
             elif query.vector:
                 vector = np.asarray(query.vector, dtype=np.float32)
@@ -281,7 +292,6 @@ class RetrievalIndex:
             stages.append((name, time.perf_counter() - started))
             return result
 
-        scores_by_key: dict[str, dict[str, float]] = {}
         if mode == BM25:
             ranked = await timed("bm25", self.bm25.search, query.text, visibility, query.k)
             ordered = [(c.key, c.score, {"bm25": c.score}) for c in ranked]
@@ -322,8 +332,6 @@ class RetrievalIndex:
                 for key, fused, parts in fuse(bm25_list, vector_list, weight, query.k)
             ]
             stages.append(("fusion", time.perf_counter() - started))
-        for key, _, parts in ordered:
-            scores_by_key[key] = parts
         stored = await asyncio.to_thread(self.bm25.stored, [key for key, _, _ in ordered])
         hits = []
         for key, score, parts in ordered:
@@ -336,6 +344,26 @@ class RetrievalIndex:
                 text=info["text"] if query.include_text else "",
             ))  # fmt: skip
         return SearchResult(hits, mode, mode != query.mode, reason, self.applied_seq, stages)
+
+    # -- state ------------------------------------------------------------------------------
+
+    async def status(self, tenant: str) -> IndexStatus:
+        def read() -> IndexStatus:
+            vectors = self.vectors.status()
+            return IndexStatus(
+                index_version=self.applied_seq,
+                tenant_documents=self.bm25.count_tenant(tenant),
+                total_documents=self.bm25.count(),
+                log_sequence=self.wal.last_seq,
+                applied_sequence=self.applied_seq,
+                delta_documents=vectors.points - vectors.indexed_points,
+                vector_index_ready=vectors.ready,
+                rebuilding=vectors.building,
+                last_build_finished=self.last_build_finished,
+                dim=self.settings.dim,
+            )
+
+        return await asyncio.to_thread(read)
 
     # -- background HNSW builds -------------------------------------------------------------
 

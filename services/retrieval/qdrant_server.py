@@ -147,6 +147,10 @@ class QdrantServerIndex:
         ))  # fmt: skip
         return [Candidate(p.payload["key"].string_value, p.score) for p in reply.result]
 
+    def ready(self) -> bool:
+        """The collection exists (ensured at start); Qdrant indexes in the background."""
+        return True
+
     def needs_build(self) -> bool:
         return False
 

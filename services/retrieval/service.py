@@ -4,21 +4,21 @@ background HNSW builder."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 import grpc
 import numpy as np
 import structlog
 from pydantic import Field
 
-from ragline.clients import EmbeddingClient
-from ragline.config import DEFAULT_PORTS, Port, ServiceConfig
-from ragline.errors import Unavailable
-from ragline.server import Service, ServiceSpec
-from ragline.v1 import embedding_pb2, retrieval_pb2, retrieval_pb2_grpc
+from ragline.clients import connect
+from ragline.config import ServiceConfig
+from ragline.errors import DeadlineExceeded, Unavailable
+from ragline.retry import DEFAULT_POLICY
+from ragline.server import Periodic, Service, ServiceSpec
+from ragline.v1 import embedding_pb2, embedding_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
 from ragline_services.retrieval.index import IndexSettings, RetrievalIndex
 from ragline_services.retrieval.servicer import RetrievalServicer
 from ragline_services.retrieval.vectors import EdgeVectorIndex
@@ -26,17 +26,10 @@ from ragline_services.retrieval.vectors import EdgeVectorIndex
 log = structlog.get_logger("ragline.retrieval")
 
 _EMBED_BATCH = 64
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
 
 
 class RetrievalConfig(ServiceConfig):
-    service_name: ClassVar[str] = "retrieval"
     model_config = ServiceConfig.env_for("retrieval")
-    port: Port = DEFAULT_PORTS["retrieval"]
     # Index files and the write log (default: RAGLINE_DATA_DIR/retrieval).
     index_dir: Path | None = None
     dim: int = Field(384, ge=1, le=4096)
@@ -63,9 +56,9 @@ class RetrievalService(Service):
         super().__init__(config, common)
         self.index: RetrievalIndex | None = None
         self.embedding_version = ""
-        self._embedder = EmbeddingClient(common.embedding_addr, hop_margin_s=common.hop_margin_s)
-        self._servicer = RetrievalServicer(None, lambda: self.embedding_version)
-        self._builder: asyncio.Task | None = None
+        self._embedder = connect("embedding", embedding_pb2_grpc.EmbeddingServiceStub, common)
+        self._servicer = RetrievalServicer(lambda: self.embedding_version)
+        self._builder = Periodic(config.build_check_s, self._maybe_build, "hnsw-builder")
 
     def register(self, server: grpc.aio.Server) -> None:
         retrieval_pb2_grpc.add_RetrievalServiceServicer_to_server(self._servicer, server)
@@ -82,16 +75,21 @@ class RetrievalService(Service):
                 dim=self.config.dim,
             )
             try:
-                reply = await self._embedder.embed(request)
+                reply = await self._embedder.unary("Embed", request, retry=DEFAULT_POLICY)
             except grpc.aio.AioRpcError as error:
-                if error.code() in _RETRYABLE:
-                    raise Unavailable(f"embedding service: {error.details()}") from error
-                raise
+                # The embedding service's trouble is ours to report, never the caller's
+                # bad input: search falls back to BM25, a write fails retryably.
+                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise DeadlineExceeded(f"embedding service: {error.details()}") from error
+                raise Unavailable(
+                    f"embedding service: {error.code().name}: {error.details()}"
+                ) from error
             self.embedding_version = reply.model_version
             rows.extend(list(e.values) for e in reply.embeddings)
         return np.asarray(rows, dtype=np.float32)
 
-    async def start(self) -> None:
+    def _open_index(self) -> RetrievalIndex:
+        """Opens the indexes and replays the write log (disk and network: in a thread)."""
         cfg = self.config
         directory = cfg.index_dir or (self.common.data_dir / "retrieval")
         if cfg.vector_backend == "qdrant":
@@ -118,24 +116,21 @@ class RetrievalService(Service):
             default_vector_weight=cfg.default_vector_weight,
         )
         index = RetrievalIndex(directory, vectors, settings, self.embed)
-        replayed = await asyncio.to_thread(index.replay)
+        replayed = index.replay()
         log.info("retrieval.replayed", records=replayed, index_version=index.applied_seq)
-        self.index = self._servicer.index = index
-        self._builder = asyncio.create_task(self._build_forever())
+        return index
 
-    async def _build_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.build_check_s)
-            try:
-                await self.index.maybe_build()
-            except Exception:  # a failed build leaves the current index serving
-                log.exception("retrieval.build_failed")
+    async def start(self) -> None:
+        self.index = await asyncio.to_thread(self._open_index)
+        self._servicer.index.set(self.index)
+        self._builder.start()
+
+    async def _maybe_build(self) -> None:
+        # A failed build is logged by Periodic and leaves the current index serving.
+        await self.index.maybe_build()
 
     async def stop(self) -> None:
-        if self._builder is not None:
-            self._builder.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._builder
+        await self._builder.stop()
         if self.index is not None:
             self.index.close()
 

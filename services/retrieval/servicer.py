@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from google.protobuf import timestamp_pb2
 
-from ragline.errors import Unavailable
 from ragline.identity import current_caller
+from ragline.server import Deferred
 from ragline.timing import current_clock
 from ragline.v1 import common_pb2, retrieval_pb2, retrieval_pb2_grpc
 from ragline_services.retrieval.documents import Visibility
@@ -48,17 +48,12 @@ def _finish_timing(stages: list[tuple[str, float]] = ()) -> common_pb2.ServerTim
 
 
 class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
-    def __init__(self, index: RetrievalIndex | None, embedding_version=lambda: "") -> None:
-        self.index = index  # set once the log is replayed
+    def __init__(self, embedding_version=lambda: "") -> None:
+        self.index: Deferred[RetrievalIndex] = Deferred("the retrieval index (replaying its log)")
         self._embedding_version = embedding_version
 
-    def _ready(self) -> RetrievalIndex:
-        if self.index is None:
-            raise Unavailable("the retrieval index is still replaying its write log; retry")
-        return self.index
-
     async def Upsert(self, request, context):
-        index = self._ready()
+        index = self.index.value
         documents = [
             DocumentInput(
                 id=d.id,
@@ -80,7 +75,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         )
 
     async def Delete(self, request, context):
-        index = self._ready()
+        index = self.index.value
         result = await index.delete(current_caller().tenant, list(request.ids))
         return retrieval_pb2.DeleteResponse(
             deleted=result.deleted,
@@ -91,7 +86,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         )
 
     async def Search(self, request, context):
-        index = self._ready()
+        index = self.index.value
         caller = current_caller()
         visibility = Visibility(
             caller.tenant, caller.scopes, tuple(sorted(request.attributes.items()))
@@ -124,22 +119,21 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         )
 
     async def IndexStatus(self, request, context):
-        index = self._ready()
-        status = index.vectors.status()
+        status = await self.index.value.status(current_caller().tenant)
         reply = retrieval_pb2.IndexStatusResponse(
-            index_version=index.applied_seq,
-            tenant_documents=index.bm25.count_tenant(current_caller().tenant),
-            total_documents=index.bm25.count(),
-            log_sequence=index.wal.last_seq,
-            applied_sequence=index.applied_seq,
-            delta_documents=status.points - status.indexed_points,
-            vector_index_ready=status.ready,
-            rebuilding=status.building,
+            index_version=status.index_version,
+            tenant_documents=status.tenant_documents,
+            total_documents=status.total_documents,
+            log_sequence=status.log_sequence,
+            applied_sequence=status.applied_sequence,
+            delta_documents=status.delta_documents,
+            vector_index_ready=status.vector_index_ready,
+            rebuilding=status.rebuilding,
             embedding_model_version=self._embedding_version(),
-            dim=index.settings.dim,
+            dim=status.dim,
         )
-        if index.last_build_finished is not None:
+        if status.last_build_finished is not None:
             finished = timestamp_pb2.Timestamp()
-            finished.FromNanoseconds(int(index.last_build_finished * 1e9))
+            finished.FromNanoseconds(int(status.last_build_finished * 1e9))
             reply.last_build_finished.CopyFrom(finished)
         return reply

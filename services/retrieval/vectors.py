@@ -63,6 +63,8 @@ class VectorIndexStatus:
 
 class VectorIndex(Protocol):
     dim: int
+    # Write-log sequence the built index covers (replay re-applies what came after).
+    built_seq: int
 
     def apply(self, seq: int, upserts: list[StoredDocument], deletes: list[str]) -> None: ...
 
@@ -75,12 +77,16 @@ class VectorIndex(Protocol):
         only_keys: list[str] | None = None,
     ) -> list[Candidate]: ...
 
+    def ready(self) -> bool:
+        """Whether vector search can answer now (a flag: no I/O, called on every search)."""
+
     def needs_build(self) -> bool: ...
 
     def build(self, upto_seq: int) -> None:
         """Builds a new HNSW index covering the log up to `upto_seq`, then swaps it in."""
 
-    def status(self) -> VectorIndexStatus: ...
+    def status(self) -> VectorIndexStatus:
+        """Sizes and build state for IndexStatus (may do I/O: call it from a thread)."""
 
     def close(self) -> None: ...
 

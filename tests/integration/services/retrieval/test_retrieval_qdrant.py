@@ -7,24 +7,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from ragline.stack import free_ports
+from ragline.processes import free_ports
+from support.retrieval import Client
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def qdrant():
-    from fake_qdrant import start_fake_qdrant
-
-    port = free_ports(1)[0]
-    server, fake = start_fake_qdrant(port)
-    yield f"127.0.0.1:{port}", fake
-    server.stop(0)
-
-
 def test_qdrant_backend_writes_filters_and_replays_only_unseen(launcher, qdrant, tmp_path):
-    from test_retrieval import Client
-
     url, fake = qdrant
     env = {
         "RAGLINE_RETRIEVAL_VECTOR_BACKEND": "qdrant",
@@ -76,7 +65,7 @@ def test_qdrant_backend_writes_filters_and_replays_only_unseen(launcher, qdrant,
     assert fake.calls.count("Create") == 1
     upserts = fake.calls.count("Upsert")
     assert service.stop() == 0
-    launcher.handles.remove(service)
+    launcher.forget(service)
     restarted = launcher.start("retrieval", env=env)
     assert fake.calls.count("Upsert") == upserts  # nothing replayed twice into Qdrant
     assert fake.calls.count("Create") == 1

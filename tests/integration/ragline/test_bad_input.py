@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import field_violations
 
 from ragline.v1 import (
     embedding_pb2,
@@ -14,22 +13,11 @@ from ragline.v1 import (
     retrieval_pb2,
     retrieval_pb2_grpc,
 )
+from support import field_violations
 
 pytestmark = pytest.mark.integration
 
 TENANT = (("x-ragline-tenant", "acme"),)
-
-
-@pytest.fixture
-def small_embedding(launcher):
-    """An embedding service with a 4 KiB request limit and a 64 KiB transport cap."""
-    return launcher.start(
-        "embedding",
-        env={
-            "RAGLINE_EMBEDDING_MAX_REQUEST_BYTES": "4096",
-            "RAGLINE_EMBEDDING_MAX_MESSAGE_BYTES": "65536",
-        },
-    )
 
 
 async def test_oversized_request_is_invalid_argument_naming_the_field(small_embedding):

@@ -12,35 +12,13 @@ import grpc
 import numpy as np
 import pytest
 
-from ragline.datasets import load_squad
+from ragline.processes import free_ports
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+from ragline_app.datasets import load_squad
+from support import SQUAD_SAMPLE
+from support.retrieval import MODES, Client, who
 
 pytestmark = pytest.mark.integration
-
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "squad_dev_sample.json"
-MODES = {
-    "bm25": retrieval_pb2.SEARCH_MODE_BM25,
-    "vector": retrieval_pb2.SEARCH_MODE_VECTOR,
-    "hybrid": retrieval_pb2.SEARCH_MODE_HYBRID,
-    "prefilter": retrieval_pb2.SEARCH_MODE_PREFILTER,
-}
-
-
-def who(tenant: str, scopes: str = "") -> tuple[tuple[str, str], ...]:
-    metadata = [("x-ragline-tenant", tenant)]
-    if scopes:
-        metadata.append(("x-ragline-scopes", scopes))
-    return tuple(metadata)
-
-
-@pytest.fixture(scope="module")
-def embedding(tmp_path_factory):
-    from conftest import ServiceLauncher
-
-    launcher = ServiceLauncher(tmp_path_factory.mktemp("embedding"))
-    handle = launcher.start("embedding")
-    yield handle
-    launcher.stop_all()
 
 
 def start_retrieval(launcher, embedding, index_dir: Path, **env):
@@ -55,39 +33,15 @@ def start_retrieval(launcher, embedding, index_dir: Path, **env):
     )
 
 
-class Client:
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
-        self.stub = retrieval_pb2_grpc.RetrievalServiceStub(self.channel)
-
-    async def upsert(self, tenant, docs, scopes=""):
-        request = retrieval_pb2.UpsertRequest()
-        for doc in docs:
-            request.documents.add(**doc)
-        return await self.stub.Upsert(request, timeout=60, metadata=who(tenant, scopes))
-
-    async def search(self, tenant, query, mode="hybrid", k=5, scopes="", **kwargs):
-        request = retrieval_pb2.SearchRequest(query=query, k=k, mode=MODES[mode], **kwargs)
-        return await self.stub.Search(request, timeout=30, metadata=who(tenant, scopes))
-
-    async def status(self, tenant):
-        return await self.stub.IndexStatus(
-            retrieval_pb2.IndexStatusRequest(), timeout=10, metadata=who(tenant)
-        )
-
-    async def close(self):
-        await self.channel.close()
-
-
 def squad_docs(count: int) -> tuple[list[dict], list]:
-    passages, questions = load_squad(FIXTURE)
+    passages, questions = load_squad(SQUAD_SAMPLE)
     docs = [{"id": p.id, "title": p.title, "text": p.text} for p in passages[:count]]
     chosen = {d["id"] for d in docs}
     return docs, [q for q in questions if q.passage_id in chosen]
 
 
-async def test_ingest_then_search_in_every_mode(launcher, embedding, tmp_path):
-    service = start_retrieval(launcher, embedding, tmp_path / "index")
+async def test_ingest_then_search_in_every_mode(launcher, embedding_service, tmp_path):
+    service = start_retrieval(launcher, embedding_service, tmp_path / "index")
     client = Client(service.address)
     docs, questions = squad_docs(40)
     reply = await client.upsert("acme", docs)
@@ -108,8 +62,8 @@ async def test_ingest_then_search_in_every_mode(launcher, embedding, tmp_path):
     await client.close()
 
 
-async def test_tenants_and_revoked_scopes(launcher, embedding, tmp_path):
-    service = start_retrieval(launcher, embedding, tmp_path / "index")
+async def test_tenants_and_revoked_scopes(launcher, embedding_service, tmp_path):
+    service = start_retrieval(launcher, embedding_service, tmp_path / "index")
     client = Client(service.address)
     await client.upsert(
         "acme",
@@ -152,9 +106,9 @@ async def test_tenants_and_revoked_scopes(launcher, embedding, tmp_path):
 
 
 async def test_writes_are_searchable_before_the_rebuild_and_queries_run_during_it(
-    launcher, embedding, tmp_path
+    launcher, embedding_service, tmp_path
 ):
-    service = start_retrieval(launcher, embedding, tmp_path / "index", rebuild_after=100)
+    service = start_retrieval(launcher, embedding_service, tmp_path / "index", rebuild_after=100)
     client = Client(service.address)
     rng = np.random.default_rng(7)
     vectors = rng.normal(size=(3000, 384)).astype(np.float32)
@@ -196,9 +150,9 @@ async def test_writes_are_searchable_before_the_rebuild_and_queries_run_during_i
     await client.close()
 
 
-def test_kill_9_during_ingest_loses_no_acknowledged_document(launcher, embedding, tmp_path):
+def test_kill_9_during_ingest_loses_no_acknowledged_document(launcher, embedding_service, tmp_path):
     index_dir = tmp_path / "index"
-    service = start_retrieval(launcher, embedding, index_dir)
+    service = start_retrieval(launcher, embedding_service, index_dir)
     acked: list[str] = []
 
     async def ingest_until_killed():
@@ -227,9 +181,9 @@ def test_kill_9_during_ingest_loses_no_acknowledged_document(launcher, embedding
 
     asyncio.run(ingest_until_killed())
     assert service.process.wait(timeout=10) == -signal.SIGKILL
-    launcher.handles.remove(service)
+    launcher.forget(service)
     assert len(acked) >= 150
-    restarted = start_retrieval(launcher, embedding, index_dir)
+    restarted = start_retrieval(launcher, embedding_service, index_dir)
 
     async def check():
         client = Client(restarted.address)
@@ -254,8 +208,8 @@ def test_kill_9_during_ingest_loses_no_acknowledged_document(launcher, embedding
         ({"query": "q", "k": 5, "query_vector": [0.1, 0.2]}, "query_vector"),
     ],
 )
-async def test_bad_search_is_invalid_argument(launcher, embedding, tmp_path, fields, field):
-    service = start_retrieval(launcher, embedding, tmp_path / "index")
+async def test_bad_search_is_invalid_argument(launcher, embedding_service, tmp_path, fields, field):
+    service = start_retrieval(launcher, embedding_service, tmp_path / "index")
     async with grpc.aio.insecure_channel(service.address) as channel:
         stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -266,8 +220,8 @@ async def test_bad_search_is_invalid_argument(launcher, embedding, tmp_path, fie
     assert caught.value.details().startswith(field)
 
 
-async def test_bad_documents_write_nothing(launcher, embedding, tmp_path):
-    service = start_retrieval(launcher, embedding, tmp_path / "index")
+async def test_bad_documents_write_nothing(launcher, embedding_service, tmp_path):
+    service = start_retrieval(launcher, embedding_service, tmp_path / "index")
     client = Client(service.address)
     before = await client.status("acme")
     cases = [
@@ -286,8 +240,6 @@ async def test_bad_documents_write_nothing(launcher, embedding, tmp_path):
 
 
 async def test_without_the_embedding_service_search_falls_back_to_bm25(launcher, tmp_path):
-    from ragline.stack import free_ports
-
     service = launcher.start(
         "retrieval",
         env={

@@ -9,25 +9,20 @@ acknowledged batch, so an interrupted run resumes where it stopped.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
+from ragline import deadlines, identity
+from ragline.clients import ChannelPool, ServiceClient
+from ragline.retry import PATIENT_POLICY
+from ragline.v1 import common_pb2
+from ragline.validation import violations
+from ragline_app.datasets import load_squad
 
-from ragline.clients import ChannelPool, EmbeddingClient, RetrievalClient
-from ragline.identity import Caller
-
-_TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_SCOPE = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-}
+# Every batch (embed, then upsert, retries included) must finish within this.
+BATCH_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -49,18 +44,9 @@ class BadRecord:
 
 def read_records(path: Path, default_tenant: str) -> Iterator[Record | BadRecord]:
     if path.suffix == ".json":
-        data = json.loads(path.read_text())
-        number = 0
-        for a_idx, article in enumerate(data["data"]):
-            for p_idx, paragraph in enumerate(article["paragraphs"]):
-                number += 1
-                yield Record(
-                    number,
-                    default_tenant,
-                    f"{path.stem}:{a_idx}:{p_idx}",
-                    article["title"].replace("_", " "),
-                    paragraph["context"],
-                )
+        passages, _ = load_squad(path)
+        for number, passage in enumerate(passages, start=1):
+            yield Record(number, default_tenant, passage.id, passage.title, passage.text)
         return
     with path.open() as handle:
         for number, line in enumerate(handle, start=1):
@@ -68,37 +54,45 @@ def read_records(path: Path, default_tenant: str) -> Iterator[Record | BadRecord
                 continue
             try:
                 raw = json.loads(line)
-                if not isinstance(raw, dict):
-                    raise ValueError("not a JSON object")
             except ValueError as error:
                 yield BadRecord(number, f"invalid JSON: {error}")
+                continue
+            if not isinstance(raw, dict):
+                yield BadRecord(number, "not a JSON object")
                 continue
             yield check(number, raw, default_tenant)
 
 
 def check(number: int, raw: dict, default_tenant: str) -> Record | BadRecord:
+    """A record, or why it cannot be one: the contract's own rules on `Document` (the
+    limits live in the .proto file only), the tenant rule, and JSON types."""
     tenant = str(raw.get("tenant") or default_tenant)
     doc_id, text = raw.get("id"), raw.get("text")
     title = raw.get("title") or ""
     acl = raw.get("acl") or []
     attributes = raw.get("attributes") or {}
     problems = []
-    if not _TENANT.match(tenant):
-        problems.append(f"tenant {tenant!r} must be 1-64 of letters, digits, '_.-'")
-    if not isinstance(doc_id, str | int) or not str(doc_id) or len(str(doc_id).encode()) > 256:
-        problems.append("id must be a non-empty string of at most 256 bytes")
+    if not identity.is_tenant(tenant):
+        problems.append(f"tenant {tenant!r} must be {identity.TENANT_RULE}")
+    if not isinstance(doc_id, str | int):
+        problems.append("id must be a string")
     if not isinstance(text, str) or not text.strip():
         problems.append("text is missing or empty")
-    elif len(text.encode()) > 65536:
-        problems.append(f"text is {len(text.encode())} bytes; the limit is 65536")
-    if not isinstance(title, str) or len(title.encode()) > 1024:
-        problems.append("title must be a string of at most 1024 bytes")
-    if not isinstance(acl, list) or not all(isinstance(s, str) and _SCOPE.match(s) for s in acl):
-        problems.append("acl must be a list of scopes (letters, digits, '_.:@-')")
+    if not isinstance(title, str):
+        problems.append("title must be a string")
+    if not isinstance(acl, list) or not all(
+        isinstance(s, str) and identity.is_name(s) for s in acl
+    ):
+        problems.append(f"acl must be a list of scopes ({identity.NAME_RULE})")
     if not isinstance(attributes, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in attributes.items()
     ):
         problems.append("attributes must map strings to strings")
+    if not problems:
+        document = common_pb2.Document(
+            id=str(doc_id), title=title, text=text, acl=acl, attributes=attributes
+        )
+        problems.extend(f"{v.field}: {v.description}" for v in violations(document))
     if problems:
         return BadRecord(number, "; ".join(problems))
     return Record(number, tenant, str(doc_id), title, text, list(acl), dict(attributes))
@@ -119,17 +113,6 @@ class Checkpoint:
         tmp.replace(self.path)
 
 
-async def _call_with_retries(fn, request, attempts: int = 5):
-    for attempt in range(1, attempts + 1):
-        try:
-            return await fn(request)
-        except grpc.aio.AioRpcError as error:
-            if error.code() not in _RETRYABLE or attempt == attempts:
-                raise
-            await asyncio.sleep(min(0.5 * 2**attempt, 10))
-    raise AssertionError("unreachable")
-
-
 async def ingest(
     path: Path,
     *,
@@ -141,34 +124,45 @@ async def ingest(
     progress=None,
 ) -> tuple[int, list[BadRecord]]:
     """Returns (documents written, bad records)."""
-    from ragline.v1 import embedding_pb2, retrieval_pb2
+    from ragline.v1 import embedding_pb2, embedding_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
     from ragline_services.retrieval.documents import passage_text
 
     pool = ChannelPool()
-    embedder = EmbeddingClient(embedding_addr, pool=pool)
+    embedder = ServiceClient(embedding_pb2_grpc.EmbeddingServiceStub, embedding_addr, pool=pool)
     bad: list[BadRecord] = []
     written = 0
     pending: dict[str, list[Record]] = {}
 
     async def flush(records: list[Record]) -> None:
         nonlocal written
-        texts = [passage_text(r.title, r.text) for r in records]
-        vectors = await _call_with_retries(
-            embedder.embed,
-            embedding_pb2.EmbedRequest(texts=texts, input_type=embedding_pb2.INPUT_TYPE_PASSAGE),
-        )
-        request = retrieval_pb2.UpsertRequest()
-        for record, embedding in zip(records, vectors.embeddings, strict=True):
-            request.documents.add(
-                id=record.id,
-                title=record.title,
-                text=record.text,
-                acl=record.acl,
-                attributes=record.attributes,
-                vector=embedding.values,
+        with deadlines.deadline_scope(BATCH_TIMEOUT_S):
+            texts = [passage_text(r.title, r.text) for r in records]
+            vectors = await embedder.unary(
+                "Embed",
+                embedding_pb2.EmbedRequest(
+                    texts=texts, input_type=embedding_pb2.INPUT_TYPE_PASSAGE
+                ),
+                retry=PATIENT_POLICY,
             )
-        retrieval = RetrievalClient(retrieval_addr, pool=pool, caller=Caller(records[0].tenant))
-        await _call_with_retries(retrieval.upsert, request)
+            request = retrieval_pb2.UpsertRequest()
+            for record, embedding in zip(records, vectors.embeddings, strict=True):
+                request.documents.add(
+                    id=record.id,
+                    title=record.title,
+                    text=record.text,
+                    acl=record.acl,
+                    attributes=record.attributes,
+                    vector=embedding.values,
+                )
+            retrieval = ServiceClient(
+                retrieval_pb2_grpc.RetrievalServiceStub,
+                retrieval_addr,
+                pool=pool,
+                caller=identity.Caller(records[0].tenant),
+            )
+            # Upserts are idempotent by document id: a retry after a lost reply rewrites
+            # the same documents.
+            await retrieval.unary("Upsert", request, retry=PATIENT_POLICY)
         written += len(records)
 
     last_number = checkpoint.done

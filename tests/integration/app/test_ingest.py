@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,30 +12,11 @@ import grpc
 import pytest
 
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+from support import SQUAD_SAMPLE
 
 pytestmark = pytest.mark.integration
 
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "squad_dev_sample.json"
 RAGLINE = str(Path(sys.executable).parent / "ragline")
-
-
-@pytest.fixture
-def stack(launcher, tmp_path):
-    embedding = launcher.start("embedding")
-    retrieval = launcher.start(
-        "retrieval",
-        env={
-            "RAGLINE_EMBEDDING_ADDR": embedding.address,
-            "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path / "index"),
-        },
-    )
-    env = {
-        **os.environ,
-        "RAGLINE_EMBEDDING_ADDR": embedding.address,
-        "RAGLINE_RETRIEVAL_ADDR": retrieval.address,
-        "RAGLINE_DATA_DIR": str(tmp_path),
-    }
-    return retrieval, env
 
 
 def run_ingest(env, *args):
@@ -59,8 +39,8 @@ def tenant_documents(address: str, tenant: str) -> int:
     return asyncio.run(status())
 
 
-def test_jsonl_good_records_go_in_bad_ones_are_reported_and_reruns_resume(stack, tmp_path):
-    retrieval, env = stack
+def test_jsonl_good_records_go_in_bad_ones_are_reported_and_reruns_resume(ingest_stack, tmp_path):
+    retrieval, env = ingest_stack
     lines = [
         json.dumps(
             {
@@ -100,9 +80,9 @@ def test_jsonl_good_records_go_in_bad_ones_are_reported_and_reruns_resume(stack,
     assert tenant_documents(retrieval.address, "acme") == 15  # upserts by id: no duplicates
 
 
-def test_squad_file(stack):
-    retrieval, env = stack
-    result = run_ingest(env, str(FIXTURE), "--tenant", "squad")
+def test_squad_file(ingest_stack):
+    retrieval, env = ingest_stack
+    result = run_ingest(env, str(SQUAD_SAMPLE), "--tenant", "squad")
     assert result.returncode == 0, result.stderr
     assert "ingested 203 documents" in result.stdout
     assert tenant_documents(retrieval.address, "squad") == 203

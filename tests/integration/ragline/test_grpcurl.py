@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from ragline_services.registry import load_spec, service_names
+from support import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -106,9 +107,8 @@ def test_unimplemented_names_what_is_missing(all_services, grpcurl_bin):
 def _readme_budget_commands() -> list[tuple[str, str, str]]:
     """The (json body, method) of each grpcurl budget example in README.md."""
     import re
-    from pathlib import Path
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    readme = (REPO_ROOT / "README.md").read_text()
     pattern = re.compile(
         r"""grpcurl -plaintext -H "\$T" -d '(?P<body>[^']*)' \$B """
         r"(?P<method>ragline\.v1\.BudgetService/\w+)"

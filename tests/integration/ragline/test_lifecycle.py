@@ -32,7 +32,7 @@ def test_sigint_stops_cleanly(launcher):
 def test_a_busy_port_fails_loudly(launcher):
     first = launcher.start("embedding")
     clash = subprocess.run(
-        [sys.executable, "-m", "ragline.cli", "serve", "embedding", "--port", str(first.port)],
+        [sys.executable, "-m", "ragline_app.cli", "serve", "embedding", "--port", str(first.port)],
         capture_output=True,
         text=True,
         timeout=30,

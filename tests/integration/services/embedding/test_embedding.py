@@ -6,39 +6,25 @@ import asyncio
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from conftest import field_violations
 
-from ragline.datasets import load_squad
+from ragline.processes import free_ports
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc
+from ragline_app.datasets import load_squad
+from support import REPO_ROOT, SQUAD_SAMPLE, field_violations
 
 pytestmark = pytest.mark.integration
 
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "squad_dev_sample.json"
-REPO = Path(__file__).parents[2]
-
 
 def sample_texts(n: int) -> list[str]:
-    passages, questions = load_squad(FIXTURE)
+    passages, questions = load_squad(SQUAD_SAMPLE)
     texts = []
     for i in range(n):
         texts.append(questions[i].text if i % 2 else passages[i].text[: 80 + 40 * (i % 7)])
     return texts
-
-
-@pytest.fixture(scope="module")
-def embedding(tmp_path_factory):
-    from conftest import ServiceLauncher
-
-    launcher = ServiceLauncher(tmp_path_factory.mktemp("embedding"))
-    batched = launcher.start("embedding", env={"RAGLINE_EMBEDDING_MAX_WAIT_MS": "5"})
-    unbatched = launcher.start("embedding", env={"RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "1"})
-    yield batched, unbatched
-    assert set(launcher.stop_all().values()) == {0}
 
 
 async def embed(address: str, request: embedding_pb2.EmbedRequest, deadline_s=30.0):
@@ -52,8 +38,8 @@ def as_array(reply) -> np.ndarray:
     return np.array([list(e.values) for e in reply.embeddings], dtype=np.float32)
 
 
-async def test_embeds_with_usage_version_and_timing(embedding):
-    batched, _ = embedding
+async def test_embeds_with_usage_version_and_timing(embedding_pair):
+    batched, _ = embedding_pair
     reply = await embed(batched.address, embedding_pb2.EmbedRequest(texts=["hello world", "a b"]))
     vectors = as_array(reply)
     assert vectors.shape == (2, 384) and reply.dim == 384
@@ -67,9 +53,9 @@ async def test_embeds_with_usage_version_and_timing(embedding):
     assert reply.timing.total.ToNanoseconds() >= reply.timing.compute.ToNanoseconds() > 0
 
 
-async def test_semantics_question_is_nearest_to_its_passage(embedding):
-    batched, _ = embedding
-    passages, questions = load_squad(FIXTURE)
+async def test_semantics_question_is_nearest_to_its_passage(embedding_pair):
+    batched, _ = embedding_pair
+    passages, questions = load_squad(SQUAD_SAMPLE)
     chosen = passages[:10]
     by_id = {p.id: i for i, p in enumerate(chosen)}
     qs = [q for q in questions if q.passage_id in by_id][:20]
@@ -89,8 +75,8 @@ async def test_semantics_question_is_nearest_to_its_passage(embedding):
     assert accuracy >= 0.7, accuracy
 
 
-async def test_batched_and_unbatched_results_are_identical(embedding):
-    batched, unbatched = embedding
+async def test_batched_and_unbatched_results_are_identical(embedding_pair):
+    batched, unbatched = embedding_pair
     texts = sample_texts(24)
 
     async def one_by_one(address):
@@ -106,8 +92,8 @@ async def test_batched_and_unbatched_results_are_identical(embedding):
     assert np.abs(together - alone).max() < 1e-6
 
 
-async def test_dimension_truncation_renormalises(embedding):
-    batched, _ = embedding
+async def test_dimension_truncation_renormalises(embedding_pair):
+    batched, _ = embedding_pair
     full = as_array(await embed(batched.address, embedding_pb2.EmbedRequest(texts=["Warsaw"])))
     cut = await embed(batched.address, embedding_pb2.EmbedRequest(texts=["Warsaw"], dim=128))
     vector = as_array(cut)[0]
@@ -117,8 +103,8 @@ async def test_dimension_truncation_renormalises(embedding):
     assert np.allclose(vector, expected, atol=1e-6)
 
 
-async def test_over_long_text_is_truncated_or_refused(embedding):
-    batched, _ = embedding
+async def test_over_long_text_is_truncated_or_refused(embedding_pair):
+    batched, _ = embedding_pair
     long_text = " ".join(["word"] * 400)
     reply = await embed(batched.address, embedding_pb2.EmbedRequest(texts=["short", long_text]))
     assert [e.truncated for e in reply.embeddings] == [False, True]
@@ -146,16 +132,18 @@ async def test_over_long_text_is_truncated_or_refused(embedding):
         ({"texts": ["ok"], "input_type": 9}, "input_type"),
     ],
 )
-async def test_bad_input_is_invalid_argument_naming_the_field(embedding, request_fields, field):
-    batched, _ = embedding
+async def test_bad_input_is_invalid_argument_naming_the_field(
+    embedding_pair, request_fields, field
+):
+    batched, _ = embedding_pair
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await embed(batched.address, embedding_pb2.EmbedRequest(**request_fields))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert next(iter(field_violations(caught.value))) == field
 
 
-async def test_expired_deadline_is_refused(embedding):
-    batched, _ = embedding
+async def test_expired_deadline_is_refused(embedding_pair):
+    batched, _ = embedding_pair
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await embed(
             batched.address, embedding_pb2.EmbedRequest(texts=["hi"] * 200), deadline_s=0.001
@@ -191,7 +179,7 @@ def test_export_matches_torch(tmp_path):
     result = subprocess.run(
         [
             sys.executable,
-            str(REPO / "tools" / "export_onnx.py"),
+            str(REPO_ROOT / "tools" / "export_onnx.py"),
             "--model-dir",
             str(tmp_path),
             "--passages",
@@ -239,8 +227,6 @@ def test_triton_path_equals_the_onnx_runtime_path(triton, launcher):
 
 
 def test_triton_backend_down_is_not_serving(launcher, tmp_path):
-    from ragline.stack import free_ports
-
     port = free_ports(1)[0]
     handle = launcher.start(
         "embedding",
@@ -252,4 +238,4 @@ def test_triton_backend_down_is_not_serving(launcher, tmp_path):
     )
     assert handle.process.wait(timeout=60) == 1
     assert "Triton at 127.0.0.1" in handle.log()
-    launcher.handles.remove(handle)
+    launcher.forget(handle)

@@ -25,11 +25,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ragline.config import CommonConfig
 from ragline.processes import terminate
 
 
 def triton_venv() -> Path:
-    return Path(os.environ.get("RAGLINE_TRITON_VENV", ".venv-triton")).resolve()
+    return CommonConfig().triton_venv.resolve()
 
 
 class TritonServer:

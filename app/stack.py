@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,8 +15,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ragline.config import DEFAULT_PORTS
-from ragline.etcd_server import EtcdServer
+from ragline.processes import free_ports
+from ragline_app.etcd_server import EtcdServer
+from ragline_services.registry import default_address, default_port, service_names
 
 # Client / peer ports of the local etcd that `ragline up` starts for the budget service.
 ETCD_PORT_OFFSETS = (10, 11)
@@ -56,20 +56,6 @@ class ServiceProcess:
             return "(no log)"
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Ports the kernel reports free right now (all held open together so they differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def plan_ports(names: list[str], base_port: int | None, host: str) -> dict[str, int]:
     """Default ports, `base_port + offset` in the default layout, or free ports (base 0).
 
@@ -78,9 +64,9 @@ def plan_ports(names: list[str], base_port: int | None, host: str) -> dict[str, 
     names = [*names, "etcd", "etcd-peer"]
     if base_port == 0:
         return dict(zip(names, free_ports(len(names), host), strict=True))
-    base = DEFAULT_PORTS["orchestrator"]
+    base = default_port("orchestrator")
     offsets = {
-        **{name: DEFAULT_PORTS[name] - base for name in DEFAULT_PORTS},
+        **{name: default_port(name) - base for name in service_names()},
         "etcd": ETCD_PORT_OFFSETS[0],
         "etcd-peer": ETCD_PORT_OFFSETS[1],
     }
@@ -109,7 +95,7 @@ def spawn_service(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "ragline.cli", "serve", name, "--port", str(port)],
+            [sys.executable, "-m", "ragline_app.cli", "serve", name, "--port", str(port)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -172,7 +158,7 @@ class Stack:
             # A session of its own: Ctrl-C reaches only `ragline up`, which stops the
             # services in order instead of all of them at once.
             svc.process = subprocess.Popen(
-                [sys.executable, "-m", "ragline.cli", "serve", svc.name],
+                [sys.executable, "-m", "ragline_app.cli", "serve", svc.name],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -245,3 +231,22 @@ def read_state_address(path: Path, service: str) -> str | None:
         return json.loads(path.read_text())["services"][service]["address"]
     except (OSError, KeyError, ValueError):
         return None
+
+
+def service_address(name: str, data_dir: Path) -> str:
+    """Where a command finds `name`: RAGLINE_<NAME>_ADDR, else the running `ragline up`,
+    else the default loopback layout."""
+    variable = f"RAGLINE_{name.upper()}_ADDR"
+    if os.environ.get(variable, "").strip():
+        return os.environ[variable].strip()
+    return read_state_address(data_dir / "up.json", name) or default_address(name)
+
+
+def local_addresses(host: str = "127.0.0.1") -> dict[str, str]:
+    """RAGLINE_<NAME>_ADDR of every registered service in the default loopback layout, for
+    those the environment does not set already."""
+    return {
+        f"RAGLINE_{name.upper()}_ADDR": default_address(name, host)
+        for name in service_names()
+        if not os.environ.get(f"RAGLINE_{name.upper()}_ADDR", "").strip()
+    }

@@ -16,27 +16,16 @@ pytestmark = pytest.mark.integration
 ACME = (("x-ragline-tenant", "acme"),)
 
 
-@pytest.fixture
-def service(triton_generation, launcher):
-    return launcher.start(
-        "generation",
-        env={
-            "RAGLINE_GENERATION_ENGINE": "triton",
-            "RAGLINE_GENERATION_TRITON_URL": triton_generation.grpc_url,
-            "RAGLINE_GENERATION_MAX_NUM_SEQS": "2",
-        },
-    )
-
-
 async def generate(address, request, deadline_s=30.0):
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         return [m async for m in stub.Generate(request, timeout=deadline_s, metadata=ACME)]
 
 
-async def test_streams_every_piece_in_order_with_usage(service):
+async def test_streams_every_piece_in_order_with_usage(generation_on_triton):
     messages = await generate(
-        service.address, generation_pb2.GenerateRequest(prompt="alpha beta gamma", max_tokens=7)
+        generation_on_triton.address,
+        generation_pb2.GenerateRequest(prompt="alpha beta gamma", max_tokens=7),
     )
     chunks, final = messages[:-1], messages[-1].final
     assert [c.text for c in chunks] == [
@@ -55,17 +44,17 @@ async def test_streams_every_piece_in_order_with_usage(service):
     assert final.model == "ensemble"
 
 
-async def test_chat_is_rendered_as_chatml(service):
+async def test_chat_is_rendered_as_chatml(generation_on_triton):
     request = generation_pb2.GenerateRequest(max_tokens=2)
     request.chat.messages.add(role=generation_pb2.ROLE_USER, content="hello there")
-    messages = await generate(service.address, request)
+    messages = await generate(generation_on_triton.address, request)
     assert messages[0].text == " <|im_start|>user"
 
 
-async def test_deadline_stops_the_triton_stream(service):
+async def test_deadline_stops_the_triton_stream(generation_on_triton):
     started = time.monotonic()
     messages = await generate(
-        service.address,
+        generation_on_triton.address,
         generation_pb2.GenerateRequest(prompt="one two", max_tokens=1000),
         deadline_s=1.0,
     )
@@ -75,8 +64,8 @@ async def test_deadline_stops_the_triton_stream(service):
     assert 5 < final.usage.output_tokens < 1000
 
 
-async def test_cancel_frees_the_slot(service):
-    async with grpc.aio.insecure_channel(service.address) as channel:
+async def test_cancel_frees_the_slot(generation_on_triton):
+    async with grpc.aio.insecure_channel(generation_on_triton.address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         calls = [
             stub.Generate(

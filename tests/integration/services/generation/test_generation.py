@@ -7,18 +7,14 @@ import time
 
 import grpc
 import pytest
-from conftest import field_violations
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from ragline.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from support import SMALL_GENERATION, field_violations
 
 pytestmark = pytest.mark.integration
 
-TEST_MODEL = {
-    "RAGLINE_GENERATION_SMALL_MODEL": "smollm2-135m",
-    "RAGLINE_GENERATION_CONTEXT_PER_SEQ": "2048",
-}
 EVIDENCE = (
     "Warsaw is the capital and largest city of Poland. It stands on the Vistula River in "
     "east-central Poland, roughly 260 kilometres from the Baltic Sea and 300 kilometres from "
@@ -44,26 +40,9 @@ async def collect(address, request, metadata=ACME, deadline_s=60.0):
         return [m async for m in stub.Generate(request, timeout=deadline_s, metadata=metadata)]
 
 
-@pytest.fixture(scope="module")
-def generation(tmp_path_factory):
-    from conftest import ServiceLauncher
-
-    launcher = ServiceLauncher(tmp_path_factory.mktemp("generation"))
-    handle = launcher.start(
-        "generation",
-        env={
-            **TEST_MODEL,
-            "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
-            "RAGLINE_GENERATION_MAX_QUEUE": "1",
-        },
-    )
-    yield handle
-    assert set(launcher.stop_all().values()) == {0}
-
-
-async def test_streams_in_order_with_usage_and_timings(generation):
+async def test_streams_in_order_with_usage_and_timings(generation_service):
     messages = await collect(
-        generation.address,
+        generation_service.address,
         prompt_request("The capital of France is", 12, speculation=generation_pb2.SPECULATION_OFF),
     )
     chunks, final = messages[:-1], messages[-1]
@@ -83,16 +62,16 @@ async def test_streams_in_order_with_usage_and_timings(generation):
     assert [s.name for s in summary.timing.stages] == ["prefill", "decode"]
 
 
-async def test_chat_is_rendered_with_the_models_template(generation):
+async def test_chat_is_rendered_with_the_models_template(generation_service):
     request = generation_pb2.GenerateRequest(max_tokens=8)
     request.chat.messages.add(role=generation_pb2.ROLE_SYSTEM, content="Answer briefly.")
     request.chat.messages.add(role=generation_pb2.ROLE_USER, content="What is 2 + 2?")
-    messages = await collect(generation.address, request)
+    messages = await collect(generation_service.address, request)
     assert messages[-1].final.usage.input_tokens > 10
 
 
-async def test_cancel_mid_stream_frees_the_slot(generation):
-    async with grpc.aio.insecure_channel(generation.address) as channel:
+async def test_cancel_mid_stream_frees_the_slot(generation_service):
+    async with grpc.aio.insecure_channel(generation_service.address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         call = stub.Generate(
             prompt_request("Tell a very long story about a river.", 1500),
@@ -117,11 +96,10 @@ async def test_cancel_mid_stream_frees_the_slot(generation):
     assert waited < 2.0 and time.monotonic() - started < 10
 
 
-async def test_deadline_stops_decoding_with_finish_reason_deadline(generation):
+async def test_deadline_stops_decoding_with_finish_reason_deadline(generation_service):
     started = time.monotonic()
-    messages = await collect(
-        generation.address, prompt_request("Write a long essay about rivers.", 1800), deadline_s=2.0
-    )
+    request = prompt_request("Write a long essay about rivers.", 1800)
+    messages = await collect(generation_service.address, request, deadline_s=2.0)
     elapsed = time.monotonic() - started
     final = messages[-1].final
     assert final.finish_reason == generation_pb2.FINISH_REASON_DEADLINE
@@ -129,8 +107,8 @@ async def test_deadline_stops_decoding_with_finish_reason_deadline(generation):
     assert final.usage.output_tokens > 0 and final.text
 
 
-async def test_full_queue_answers_resource_exhausted_quickly(generation):
-    async with grpc.aio.insecure_channel(generation.address) as channel:
+async def test_full_queue_answers_resource_exhausted_quickly(generation_service):
+    async with grpc.aio.insecure_channel(generation_service.address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         running = stub.Generate(
             prompt_request("Count to one thousand:", 400), timeout=120, metadata=tenant("acme")
@@ -153,25 +131,24 @@ async def test_full_queue_answers_resource_exhausted_quickly(generation):
     assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details)
 
 
-async def test_prefix_reuse_is_per_tenant(generation):
+async def test_prefix_reuse_is_per_tenant(generation_service):
     prompt = f"Evidence: {EVIDENCE}\nQuestion: What river does Warsaw stand on?\nAnswer:"
-    first = (
-        await collect(generation.address, prompt_request(prompt, 4), metadata=tenant("tenant-a"))
-    )[-1].final
-    again = (
-        await collect(generation.address, prompt_request(prompt, 4), metadata=tenant("tenant-a"))
-    )[-1].final
-    other = (
-        await collect(generation.address, prompt_request(prompt, 4), metadata=tenant("tenant-b"))
-    )[-1].final
+
+    async def final_of(who: str):
+        request = prompt_request(prompt, 4)
+        return (await collect(generation_service.address, request, metadata=tenant(who)))[-1].final
+
+    first = await final_of("tenant-a")
+    again = await final_of("tenant-a")
+    other = await final_of("tenant-b")
     assert again.usage.cached_input_tokens >= 0.8 * again.usage.input_tokens
     assert other.usage.cached_input_tokens == 0
     # the warm prefix shows in time to first token too (prefill skipped)
     assert again.timing.first_token.ToNanoseconds() < first.timing.first_token.ToNanoseconds()
 
 
-async def test_count_tokens(generation):
-    async with grpc.aio.insecure_channel(generation.address) as channel:
+async def test_count_tokens(generation_service):
+    async with grpc.aio.insecure_channel(generation_service.address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         reply = await stub.CountTokens(
             generation_pb2.CountTokensRequest(prompt="Hello world"),
@@ -193,9 +170,9 @@ async def test_count_tokens(generation):
         ({"max_tokens": 4}, "input"),
     ],
 )
-async def test_bad_input_names_the_field(generation, request_fields, field):
+async def test_bad_input_names_the_field(generation_service, request_fields, field):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await collect(generation.address, generation_pb2.GenerateRequest(**request_fields))
+        await collect(generation_service.address, generation_pb2.GenerateRequest(**request_fields))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert next(iter(field_violations(caught.value))) == field
 
@@ -204,7 +181,7 @@ def test_speculation_falls_back_to_plain_decoding_when_acceptance_is_low(launche
     handle = launcher.start(
         "generation",
         env={
-            **TEST_MODEL,
+            **SMALL_GENERATION,
             "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
             "RAGLINE_GENERATION_SMALL_SPECULATION": "ngram",
         },

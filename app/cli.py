@@ -23,12 +23,17 @@ def _service_names() -> list[str]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ragline.server import serve
-    from ragline_services.registry import load_spec
+    from ragline_app.stack import local_addresses
+    from ragline_services.registry import default_port, load_spec
 
+    prefix = f"RAGLINE_{args.service.upper()}_"
     if args.port is not None:
-        os.environ[f"RAGLINE_{args.service.upper()}_PORT"] = str(args.port)
+        os.environ[f"{prefix}PORT"] = str(args.port)
+    os.environ.setdefault(f"{prefix}PORT", str(default_port(args.service)))
     if args.host is not None:
-        os.environ[f"RAGLINE_{args.service.upper()}_HOST"] = args.host
+        os.environ[f"{prefix}HOST"] = args.host
+    # Where the other services listen, unless configured: the local loopback layout.
+    os.environ.update(local_addresses())
     spec = load_spec(args.service)
     try:
         asyncio.run(serve(spec))
@@ -39,8 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from ragline.etcd_server import EtcdServer
-    from ragline.stack import Stack, StackError, plan_ports
+    from ragline_app.etcd_server import EtcdServer
+    from ragline_app.stack import Stack, StackError, plan_ports
 
     common = CommonConfig()
     names = args.only.split(",") if args.only else _service_names()
@@ -138,21 +143,14 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from ragline.ingest import Checkpoint, ingest
-    from ragline.stack import read_state_address
+    from ragline_app.ingest import Checkpoint, ingest
+    from ragline_app.stack import service_address
 
     common = CommonConfig()
     path = Path(args.path)
     if not path.exists():
         print(f"ragline ingest: {path} does not exist", file=sys.stderr)
         return 2
-    state = common.data_dir / "up.json"
-
-    def address(service: str) -> str:
-        if f"RAGLINE_{service.upper()}_ADDR" in os.environ:
-            return common.address_of(service)
-        return read_state_address(state, service) or common.address_of(service)
-
     digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
     checkpoint = Checkpoint(
         Path(args.checkpoint)
@@ -175,7 +173,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         task = bar.add_task(f"ingest {path.name}", total=None)
         try:
             written, bad = asyncio.run(ingest(
-                path, retrieval_addr=address("retrieval"), embedding_addr=address("embedding"),
+                path, retrieval_addr=service_address("retrieval", common.data_dir),
+                embedding_addr=service_address("embedding", common.data_dir),
                 default_tenant=args.tenant, batch_size=args.batch, checkpoint=checkpoint,
                 progress=lambda n: bar.update(task, completed=n),
             ))  # fmt: skip
@@ -199,23 +198,17 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def _orchestrator_address(args: argparse.Namespace, common: CommonConfig) -> str:
-    from ragline.stack import read_state_address
+    from ragline_app.stack import service_address
 
-    if args.addr:
-        return args.addr
-    if "RAGLINE_ORCHESTRATOR_ADDR" in os.environ:
-        return common.orchestrator_addr
-    return (
-        read_state_address(common.data_dir / "up.json", "orchestrator") or common.orchestrator_addr
-    )
+    return args.addr or service_address("orchestrator", common.data_dir)
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
     from ragline import deadlines, identity
-    from ragline.clients import OrchestratorClient
-    from ragline.v1 import orchestrator_pb2
+    from ragline.clients import ServiceClient
+    from ragline.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
     common = CommonConfig()
     caller = identity.Caller(
@@ -223,12 +216,16 @@ def cmd_ask(args: argparse.Namespace) -> int:
         principal=args.principal,
         scopes=frozenset(s for s in args.scopes.split(",") if s),
     )
-    client = OrchestratorClient(_orchestrator_address(args, common), caller=caller)
+    client = ServiceClient(
+        orchestrator_pb2_grpc.OrchestratorServiceStub,
+        _orchestrator_address(args, common),
+        caller=caller,
+    )
     request = orchestrator_pb2.AskRequest(question=args.question, task_id=args.task_id or "")
 
     async def run() -> int:
         with deadlines.deadline_scope(args.timeout):
-            async for message in client.ask(request):
+            async for message in client.stream("Ask", request):
                 event = message.WhichOneof("event")
                 if event == "delta" and not args.json:
                     print(message.delta, end="", flush=True)
@@ -269,21 +266,13 @@ def _print_result(result) -> None:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from ragline.stack import health_status, read_state_address
+    from ragline_app.stack import health_status, service_address
 
     common = CommonConfig()
-    state = common.data_dir / "up.json"
     names = _service_names()
 
     async def run() -> dict[str, tuple[str, str]]:
-        addresses = {
-            n: (
-                common.address_of(n)
-                if f"RAGLINE_{n.upper()}_ADDR" in os.environ
-                else read_state_address(state, n) or common.address_of(n)
-            )
-            for n in names
-        }
+        addresses = {n: service_address(n, common.data_dir) for n in names}
         statuses = await asyncio.gather(
             *(health_status(a, args.timeout) for a in addresses.values())
         )

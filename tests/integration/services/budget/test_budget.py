@@ -7,99 +7,18 @@ import json
 import subprocess
 import sys
 import time
-import uuid
-from pathlib import Path
 
 import grpc
 import pytest
 
 from ragline.budget import AMOUNT_FIELDS, Amounts, BudgetRefused, TaskBudget
-from ragline.clients import BudgetClient, ChannelPool
+from ragline.clients import ChannelPool, ServiceClient
 from ragline.identity import Caller
-from ragline.stack import health_status
 from ragline.v1 import budget_pb2, budget_pb2_grpc, common_pb2
+from ragline_app.stack import health_status
+from support.budget import BUDGET_HAMMER, Api, budget_env, new_id
 
 pytestmark = pytest.mark.integration
-
-HERE = Path(__file__).parent
-
-
-def budget_env(etcd, **extra) -> dict[str, str]:
-    return {
-        "RAGLINE_BUDGET_ETCD_ENDPOINTS": etcd.endpoint,
-        "RAGLINE_BUDGET_HEALTH_PROBE_S": "0.3",
-        **extra,
-    }
-
-
-@pytest.fixture(scope="module")
-def budget(etcd, tmp_path_factory):
-    from conftest import ServiceLauncher
-
-    launcher = ServiceLauncher(tmp_path_factory.mktemp("budget"))
-    handle = launcher.start("budget", env=budget_env(etcd, RAGLINE_BUDGET_EXPIRY_GRACE_S="1"))
-    yield handle
-    assert launcher.stop_all() == {"budget": 0}
-
-
-class Api:
-    """The budget stub bound to one tenant."""
-
-    def __init__(self, channel, tenant: str) -> None:
-        self.stub = budget_pb2_grpc.BudgetServiceStub(channel)
-        self.metadata = (("x-ragline-tenant", tenant),)
-
-    async def open(self, task_id, timeout_s=60.0, max_in_flight=0, **limits):
-        request = budget_pb2.OpenTaskRequest(
-            task_id=task_id, limits=common_pb2.BudgetAmounts(**limits), max_in_flight=max_in_flight
-        )
-        request.timeout.FromNanoseconds(int(timeout_s * 1e9))
-        return await self.stub.OpenTask(request, timeout=10, metadata=self.metadata)
-
-    async def reserve(self, task_id, rid, **amounts):
-        return await self.stub.Reserve(
-            budget_pb2.ReserveRequest(
-                task_id=task_id, reservation_id=rid, amounts=common_pb2.BudgetAmounts(**amounts)
-            ),
-            timeout=10,
-            metadata=self.metadata,
-        )
-
-    async def settle(self, task_id, rid, failed=False, **actual):
-        return await self.stub.Settle(
-            budget_pb2.SettleRequest(
-                task_id=task_id,
-                reservation_id=rid,
-                actual=common_pb2.BudgetAmounts(**actual),
-                failed=failed,
-            ),
-            timeout=10,
-            metadata=self.metadata,
-        )
-
-    async def cancel(self, task_id, rid):
-        return await self.stub.Cancel(
-            budget_pb2.CancelRequest(task_id=task_id, reservation_id=rid, reason="test"),
-            timeout=10,
-            metadata=self.metadata,
-        )
-
-    async def ledger(self, task_id, include_reservations=False):
-        return await self.stub.GetLedger(
-            budget_pb2.GetLedgerRequest(task_id=task_id, include_reservations=include_reservations),
-            timeout=10,
-            metadata=self.metadata,
-        )
-
-
-def new_id(prefix="t") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture
-async def api(budget):
-    async with grpc.aio.insecure_channel(budget.address) as channel:
-        yield Api(channel, new_id("tenant"))
 
 
 async def test_600_and_500_against_1000_exactly_one_is_granted(api):
@@ -136,7 +55,7 @@ def test_64_workers_in_4_processes_never_overspend(budget, etcd, launcher):
         subprocess.Popen(
             [
                 sys.executable,
-                str(HERE / "budget_hammer.py"),
+                str(BUDGET_HAMMER),
                 address,
                 tenant,
                 task,
@@ -347,7 +266,9 @@ async def test_bad_input_names_the_field(api):
 async def test_client_helper_settles_on_success_failure_and_cancellation(budget):
     tenant = new_id("tenant")
     pool = ChannelPool()
-    client = BudgetClient(budget.address, pool=pool, caller=Caller(tenant))
+    client = ServiceClient(
+        budget_pb2_grpc.BudgetServiceStub, budget.address, pool=pool, caller=Caller(tenant)
+    )
     api = Api(pool.get(budget.address), tenant)
     task = new_id()
     await api.open(task, output_tokens=100, calls=10)

