@@ -30,8 +30,9 @@ $(TRITON_STAMP):
 llama-server: install
 	$(BIN)/python tools/build_llama_server.py --jobs $$(nproc)
 
+# UP_ARGS: extra `ragline up` options (for example --base-port 0).
 up: install llama-server
-	$(BIN)/ragline up
+	$(BIN)/ragline up $(UP_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

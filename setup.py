@@ -55,6 +55,9 @@ class BuildPyWithStubs(build_py):
 
 setup(
     packages=find_packages(),
-    package_data={"ragline": ["py.typed", "v1/*.pyi", "models/manifest.toml"]},
+    package_data={
+        "ragline": ["py.typed", "v1/*.pyi", "models/manifest.toml"],
+        "ragline_app": ["data/*.json", "data/*.md"],
+    },
     cmdclass={"build_py": BuildPyWithStubs},
 )

@@ -97,10 +97,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         width = max(len(n) for n in names)
         for svc in stack.services:
             print(f"  {svc.name:<{width}}  {svc.address}  SERVING", flush=True)
+        if args.demo and {"retrieval", "embedding"} <= set(names):
+            loading = asyncio.create_task(_load_demo(stack, common))
+            await asyncio.wait({loading, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+            if not loading.done():
+                loading.cancel()
+                return 130
+            if loading.exception() is not None:
+                print(f"ragline up: the demo corpus did not load: {loading.exception()}",
+                      file=sys.stderr, flush=True)  # fmt: skip
         orchestrator = next((s for s in stack.services if s.name == "orchestrator"), None)
         if orchestrator is not None:
             print(
-                f'ragline up: ready. Try: ragline ask "What is ragline?"   or   '
+                'ragline up: ready. Try: ragline ask "Which river flows through Warsaw?"   or   '
                 f"grpcurl -plaintext {orchestrator.address} list",
                 flush=True,
             )
@@ -136,6 +145,25 @@ def cmd_up(args: argparse.Namespace) -> int:
         else:
             print("ragline up: all services stopped cleanly", flush=True)
     return code
+
+
+async def _load_demo(stack, common: CommonConfig) -> None:
+    from ragline_app.ingest import DEMO_CORPUS, DEMO_TENANT, load_demo
+
+    addresses = {svc.name: svc.address for svc in stack.services}
+    print(f"ragline up: loading the demo corpus ({DEMO_CORPUS.name}) into tenant "
+          f"{DEMO_TENANT!r} if it is empty...", flush=True)  # fmt: skip
+    written = await load_demo(
+        retrieval_addr=addresses["retrieval"],
+        embedding_addr=addresses["embedding"],
+        data_dir=common.data_dir,
+    )
+    print(
+        f"ragline up: demo corpus: {written} passages ingested"
+        if written
+        else "ragline up: demo corpus already loaded",
+        flush=True,
+    )
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -208,7 +236,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     from ragline import deadlines, identity
     from ragline.clients import ServiceClient
-    from ragline.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+    from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, retrieval_pb2
 
     common = CommonConfig()
     caller = identity.Caller(
@@ -221,20 +249,45 @@ def cmd_ask(args: argparse.Namespace) -> int:
         _orchestrator_address(args, common),
         caller=caller,
     )
-    request = orchestrator_pb2.AskRequest(question=args.question, task_id=args.task_id or "")
+    request = orchestrator_pb2.AskRequest(
+        question=args.question,
+        task_id=args.task_id or "",
+        tier=common_pb2.ModelTier.Value(f"MODEL_TIER_{args.tier.upper()}"),
+        allow_degrade=args.allow_degrade,
+        max_tokens=args.max_tokens or 0,
+        retrieval=orchestrator_pb2.RetrievalOptions(
+            mode=retrieval_pb2.SearchMode.Value(f"SEARCH_MODE_{args.mode.upper()}")
+        ),
+    )
 
     async def run() -> int:
+        result = None
         with deadlines.deadline_scope(args.timeout):
             async for message in client.stream("Ask", request):
                 event = message.WhichOneof("event")
                 if event == "delta" and not args.json:
                     print(message.delta, end="", flush=True)
                 elif event == "result":
-                    if args.json:
-                        print(json_format.MessageToJson(message.result))
-                    else:
-                        _print_result(message.result)
-        return 0
+                    result = message.result
+        if result is None:
+            print("ragline ask: the stream ended without a result", file=sys.stderr)
+            return 1
+        if args.json:
+            print(json_format.MessageToJson(result))
+        else:
+            _print_result(result)
+        if args.timings:
+            from rich.console import Console
+
+            from ragline_app.waterfall import render_text
+
+            Console().print(render_text(result.timing))
+        if args.waterfall:
+            from ragline_app.waterfall import render_png
+
+            render_png(result.timing, Path(args.waterfall), title=args.question)
+            print(f"waterfall written to {args.waterfall}")
+        return 0 if result.status.state != common_pb2.ANSWER_STATE_INCOMPLETE else 3
 
     try:
         return asyncio.run(run())
@@ -253,15 +306,30 @@ def _print_result(result) -> None:
     state = common_pb2.AnswerState.Name(result.status.state).removeprefix("ANSWER_STATE_")
     reason = f" ({result.status.reason})" if result.status.reason else ""
     print(f"\n[{state}{reason}]")
+    if result.status.detail:
+        print(f"  {result.status.detail}")
+    if result.citations:
+        print("sources:")
     for citation in result.citations:
-        print(f"  {citation.marker} {citation.title} ({citation.document_id})")
+        snippet = (
+            citation.snippet if len(citation.snippet) <= 160 else citation.snippet[:157] + "..."
+        )
+        print(f"  {citation.marker} {citation.title} ({citation.document_id} v{citation.version})")
+        print(f"      {snippet}")
+    used = result.budget.used
+    if result.budget.task_id:
+        print(
+            f"budget: {used.input_tokens} input + {used.output_tokens} output tokens, "
+            f"{used.calls} model calls, cost {used.cost_micros} micros "
+            f"(task {result.budget.task_id})"
+        )
     timing = result.timing
     if timing.end_to_end.ToNanoseconds():
         print(
-            f"  time: {timing.end_to_end.ToMilliseconds()} ms end to end; critical path "
+            f"time: {timing.end_to_end.ToMilliseconds()} ms end to end; critical path "
             f"{' -> '.join(timing.critical_path)} (lower bound "
             f"{timing.critical_path_lower_bound.ToMilliseconds()} ms, ratio "
-            f"{timing.overhead_ratio:.2f})"
+            f"{timing.overhead_ratio:.2f}); model {result.model}"
         )
 
 
@@ -342,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="orchestrator port; the others follow it (default 50100; 0 picks free ports)",
     )
     up.add_argument("--only", help="comma-separated subset of services")
+    up.add_argument(
+        "--no-demo",
+        dest="demo",
+        action="store_false",
+        help="do not load the demo corpus (SQuAD sample) into an empty tenant 'default'",
+    )
     up.add_argument("--log-dir", help="where each service logs (default .ragline/logs)")
     up.add_argument(
         "--ready-timeout",
@@ -366,6 +440,16 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--scopes", default="", help="comma-separated visibility scopes")
     ask.add_argument("--task-id", help="idempotency id of the task (default: generated)")
     ask.add_argument("--json", action="store_true", help="print the final result as JSON")
+    ask.add_argument("--timings", action="store_true", help="draw where the time went")
+    ask.add_argument("--waterfall", metavar="FILE.png", help="write the timing waterfall as a PNG")
+    ask.add_argument("--tier", choices=["unspecified", "small", "large"], default="unspecified")
+    ask.add_argument("--mode", choices=["hybrid", "bm25", "vector", "prefilter"], default="hybrid")
+    ask.add_argument("--max-tokens", type=int, help="most answer tokens (default: server's)")
+    ask.add_argument(
+        "--allow-degrade",
+        action="store_true",
+        help="let the server drop optional steps to meet the deadline or budget",
+    )
     ask.set_defaults(func=cmd_ask)
 
     ingest = sub.add_parser("ingest", help="load documents (SQuAD JSON or JSONL) into retrieval")

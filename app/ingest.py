@@ -188,3 +188,36 @@ async def ingest(
     finally:
         await pool.close()
     return written, bad
+
+
+DEMO_CORPUS = Path(__file__).with_name("data") / "squad_dev_sample.json"
+DEMO_TENANT = "default"
+
+
+async def load_demo(*, retrieval_addr: str, embedding_addr: str, data_dir: Path) -> int:
+    """Ingests the demo corpus into tenant `default` unless that tenant has documents
+    already (a restarted stack keeps its index). Returns the documents written."""
+    from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+
+    status_client = ServiceClient(
+        retrieval_pb2_grpc.RetrievalServiceStub,
+        retrieval_addr,
+        caller=identity.Caller(DEMO_TENANT),
+    )
+    with deadlines.deadline_scope(30.0):
+        status = await status_client.unary(
+            "IndexStatus", retrieval_pb2.IndexStatusRequest(), retry=PATIENT_POLICY
+        )
+    if status.tenant_documents:
+        return 0
+    checkpoint = Checkpoint(data_dir / "ingest" / "demo-corpus.json")
+    checkpoint.path.unlink(missing_ok=True)
+    checkpoint.done = 0
+    written, _ = await ingest(
+        DEMO_CORPUS,
+        retrieval_addr=retrieval_addr,
+        embedding_addr=embedding_addr,
+        default_tenant=DEMO_TENANT,
+        checkpoint=checkpoint,
+    )
+    return written

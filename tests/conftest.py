@@ -297,6 +297,80 @@ async def hop():
     await pool.close()
 
 
+@dataclass
+class RagStack:
+    """Every service but the orchestrator, with the demo corpus in tenant `default`.
+
+    `generation` runs the default model (Qwen2.5-Coder-0.5B, 2 slots): answers are real.
+    `small_generation` runs SmolLM2 with one slot and no queue: a direct Generate is refused
+    while that slot is busy, which tells a test whether work is still running downstream.
+    """
+
+    budget: ServiceHandle
+    embedding: ServiceHandle
+    retrieval: ServiceHandle
+    rerank: ServiceHandle
+    generation: ServiceHandle
+    small_generation: ServiceHandle
+    launcher: ServiceLauncher
+
+    def orchestrator(self, *, small: bool = False, **settings) -> ServiceHandle:
+        """An orchestrator over these services (`settings`: RAGLINE_ORCHESTRATOR_* values)."""
+        generation = self.small_generation if small else self.generation
+        env = {
+            "RAGLINE_EMBEDDING_ADDR": self.embedding.address,
+            "RAGLINE_RETRIEVAL_ADDR": self.retrieval.address,
+            "RAGLINE_RERANK_ADDR": self.rerank.address,
+            "RAGLINE_GENERATION_ADDR": generation.address,
+            "RAGLINE_BUDGET_ADDR": self.budget.address,
+            **{f"RAGLINE_ORCHESTRATOR_{k.upper()}": str(v) for k, v in settings.items()},
+        }
+        return self.launcher.start("orchestrator", env=env)
+
+
+@pytest.fixture(scope="module")
+def rag_stack(etcd, module_launcher, tmp_path_factory) -> RagStack:
+    import asyncio
+
+    from ragline_app.ingest import DEMO_CORPUS, Checkpoint, ingest
+
+    start = module_launcher.start
+    embedding = start("embedding")
+    retrieval = start(
+        "retrieval",
+        env={
+            "RAGLINE_EMBEDDING_ADDR": embedding.address,
+            "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path_factory.mktemp("rag-index")),
+        },
+    )
+    stack = RagStack(
+        budget=start("budget", env=budget_env(etcd)),
+        embedding=embedding,
+        retrieval=retrieval,
+        rerank=start("rerank"),
+        generation=start("generation", env={"RAGLINE_GENERATION_MAX_NUM_SEQS": "2"}),
+        small_generation=start(
+            "generation",
+            env={
+                **SMALL_GENERATION,
+                "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+                "RAGLINE_GENERATION_MAX_QUEUE": "0",
+            },
+        ),
+        launcher=module_launcher,
+    )
+    asyncio.run(
+        ingest(
+            DEMO_CORPUS,
+            retrieval_addr=retrieval.address,
+            embedding_addr=embedding.address,
+            default_tenant="default",
+            checkpoint=Checkpoint(tmp_path_factory.mktemp("ingest") / "demo.json"),
+        )
+    )
+    return stack
+
+
 # -- real servers ---------------------------------------------------------------------------
 
 

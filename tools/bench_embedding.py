@@ -30,7 +30,7 @@ from ragline_app.datasets import load_squad
 from ragline_app.stack import spawn_service
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TEXTS = REPO / "tests/fixtures/squad_dev_sample.json"
+DEFAULT_TEXTS = REPO / "app/data/squad_dev_sample.json"
 
 
 def pct(values, q):

@@ -132,7 +132,7 @@ def main() -> int:
         help="also measure draft-model speculation: the large tier "
         "(qwen2.5-coder-1.5b) drafted by the small model, vs plain",
     )
-    parser.add_argument("--data", type=Path, default=REPO / "tests/fixtures/squad_dev_sample.json")
+    parser.add_argument("--data", type=Path, default=REPO / "app/data/squad_dev_sample.json")
     args = parser.parse_args()
     passages, questions = load_squad(args.data)
     by_passage = {}

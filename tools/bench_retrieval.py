@@ -240,7 +240,7 @@ def main() -> int:
     parser.add_argument(
         "--data",
         type=Path,
-        default=Path(__file__).resolve().parents[1] / "tests/fixtures/squad_dev_sample.json",
+        default=Path(__file__).resolve().parents[1] / "app/data/squad_dev_sample.json",
         help="SQuAD-format file whose questions are the queries",
     )
     parser.add_argument("--size", type=int, action="append")

@@ -126,7 +126,7 @@ def main() -> int:
     parser.add_argument(
         "--texts",
         type=Path,
-        default=Path(__file__).resolve().parents[1] / "tests/fixtures/squad_dev_sample.json",
+        default=Path(__file__).resolve().parents[1] / "app/data/squad_dev_sample.json",
     )
     args = parser.parse_args()
     engine = build(args)

@@ -114,7 +114,7 @@ def main() -> int:
     parser.add_argument(
         "--texts",
         type=Path,
-        default=REPO / "tests/fixtures/squad_dev_sample.json",
+        default=REPO / "app/data/squad_dev_sample.json",
         help="SQuAD-format file whose passages and questions are compared",
     )
     parser.add_argument("--passages", type=int, default=40)

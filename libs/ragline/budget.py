@@ -14,6 +14,7 @@ from further cancellation, so partial use is never lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from dataclasses import dataclass, fields
 
@@ -111,6 +112,15 @@ class Reservation:
         self.actual = actual
 
     async def __aenter__(self) -> Reservation:
+        await self.open()
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+        await self.close(failed=exc_type is not None, cancelled=cancelled)
+
+    async def open(self) -> None:
+        """Reserves; BudgetRefused when the task cannot cover it."""
         from ragline.v1 import budget_pb2
 
         request = budget_pb2.ReserveRequest(
@@ -125,13 +135,19 @@ class Reservation:
             if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise BudgetRefused(error.details()) from error
             raise
-        return self
+        except asyncio.CancelledError:
+            # The ledger may have granted it before the cancel arrived: release it (by id,
+            # so a reservation that never landed is simply not found).
+            self.actual = Amounts()  # the call it was for never ran
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.close(cancelled=True)
+            raise
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
-        cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
-        failed = exc_type is not None
+    async def close(self, *, failed: bool = False, cancelled: bool = False) -> None:
+        """Settles the reported use (or the whole reservation when none was reported);
+        a cancelled call is first moved to pending. Shielded: a second cancel must not
+        abort the bookkeeping."""
         actual = self.actual if self.actual is not None else self.amounts
-        # A second cancel must not abort the bookkeeping: run it shielded.
         task = asyncio.ensure_future(self._finish(actual, failed=failed, cancelled=cancelled))
         try:
             await asyncio.shield(task)

@@ -1,24 +1,125 @@
-"""Wiring of the orchestrator service: config, servicer registration, resources."""
+"""Wiring of the orchestrator service: config, clients of the other services, servicer."""
 
 from __future__ import annotations
 
-import grpc
+import asyncio
 
+import grpc
+from pydantic import Field
+
+from ragline.budget import Amounts
+from ragline.clients import connect
 from ragline.config import ServiceConfig
 from ragline.server import Service, ServiceSpec
-from ragline.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from ragline.v1 import (
+    budget_pb2_grpc,
+    embedding_pb2_grpc,
+    generation_pb2_grpc,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+    rerank_pb2_grpc,
+    retrieval_pb2_grpc,
+)
+from ragline_services.orchestrator.core import Orchestrator, OrchestratorSettings
+from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.servicer import OrchestratorServicer
+from ragline_services.orchestrator.steps import Clients
 
 
 class OrchestratorConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("orchestrator")
+    # Admission: runs at once, then a queue (entries keep their deadline), then refusal.
+    max_in_flight: int = Field(4, ge=1)
+    max_queue: int = Field(16, ge=0)
+    # Calls in flight to each downstream service, whatever the plans do in parallel.
+    embedding_concurrency: int = Field(16, ge=1)
+    retrieval_concurrency: int = Field(16, ge=1)
+    rerank_concurrency: int = Field(8, ge=1)
+    generation_concurrency: int = Field(8, ge=1)
+    # The default plan: candidates per search list, fusion, passages reranked, passages
+    # whose sentences compete for the prompt, and the prompt's evidence budget in tokens
+    # (about a second of prefill for the 0.5B model on 2 CPU cores).
+    candidates: int = Field(50, ge=1, le=1000)
+    fusion: str = Field("score", pattern="^(rrf|score)$")
+    vector_weight: float = Field(0.4, ge=0, le=1)
+    rerank: bool = True
+    rerank_candidates: int = Field(30, ge=1, le=1000)
+    late_interaction_k: int = Field(20, ge=1, le=1000)
+    context_passages: int = Field(4, ge=1, le=50)
+    evidence_tokens: int = Field(120, ge=16, le=32768)
+    # Sentences (shortlisted by lexical evidence) embedded to compete for the prompt.
+    embed_sentences: int = Field(12, ge=1, le=256)
+    answer_tokens: int = Field(64, ge=1, le=8192)
+    # Stage budgets (seconds) per step; generation gets whatever remains.
+    embed_budget_s: float = Field(2.0, gt=0)
+    search_budget_s: float = Field(2.0, gt=0)
+    rerank_budget_s: float = Field(3.0, gt=0)
+    evidence_budget_s: float = Field(2.0, gt=0)
+    # Kept back from the caller's deadline to settle the budget and send the result.
+    answer_margin_s: float = Field(0.15, ge=0)
+    # An optional step is dropped (when the request allows) unless this much would remain
+    # for the answer after it.
+    reserve_for_answer_s: float = Field(1.0, ge=0)
+    # Task budget of an Ask whose request leaves an amount unset.
+    default_input_tokens: int = Field(32_000, ge=0)
+    default_output_tokens: int = Field(4_096, ge=0)
+    default_cost_micros: int = Field(1_000_000, ge=0)
+    default_calls: int = Field(64, ge=0)
+    # Price in micros per 1,000 tokens, input and output, per tier (0: not charged).
+    small_input_price: int = Field(0, ge=0)
+    small_output_price: int = Field(0, ge=0)
+    large_input_price: int = Field(0, ge=0)
+    large_output_price: int = Field(0, ge=0)
 
 
 class OrchestratorService(Service):
+    config: OrchestratorConfig
+
+    def __init__(self, config: OrchestratorConfig, common) -> None:
+        super().__init__(config, common)
+        self._servicer = OrchestratorServicer(config)
+
     def register(self, server: grpc.aio.Server) -> None:
-        orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(
-            OrchestratorServicer(), server
+        orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(self._servicer, server)
+
+    async def start(self) -> None:
+        cfg, common = self.config, self.common
+        clients = Clients(
+            embedding=connect("embedding", embedding_pb2_grpc.EmbeddingServiceStub, common),
+            retrieval=connect("retrieval", retrieval_pb2_grpc.RetrievalServiceStub, common),
+            rerank=connect("rerank", rerank_pb2_grpc.RerankServiceStub, common),
+            generation=connect("generation", generation_pb2_grpc.GenerationServiceStub, common),
+            budget=connect("budget", budget_pb2_grpc.BudgetServiceStub, common),
+            limits={
+                "embedding": asyncio.Semaphore(cfg.embedding_concurrency),
+                "retrieval": asyncio.Semaphore(cfg.retrieval_concurrency),
+                "rerank": asyncio.Semaphore(cfg.rerank_concurrency),
+                "generation": asyncio.Semaphore(cfg.generation_concurrency),
+                "budget": asyncio.Semaphore(64),
+            },
         )
+        settings = OrchestratorSettings(
+            max_in_flight=cfg.max_in_flight,
+            max_queue=cfg.max_queue,
+            answer_margin_s=cfg.answer_margin_s,
+            reserve_for_answer_s=cfg.reserve_for_answer_s,
+            stage_budgets={
+                Kind.EMBED: cfg.embed_budget_s,
+                Kind.BM25: cfg.search_budget_s,
+                Kind.VECTOR_SEARCH: cfg.search_budget_s,
+                Kind.RETRIEVE: cfg.search_budget_s,
+                Kind.RERANK: cfg.rerank_budget_s,
+                Kind.SELECT_EVIDENCE: cfg.evidence_budget_s,
+            },
+            default_limits=Amounts(
+                input_tokens=cfg.default_input_tokens,
+                output_tokens=cfg.default_output_tokens,
+                cost_micros=cfg.default_cost_micros,
+                calls=cfg.default_calls,
+            ),
+            rerank=cfg.rerank,
+        )
+        self._servicer.orchestrator.set(Orchestrator(clients, settings))
 
 
 SPEC = ServiceSpec(

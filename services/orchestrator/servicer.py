@@ -2,14 +2,281 @@
 
 from __future__ import annotations
 
-from ragline.errors import Unimplemented
-from ragline.v1 import orchestrator_pb2_grpc
+import asyncio
+import contextlib
+
+from ragline.budget import AMOUNT_FIELDS, Amounts
+from ragline.identity import current_caller, current_run_id
+from ragline.server import Deferred
+from ragline.timing import current_clock, duration
+from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, retrieval_pb2
+from ragline_services.orchestrator import plan as plans
+from ragline_services.orchestrator.core import (
+    COMPLETE,
+    INCOMPLETE,
+    PARTIAL,
+    AskInput,
+    AskOutcome,
+    Delta,
+    NodeChanged,
+    Orchestrator,
+)
+from ragline_services.orchestrator.runner import (
+    CANCELLED,
+    FAILED,
+    RUNNING,
+    SKIPPED,
+    SUCCEEDED,
+    NodeRecord,
+)
+from ragline_services.orchestrator.steps import Settings
+
+_KINDS = {
+    orchestrator_pb2.NODE_KIND_EMBED: plans.Kind.EMBED,
+    orchestrator_pb2.NODE_KIND_BM25: plans.Kind.BM25,
+    orchestrator_pb2.NODE_KIND_VECTOR_SEARCH: plans.Kind.VECTOR_SEARCH,
+    orchestrator_pb2.NODE_KIND_RERANK: plans.Kind.RERANK,
+    orchestrator_pb2.NODE_KIND_GENERATE: plans.Kind.GENERATE,
+    orchestrator_pb2.NODE_KIND_PLAN: plans.Kind.PLAN,
+    orchestrator_pb2.NODE_KIND_RETRIEVE: plans.Kind.RETRIEVE,
+    orchestrator_pb2.NODE_KIND_SYNTHESIZE: plans.Kind.SYNTHESIZE,
+    orchestrator_pb2.NODE_KIND_FUSE: plans.Kind.FUSE,
+    orchestrator_pb2.NODE_KIND_SELECT_EVIDENCE: plans.Kind.SELECT_EVIDENCE,
+}
+_KIND_ENUM = {kind: number for number, kind in _KINDS.items()}
+_NODE_STATES = {
+    RUNNING: orchestrator_pb2.NODE_STATE_RUNNING,
+    SUCCEEDED: orchestrator_pb2.NODE_STATE_SUCCEEDED,
+    FAILED: orchestrator_pb2.NODE_STATE_FAILED,
+    SKIPPED: orchestrator_pb2.NODE_STATE_SKIPPED,
+    CANCELLED: orchestrator_pb2.NODE_STATE_CANCELLED,
+}
+_ANSWER_STATES = {
+    COMPLETE: common_pb2.ANSWER_STATE_COMPLETE,
+    PARTIAL: common_pb2.ANSWER_STATE_PARTIAL,
+    INCOMPLETE: common_pb2.ANSWER_STATE_INCOMPLETE,
+}
+_MODES = {
+    retrieval_pb2.SEARCH_MODE_UNSPECIFIED: "hybrid",
+    retrieval_pb2.SEARCH_MODE_HYBRID: "hybrid",
+    retrieval_pb2.SEARCH_MODE_BM25: "bm25",
+    retrieval_pb2.SEARCH_MODE_VECTOR: "vector",
+    retrieval_pb2.SEARCH_MODE_PREFILTER: "prefilter",
+}
+_TIERS = {
+    common_pb2.MODEL_TIER_UNSPECIFIED: "small",
+    common_pb2.MODEL_TIER_SMALL: "small",
+    common_pb2.MODEL_TIER_LARGE: "large",
+}
+
+
+def settings_of(request: orchestrator_pb2.AskRequest, config) -> Settings:
+    """The server defaults, narrowed by what the request sets (0 / unset: the default)."""
+    options = request.retrieval
+    return Settings(
+        question=request.question,
+        candidates=options.k or config.candidates,
+        search_mode=_MODES[options.mode],
+        attributes=tuple(sorted(options.attributes.items())),
+        fusion=config.fusion,
+        vector_weight=config.vector_weight,
+        rerank_candidates=config.rerank_candidates,
+        late_interaction_k=config.late_interaction_k,
+        context_passages=options.context_passages or config.context_passages,
+        evidence_tokens=request.max_evidence_tokens or config.evidence_tokens,
+        embed_sentences=config.embed_sentences,
+        answer_tokens=request.max_tokens or config.answer_tokens,
+        tier=_TIERS[request.tier],
+        allow_degrade=request.allow_degrade,
+        prices={
+            "small": (config.small_input_price, config.small_output_price),
+            "large": (config.large_input_price, config.large_output_price),
+        },
+    )
+
+
+def limits_of(request: orchestrator_pb2.AskRequest, defaults: Amounts) -> Amounts:
+    return Amounts(*(getattr(request.budget, f) or getattr(defaults, f) for f in AMOUNT_FIELDS))
+
+
+def plan_of(request: orchestrator_pb2.AskRequest) -> plans.Plan | None:
+    if not request.HasField("plan"):
+        return None
+    return plans.build_plan(
+        [
+            plans.NodeSpec(
+                id=n.id,
+                kind=_KINDS[n.kind].value if n.kind in _KINDS else f"#{n.kind}",
+                depends_on=tuple(n.depends_on),
+                params=dict(n.params),
+                budget_s=n.budget.ToNanoseconds() / 1e9 if n.HasField("budget") else None,
+                optional=n.optional,
+            )
+            for n in request.plan.nodes
+        ]
+    )
+
+
+def plan_message(plan: plans.Plan) -> orchestrator_pb2.Plan:
+    """A domain plan as the contract writes it (for clients that send explicit plans)."""
+    message = orchestrator_pb2.Plan()
+    for node in plan.nodes:
+        entry = message.nodes.add(
+            id=node.id,
+            kind=_KIND_ENUM[node.kind],
+            depends_on=list(node.depends_on),
+            params={key: str(value) for key, value in node.params.items()},
+            optional=node.optional,
+        )
+        if node.budget_s is not None:
+            entry.budget.CopyFrom(duration(node.budget_s))
+    return message
+
+
+def default_plan(mode: str, rerank: bool) -> plans.Plan:
+    """The default RAG plan for a search mode (PREFILTER is one retrieval step)."""
+    if mode == "hybrid":
+        return plans.default_rag_plan(rerank=rerank)
+    first = plans.Node("retrieve", plans.Kind.RETRIEVE, params={"mode": mode})
+    nodes = [first]
+    ranked = "retrieve"
+    if rerank:
+        nodes.append(plans.Node("rerank", plans.Kind.RERANK, ("retrieve",), optional=True))
+        ranked = "rerank"
+    nodes += [
+        plans.Node("evidence", plans.Kind.SELECT_EVIDENCE, (ranked,)),
+        plans.Node("generate", plans.Kind.GENERATE, ("evidence",)),
+    ]
+    return plans.Plan(tuple(nodes))
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
+    def __init__(self, config) -> None:
+        self.config = config
+        self.orchestrator: Deferred[Orchestrator] = Deferred("the orchestrator")
+
     async def Ask(self, request, context):
-        raise Unimplemented(
-            "OrchestratorService.Ask is not available yet: the plan runner needs the "
-            "embedding, retrieval, rerank, generation and budget services first"
+        orchestrator = self.orchestrator.value
+        current_caller()  # UNAUTHENTICATED before any work when no tenant came
+        ask = AskInput(
+            settings=settings_of(request, self.config),
+            limits=limits_of(request, orchestrator.settings.default_limits),
+            task_id=request.task_id,
+            plan=plan_of(request),
         )
-        yield  # a server-streaming handler is an async generator
+        clock = current_clock()
+        events: asyncio.Queue = asyncio.Queue()
+        run = asyncio.create_task(
+            orchestrator.ask(
+                ask,
+                events.put_nowait,
+                received=clock.received,
+                run_id=current_run_id() or "",
+                default_plan=default_plan(ask.settings.search_mode, orchestrator.settings.rerank),
+            ),
+            name="ask",
+        )
+        first_text = True
+        try:
+            while True:
+                waiting = asyncio.ensure_future(events.get())
+                await asyncio.wait({waiting, run}, return_when=asyncio.FIRST_COMPLETED)
+                if not waiting.done():
+                    waiting.cancel()
+                    break
+                event = waiting.result()
+                if isinstance(event, Delta):
+                    if first_text:
+                        clock.mark_first_token()
+                        first_text = False
+                    yield orchestrator_pb2.AskResponse(delta=event.text)
+                else:
+                    yield orchestrator_pb2.AskResponse(node=_node_event(event))
+            while not events.empty():
+                event = events.get_nowait()
+                if isinstance(event, Delta):
+                    yield orchestrator_pb2.AskResponse(delta=event.text)
+                else:
+                    yield orchestrator_pb2.AskResponse(node=_node_event(event))
+            outcome = run.result()
+            yield orchestrator_pb2.AskResponse(result=_result(outcome, current_run_id() or ""))
+        finally:
+            if not run.done():
+                run.cancel()  # the caller went away: cancel the work down the tree
+                with contextlib.suppress(BaseException):
+                    await run
+
+
+def _node_event(event: NodeChanged) -> orchestrator_pb2.NodeEvent:
+    record = event.record
+    return orchestrator_pb2.NodeEvent(
+        node_id=record.node.id,
+        kind=_KIND_ENUM[record.node.kind],
+        state=_NODE_STATES.get(record.state, orchestrator_pb2.NODE_STATE_UNSPECIFIED),
+        at=duration(event.at_s),
+    )
+
+
+def _offset(value: float | None, origin: float):
+    return None if value is None else duration(value - origin)
+
+
+def _node_timing(record: NodeRecord, origin: float) -> orchestrator_pb2.NodeTiming:
+    timing = orchestrator_pb2.NodeTiming(
+        node_id=record.node.id,
+        kind=_KIND_ENUM[record.node.kind],
+        depends_on=list(record.node.depends_on),
+        state=_NODE_STATES.get(record.state, orchestrator_pb2.NODE_STATE_UNSPECIFIED),
+        attempts=record.attempts,
+        error=record.error or record.note,
+    )
+    for name in ("reserve_start", "call_start", "first_byte", "call_end", "settled"):
+        value = _offset(getattr(record, name), origin)
+        if value is not None:
+            getattr(timing, name).CopyFrom(value)
+    if record.server is not None:
+        timing.server.CopyFrom(record.server)
+    return timing
+
+
+def _citation(item) -> orchestrator_pb2.Citation:
+    return orchestrator_pb2.Citation(
+        document_id=item.passage.id,
+        version=item.passage.version,
+        marker=item.marker,
+        title=item.passage.title,
+        snippet=item.text,
+    )
+
+
+def _result(outcome: AskOutcome, run_id: str) -> orchestrator_pb2.AskResult:
+    origin = outcome.received
+    lower = outcome.critical.lower_bound_s
+    report = orchestrator_pb2.TimingReport(
+        run_id=run_id,
+        end_to_end=duration(outcome.end_to_end_s),
+        admission_wait=duration(outcome.admitted - origin),
+        plan_ready=duration(outcome.plan_ready - origin),
+        nodes=[_node_timing(outcome.records[n.id], origin) for n in outcome.plan.nodes],
+        critical_path=outcome.critical.nodes,
+        critical_path_lower_bound=duration(lower),
+        overhead_ratio=outcome.end_to_end_s / lower if lower > 0 else 0.0,
+    )
+    result = orchestrator_pb2.AskResult(
+        answer=outcome.answer,
+        citations=[_citation(item) for item in outcome.citations],
+        evidence=[_citation(item) for item in outcome.evidence],
+        status=common_pb2.AnswerStatus(
+            state=_ANSWER_STATES[outcome.state], reason=outcome.reason, detail=outcome.detail
+        ),
+        timing=report,
+        cache=orchestrator_pb2.CacheReport(prefill_tokens_saved=outcome.prefill_tokens_saved),
+        task_id=outcome.task_id,
+        model=outcome.model,
+        tier=outcome.tier,
+        degraded=outcome.degraded,
+        dropped_citations=outcome.dropped_citations,
+    )
+    if outcome.ledger is not None:
+        result.budget.CopyFrom(outcome.ledger)
+    return result

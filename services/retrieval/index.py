@@ -19,6 +19,7 @@ import numpy as np
 import structlog
 
 from ragline.errors import DeadlineExceeded, InvalidArgument, RaglineError, Unavailable
+from ragline.ranking import rrf, score_fusion
 from ragline_services.retrieval.bm25 import Bm25Index, LexicalIndex
 from ragline_services.retrieval.documents import (
     StoredDocument,
@@ -28,7 +29,6 @@ from ragline_services.retrieval.documents import (
     passage_text,
     split_key,
 )
-from ragline_services.retrieval.fusion import rrf, score_fusion
 from ragline_services.retrieval.vectors import VectorIndex
 from ragline_services.retrieval.wal import WriteLog
 

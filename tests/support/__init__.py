@@ -5,7 +5,7 @@ from pathlib import Path
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 REPO_ROOT = TESTS_DIR.parent
-SQUAD_SAMPLE = TESTS_DIR / "fixtures" / "squad_dev_sample.json"
+SQUAD_SAMPLE = TESTS_DIR.parent / "app" / "data" / "squad_dev_sample.json"
 # Tests run generation on the smallest real model (SmolLM2-135M) with a short context.
 SMALL_GENERATION = {
     "RAGLINE_GENERATION_SMALL_MODEL": "smollm2-135m",

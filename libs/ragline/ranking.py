@@ -1,8 +1,20 @@
-"""Merging the BM25 and vector candidate lists (HYBRID mode)."""
+"""Merging a BM25 and a vector candidate list into one ranking (HYBRID search).
+
+Used where the two lists meet: inside the retrieval service (HYBRID mode) and in the
+orchestrator's plan (BM25 and vector search as separate nodes).
+"""
 
 from __future__ import annotations
 
-from ragline_services.retrieval.documents import Candidate
+from typing import Protocol
+
+
+class Candidate(Protocol):
+    """Anything with a key and a score (higher is better)."""
+
+    key: str
+    score: float
+
 
 RRF_K = 60
 

@@ -1,0 +1,142 @@
+"""Where the time of one Ask went, drawn from its TimingReport: in the terminal (rich) or
+as a picture (matplotlib), the critical path highlighted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# Phases of a node, in the order they happen, with their colours.
+PHASES = (
+    ("reserve", "budget reservation", "#8da0cb"),
+    ("call", "call, to the first byte", "#66c2a5"),
+    ("stream", "streaming", "#a6d854"),
+    ("settle", "settlement (off the path)", "#d9d9d9"),
+)
+_STATES = {1: "ok", 2: "failed", 3: "skipped", 4: "cancelled", 5: "cached", 6: "running"}
+
+
+@dataclass(frozen=True)
+class Row:
+    node_id: str
+    kind: str
+    state: str
+    critical: bool
+    phases: list[tuple[str, float, float]]  # (phase, start_s, end_s)
+    server_s: float | None  # the service's own total
+    note: str
+
+
+def _seconds(duration) -> float:
+    return duration.ToNanoseconds() / 1e9
+
+
+def rows(report) -> list[Row]:
+    from ragline.v1 import orchestrator_pb2
+
+    critical = set(report.critical_path)
+    out = []
+    for node in report.nodes:
+        marks = {
+            name: _seconds(getattr(node, name)) if node.HasField(name) else None
+            for name in ("reserve_start", "call_start", "first_byte", "call_end", "settled")
+        }
+        phases = []
+        if marks["reserve_start"] is not None and marks["call_start"] is not None:
+            phases.append(("reserve", marks["reserve_start"], marks["call_start"]))
+        if marks["call_start"] is not None and marks["call_end"] is not None:
+            split = marks["first_byte"] or marks["call_end"]
+            phases.append(("call", marks["call_start"], split))
+            if split < marks["call_end"]:
+                phases.append(("stream", split, marks["call_end"]))
+        if marks["call_end"] is not None and marks["settled"] is not None:
+            phases.append(("settle", marks["call_end"], marks["settled"]))
+        out.append(
+            Row(
+                node_id=node.node_id,
+                kind=orchestrator_pb2.NodeKind.Name(node.kind).removeprefix("NODE_KIND_").lower(),
+                state=_STATES.get(node.state, "?"),
+                critical=node.node_id in critical,
+                phases=phases,
+                server_s=_seconds(node.server.total) if node.HasField("server") else None,
+                note=node.error,
+            )
+        )
+    return out
+
+
+def render_text(report, width: int = 60):
+    """A rich Table: one bar per node on a shared time axis."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table_rows = rows(report)
+    total = max(_seconds(report.end_to_end), 1e-6)
+    scale = width / total
+    table = Table(
+        title=(
+            f"end to end {total * 1000:.0f} ms; critical path "
+            f"{' -> '.join(report.critical_path)} = "
+            f"{_seconds(report.critical_path_lower_bound) * 1000:.0f} ms "
+            f"(measured / lower bound {report.overhead_ratio:.2f})"
+        ),
+        title_justify="left",
+    )
+    for column in ("node", "state", f"0 .. {total * 1000:.0f} ms", "ms", "server ms"):
+        table.add_column(column)
+    colours = {name: colour for name, _, colour in PHASES}
+    for row in table_rows:
+        bar = Text(" " * width)
+        for phase, start, end in row.phases:
+            left, right = int(start * scale), max(int(end * scale), int(start * scale) + 1)
+            bar.stylize(f"on {colours[phase]}", min(left, width - 1), min(right, width))
+        spent = sum(end - start for phase, start, end in row.phases if phase != "settle")
+        name = Text(f"{row.node_id} ({row.kind})", style="bold" if row.critical else "")
+        table.add_row(
+            name,
+            row.state + (f": {row.note[:40]}" if row.note else ""),
+            bar,
+            f"{spent * 1000:.1f}",
+            "" if row.server_s is None else f"{row.server_s * 1000:.1f}",
+        )
+    return table
+
+
+def render_png(report, path: Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table_rows = rows(report)
+    colours = {name: colour for name, _, colour in PHASES}
+    figure, axes = plt.subplots(figsize=(10, 0.5 * len(table_rows) + 1.5))
+    for y, row in enumerate(reversed(table_rows)):
+        for phase, start, end in row.phases:
+            axes.barh(
+                y,
+                (end - start) * 1000,
+                left=start * 1000,
+                color=colours[phase],
+                edgecolor="#d62728" if row.critical and phase != "settle" else "none",
+                linewidth=2,
+            )
+    axes.set_yticks(range(len(table_rows)))
+    axes.set_yticklabels(
+        [f"{r.node_id} ({r.state})" for r in reversed(table_rows)],
+        fontweight="normal",
+    )
+    for label, row in zip(axes.get_yticklabels(), reversed(table_rows), strict=True):
+        if row.critical:
+            label.set_fontweight("bold")
+    axes.set_xlabel("ms since the request arrived")
+    axes.set_title(
+        title
+        or f"end to end {_seconds(report.end_to_end) * 1000:.0f} ms, critical path "
+        f"(red outline) {_seconds(report.critical_path_lower_bound) * 1000:.0f} ms"
+    )
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colour) for _, _, colour in PHASES]
+    axes.legend(handles, [label for _, label, _ in PHASES], loc="lower right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,315 @@
+"""The orchestrator's domain: admit a run, open its budget, run its plan, report.
+
+No protobuf is built here beyond the requests the steps send downstream; the servicer
+turns an AskOutcome and the run's events into AskResponse messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from ragline import deadlines
+from ragline.budget import Amounts, BudgetRefused, TaskBudget
+from ragline.errors import DeadlineExceeded
+from ragline.retry import DEFAULT_POLICY
+from ragline.timing import duration
+from ragline.v1 import budget_pb2
+from ragline_services.orchestrator import evidence as ev
+from ragline_services.orchestrator.admission import Admission
+from ragline_services.orchestrator.plan import Kind, Node, Plan
+from ragline_services.orchestrator.report import CriticalPath, critical_path
+from ragline_services.orchestrator.runner import SUCCEEDED, NodeRecord, PlanRunner
+from ragline_services.orchestrator.steps import (
+    Answer,
+    Clients,
+    NoEvidence,
+    RunContext,
+    Settings,
+    executors_for,
+)
+
+log = structlog.get_logger("ragline.orchestrator")
+
+COMPLETE, PARTIAL, INCOMPLETE = "complete", "partial", "incomplete"
+# Time a closing ledger read may take after the run (bookkeeping, not the answer).
+_CLOSE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class AskInput:
+    settings: Settings
+    limits: Amounts
+    task_id: str = ""
+    plan: Plan | None = None
+
+
+@dataclass(frozen=True)
+class NodeChanged:
+    record: NodeRecord
+    at_s: float  # since the request arrived
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+Event = NodeChanged | Delta
+
+
+@dataclass
+class AskOutcome:
+    task_id: str
+    answer: str
+    citations: list[ev.EvidenceItem]
+    evidence: list[ev.EvidenceItem]
+    state: str
+    reason: str
+    detail: str
+    plan: Plan
+    records: dict[str, NodeRecord]
+    critical: CriticalPath
+    received: float
+    admitted: float
+    plan_ready: float
+    finished: float
+    ledger: object | None = None  # budget_pb2.Ledger
+    degraded: list[str] = field(default_factory=list)
+    dropped_citations: list[str] = field(default_factory=list)
+    model: str = ""
+    tier: int = 0
+    prefill_tokens_saved: int = 0
+
+    @property
+    def end_to_end_s(self) -> float:
+        return self.finished - self.received
+
+
+@dataclass(frozen=True)
+class OrchestratorSettings:
+    max_in_flight: int
+    max_queue: int
+    answer_margin_s: float
+    reserve_for_answer_s: float
+    stage_budgets: dict[Kind, float]
+    default_limits: Amounts
+    rerank: bool
+
+
+class Orchestrator:
+    def __init__(self, clients: Clients, settings: OrchestratorSettings) -> None:
+        self.clients = clients
+        self.settings = settings
+        self.admission = Admission(settings.max_in_flight, settings.max_queue)
+        # Recent duration of each kind of step (moving average): what an optional step is
+        # expected to cost when time runs short.
+        self.typical_s: dict[Kind, float] = {}
+
+    # -- one run ----------------------------------------------------------------------------
+
+    async def ask(
+        self,
+        request: AskInput,
+        emit: Callable[[Event], None],
+        *,
+        received: float,
+        run_id: str,
+        default_plan: Plan,
+    ) -> AskOutcome:
+        async with self.admission.admit(deadlines.current_deadline()) as admitted:
+            left = deadlines.remaining()
+            # Keep back time to settle, close the ledger and send the result.
+            scope = None if left is None else max(left - self.settings.answer_margin_s, 0.001)
+            with deadlines.deadline_scope(scope):
+                return await self._run(request, emit, received, admitted, run_id, default_plan)
+
+    async def _run(
+        self,
+        request: AskInput,
+        emit: Callable[[Event], None],
+        received: float,
+        admitted: float,
+        run_id: str,
+        default_plan: Plan,
+    ) -> AskOutcome:
+        plan = request.plan or default_plan
+        # A caller's own task id may be shared by several Asks (one budget for an agent's
+        # whole job): joined if open, opened if not, never closed here. A task this run
+        # made up is its own, and closed at its end.
+        own_task = not request.task_id
+        task_id = request.task_id or f"ask-{uuid.uuid4().hex[:16]}"
+        budget = TaskBudget(self.clients.budget, task_id, retry=DEFAULT_POLICY)
+        await self._open_task(budget, request.limits, join=not own_task)
+        plan_ready = time.monotonic()
+        ctx = RunContext(
+            self.clients, budget, request.settings, run_id, lambda text: emit(Delta(text))
+        )
+
+        def changed(record: NodeRecord) -> None:
+            if record.state == SUCCEEDED and record.duration_s:
+                kind = record.node.kind
+                last = self.typical_s.get(kind, record.duration_s)
+                self.typical_s[kind] = 0.8 * last + 0.2 * record.duration_s
+            emit(NodeChanged(record, time.monotonic() - received))
+
+        runner = PlanRunner(
+            plan,
+            executors_for(ctx),
+            on_change=changed,
+            stage_budget=self._stage_budget,
+            skip_reason=lambda node: self._skip_reason(node, request.settings.allow_degrade),
+        )
+        ledger = None
+        try:
+            result = await runner.run()
+        finally:
+            await ctx.wait_settled()
+            ledger = await self._final_ledger(budget, close=own_task)
+        outcome = AskOutcome(
+            task_id=task_id,
+            answer="",
+            citations=[],
+            evidence=[],
+            state=COMPLETE,
+            reason="",
+            detail="",
+            plan=plan,
+            records=result.records,
+            critical=critical_path(plan, result.records),
+            received=received,
+            admitted=admitted,
+            plan_ready=plan_ready,
+            finished=0.0,
+            ledger=ledger,
+            degraded=list(dict.fromkeys([*result.degraded, *ctx.degraded])),
+        )
+        if result.failure is not None:
+            self._failed(outcome, result.failure)
+        else:
+            self._answered(outcome, result.answer)
+        outcome.finished = time.monotonic()
+        return outcome
+
+    # -- outcome ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _answered(outcome: AskOutcome, answer: Answer) -> None:
+        outcome.answer = answer.text
+        outcome.citations = answer.cited.citations
+        outcome.evidence = list(answer.evidence.items)
+        outcome.dropped_citations = answer.cited.dropped
+        outcome.model, outcome.tier = answer.model, answer.tier
+        outcome.prefill_tokens_saved = answer.cached_input_tokens
+        if answer.finish_reason == "deadline":
+            outcome.state, outcome.reason = PARTIAL, "deadline"
+            outcome.detail = "the deadline passed while the answer was generated; it is cut"
+        elif ev.is_refusal(answer.text):
+            outcome.state, outcome.reason = INCOMPLETE, "not_in_evidence"
+            outcome.detail = "the model found no answer in the retrieved evidence"
+            outcome.citations = []
+        elif outcome.degraded:
+            outcome.state, outcome.reason = PARTIAL, "degraded: " + ", ".join(outcome.degraded)
+            outcome.detail = "optional steps were skipped or failed; the answer stands without them"
+        if outcome.dropped_citations:
+            outcome.detail = (
+                f"{outcome.detail}; " if outcome.detail else ""
+            ) + f"dropped citations not in the evidence: {', '.join(outcome.dropped_citations)}"
+
+    @staticmethod
+    def _failed(outcome: AskOutcome, failure: NodeRecord) -> None:
+        error = failure.exception
+        node = failure.node
+        if isinstance(error, BudgetRefused):
+            outcome.state, outcome.reason = INCOMPLETE, "budget_exhausted"
+            outcome.detail = f"step {node.id} did not fit the task budget: {error.message}"
+        elif isinstance(error, NoEvidence):
+            outcome.state, outcome.reason = INCOMPLETE, "no_evidence"
+            outcome.detail = error.message
+        elif _is_deadline(error):
+            evidence_in = any(
+                r.node.kind in (Kind.SELECT_EVIDENCE, Kind.RERANK, Kind.FUSE)
+                and r.state == SUCCEEDED
+                for r in outcome.records.values()
+            )
+            if node.kind not in (Kind.GENERATE, Kind.SYNTHESIZE) or not evidence_in:
+                raise DeadlineExceeded(
+                    f"the deadline passed in step {node.id} ({node.kind.value}), before the "
+                    "evidence was in; ask again with a longer deadline"
+                ) from None
+            outcome.state, outcome.reason = PARTIAL, "deadline"
+            outcome.detail = "the deadline passed before the answer could be generated"
+        else:
+            outcome.state, outcome.reason = INCOMPLETE, f"{node.kind.value}_failed"
+            outcome.detail = f"step {node.id} failed: {failure.error}"
+
+    # -- budget -----------------------------------------------------------------------------
+
+    async def _open_task(self, budget: TaskBudget, limits: Amounts, *, join: bool) -> None:
+        if join:
+            try:
+                ledger = await budget.call(
+                    "GetLedger", budget_pb2.GetLedgerRequest(task_id=budget.task_id)
+                )
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            else:
+                if ledger.state == budget_pb2.TASK_STATE_OPEN:
+                    return
+        left = deadlines.remaining()
+        request = budget_pb2.OpenTaskRequest(task_id=budget.task_id, limits=limits.to_proto())
+        # The ledger outlives the run a little: late settlements and the closing read.
+        request.timeout.CopyFrom(duration((left or 600.0) + _CLOSE_TIMEOUT_S))
+        await budget.call("OpenTask", request)
+
+    async def _final_ledger(self, budget: TaskBudget, *, close: bool):
+        """The ledger after every settlement; the run's own task is closed on the way."""
+
+        async def close_or_read():
+            with deadlines.detached(_CLOSE_TIMEOUT_S):
+                if not close:
+                    return await budget.call(
+                        "GetLedger", budget_pb2.GetLedgerRequest(task_id=budget.task_id)
+                    )
+                reply = await budget.call(
+                    "CloseTask", budget_pb2.CloseTaskRequest(task_id=budget.task_id)
+                )
+            return reply.ledger
+
+        try:
+            return await asyncio.shield(asyncio.ensure_future(close_or_read()))
+        except grpc.aio.AioRpcError as error:
+            log.warning("budget.close_failed", task=budget.task_id, error=error.details())
+            return None
+
+    # -- policy ---------------------------------------------------------------------------
+
+    def _stage_budget(self, node: Node) -> float | None:
+        return node.budget_s or self.settings.stage_budgets.get(node.kind)
+
+    def _skip_reason(self, node: Node, allow_degrade: bool) -> str | None:
+        """Drop an optional step that the time left cannot afford (when the request allows
+        degrading): its expected cost plus what the answer still needs must fit."""
+        left = deadlines.remaining()
+        expected = self.typical_s.get(node.kind)
+        if not allow_degrade or left is None or expected is None:
+            return None
+        if left < expected + self.settings.reserve_for_answer_s:
+            return f"{node.kind.value}_skipped_deadline"
+        return None
+
+
+def _is_deadline(error: BaseException | None) -> bool:
+    if isinstance(error, DeadlineExceeded | TimeoutError):
+        return True
+    return (
+        isinstance(error, grpc.aio.AioRpcError)
+        and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    )

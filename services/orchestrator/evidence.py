@@ -1,0 +1,219 @@
+"""Evidence selection, the prompt, and citations. No gRPC here.
+
+The prompt holds only the sentences that carry the answer: the best passages are split
+into sentences, each scored against the question (embedding cosine from the stack's own
+embedding model, plus a lexical overlap weighted by rarity, plus the passage's rank), and
+the best are kept within a token budget, in their original order under one marker per
+passage. The fixed part of the prompt (the system text) comes first so the generation
+service's tenant prefix cache covers it; only evidence and question are prefilled anew.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Bump when the prompt changes: answer caches key on it.
+PROMPT_TEMPLATE_VERSION = "rag-v1"
+
+# Measured on 100 SQuAD questions with Qwen2.5-Coder-0.5B (token F1): this wording 0.50;
+# asking for "the shortest exact phrase" with an example answer 0.25 (the model copied the
+# example's marker alone); adding "if the evidence does not answer it, reply: not in the
+# evidence" 0.41 (the small model refuses answerable questions).
+SYSTEM_PROMPT = (
+    "Answer the question from the evidence. Give only the answer: a few words copied from the "
+    "evidence, no sentence. Then the passage number in brackets."
+)
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]?\s+(?=[A-Z0-9\"'(\[])")
+_WORD = re.compile(r"[A-Za-z0-9]+(?:'[a-z]+)?")
+_MARKER = re.compile(r"\[(\d{1,3})\]")
+# Function words carry no evidence of an answer (they match nearly every sentence).
+STOPWORDS = frozenset(
+    """a an and are as at be been but by can could did do does for from had has have how in
+    into is it its of on or that the their there these they this those to was were what when
+    where which while who whom whose why will with would not no so than then also about after
+    before during many much most more other some such only one two each""".split()
+)
+
+
+def tokens_estimate(text: str) -> int:
+    """Prompt tokens of `text` for the generation models (BPE on English prose averages
+    about 4 characters a token; rounding up keeps the budget honest)."""
+    return max(1, math.ceil(len(text) / 3.8))
+
+
+def content_words(text: str) -> list[str]:
+    return [w for w in (m.lower() for m in _WORD.findall(text)) if w not in STOPWORDS]
+
+
+def split_sentences(text: str) -> list[str]:
+    return [s.strip() for s in _SENTENCE_END.split(text) if s.strip()]
+
+
+@dataclass(frozen=True)
+class Passage:
+    """A retrieved passage as the plan carries it between steps."""
+
+    id: str
+    title: str
+    text: str
+    version: int = 0
+    score: float = 0.0
+    scores: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Sentence:
+    passage: int  # index into the candidate passages
+    position: int  # order inside its passage
+    text: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class EvidenceItem:
+    marker: str  # "[1]"
+    passage: Passage
+    text: str  # the selected sentences, in passage order
+
+
+@dataclass(frozen=True)
+class Evidence:
+    items: tuple[EvidenceItem, ...]
+    tokens: int
+    sentences_considered: int
+
+    def marker_of(self, marker: str) -> EvidenceItem | None:
+        return next((item for item in self.items if item.marker == marker), None)
+
+
+def candidate_sentences(passages: list[Passage]) -> list[Sentence]:
+    out = []
+    for p_index, passage in enumerate(passages):
+        for position, text in enumerate(split_sentences(passage.text)):
+            out.append(Sentence(p_index, position, text, tokens_estimate(text)))
+    return out
+
+
+def lexical_scores(question: str, sentences: list[Sentence]) -> np.ndarray:
+    """Share of the question's content words (weighted by rarity among the candidate
+    sentences) that a sentence contains."""
+    asked = set(content_words(question))
+    if not asked or not sentences:
+        return np.zeros(len(sentences))
+    bags = [set(content_words(s.text)) for s in sentences]
+    frequency = Counter(w for bag in bags for w in bag & asked)
+    weight = {w: math.log(1 + len(bags) / (1 + frequency[w])) for w in asked}
+    total = sum(weight.values())
+    return np.array([sum(weight[w] for w in bag & asked) / total for bag in bags])
+
+
+def shortlist(question: str, sentences: list[Sentence], count: int) -> list[Sentence]:
+    """The `count` sentences with the most lexical and rank evidence, in their original
+    order: only these are embedded (each embedding costs milliseconds on a small CPU)."""
+    if len(sentences) <= count:
+        return sentences
+    score = lexical_scores(question, sentences) + np.array(
+        [0.05 / (1 + s.passage) for s in sentences]
+    )
+    keep = sorted(np.argsort(-score, kind="stable")[:count])
+    return [sentences[int(i)] for i in keep]
+
+
+def select(
+    question: str,
+    passages: list[Passage],
+    sentences: list[Sentence],
+    similarity: np.ndarray | None,
+    budget_tokens: int,
+    *,
+    lexical_weight: float = 0.5,
+    rank_weight: float = 0.05,
+) -> Evidence:
+    """The best sentences within `budget_tokens`, grouped under one marker per passage.
+
+    `similarity[i]` is the cosine between the question's and sentence i's embeddings (None:
+    lexical and rank evidence only)."""
+    if not sentences:
+        return Evidence((), 0, 0)
+    score = lexical_weight * lexical_scores(question, sentences)
+    if similarity is not None:
+        score = score + similarity
+    score = score + np.array([rank_weight / (1 + s.passage) for s in sentences])
+    chosen: list[Sentence] = []
+    used = 0
+    for index in np.argsort(-score, kind="stable"):
+        sentence = sentences[int(index)]
+        if used + sentence.tokens <= budget_tokens:
+            chosen.append(sentence)
+            used += sentence.tokens
+    if not chosen:  # even the best sentence is over budget: keep its head
+        best = sentences[int(np.argmax(score))]
+        head = best.text[: max(int(budget_tokens * 3.8), 1)]
+        chosen = [Sentence(best.passage, best.position, head, tokens_estimate(head))]
+        used = chosen[0].tokens
+    # Passages in order of their best chosen sentence; sentences in their own order.
+    best_rank = {}
+    for rank, sentence in enumerate(chosen):
+        best_rank.setdefault(sentence.passage, rank)
+    items = []
+    for number, p_index in enumerate(sorted(best_rank, key=best_rank.get), start=1):
+        picked = sorted((s for s in chosen if s.passage == p_index), key=lambda s: s.position)
+        items.append(
+            EvidenceItem(f"[{number}]", passages[p_index], " ".join(s.text for s in picked))
+        )
+    return Evidence(tuple(items), used, len(sentences))
+
+
+def user_message(question: str, evidence: Evidence) -> str:
+    lines = ["Evidence:"]
+    for item in evidence.items:
+        title = f"{item.passage.title}: " if item.passage.title else ""
+        lines.append(f"{item.marker} {title}{item.text}")
+    lines += ["", f"Question: {question}"]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Cited:
+    citations: list[EvidenceItem]
+    dropped: list[str]  # markers the model wrote that were not in the prompt
+
+
+def cite(answer: str, evidence: Evidence) -> Cited:
+    """Citations of an answer: the markers it wrote that were in the prompt (any other is
+    dropped and reported); without a valid marker, the evidence passage that contains the
+    answer's words."""
+    citations: list[EvidenceItem] = []
+    dropped: list[str] = []
+    for number in _MARKER.findall(answer):
+        marker = f"[{int(number)}]"
+        item = evidence.marker_of(marker)
+        if item is None:
+            dropped.append(marker)
+        elif item not in citations:
+            citations.append(item)
+    if not citations:
+        words = set(content_words(strip_markers(answer)))
+        if words:
+            overlap = [
+                (len(words & set(content_words(item.text))) / len(words), -n, item)
+                for n, item in enumerate(evidence.items)
+            ]
+            share, _, best = max(overlap, key=lambda row: row[:2])
+            if share >= 0.5:
+                citations.append(best)
+    return Cited(citations, dropped)
+
+
+def strip_markers(text: str) -> str:
+    return _MARKER.sub("", text).strip()
+
+
+def is_refusal(answer: str) -> bool:
+    return "not in the evidence" in answer.lower()

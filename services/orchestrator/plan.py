@@ -1,0 +1,261 @@
+"""Plans: a directed acyclic graph of steps, the default RAG plan, and the checks an
+explicit plan must pass before anything runs. No gRPC here."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ragline.errors import FieldViolation, InvalidArgument, Unimplemented
+
+
+class Kind(enum.Enum):
+    EMBED = "embed"
+    BM25 = "bm25"
+    VECTOR_SEARCH = "vector_search"
+    RERANK = "rerank"
+    GENERATE = "generate"
+    PLAN = "plan"
+    RETRIEVE = "retrieve"
+    SYNTHESIZE = "synthesize"
+    FUSE = "fuse"
+    SELECT_EVIDENCE = "select_evidence"
+
+
+# Parameters each kind accepts, and how each is read (the value of a params map is text).
+_INT, _FLOAT, _TEXT = int, float, str
+PARAMS: dict[Kind, dict[str, type]] = {
+    Kind.EMBED: {"query": _TEXT},
+    Kind.BM25: {"k": _INT, "query": _TEXT},
+    Kind.VECTOR_SEARCH: {"k": _INT, "query": _TEXT, "hnsw_ef": _INT},
+    Kind.RETRIEVE: {"k": _INT, "query": _TEXT, "mode": _TEXT},
+    Kind.FUSE: {"k": _INT, "fusion": _TEXT, "vector_weight": _FLOAT},
+    Kind.RERANK: {"top_k": _INT, "late_interaction_k": _INT},
+    Kind.SELECT_EVIDENCE: {"passages": _INT, "max_tokens": _INT},
+    Kind.GENERATE: {"max_tokens": _INT, "tier": _TEXT},
+    Kind.SYNTHESIZE: {"max_tokens": _INT, "tier": _TEXT},
+    Kind.PLAN: {},
+}
+_CHOICES = {
+    "mode": {"bm25", "vector", "hybrid", "prefilter"},
+    "fusion": {"rrf", "score"},
+    "tier": {"small", "large"},
+}
+# Kinds whose output is an answer; a plan has exactly one that nothing depends on.
+ANSWERING = {Kind.GENERATE, Kind.SYNTHESIZE}
+# Kinds this version can run (agent planning comes with the agent-plan work).
+RUNNABLE = set(Kind) - {Kind.PLAN}
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    kind: Kind
+    depends_on: tuple[str, ...] = ()
+    params: Mapping[str, object] = field(default_factory=dict)
+    # Seconds this node may take; None: what remains of the run.
+    budget_s: float | None = None
+    # May be dropped (time, budget, a failed optional service): the answer says so.
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    nodes: tuple[Node, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_id", {n.id: n for n in self.nodes})
+
+    def node(self, node_id: str) -> Node:
+        return self._by_id[node_id]
+
+    def dependents(self, node_id: str) -> list[Node]:
+        return [n for n in self.nodes if node_id in n.depends_on]
+
+    def ancestors(self, node_id: str) -> list[Node]:
+        """Every node `node_id` depends on, directly or not, nearest first."""
+        seen: list[Node] = []
+        frontier = list(self.node(node_id).depends_on)
+        while frontier:
+            current = self.node(frontier.pop(0))
+            if current not in seen:
+                seen.append(current)
+                frontier.extend(current.depends_on)
+        return seen
+
+    @property
+    def answer_node(self) -> Node:
+        return next(n for n in self.nodes if n.kind in ANSWERING and not self.dependents(n.id))
+
+    def serial(self) -> Plan:
+        """The same steps, each waiting for the one before (the bench's baseline)."""
+        ordered = topological(self)
+        return Plan(
+            tuple(
+                Node(n.id, n.kind, tuple({*n.depends_on, *ordered[i - 1 : i]}), n.params,
+                     n.budget_s, n.optional)
+                for i, n in enumerate(self._by_id[x] for x in ordered)
+            )
+        )  # fmt: skip
+
+
+def topological(plan: Plan) -> list[str]:
+    """Node ids in an order where every node follows its inputs (the plan is acyclic)."""
+    order: list[str] = []
+    placed: set[str] = set()
+    pending = list(plan.nodes)
+    while pending:
+        ready = [n for n in pending if set(n.depends_on) <= placed]
+        for n in ready:
+            order.append(n.id)
+            placed.add(n.id)
+        pending = [n for n in pending if n.id not in placed]
+    return order
+
+
+def default_rag_plan(*, rerank: bool = True) -> Plan:
+    """embed || bm25 -> vector search -> fuse -> rerank (optional) -> evidence -> generate."""
+    nodes = [
+        Node("embed", Kind.EMBED),
+        Node("bm25", Kind.BM25),
+        Node("vector", Kind.VECTOR_SEARCH, ("embed",)),
+        Node("fuse", Kind.FUSE, ("bm25", "vector")),
+    ]
+    ranked = "fuse"
+    if rerank:
+        nodes.append(Node("rerank", Kind.RERANK, ("fuse",), optional=True))
+        ranked = "rerank"
+    nodes += [
+        Node("evidence", Kind.SELECT_EVIDENCE, (ranked, "embed")),
+        Node("generate", Kind.GENERATE, ("evidence",)),
+    ]
+    return Plan(tuple(nodes))
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """An explicit plan node as the caller sent it (kind still by name, params as text)."""
+
+    id: str
+    kind: str
+    depends_on: tuple[str, ...]
+    params: Mapping[str, str]
+    budget_s: float | None
+    optional: bool
+
+
+def build_plan(specs: list[NodeSpec]) -> Plan:
+    """Checks an explicit plan; INVALID_ARGUMENT naming every bad field, UNIMPLEMENTED for a
+    kind this version cannot run yet."""
+    problems: list[FieldViolation] = []
+
+    def bad(path: str, why: str) -> None:
+        problems.append(FieldViolation(path, why))
+
+    ids: dict[str, int] = {}
+    for index, spec in enumerate(specs):
+        if spec.id in ids:
+            bad(
+                f"plan.nodes[{index}].id", f"{spec.id!r} is already the id of nodes[{ids[spec.id]}]"
+            )
+        else:
+            ids[spec.id] = index
+    nodes: list[Node] = []
+    for index, spec in enumerate(specs):
+        path = f"plan.nodes[{index}]"
+        try:
+            kind = Kind(spec.kind)
+        except ValueError:
+            bad(f"{path}.kind", f"{spec.kind!r} is not a node kind")
+            continue
+        for position, dep in enumerate(spec.depends_on):
+            if dep not in ids:
+                bad(f"{path}.depends_on[{position}]", f"no node has the id {dep!r}")
+            elif dep == spec.id:
+                bad(f"{path}.depends_on[{position}]", "a node cannot depend on itself")
+        params: dict[str, object] = {}
+        for key, text in sorted(spec.params.items()):
+            expected = PARAMS[kind].get(key)
+            if expected is None:
+                known = ", ".join(sorted(PARAMS[kind])) or "none"
+                bad(f"{path}.params[{key}]", f"is not a parameter of {kind.value} (known: {known})")
+                continue
+            try:
+                value = expected(text)
+            except ValueError:
+                bad(f"{path}.params[{key}]", f"{text!r} is not a {expected.__name__}")
+                continue
+            if key in _CHOICES and value not in _CHOICES[key]:
+                bad(f"{path}.params[{key}]", f"{text!r} is not one of {sorted(_CHOICES[key])}")
+            elif isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+                bad(f"{path}.params[{key}]", "must not be negative")
+            params[key] = value
+        if spec.budget_s is not None and spec.budget_s <= 0:
+            bad(f"{path}.budget", "must be positive when set")
+        nodes.append(Node(spec.id, kind, spec.depends_on, params, spec.budget_s, spec.optional))
+    if not problems:
+        problems += _graph_problems(nodes)
+    if problems:
+        raise InvalidArgument(problems[0].field, problems[0].description, *problems[1:])
+    plan = Plan(tuple(nodes))
+    for index, node in enumerate(plan.nodes):
+        if node.kind not in RUNNABLE:
+            raise Unimplemented(
+                f"plan.nodes[{index}].kind: {node.kind.value} steps are not available in this "
+                "version; send the retrieval steps and a generate step instead"
+            )
+    return plan
+
+
+def _graph_problems(nodes: list[Node]) -> list[FieldViolation]:
+    index = {n.id: i for i, n in enumerate(nodes)}
+    cycle = _find_cycle(nodes)
+    if cycle:
+        first = index[cycle[0]]
+        return [
+            FieldViolation(
+                f"plan.nodes[{first}].depends_on",
+                "forms a cycle: " + " -> ".join([*cycle, cycle[0]]),
+            )
+        ]
+    sinks = [
+        n for n in nodes if n.kind in ANSWERING and not any(n.id in m.depends_on for m in nodes)
+    ]
+    if len(sinks) != 1:
+        found = ", ".join(s.id for s in sinks) or "none"
+        return [
+            FieldViolation(
+                "plan.nodes",
+                f"needs exactly one generate or synthesize step that no other step depends on "
+                f"(the answer); found {found}",
+            )
+        ]
+    return []
+
+
+def _find_cycle(nodes: list[Node]) -> list[str]:
+    by_id = {n.id: n for n in nodes}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node_id: str) -> list[str]:
+        state[node_id] = 1
+        path.append(node_id)
+        for dep in by_id[node_id].depends_on:
+            if state.get(dep) == 1:
+                return path[path.index(dep) :]
+            if dep in by_id and dep not in state:
+                found = visit(dep)
+                if found:
+                    return found
+        path.pop()
+        state[node_id] = 2
+        return []
+
+    for node in nodes:
+        if node.id not in state:
+            found = visit(node.id)
+            if found:
+                return found
+    return []

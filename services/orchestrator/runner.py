@@ -1,0 +1,238 @@
+"""Runs a plan as a dependency graph. No gRPC here: each kind's executor is injected.
+
+A node starts the moment every node it depends on has finished; independent nodes run
+concurrently, so a slow node never delays one that does not depend on it. Each node runs
+under its own deadline, min(its stage budget, what remains of the run). A failed optional
+node (or one dropped for lack of time) passes its inputs through and is reported as
+degraded; a failed required node stops the run (its dependents are skipped and whatever
+still runs is cancelled). Cancelling the run cancels every node in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+from ragline import deadlines
+from ragline_services.orchestrator.plan import Kind, Node, Plan
+
+PENDING, RUNNING, SUCCEEDED, FAILED, SKIPPED, CANCELLED = (
+    "pending",
+    "running",
+    "succeeded",
+    "failed",
+    "skipped",
+    "cancelled",
+)
+FINAL_STATES = {SUCCEEDED, FAILED, SKIPPED, CANCELLED}
+
+
+@dataclass
+class NodeRecord:
+    """What happened to one node, with monotonic timestamps (None: never reached)."""
+
+    node: Node
+    state: str = PENDING
+    reserve_start: float | None = None
+    call_start: float | None = None
+    first_byte: float | None = None
+    call_end: float | None = None
+    settled: float | None = None
+    finished: float | None = None
+    # The service's own report of its queue and compute (a ServerTiming), when it sent one.
+    server: object | None = None
+    attempts: int = 0
+    error: str = ""
+    exception: BaseException | None = field(default=None, repr=False)
+    output: object | None = field(default=None, repr=False)
+    # Set on a node that ran in place of a real call (answered from its inputs).
+    note: str = ""
+
+    @property
+    def started(self) -> float | None:
+        return self.reserve_start or self.call_start
+
+    @property
+    def duration_s(self) -> float:
+        """The node's own work: from its first step to its result (settlement runs off the
+        critical path, concurrently with the nodes that need the result)."""
+        start = self.started
+        end = self.call_end or self.finished
+        return 0.0 if start is None or end is None else max(end - start, 0.0)
+
+
+class Step:
+    """The handle an executor gets: its node, its inputs, and the marks of its timeline."""
+
+    def __init__(self, runner: PlanRunner, record: NodeRecord, inputs: list[object]) -> None:
+        self._runner = runner
+        self.record = record
+        self.node = record.node
+        self.inputs = inputs
+
+    def upstream(self, kind: Kind) -> object | None:
+        """Output of the nearest node of `kind` this node depends on, directly or not."""
+        for ancestor in self._runner.plan.ancestors(self.node.id):
+            record = self._runner.records[ancestor.id]
+            if ancestor.kind == kind and record.state == SUCCEEDED:
+                return record.output
+        return None
+
+    def mark(self, what: str) -> None:
+        now = time.monotonic()
+        if what == "first_byte":
+            if self.record.first_byte is None:
+                self.record.first_byte = now
+            return
+        setattr(self.record, what, now)
+
+    @property
+    def is_answer(self) -> bool:
+        return self.node.id == self._runner.plan.answer_node.id
+
+
+Executor = Callable[[Step], Awaitable[object]]
+
+
+@dataclass
+class RunResult:
+    records: dict[str, NodeRecord]
+    answer: object | None
+    failure: NodeRecord | None
+    degraded: list[str]
+
+
+class PlanRunner:
+    def __init__(
+        self,
+        plan: Plan,
+        executors: Mapping[Kind, Executor],
+        *,
+        on_change: Callable[[NodeRecord], None] = lambda record: None,
+        stage_budget: Callable[[Node], float | None] = lambda node: node.budget_s,
+        skip_reason: Callable[[Node], str | None] = lambda node: None,
+    ) -> None:
+        self.plan = plan
+        self.executors = executors
+        self.records = {n.id: NodeRecord(n) for n in plan.nodes}
+        self._on_change = on_change
+        self._stage_budget = stage_budget
+        self._skip_reason = skip_reason
+        self.degraded: list[str] = []
+
+    def _set(self, record: NodeRecord, state: str) -> None:
+        record.state = state
+        if state in FINAL_STATES:
+            record.finished = time.monotonic()
+        self._on_change(record)
+
+    def _inputs(self, node: Node) -> list[object]:
+        return [self.records[dep].output for dep in node.depends_on]
+
+    async def _execute(self, record: NodeRecord) -> None:
+        node = record.node
+        step = Step(self, record, self._inputs(node))
+        with deadlines.deadline_scope(self._stage_budget(node)):
+            deadlines.check(f"step {node.id}")
+            record.output = await self.executors[node.kind](step)
+
+    async def run(self) -> RunResult:
+        pending = [n.id for n in self.plan.nodes]
+        running: dict[asyncio.Task, NodeRecord] = {}
+        failure: NodeRecord | None = None
+        try:
+            while pending or running:
+                for node_id in list(pending):
+                    record = self.records[node_id]
+                    deps = [self.records[d] for d in record.node.depends_on]
+                    if not all(d.state in FINAL_STATES for d in deps):
+                        continue
+                    pending.remove(node_id)
+                    self._start(record, deps, running)
+                if not running:
+                    break
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    record = running.pop(task)
+                    if self._finish(record, task) and failure is None:
+                        failure = record
+                if failure is not None:
+                    break
+        finally:
+            for task in running:
+                task.cancel()
+            for task, record in list(running.items()):
+                with contextlib.suppress(BaseException):
+                    await task
+                if record.state not in FINAL_STATES:
+                    self._set(record, CANCELLED)
+        for node_id in pending:
+            self._set(self.records[node_id], SKIPPED)
+        answer_record = self.records[self.plan.answer_node.id]
+        answer = answer_record.output if answer_record.state == SUCCEEDED else None
+        return RunResult(self.records, answer, failure, self.degraded)
+
+    def _start(self, record: NodeRecord, deps: list[NodeRecord], running: dict) -> None:
+        node = record.node
+        blocked = [d for d in deps if d.state != SUCCEEDED and not d.node.optional]
+        if blocked:
+            record.error = f"input {blocked[0].node.id} did not succeed"
+            self._set(record, SKIPPED)
+            return
+        reason = self._skip_reason(node) if node.optional else None
+        if reason is not None:
+            self._pass_through(record, reason, SKIPPED)
+            return
+        self._set(record, RUNNING)
+        running[asyncio.create_task(self._execute(record), name=f"node-{node.id}")] = record
+
+    def _finish(self, record: NodeRecord, task: asyncio.Task) -> bool:
+        """Records a finished node; True when it failed and the run cannot go on."""
+        error = task.exception() if not task.cancelled() else asyncio.CancelledError()
+        if error is None:
+            self._set(record, SUCCEEDED)
+            return False
+        record.exception = error
+        record.error = describe(error)
+        if record.node.optional:
+            self._pass_through(record, _reason_of(record.node, error), FAILED)
+            return False
+        self._set(record, FAILED)
+        return True
+
+    def _pass_through(self, record: NodeRecord, reason: str, state: str) -> None:
+        inputs = self._inputs(record.node)
+        record.output = inputs[0] if len(inputs) == 1 else inputs
+        record.note = reason
+        self.degraded.append(reason)
+        self._set(record, state)
+
+
+def _code_name(error: BaseException) -> str:
+    """The status code name of a failed call or a ragline error ("" for anything else)."""
+    code = getattr(error, "code", None)
+    return code().name if callable(code) else getattr(code, "name", "")
+
+
+def describe(error: BaseException) -> str:
+    """One line for the report: the status code and what the server said."""
+    message = getattr(error, "message", None)
+    if message is None:  # a failed call carries what the server said in details()
+        details = getattr(error, "details", None)
+        message = details() if callable(details) else str(error)
+    name = _code_name(error) or type(error).__name__
+    return f"{name}: {message}" if message else name
+
+
+def _reason_of(node: Node, error: BaseException) -> str:
+    name = _code_name(error)
+    if name in ("UNAVAILABLE", "UNIMPLEMENTED"):
+        return f"{node.kind.value}_unavailable"
+    if name == "DEADLINE_EXCEEDED" or isinstance(error, TimeoutError):
+        return f"{node.kind.value}_skipped_deadline"
+    if name == "RESOURCE_EXHAUSTED":
+        return f"{node.kind.value}_skipped_budget"
+    return f"{node.kind.value}_failed"

@@ -1,0 +1,573 @@
+"""What each kind of plan step does: calls to the embedding, retrieval, rerank and
+generation services, with a budget reservation around every model call.
+
+Each model call reserves before it starts and settles what it really used after it ends
+(a failed or cancelled call too: cancelled goes to pending first, then is settled with
+what was observed). Settlement runs concurrently with the steps that need the result, so
+it stays off the critical path; the run waits for every settlement before it reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import structlog
+
+from ragline import deadlines
+from ragline.budget import Amounts, Reservation, TaskBudget
+from ragline.clients import ServiceClient
+from ragline.errors import FailedPrecondition, RaglineError
+from ragline.ranking import score_fusion
+from ragline.retry import DEFAULT_POLICY, call_with_retry
+from ragline.v1 import (
+    common_pb2,
+    embedding_pb2,
+    generation_pb2,
+    rerank_pb2,
+    retrieval_pb2,
+)
+from ragline_services.orchestrator import evidence as ev
+from ragline_services.orchestrator.plan import Kind
+from ragline_services.orchestrator.runner import Step
+
+log = structlog.get_logger("ragline.orchestrator")
+
+_MODES = {
+    "bm25": retrieval_pb2.SEARCH_MODE_BM25,
+    "vector": retrieval_pb2.SEARCH_MODE_VECTOR,
+    "hybrid": retrieval_pb2.SEARCH_MODE_HYBRID,
+    "prefilter": retrieval_pb2.SEARCH_MODE_PREFILTER,
+}
+_TIERS = {"small": common_pb2.MODEL_TIER_SMALL, "large": common_pb2.MODEL_TIER_LARGE}
+_FINISH = {
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_DEADLINE: "deadline",
+}
+
+
+class NoEvidence(FailedPrecondition):
+    """Nothing to answer from: the run ends INCOMPLETE instead of guessing."""
+
+
+# -- what flows between steps ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueryVector:
+    values: np.ndarray
+    model_version: str
+
+
+@dataclass(frozen=True)
+class Ranked:
+    passages: list[ev.Passage]
+    source: str  # bm25 | vector | hybrid | fused | reranked
+    index_version: int = 0
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    evidence: ev.Evidence
+    cited: ev.Cited
+    finish_reason: str
+    usage: Amounts
+    cached_input_tokens: int
+    model: str
+    tier: int
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The knobs of one run (server defaults, narrowed by the request)."""
+
+    question: str
+    candidates: int = 50
+    search_mode: str = "hybrid"
+    attributes: tuple[tuple[str, str], ...] = ()
+    fusion: str = "score"
+    vector_weight: float = 0.4
+    rerank_candidates: int = 30
+    late_interaction_k: int = 20
+    context_passages: int = 4
+    evidence_tokens: int = 160
+    # Sentences embedded to compete for the prompt (the rest lose on lexical evidence).
+    embed_sentences: int = 12
+    answer_tokens: int = 64
+    tier: str = "small"
+    allow_degrade: bool = False
+    # Cost in micros per 1,000 tokens (input, output), per tier.
+    prices: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass
+class Clients:
+    embedding: ServiceClient
+    retrieval: ServiceClient
+    rerank: ServiceClient
+    generation: ServiceClient
+    budget: ServiceClient
+    # At most this many calls in flight to each service, whatever the plans do.
+    limits: dict[str, asyncio.Semaphore]
+    # Context window of each generation tier, learned on first use (CountTokens).
+    context_windows: dict[str, int] = field(default_factory=dict)
+
+
+class RunContext:
+    """One run's clients, budget and settings, shared by its steps."""
+
+    def __init__(
+        self,
+        clients: Clients,
+        budget: TaskBudget,
+        settings: Settings,
+        run_id: str,
+        on_delta: Callable[[str], None],
+    ) -> None:
+        self.clients = clients
+        self.budget = budget
+        self.settings = settings
+        self.run_id = run_id
+        self.on_delta = on_delta
+        self.settlements: list[asyncio.Task] = []
+        self.degraded: list[str] = []
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def _client(self, service: str) -> ServiceClient:
+        return getattr(self.clients, service)
+
+    async def call(self, step: Step, service: str, method: str, request):
+        """A unary call under the per-service limit, with the kit's retry rule; the node
+        records when it started and ended, its attempts and the server's own timing."""
+        client = self._client(service)
+
+        async def attempt():
+            step.record.attempts += 1
+            return await client.unary(method, request)
+
+        async with self.clients.limits[service]:
+            step.mark("call_start")
+            reply = await call_with_retry(attempt, DEFAULT_POLICY, what=f"{service}.{method}")
+            step.mark("call_end")
+        if reply.HasField("timing"):
+            step.record.server = reply.timing
+        return reply
+
+    async def reserve(self, step: Step, amounts: Amounts) -> Reservation:
+        step.mark("reserve_start")
+        attempt = step.record.attempts
+        reservation = self.budget.reserve(
+            amounts, stage=step.node.id, reservation_id=f"{self.run_id}-{step.node.id}-{attempt}"
+        )
+        await reservation.open()
+        return reservation
+
+    def settle_later(
+        self, step: Step, reservation: Reservation, *, failed: bool = False, cancelled: bool = False
+    ) -> None:
+        async def settle() -> None:
+            try:
+                await reservation.close(failed=failed, cancelled=cancelled)
+            except Exception as error:  # the ledger's own expiry releases it eventually
+                log.warning("budget.settle_failed", node=step.node.id, error=str(error))
+            step.mark("settled")
+
+        self.settlements.append(asyncio.ensure_future(settle()))
+
+    async def model_call(
+        self,
+        step: Step,
+        service: str,
+        method: str,
+        request,
+        amounts: Amounts,
+        usage: Callable[[object], Amounts],
+    ):
+        reservation = await self.reserve(step, amounts)
+        try:
+            reply = await self.call(step, service, method, request)
+        except BaseException as error:
+            self.settle_later(
+                step, reservation, failed=True, cancelled=isinstance(error, asyncio.CancelledError)
+            )
+            raise
+        reservation.settle(usage(reply))
+        self.settle_later(step, reservation)
+        return reply
+
+    async def wait_settled(self) -> None:
+        if self.settlements:
+            await asyncio.shield(asyncio.gather(*self.settlements, return_exceptions=True))
+
+    def cost(self, tier: str, input_tokens: int, output_tokens: int) -> int:
+        price_in, price_out = self.settings.prices.get(tier, (0, 0))
+        return (input_tokens * price_in + output_tokens * price_out) // 1000
+
+
+# -- inputs ----------------------------------------------------------------------------------
+
+
+def _rankings(inputs: list[object]) -> list[Ranked]:
+    found: list[Ranked] = []
+    for item in inputs:
+        if isinstance(item, Ranked):
+            found.append(item)
+        elif isinstance(item, list):
+            found += _rankings(item)
+    return found
+
+
+def _merged(inputs: list[object]) -> list[ev.Passage]:
+    """One ranking of every passage the inputs carry: round robin by rank, no repeats."""
+    lists = [r.passages for r in _rankings(inputs)]
+    seen: set[str] = set()
+    merged = []
+    for rank in range(max((len(x) for x in lists), default=0)):
+        for passages in lists:
+            if rank < len(passages) and passages[rank].id not in seen:
+                seen.add(passages[rank].id)
+                merged.append(passages[rank])
+    return merged
+
+
+def _query(step: Step, settings: Settings) -> str:
+    return str(step.node.params.get("query") or settings.question)
+
+
+# -- the steps -------------------------------------------------------------------------------
+
+
+async def embed(ctx: RunContext, step: Step) -> QueryVector:
+    text = _query(step, ctx.settings)
+    request = embedding_pb2.EmbedRequest(texts=[text], input_type=embedding_pb2.INPUT_TYPE_QUERY)
+    reply = await ctx.model_call(
+        step,
+        "embedding",
+        "Embed",
+        request,
+        Amounts(input_tokens=ev.tokens_estimate(text) + 2, calls=1),
+        lambda r: Amounts(input_tokens=r.usage.input_tokens, calls=1),
+    )
+    return QueryVector(np.asarray(reply.embeddings[0].values, np.float32), reply.model_version)
+
+
+def _ranked(reply, source: str) -> Ranked:
+    passages = [
+        ev.Passage(h.id, h.title, h.text, h.version, h.score, dict(h.scores)) for h in reply.hits
+    ]
+    return Ranked(passages, source, reply.index_version)
+
+
+async def _search(ctx: RunContext, step: Step, mode: str, vector: QueryVector | None) -> Ranked:
+    s = ctx.settings
+    request = retrieval_pb2.SearchRequest(
+        query=_query(step, s),
+        k=int(step.node.params.get("k") or s.candidates),
+        mode=_MODES[mode],
+        attributes=dict(s.attributes),
+        hnsw_ef=int(step.node.params.get("hnsw_ef", 0)),
+        include_text=True,
+    )
+    if vector is not None:
+        request.query_vector.extend(vector.values.tolist())
+    reply = await ctx.call(step, "retrieval", "Search", request)
+    if reply.fell_back:
+        ctx.degraded.append(reply.fallback_reason)
+    return _ranked(reply, mode)
+
+
+async def bm25(ctx: RunContext, step: Step) -> Ranked:
+    return await _search(ctx, step, "bm25", None)
+
+
+async def vector_search(ctx: RunContext, step: Step) -> Ranked:
+    vector = step.upstream(Kind.EMBED)
+    return await _search(ctx, step, "vector", vector if isinstance(vector, QueryVector) else None)
+
+
+async def retrieve(ctx: RunContext, step: Step) -> Ranked:
+    mode = str(step.node.params.get("mode") or ctx.settings.search_mode)
+    vector = step.upstream(Kind.EMBED) if "query" not in step.node.params else None
+    return await _search(ctx, step, mode, vector if isinstance(vector, QueryVector) else None)
+
+
+async def fuse(ctx: RunContext, step: Step) -> Ranked:
+    s = ctx.settings
+    k = int(step.node.params.get("k") or s.candidates)
+    lists = _rankings(step.inputs)
+    by_source = {r.source: r for r in lists}
+    if len(lists) == 2 and {"bm25", "vector"} <= set(by_source):
+        passages = {p.id: p for r in lists for p in r.passages}
+        weight = float(step.node.params.get("vector_weight", s.vector_weight))
+        if str(step.node.params.get("fusion", s.fusion)) == "rrf":
+            from ragline.ranking import rrf as fusion
+        else:
+            fusion = score_fusion
+        fused = fusion(
+            [_Scored(p.id, p.score) for p in by_source["bm25"].passages],
+            [_Scored(p.id, p.score) for p in by_source["vector"].passages],
+            weight,
+            k,
+        )
+        out = [
+            ev.Passage(key, passages[key].title, passages[key].text, passages[key].version,
+                       score, parts)
+            for key, score, parts in fused
+        ]  # fmt: skip
+        return Ranked(out, "fused", max(r.index_version for r in lists))
+    return Ranked(
+        _merged(step.inputs)[:k], "fused", max((r.index_version for r in lists), default=0)
+    )
+
+
+@dataclass(frozen=True)
+class _Scored:
+    key: str
+    score: float
+
+
+async def rerank(ctx: RunContext, step: Step) -> Ranked:
+    s = ctx.settings
+    passages = _merged(step.inputs)[: s.rerank_candidates]
+    if not passages:
+        return Ranked([], "reranked")
+    top_k = int(step.node.params.get("top_k") or s.context_passages)
+    request = rerank_pb2.RerankRequest(
+        query=s.question,
+        candidates=[
+            rerank_pb2.RerankCandidate(id=p.id, text=ev_text(p), first_stage_score=p.score)
+            for p in passages
+        ],
+        top_k=top_k,
+        late_interaction_k=int(step.node.params.get("late_interaction_k") or s.late_interaction_k),
+        allow_skip=s.allow_degrade,
+    )
+    tokens = sum(ev.tokens_estimate(ev_text(p)) for p in passages)
+    reply = await ctx.model_call(
+        step,
+        "rerank",
+        "Rerank",
+        request,
+        Amounts(input_tokens=tokens, calls=1),
+        lambda r: Amounts(input_tokens=r.usage.input_tokens, calls=1),
+    )
+    for skipped in reply.skipped:
+        name = rerank_pb2.RerankStage.Name(skipped.stage).removeprefix("RERANK_STAGE_").lower()
+        ctx.degraded.append(f"{name}_skipped")
+    by_id = {p.id: p for p in passages}
+    out = [
+        ev.Passage(h.id, by_id[h.id].title, by_id[h.id].text, by_id[h.id].version, h.score,
+                   {**by_id[h.id].scores, **dict(h.scores)})
+        for h in reply.results
+        if h.id in by_id
+    ]  # fmt: skip
+    return Ranked(out, "reranked")
+
+
+def ev_text(passage: ev.Passage) -> str:
+    return f"{passage.title}. {passage.text}" if passage.title else passage.text
+
+
+async def select_evidence(ctx: RunContext, step: Step) -> ev.Evidence:
+    s = ctx.settings
+    count = int(step.node.params.get("passages") or s.context_passages)
+    budget = int(step.node.params.get("max_tokens") or s.evidence_tokens)
+    passages = _merged(step.inputs)[:count]
+    sentences = ev.shortlist(s.question, ev.candidate_sentences(passages), s.embed_sentences)
+    if not sentences:
+        return ev.Evidence((), 0, 0)
+    texts = [sentence.text for sentence in sentences]
+    question = step.upstream(Kind.EMBED)
+    if not isinstance(question, QueryVector):
+        texts = [s.question, *texts]
+    request = embedding_pb2.EmbedRequest(texts=texts, input_type=embedding_pb2.INPUT_TYPE_PASSAGE)
+    reply = await ctx.model_call(
+        step,
+        "embedding",
+        "Embed",
+        request,
+        Amounts(input_tokens=sum(ev.tokens_estimate(t) + 2 for t in texts), calls=1),
+        lambda r: Amounts(input_tokens=r.usage.input_tokens, calls=1),
+    )
+    vectors = np.asarray([e.values for e in reply.embeddings], np.float32)
+    if isinstance(question, QueryVector):
+        query = question.values
+    else:
+        query, vectors = vectors[0], vectors[1:]
+    return ev.select(s.question, passages, sentences, vectors @ query, budget)
+
+
+def _evidence_of(ctx: RunContext, inputs: list[object]) -> ev.Evidence:
+    """The evidence a generate step answers from: selected sentences when a selection step
+    ran, else the best passages whole (within the budget), else earlier answers."""
+    items: list[ev.EvidenceItem] = []
+    tokens = 0
+    for item in inputs:
+        if isinstance(item, ev.Evidence):
+            items += item.items
+            tokens += item.tokens
+        elif isinstance(item, Answer) and item.text:
+            source = ev.Passage(f"answer:{len(items) + 1}", "", ev.strip_markers(item.text))
+            items.append(ev.EvidenceItem("", source, source.text))
+            tokens += ev.tokens_estimate(source.text)
+    if not items:
+        passages = _merged(inputs)[: ctx.settings.context_passages]
+        sentences = ev.candidate_sentences(passages)
+        return ev.select(
+            ctx.settings.question, passages, sentences, None, ctx.settings.evidence_tokens
+        )
+    # Renumber the markers over the merged evidence.
+    renumbered = tuple(
+        ev.EvidenceItem(f"[{n}]", item.passage, item.text) for n, item in enumerate(items, start=1)
+    )
+    return ev.Evidence(renumbered, tokens, 0)
+
+
+async def generate(ctx: RunContext, step: Step) -> Answer:
+    s = ctx.settings
+    evidence = _evidence_of(ctx, step.inputs)
+    if not evidence.items:
+        raise NoEvidence("retrieval found no passage visible to this caller for the question")
+    tier = str(step.node.params.get("tier") or s.tier)
+    user = ev.user_message(s.question, evidence)
+    prompt_tokens = ev.tokens_estimate(ev.SYSTEM_PROMPT + user) + 16  # + chat template
+    # The answer must fit the model's context beside the prompt (the estimate may be short
+    # of the real count: a quarter more is kept free).
+    room = await _context_window(ctx, tier) - int(prompt_tokens * 1.25) - 16
+    max_tokens = max(1, min(int(step.node.params.get("max_tokens") or s.answer_tokens), room))
+    request = generation_pb2.GenerateRequest(
+        chat=generation_pb2.Chat(
+            messages=[
+                generation_pb2.ChatMessage(
+                    role=generation_pb2.ROLE_SYSTEM, content=ev.SYSTEM_PROMPT
+                ),
+                generation_pb2.ChatMessage(role=generation_pb2.ROLE_USER, content=user),
+            ]
+        ),
+        max_tokens=max_tokens,
+        tier=_TIERS[tier],
+        sampling=generation_pb2.Sampling(stop=["\n"]),
+    )
+    reservation = await ctx.reserve(
+        step,
+        Amounts(
+            input_tokens=prompt_tokens,
+            output_tokens=max_tokens,
+            cost_micros=ctx.cost(tier, prompt_tokens, max_tokens),
+            calls=1,
+        ),
+    )
+    pieces: list[str] = []
+    final = None
+    try:
+        final = await _stream_generation(ctx, step, request, pieces)
+    except BaseException as error:
+        # Whatever streamed was produced: charge it (the prompt was read in full).
+        seen = Amounts(input_tokens=prompt_tokens, output_tokens=len(pieces), calls=1)
+        reservation.settle(seen)
+        ctx.settle_later(
+            step, reservation, failed=True, cancelled=isinstance(error, asyncio.CancelledError)
+        )
+        raise
+    used = Amounts(
+        input_tokens=final.usage.input_tokens,
+        output_tokens=final.usage.output_tokens,
+        cost_micros=ctx.cost(tier, final.usage.input_tokens, final.usage.output_tokens),
+        calls=1,
+    )
+    reservation.settle(used)
+    ctx.settle_later(step, reservation)
+    text = final.text or "".join(pieces)
+    return Answer(
+        text=text.strip(),
+        evidence=evidence,
+        cited=ev.cite(text, evidence),
+        finish_reason=_FINISH.get(final.finish_reason, "stop"),
+        usage=used,
+        cached_input_tokens=final.usage.cached_input_tokens,
+        model=final.model,
+        tier=final.tier,
+    )
+
+
+async def _context_window(ctx: RunContext, tier: str) -> int:
+    known = ctx.clients.context_windows.get(tier)
+    if known is None:
+        request = generation_pb2.CountTokensRequest(prompt="x", tier=_TIERS[tier])
+        reply = await ctx.clients.generation.unary("CountTokens", request, retry=DEFAULT_POLICY)
+        known = ctx.clients.context_windows[tier] = reply.context_window
+    return known
+
+
+class _StreamStarted(RaglineError):
+    """A stream failed after text went out: never retried (the caller saw the text)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+async def _stream_generation(ctx: RunContext, step: Step, request, pieces: list[str]):
+    client = ctx.clients.generation
+
+    async def attempt():
+        step.record.attempts += 1
+        final = None
+        try:
+            async for message in client.stream("Generate", request):
+                if message.text:
+                    step.mark("first_byte")
+                    pieces.append(message.text)
+                    if step.is_answer:
+                        ctx.on_delta(message.text)
+                if message.HasField("final"):
+                    final = message.final
+        except grpc.aio.AioRpcError as error:
+            if pieces:
+                raise _StreamStarted(f"generation stream broke: {error.details()}") from error
+            raise
+        return final
+
+    async with ctx.clients.limits["generation"]:
+        step.mark("call_start")
+        final = await call_with_retry(attempt, DEFAULT_POLICY, what="generation.Generate")
+        step.mark("call_end")
+    if final is None:
+        raise _StreamStarted("the generation stream ended without its final message")
+    step.record.server = final.timing
+    return final
+
+
+EXECUTORS = {
+    Kind.EMBED: embed,
+    Kind.BM25: bm25,
+    Kind.VECTOR_SEARCH: vector_search,
+    Kind.RETRIEVE: retrieve,
+    Kind.FUSE: fuse,
+    Kind.RERANK: rerank,
+    Kind.SELECT_EVIDENCE: select_evidence,
+    Kind.GENERATE: generate,
+    Kind.SYNTHESIZE: generate,
+}
+
+
+def executors_for(ctx: RunContext) -> dict:
+    def bind(function):
+        async def run(step: Step):
+            started = time.monotonic()
+            try:
+                return await function(ctx, step)
+            finally:
+                log.debug(
+                    "step", node=step.node.id, ms=round((time.monotonic() - started) * 1000, 1),
+                    remaining_ms=round((deadlines.remaining() or 0) * 1000),
+                )  # fmt: skip
+
+        return run
+
+    return {kind: bind(function) for kind, function in EXECUTORS.items()}

@@ -1,0 +1,238 @@
+"""`Ask` with every service as a real process: answers with citations, deadlines, cancel,
+admission, budgets shared by concurrent Asks, parallel branches, bad plans."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from ragline.v1 import (
+    budget_pb2,
+    budget_pb2_grpc,
+    common_pb2,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+)
+from support import field_violations
+from support.orchestrator import ask, generation_slot_free, ledger, who
+
+pytestmark = pytest.mark.integration
+
+WARSAW = "Which river flows through Warsaw?"
+
+
+def result_of(messages) -> orchestrator_pb2.AskResult:
+    assert messages[-1].WhichOneof("event") == "result"
+    return messages[-1].result
+
+
+async def wait_until(check, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await check():
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def settled(budget_address: str, task_id: str) -> bool:
+    try:
+        found = await ledger(budget_address, task_id)
+    except grpc.aio.AioRpcError as error:
+        return error.code() == grpc.StatusCode.NOT_FOUND  # never opened: nothing to settle
+    states = {r.state for r in found.reservations}
+    return found.in_flight == 0 and states <= {budget_pb2.RESERVATION_STATE_SETTLED}
+
+
+async def test_a_question_about_the_demo_corpus_is_answered_with_a_correct_citation(rag_stack):
+    orchestrator = rag_stack.orchestrator()
+    messages = await ask(orchestrator.address, orchestrator_pb2.AskRequest(question=WARSAW))
+    result = result_of(messages)
+    deltas = "".join(m.delta for m in messages if m.WhichOneof("event") == "delta")
+    assert "vistula" in result.answer.lower(), result
+    assert deltas.strip() == result.answer  # the answer streamed before the result
+    assert result.status.state in (
+        common_pb2.ANSWER_STATE_COMPLETE,
+        common_pb2.ANSWER_STATE_PARTIAL,
+    )
+    assert result.citations, result
+    assert all(c.title == "Warsaw" and "Vistula" in c.snippet for c in result.citations)
+    cited = {c.document_id for c in result.citations}
+    assert cited <= {e.document_id for e in result.evidence}  # only what the prompt held
+    # The report: every step, the budget, the critical path.
+    nodes = {n.node_id: n for n in result.timing.nodes}
+    assert set(nodes) >= {"embed", "bm25", "vector", "fuse", "evidence", "generate"}
+    assert nodes["generate"].HasField("first_byte") and nodes["generate"].server.HasField("total")
+    assert result.timing.critical_path[-1] == "generate"
+    assert result.timing.overhead_ratio >= 1.0
+    assert result.budget.state == budget_pb2.TASK_STATE_CLOSED
+    assert result.budget.used.calls >= 3 and result.budget.reserved.calls == 0
+    node_events = [m.node for m in messages if m.WhichOneof("event") == "node"]
+    assert {e.node_id for e in node_events} >= set(nodes) - {"rerank"}
+
+
+async def test_embedding_and_bm25_run_side_by_side(rag_stack):
+    orchestrator = rag_stack.orchestrator()
+    result = result_of(
+        await ask(orchestrator.address, orchestrator_pb2.AskRequest(question=WARSAW))
+    )
+    nodes = {n.node_id: n for n in result.timing.nodes}
+    embed, bm25 = nodes["embed"], nodes["bm25"]
+    # bm25 started before the embedding ended: it did not wait for it.
+    assert bm25.call_start.ToNanoseconds() < embed.call_end.ToNanoseconds()
+    assert nodes["vector"].call_start.ToNanoseconds() >= embed.call_end.ToNanoseconds()
+
+
+async def test_a_deadline_shorter_than_the_plan_ends_in_time_and_leaves_nothing_running(rag_stack):
+    orchestrator = rag_stack.orchestrator(small=True)
+    for deadline_s in (0.25, 1.2):
+        task_id = f"deadline-{uuid.uuid4().hex[:8]}"
+        request = orchestrator_pb2.AskRequest(question=WARSAW, task_id=task_id, max_tokens=2000)
+        started = time.monotonic()
+        try:
+            result = result_of(await ask(orchestrator.address, request, deadline_s=deadline_s))
+            assert result.status.state == common_pb2.ANSWER_STATE_PARTIAL
+            assert result.status.reason == "deadline"
+        except grpc.aio.AioRpcError as error:
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < deadline_s + 0.5
+        assert await wait_until(lambda: generation_slot_free(rag_stack.small_generation.address))
+        assert await wait_until(lambda t=task_id: settled(rag_stack.budget.address, t))
+
+
+async def test_a_cancelled_ask_frees_the_generation_slot_and_settles_its_ledger(rag_stack):
+    orchestrator = rag_stack.orchestrator(small=True)
+    task_id = f"cancel-{uuid.uuid4().hex[:8]}"
+    request = orchestrator_pb2.AskRequest(question=WARSAW, task_id=task_id, max_tokens=2000)
+    async with grpc.aio.insecure_channel(orchestrator.address) as channel:
+        call = orchestrator_pb2_grpc.OrchestratorServiceStub(channel).Ask(
+            request, timeout=60, metadata=who()
+        )
+        async for message in call:
+            if message.WhichOneof("event") == "delta":
+                break  # generating: cancel mid-stream
+        call.cancel()
+    assert await wait_until(lambda: generation_slot_free(rag_stack.small_generation.address))
+    assert await wait_until(lambda: settled(rag_stack.budget.address, task_id))
+    found = await ledger(rag_stack.budget.address, task_id)
+    generate = [r for r in found.reservations if r.stage == "generate"]
+    assert generate and generate[0].actual.input_tokens > 0  # partial use was charged
+
+
+async def test_a_full_queue_is_refused_at_once_with_a_retry_delay(rag_stack):
+    orchestrator = rag_stack.orchestrator(small=True, max_in_flight=1, max_queue=0)
+    long = orchestrator_pb2.AskRequest(question=WARSAW, max_tokens=2000)
+    async with grpc.aio.insecure_channel(orchestrator.address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        running = stub.Ask(long, timeout=60, metadata=who())
+        await running.read()  # admitted: it holds the only place
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Ask(long, timeout=60, metadata=who()):
+                pass
+        # Refused while the first still runs, not after waiting for it.
+        assert not running.done()
+        running.cancel()
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = rpc_status.from_call(caught.value)
+    assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details)
+
+
+async def test_concurrent_asks_sharing_one_task_never_overspend_it(rag_stack):
+    orchestrator = rag_stack.orchestrator(small=True, max_in_flight=8)
+    task_id = f"shared-{uuid.uuid4().hex[:8]}"
+    limits = common_pb2.BudgetAmounts(input_tokens=4000, output_tokens=100, cost_micros=0, calls=30)
+    async with grpc.aio.insecure_channel(rag_stack.budget.address) as channel:
+        open_task = budget_pb2.OpenTaskRequest(task_id=task_id, limits=limits)
+        open_task.timeout.FromSeconds(120)
+        await budget_pb2_grpc.BudgetServiceStub(channel).OpenTask(
+            open_task, timeout=10, metadata=who()
+        )
+    request = orchestrator_pb2.AskRequest(question=WARSAW, task_id=task_id, max_tokens=40)
+    outcomes = await asyncio.gather(
+        *(ask(orchestrator.address, request) for _ in range(6)), return_exceptions=True
+    )
+    results = [result_of(o) for o in outcomes if not isinstance(o, BaseException)]
+    assert len(results) == 6, outcomes
+    exhausted = [r for r in results if r.status.reason == "budget_exhausted"]
+    assert exhausted and all(
+        r.status.state == common_pb2.ANSWER_STATE_INCOMPLETE for r in exhausted
+    )
+    assert await wait_until(lambda: settled(rag_stack.budget.address, task_id))
+    final = await ledger(rag_stack.budget.address, task_id)
+    for amount in ("input_tokens", "output_tokens", "calls"):
+        assert getattr(final.used, amount) <= getattr(limits, amount), final
+    assert final.state == budget_pb2.TASK_STATE_OPEN  # a caller's task is not closed by Ask
+
+
+async def test_two_independent_branches_take_the_longer_one_not_the_sum(rag_stack):
+    orchestrator = rag_stack.orchestrator()
+    plan = orchestrator_pb2.Plan()
+    for branch, query in (("a", "Vistula river Warsaw"), ("b", "Warsaw population")):
+        plan.nodes.add(
+            id=f"r{branch}", kind=orchestrator_pb2.NODE_KIND_RETRIEVE, params={"query": query}
+        )
+        plan.nodes.add(
+            id=f"e{branch}", kind=orchestrator_pb2.NODE_KIND_SELECT_EVIDENCE,
+            depends_on=[f"r{branch}"],
+        )  # fmt: skip
+        plan.nodes.add(
+            id=f"g{branch}", kind=orchestrator_pb2.NODE_KIND_GENERATE, depends_on=[f"e{branch}"],
+            params={"max_tokens": "24"},
+        )  # fmt: skip
+    plan.nodes.add(id="s", kind=orchestrator_pb2.NODE_KIND_SYNTHESIZE, depends_on=["ga", "gb"])
+    request = orchestrator_pb2.AskRequest(question=WARSAW, plan=plan)
+    result = result_of(await ask(orchestrator.address, request))
+    nodes = {n.node_id: n for n in result.timing.nodes}
+    assert all(n.state == orchestrator_pb2.NODE_STATE_SUCCEEDED for n in nodes.values())
+
+    def span(node_id):
+        n = nodes[node_id]
+        return n.reserve_start.ToNanoseconds() / 1e9, n.call_end.ToNanoseconds() / 1e9
+
+    (a0, a1), (b0, b1) = span("ga"), span("gb")
+    assert a0 < b1 and b0 < a1, "the two generations did not overlap"
+    end_to_end = result.timing.end_to_end.ToNanoseconds() / 1e9
+    assert end_to_end < (a1 - a0) + (b1 - b0) + (span("s")[1] - span("s")[0])
+    assert result.timing.overhead_ratio < 1.5
+
+
+@pytest.mark.parametrize(
+    ("nodes", "field"),
+    [
+        ([("a", "RETRIEVE", ["ghost"]), ("g", "GENERATE", ["a"])], "plan.nodes[0].depends_on[0]"),
+        ([("a", "RETRIEVE", []), ("a", "RETRIEVE", []), ("g", "GENERATE", ["a"])],
+         "plan.nodes[1].id"),
+        ([("a", "RETRIEVE", ["g"]), ("g", "GENERATE", ["a"])], "plan.nodes[0].depends_on"),
+        ([("a", "RETRIEVE", [])], "plan.nodes"),
+        ([("a", "RETRIEVE", []), ("g", "GENERATE", ["a"]), ("x", "FUSE", ["", "a"])],
+         "plan.nodes[2].depends_on[0]"),
+    ],
+)  # fmt: skip
+async def test_bad_plans_are_refused_naming_the_field(rag_stack, nodes, field):
+    orchestrator = rag_stack.orchestrator()
+    plan = orchestrator_pb2.Plan()
+    for node_id, kind, depends_on in nodes:
+        plan.nodes.add(
+            id=node_id, kind=orchestrator_pb2.NodeKind.Value(f"NODE_KIND_{kind}"),
+            depends_on=depends_on,
+        )  # fmt: skip
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await ask(orchestrator.address, orchestrator_pb2.AskRequest(question=WARSAW, plan=plan))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in field_violations(caught.value)
+
+
+async def test_a_step_this_version_cannot_run_is_unimplemented(rag_stack):
+    orchestrator = rag_stack.orchestrator()
+    plan = orchestrator_pb2.Plan()
+    plan.nodes.add(id="p", kind=orchestrator_pb2.NODE_KIND_PLAN)
+    plan.nodes.add(id="g", kind=orchestrator_pb2.NODE_KIND_GENERATE, depends_on=["p"])
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await ask(orchestrator.address, orchestrator_pb2.AskRequest(question=WARSAW, plan=plan))
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED

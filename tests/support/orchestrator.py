@@ -1,0 +1,53 @@
+"""Asking the orchestrator in tests."""
+
+from __future__ import annotations
+
+import grpc
+
+from ragline.v1 import (
+    budget_pb2,
+    budget_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+)
+
+
+def who(tenant: str = "default") -> tuple[tuple[str, str], ...]:
+    return (("x-ragline-tenant", tenant),)
+
+
+async def ask(address: str, request: orchestrator_pb2.AskRequest, deadline_s: float = 120.0):
+    """Every message of one Ask; the last is the result."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        return [m async for m in stub.Ask(request, timeout=deadline_s, metadata=who())]
+
+
+async def ledger(budget_address: str, task_id: str, tenant: str = "default"):
+    async with grpc.aio.insecure_channel(budget_address) as channel:
+        return await budget_pb2_grpc.BudgetServiceStub(channel).GetLedger(
+            budget_pb2.GetLedgerRequest(task_id=task_id, include_reservations=True),
+            timeout=10,
+            metadata=who(tenant),
+        )
+
+
+async def generation_slot_free(generation_address: str) -> bool:
+    """On a generation service with one slot and no queue, a request is refused at once
+    while anything else still holds the slot."""
+    async with grpc.aio.insecure_channel(generation_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        try:
+            async for _ in stub.Generate(
+                generation_pb2.GenerateRequest(prompt="Hi", max_tokens=1),
+                timeout=30,
+                metadata=who("probe"),
+            ):
+                pass
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return False
+            raise
+    return True

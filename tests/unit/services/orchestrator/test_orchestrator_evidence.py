@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import numpy as np
+
+from ragline_services.orchestrator import evidence as ev
+
+WARSAW = ev.Passage(
+    "w",
+    "Warsaw",
+    "Warsaw is the capital of Poland. The Vistula River is the specific axis of Warsaw, "
+    "which divides the city into two parts. The city has many parks.",
+)
+SKY = ev.Passage("s", "Sky", "Sky UK is a broadcaster. It launched Sky Q in 2016.")
+
+
+def test_sentences_split_at_sentence_ends_only():
+    assert ev.split_sentences("It rose 3.5 m in 1990. Then it fell! Why? yes. Done.") == [
+        "It rose 3.5 m in 1990.",
+        "Then it fell!",
+        "Why? yes.",
+        "Done.",
+    ]
+
+
+def test_the_answer_sentence_wins_the_budget():
+    passages = [SKY, WARSAW]
+    sentences = ev.candidate_sentences(passages)
+    evidence = ev.select("Which river flows through Warsaw?", passages, sentences, None, 30)
+    assert evidence.tokens <= 30
+    assert [item.passage.id for item in evidence.items] == ["w"]
+    assert "Vistula" in evidence.items[0].text and "parks" not in evidence.items[0].text
+
+
+def test_similarity_can_outvote_lexical_overlap():
+    passages = [WARSAW]
+    sentences = ev.candidate_sentences(passages)
+    similarity = np.array([0.0, 0.0, 2.0])  # the embedding model prefers the parks
+    evidence = ev.select("green spaces", passages, sentences, similarity, 8)
+    assert evidence.items[0].text == "The city has many parks."
+
+
+def test_sentences_keep_their_order_and_passages_get_one_marker_each():
+    passages = [WARSAW, SKY]
+    sentences = ev.candidate_sentences(passages)
+    evidence = ev.select("Warsaw Vistula capital Sky", passages, sentences, None, 500)
+    assert [item.marker for item in evidence.items] == ["[1]", "[2]"]
+    warsaw = evidence.items[0].text
+    assert warsaw.index("capital") < warsaw.index("Vistula") < warsaw.index("parks")
+    message = ev.user_message("Q?", evidence)
+    assert message.startswith("Evidence:\n[1] Warsaw: Warsaw is") and message.endswith(
+        "Question: Q?"
+    )
+
+
+def test_a_sentence_over_the_whole_budget_is_cut_not_dropped():
+    long = ev.Passage("l", "", "word " * 400 + ".")
+    evidence = ev.select("word", [long], ev.candidate_sentences([long]), None, 20)
+    assert evidence.items and evidence.tokens <= 21
+
+
+def test_shortlist_keeps_the_lexically_best_in_order():
+    sentences = ev.candidate_sentences([WARSAW, SKY])
+    kept = ev.shortlist("Vistula river Warsaw", sentences, 2)
+    assert len(kept) == 2 and any("Vistula" in s.text for s in kept)
+    assert kept == sorted(kept, key=lambda s: (s.passage, s.position))
+
+
+def evidence_of(*passages: ev.Passage) -> ev.Evidence:
+    return ev.Evidence(
+        tuple(ev.EvidenceItem(f"[{n}]", p, p.text) for n, p in enumerate(passages, start=1)), 0, 0
+    )
+
+
+def test_citations_must_be_in_the_evidence():
+    evidence = evidence_of(WARSAW, SKY)
+    cited = ev.cite("the Vistula [1] [7]", evidence)
+    assert [c.passage.id for c in cited.citations] == ["w"]
+    assert cited.dropped == ["[7]"]
+
+
+def test_an_answer_without_markers_is_attributed_to_the_passage_holding_its_words():
+    cited = ev.cite("Sky Q", evidence_of(WARSAW, SKY))
+    assert [c.passage.id for c in cited.citations] == ["s"]
+    assert ev.cite("Atlantis", evidence_of(WARSAW, SKY)).citations == []
+
+
+def test_markers_are_stripped_and_refusals_recognised():
+    assert ev.strip_markers("Vistula [1][2]") == "Vistula"
+    assert ev.is_refusal("Not in the evidence.")

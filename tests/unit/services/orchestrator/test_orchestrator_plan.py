@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from ragline.errors import InvalidArgument, Unimplemented
+from ragline_services.orchestrator.plan import (
+    Kind,
+    NodeSpec,
+    build_plan,
+    default_rag_plan,
+    topological,
+)
+
+
+def spec(node_id, kind, depends_on=(), **params):
+    return NodeSpec(node_id, kind, tuple(depends_on), params, None, False)
+
+
+def violations(specs) -> dict[str, str]:
+    with pytest.raises(InvalidArgument) as caught:
+        build_plan(specs)
+    return {v.field: v.description for v in caught.value.violations}
+
+
+def test_the_default_plan_runs_embedding_and_bm25_side_by_side():
+    plan = default_rag_plan()
+    order = topological(plan)
+    assert set(order[:2]) == {"embed", "bm25"}
+    assert plan.node("vector").depends_on == ("embed",)
+    assert plan.node("fuse").depends_on == ("bm25", "vector")
+    assert plan.node("rerank").optional
+    assert plan.answer_node.id == "generate"
+    assert [n.id for n in default_rag_plan(rerank=False).nodes if n.kind == Kind.RERANK] == []
+
+
+def test_an_explicit_plan_is_checked_and_typed():
+    plan = build_plan(
+        [
+            spec("a", "retrieve", query="warsaw", k="5"),
+            spec("b", "retrieve", query="vistula"),
+            spec("g", "generate", ["a", "b"], max_tokens="32", tier="small"),
+        ]
+    )
+    assert plan.node("a").params == {"query": "warsaw", "k": 5}
+    assert plan.answer_node.id == "g"
+
+
+def test_unknown_kinds_are_refused_naming_the_field():
+    assert "plan.nodes[0].kind" in violations([spec("a", "teleport"), spec("g", "generate")])
+
+
+def test_dangling_and_self_dependencies_are_refused():
+    found = violations([spec("a", "retrieve", ["ghost"]), spec("g", "generate", ["g", "a"])])
+    assert "no node has the id 'ghost'" in found["plan.nodes[0].depends_on[0]"]
+    assert "itself" in found["plan.nodes[1].depends_on[0]"]
+
+
+def test_duplicate_ids_are_refused():
+    found = violations([spec("a", "retrieve"), spec("a", "retrieve"), spec("g", "generate", ["a"])])
+    assert "nodes[0]" in found["plan.nodes[1].id"]
+
+
+def test_cycles_are_refused_with_the_cycle_named():
+    found = violations(
+        [spec("a", "retrieve", ["c"]), spec("b", "fuse", ["a"]), spec("c", "rerank", ["b"]),
+         spec("g", "generate", ["c"])]
+    )  # fmt: skip
+    ((field, why),) = found.items()
+    assert field.endswith(".depends_on") and "cycle" in why and "a -> " in why
+
+
+def test_bad_params_are_refused_naming_the_key():
+    found = violations(
+        [
+            spec("a", "retrieve", k="many", colour="red", mode="psychic"),
+            spec("g", "generate", ["a"], max_tokens="-3"),
+        ]
+    )
+    assert set(found) == {
+        "plan.nodes[0].params[k]",
+        "plan.nodes[0].params[colour]",
+        "plan.nodes[0].params[mode]",
+        "plan.nodes[1].params[max_tokens]",
+    }
+
+
+def test_a_plan_needs_exactly_one_answer():
+    assert "plan.nodes" in violations([spec("a", "retrieve")])
+    assert "plan.nodes" in violations(
+        [spec("a", "retrieve"), spec("g1", "generate", ["a"]), spec("g2", "generate", ["a"])]
+    )
+
+
+def test_agent_planning_steps_are_not_available_yet():
+    with pytest.raises(Unimplemented, match=r"plan\.nodes\[0\]\.kind"):
+        build_plan([spec("p", "plan"), spec("g", "generate", ["p"])])
+
+
+def test_the_serial_form_chains_every_step():
+    serial = default_rag_plan().serial()
+    order = topological(serial)
+    for before, after in itertools.pairwise(order):
+        assert before in serial.node(after).depends_on
