@@ -145,3 +145,23 @@ def test_readme_budget_examples_run_as_documented(all_services, grpcurl_bin):
         "calls": "1",
     }
     assert json.loads(outputs[7].stdout)["ledger"]["state"] == "TASK_STATE_CLOSED"
+
+
+def test_readme_ask_example_runs_as_documented(all_services, grpcurl_bin):
+    import re
+    import shlex
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    example = re.search(r"grpcurl -plaintext -H 'x-ragline-tenant: default'.*?/Ask", readme, re.S)
+    assert example, "README lost its Ask example"
+    args = shlex.split(example.group(0).replace("\\\n", " "))[1:]
+    args = [all_services["orchestrator"].address if a == "127.0.0.1:50100" else a for a in args]
+    result = grpcurl(grpcurl_bin, *args)
+    assert result.returncode == 0, result.stderr
+    # Nothing is ingested for this tenant in the shared stack: an honest INCOMPLETE answer,
+    # with the timing report and the ledger, after the node events.
+    messages = [json.loads(m) for m in re.split(r"(?<=})\n(?={)", result.stdout.strip())]
+    assert "node" in messages[0] and "result" in messages[-1]
+    final = messages[-1]["result"]
+    assert final["status"]["reason"] == "no_evidence", final
+    assert final["timing"]["nodes"] and final["budget"]["state"] == "TASK_STATE_CLOSED"
