@@ -157,6 +157,8 @@ async def _load_demo(stack, common: CommonConfig) -> None:
         retrieval_addr=addresses["retrieval"],
         embedding_addr=addresses["embedding"],
         data_dir=common.data_dir,
+        rerank_addr=addresses.get("rerank"),
+        notice=lambda text: print(f"ragline up: {text}", flush=True),
     )
     print(
         f"ragline up: demo corpus: {written} passages ingested"
@@ -205,6 +207,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
                 embedding_addr=service_address("embedding", common.data_dir),
                 default_tenant=args.tenant, batch_size=args.batch, checkpoint=checkpoint,
                 progress=lambda n: bar.update(task, completed=n),
+                rerank_addr=(
+                    None if args.no_rerank_prepare
+                    else service_address("rerank", common.data_dir)
+                ),
+                notice=lambda text: bar.console.print(f"ragline ingest: {text}"),
             ))  # fmt: skip
         except grpc.aio.AioRpcError as error:
             print(
@@ -459,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--checkpoint", help="resume file (default .ragline/ingest/...)")
     ingest.add_argument("--restart", action="store_true", help="ignore an earlier checkpoint")
     ingest.add_argument("--quiet", action="store_true", help="no progress bar")
+    ingest.add_argument(
+        "--no-rerank-prepare",
+        action="store_true",
+        help="do not send documents to rerank's Prepare (token vectors then come on first use)",
+    )
     ingest.set_defaults(func=cmd_ingest)
 
     models = sub.add_parser("models", help="list, fetch and verify models (see the manifest)")

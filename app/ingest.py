@@ -5,6 +5,10 @@ acl, attributes}` per line), checks every record, embeds the good ones through t
 service in batches and upserts them with their vectors. Bad records are reported (line and
 reason) and skipped; the good ones still go in. Progress is checkpointed after every
 acknowledged batch, so an interrupted run resumes where it stopped.
+
+When a rerank service is given, every acknowledged batch is also sent to its `Prepare`, so
+that the documents' token vectors exist before the first question about them. That is an
+optimisation, never a condition: when rerank does not answer, ingest says so once and goes on.
 """
 
 from __future__ import annotations
@@ -122,8 +126,11 @@ async def ingest(
     batch_size: int = 64,
     checkpoint: Checkpoint,
     progress=None,
+    rerank_addr: str | None = None,
+    notice=None,
 ) -> tuple[int, list[BadRecord]]:
-    """Returns (documents written, bad records)."""
+    """Returns (documents written, bad records). `notice(text)` hears about rerank
+    preparation being given up."""
     from ragline.v1 import embedding_pb2, embedding_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
     from ragline_services.retrieval.documents import passage_text
 
@@ -132,6 +139,7 @@ async def ingest(
     bad: list[BadRecord] = []
     written = 0
     pending: dict[str, list[Record]] = {}
+    preparer = RerankPreparer(rerank_addr, pool, notice) if rerank_addr else None
 
     async def flush(records: list[Record]) -> None:
         nonlocal written
@@ -164,6 +172,8 @@ async def ingest(
             # the same documents.
             await retrieval.unary("Upsert", request, retry=PATIENT_POLICY)
         written += len(records)
+        if preparer is not None:
+            await preparer.prepare(records[0].tenant, [r.id for r in records], texts)
 
     last_number = checkpoint.done
     try:
@@ -190,11 +200,93 @@ async def ingest(
     return written, bad
 
 
+class RerankPreparer:
+    """Sends acknowledged documents to rerank's `Prepare`; gives up for the rest of the run
+    at the first failure (rerank absent or overloaded must not slow ingest down)."""
+
+    TIMEOUT_S = 60.0
+
+    def __init__(self, address: str, pool: ChannelPool, notice=None) -> None:
+        from ragline.v1 import rerank_pb2_grpc
+
+        self.address = address
+        self.pool = pool
+        self.stub_class = rerank_pb2_grpc.RerankServiceStub
+        self.notice = notice or (lambda text: None)
+        self.prepared = 0
+        self.given_up: str | None = None
+
+    async def prepare(self, tenant: str, ids: list[str], texts: list[str]) -> None:
+        import grpc
+
+        from ragline.v1 import rerank_pb2
+
+        if self.given_up:
+            return
+        client = ServiceClient(
+            self.stub_class, self.address, pool=self.pool, caller=identity.Caller(tenant)
+        )
+        request = rerank_pb2.PrepareRequest(
+            documents=[
+                rerank_pb2.PrepareDocument(id=i, text=t) for i, t in zip(ids, texts, strict=True)
+            ]
+        )
+        try:
+            with deadlines.deadline_scope(self.TIMEOUT_S):
+                reply = await client.unary("Prepare", request)
+        except grpc.aio.AioRpcError as error:
+            self.given_up = f"{error.code().name}: {error.details()}"
+            self.notice(
+                f"rerank at {self.address} did not prepare token vectors ({self.given_up}); "
+                "they will be computed on the first question about each document"
+            )
+            return
+        self.prepared += reply.prepared + reply.already_prepared
+
+
+async def prepare_rerank(
+    path: Path, *, rerank_addr: str, default_tenant: str, batch_size: int = 64, notice=None
+) -> int:
+    """Sends the good records of `path` to rerank's `Prepare` only (the index has them
+    already, the rerank process was restarted). Returns the documents it holds vectors of."""
+    from ragline_services.retrieval.documents import passage_text
+
+    pool = ChannelPool()
+    preparer = RerankPreparer(rerank_addr, pool, notice)
+    pending: dict[str, list[Record]] = {}
+    try:
+        for item in read_records(path, default_tenant):
+            if isinstance(item, BadRecord) or preparer.given_up:
+                continue
+            batch = pending.setdefault(item.tenant, [])
+            batch.append(item)
+            if len(batch) >= batch_size:
+                records = pending.pop(item.tenant)
+                await preparer.prepare(
+                    item.tenant, [r.id for r in records],
+                    [passage_text(r.title, r.text) for r in records],
+                )  # fmt: skip
+        for tenant, records in pending.items():
+            await preparer.prepare(
+                tenant, [r.id for r in records], [passage_text(r.title, r.text) for r in records]
+            )
+    finally:
+        await pool.close()
+    return preparer.prepared
+
+
 DEMO_CORPUS = Path(__file__).with_name("data") / "squad_dev_sample.json"
 DEMO_TENANT = "default"
 
 
-async def load_demo(*, retrieval_addr: str, embedding_addr: str, data_dir: Path) -> int:
+async def load_demo(
+    *,
+    retrieval_addr: str,
+    embedding_addr: str,
+    data_dir: Path,
+    rerank_addr: str | None = None,
+    notice=None,
+) -> int:
     """Ingests the demo corpus into tenant `default` unless that tenant has documents
     already (a restarted stack keeps its index). Returns the documents written."""
     from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
@@ -209,6 +301,10 @@ async def load_demo(*, retrieval_addr: str, embedding_addr: str, data_dir: Path)
             "IndexStatus", retrieval_pb2.IndexStatusRequest(), retry=PATIENT_POLICY
         )
     if status.tenant_documents:
+        if rerank_addr:  # rerank keeps token vectors in memory: a restarted stack has none
+            await prepare_rerank(
+                DEMO_CORPUS, rerank_addr=rerank_addr, default_tenant=DEMO_TENANT, notice=notice
+            )
         return 0
     checkpoint = Checkpoint(data_dir / "ingest" / "demo-corpus.json")
     checkpoint.path.unlink(missing_ok=True)
@@ -219,5 +315,7 @@ async def load_demo(*, retrieval_addr: str, embedding_addr: str, data_dir: Path)
         embedding_addr=embedding_addr,
         default_tenant=DEMO_TENANT,
         checkpoint=checkpoint,
+        rerank_addr=rerank_addr,
+        notice=notice,
     )
     return written

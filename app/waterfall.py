@@ -136,7 +136,14 @@ def render_png(report, path: Path, title: str = "") -> None:
         f"(red outline) {_seconds(report.critical_path_lower_bound) * 1000:.0f} ms"
     )
     handles = [plt.Rectangle((0, 0), 1, 1, color=colour) for _, _, colour in PHASES]
-    axes.legend(handles, [label for _, label, _ in PHASES], loc="lower right", fontsize=8)
+    axes.legend(
+        handles,
+        [label for _, label, _ in PHASES],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.22),
+        ncol=len(PHASES),
+        fontsize=8,
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -198,9 +198,19 @@ def ingest_stack(launcher, tmp_path) -> tuple[ServiceHandle, dict[str, str]]:
         **os.environ,
         "RAGLINE_EMBEDDING_ADDR": embedding.address,
         "RAGLINE_RETRIEVAL_ADDR": retrieval.address,
+        # No rerank listens here (a test that wants one starts it): ingest must go on.
+        "RAGLINE_RERANK_ADDR": f"127.0.0.1:{free_ports(1)[0]}",
         "RAGLINE_DATA_DIR": str(tmp_path),
     }
     return retrieval, env
+
+
+@pytest.fixture(scope="module")
+def rerank_pair(module_launcher) -> tuple[ServiceHandle, ServiceHandle]:
+    """Two rerank services: one batching across requests, one running pairs alone."""
+    batched = module_launcher.start("rerank", env={"RAGLINE_RERANK_MAX_WAIT_MS": "5"})
+    unbatched = module_launcher.start("rerank", env={"RAGLINE_RERANK_MAX_BATCH_TEXTS": "1"})
+    return batched, unbatched
 
 
 @pytest.fixture(scope="module")
@@ -366,6 +376,7 @@ def rag_stack(etcd, module_launcher, tmp_path_factory) -> RagStack:
             embedding_addr=embedding.address,
             default_tenant="default",
             checkpoint=Checkpoint(tmp_path_factory.mktemp("ingest") / "demo.json"),
+            rerank_addr=stack.rerank.address,
         )
     )
     return stack

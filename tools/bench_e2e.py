@@ -45,7 +45,7 @@ from ragline.v1 import (
     retrieval_pb2_grpc,
 )
 from ragline_app.datasets import load_squad
-from ragline_app.ingest import Checkpoint, ingest
+from ragline_app.ingest import Checkpoint, ingest, prepare_rerank
 from ragline_services.orchestrator.evidence import strip_markers
 from ragline_services.orchestrator.plan import default_rag_plan
 from ragline_services.orchestrator.servicer import plan_message
@@ -108,6 +108,12 @@ async def ensure_ingested(data: Path, addresses: dict, workdir: Path, expected: 
     with deadlines.deadline_scope(30):
         status = await client.unary("IndexStatus", retrieval_pb2.IndexStatusRequest())
     if status.tenant_documents >= expected:
+        if not addresses.get("rerank"):
+            return
+        prepared = await prepare_rerank(
+            data, rerank_addr=addresses["rerank"], default_tenant=TENANT, notice=print
+        )
+        print(f"rerank prepared {prepared} passages", file=sys.stderr)
         return
     started = time.monotonic()
     written, _ = await ingest(
@@ -116,6 +122,8 @@ async def ensure_ingested(data: Path, addresses: dict, workdir: Path, expected: 
         embedding_addr=addresses["embedding"],
         default_tenant=TENANT,
         checkpoint=Checkpoint(workdir / "ingest" / f"{data.name}.json"),
+        rerank_addr=addresses.get("rerank"),
+        notice=print,
     )
     print(f"ingested {written} passages in {time.monotonic() - started:.0f} s", file=sys.stderr)
 
@@ -279,7 +287,7 @@ def main() -> int:
     parser.add_argument("--serial", action="store_true", help="also the plan forced serial (c=1)")
     parser.add_argument("--deadline", type=float, default=30.0, help="per Ask, seconds")
     parser.add_argument("--workdir", type=Path, default=REPO / ".ragline" / "bench-e2e")
-    parser.add_argument("--addr", help="orchestrator,retrieval,embedding of a running stack")
+    parser.add_argument("--addr", help="orchestrator,retrieval,embedding[,rerank] (running)")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the services")
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--json", type=Path, help="write every outcome here")
@@ -289,8 +297,9 @@ def main() -> int:
     sample = random.Random(args.seed).sample(questions, min(args.questions, len(questions)))
     process = None
     if args.addr:
-        orchestrator, retrieval, embedding = args.addr.split(",")
-        addresses = {"orchestrator": orchestrator, "retrieval": retrieval, "embedding": embedding}
+        orchestrator, retrieval, embedding, *rerank = args.addr.split(",")
+        addresses = {"orchestrator": orchestrator, "retrieval": retrieval, "embedding": embedding,
+                     "rerank": rerank[0] if rerank else None}  # fmt: skip
     else:
         overrides = dict(item.split("=", 1) for item in args.env)
         process, addresses = start_stack(args.workdir, overrides)

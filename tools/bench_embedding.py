@@ -69,8 +69,8 @@ def engines(store: ModelStore):
 
 
 def single_query(store: ModelStore, questions: list[str]) -> list[dict]:
-    from ragline_services.embedding.batcher import pad
-    from ragline_services.embedding.tokenization import Tokenizer
+    from ragline.batching import pad
+    from ragline.tokenization import Tokenizer
 
     tokenizer = Tokenizer(store.file("all-minilm-l6-v2", "tokenizer.json"), 256)
     inputs = [pad([t]) for t in tokenizer.encode(questions, refuse_over_limit=False)]

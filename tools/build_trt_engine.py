@@ -74,11 +74,11 @@ def verify(args, engine_bytes: bytes) -> float:
     import numpy as np
     import torch
 
+    from ragline.batching import pad
     from ragline.models import ModelStore
+    from ragline.tokenization import Tokenizer
     from ragline_app.datasets import load_squad
     from ragline_services.embedding.backends import OnnxRuntimeBackend, normalise
-    from ragline_services.embedding.batcher import pad
-    from ragline_services.embedding.tokenization import Tokenizer
 
     trt = import_tensorrt()
     store = ModelStore()

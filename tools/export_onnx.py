@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tokenize(store: ModelStore, texts: list[str]):
-    from ragline_services.embedding.batcher import pad
-    from ragline_services.embedding.tokenization import Tokenizer
+    from ragline.batching import pad
+    from ragline.tokenization import Tokenizer
 
     spec = store.spec(SOURCE)
     tokenizer = Tokenizer(store.file(SOURCE, "tokenizer.json"), spec.max_tokens)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ragline import deadlines
+from ragline.batching import MicroBatcher
 from ragline.errors import InvalidArgument
+from ragline.tokenization import Tokenizer
 from ragline_services.embedding.backends import normalise
-from ragline_services.embedding.batcher import MicroBatcher
-from ragline_services.embedding.tokenization import Tokenizer
 
 
 @dataclass(frozen=True)

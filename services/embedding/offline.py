@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ragline.batching import bucket_groups, pad
 from ragline.models import ModelStore
+from ragline.tokenization import Tokenizer
 from ragline_services.embedding.backends import OnnxRuntimeBackend
-from ragline_services.embedding.batcher import bucket_groups, pad
-from ragline_services.embedding.tokenization import Tokenizer
 
 
 def embed_texts(backend, tokenizer, texts: list[str], batch: int = 32) -> np.ndarray:

@@ -10,16 +10,16 @@ import grpc
 import structlog
 from pydantic import Field
 
+from ragline.batching import MicroBatcher, pad
 from ragline.config import ServiceConfig
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
+from ragline.tokenization import Tokenizer
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc
 from ragline_services.embedding.backends import EmbeddingBackend, OnnxRuntimeBackend
-from ragline_services.embedding.batcher import MicroBatcher
 from ragline_services.embedding.embedder import PASSAGE, QUERY, Embedder
 from ragline_services.embedding.servicer import EmbeddingServicer
-from ragline_services.embedding.tokenization import Tokenizer
 
 log = structlog.get_logger("ragline.embedding")
 
@@ -96,8 +96,13 @@ class EmbeddingService(Service):
             )
             max_batch_texts = 1
         await self.backend.check_ready()
+        backend = self.backend
+
+        async def run(texts):
+            return await backend.embed(*pad(texts))
+
         self.batcher = MicroBatcher(
-            self.backend.embed,
+            run,
             max_batch_texts=max_batch_texts,
             max_wait_s=cfg.max_wait_ms / 1000,
             max_queue_texts=cfg.max_queue_texts,

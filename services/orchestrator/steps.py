@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import numpy as np
@@ -49,6 +49,21 @@ _FINISH = {
     generation_pb2.FINISH_REASON_LENGTH: "length",
     generation_pb2.FINISH_REASON_DEADLINE: "deadline",
 }
+
+
+# A call refused with one of these did no work: it is charged as a call, not as the
+# tokens it had reserved.
+_REFUSED_BEFORE_WORK = frozenset(
+    {
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
 
 
 class NoEvidence(FailedPrecondition):
@@ -194,11 +209,14 @@ class RunContext:
         try:
             reply = await self.call(step, service, method, request)
         except BaseException as error:
+            if isinstance(error, grpc.aio.AioRpcError) and error.code() in _REFUSED_BEFORE_WORK:
+                reservation.settle(Amounts(calls=step.record.attempts or 1))
             self.settle_later(
                 step, reservation, failed=True, cancelled=isinstance(error, asyncio.CancelledError)
             )
             raise
-        reservation.settle(usage(reply))
+        # Every attempt is a call charged, retries included.
+        reservation.settle(replace(usage(reply), calls=max(step.record.attempts, 1)))
         self.settle_later(step, reservation)
         return reply
 
@@ -406,24 +424,28 @@ async def select_evidence(ctx: RunContext, step: Step) -> ev.Evidence:
 
 def _evidence_of(ctx: RunContext, inputs: list[object]) -> ev.Evidence:
     """The evidence a generate step answers from: selected sentences when a selection step
-    ran, else the best passages whole (within the budget), else earlier answers."""
+    ran; the passages earlier answers cited (a synthesis answers from its parts' sources);
+    else the best passages, cut to the budget by lexical evidence alone."""
     items: list[ev.EvidenceItem] = []
     tokens = 0
     for item in inputs:
         if isinstance(item, ev.Evidence):
-            items += item.items
-            tokens += item.tokens
-        elif isinstance(item, Answer) and item.text:
-            source = ev.Passage(f"answer:{len(items) + 1}", "", ev.strip_markers(item.text))
-            items.append(ev.EvidenceItem("", source, source.text))
-            tokens += ev.tokens_estimate(source.text)
+            found = list(item.items)
+        elif isinstance(item, Answer):
+            found = list(item.cited.citations or item.evidence.items)
+        else:
+            continue
+        for entry in found:
+            if all(entry.passage.id != known.passage.id for known in items):
+                items.append(entry)
+                tokens += ev.tokens_estimate(entry.text)
     if not items:
         passages = _merged(inputs)[: ctx.settings.context_passages]
         sentences = ev.candidate_sentences(passages)
         return ev.select(
             ctx.settings.question, passages, sentences, None, ctx.settings.evidence_tokens
         )
-    # Renumber the markers over the merged evidence.
+    # Number the markers anew over the merged evidence.
     renumbered = tuple(
         ev.EvidenceItem(f"[{n}]", item.passage, item.text) for n, item in enumerate(items, start=1)
     )
@@ -480,7 +502,7 @@ async def generate(ctx: RunContext, step: Step) -> Answer:
         input_tokens=final.usage.input_tokens,
         output_tokens=final.usage.output_tokens,
         cost_micros=ctx.cost(tier, final.usage.input_tokens, final.usage.output_tokens),
-        calls=1,
+        calls=max(step.record.attempts, 1),
     )
     reservation.settle(used)
     ctx.settle_later(step, reservation)

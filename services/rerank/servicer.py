@@ -2,13 +2,73 @@
 
 from __future__ import annotations
 
-from ragline.errors import Unimplemented
-from ragline.v1 import rerank_pb2_grpc
+from ragline.identity import current_caller
+from ragline.server import Deferred
+from ragline.timing import current_clock
+from ragline.v1 import common_pb2, rerank_pb2, rerank_pb2_grpc
+from ragline_services.rerank.cascade import (
+    CROSS_ENCODER,
+    LATE_INTERACTION,
+    Candidate,
+    Reranker,
+    RerankInput,
+)
+
+_STAGES = {
+    LATE_INTERACTION: rerank_pb2.RERANK_STAGE_LATE_INTERACTION,
+    CROSS_ENCODER: rerank_pb2.RERANK_STAGE_CROSS_ENCODER,
+}
 
 
 class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
+    def __init__(self) -> None:
+        self.reranker: Deferred[Reranker] = Deferred("the rerank models")
+
     async def Rerank(self, request, context):
-        raise Unimplemented(
-            "RerankService.Rerank is not available yet: the late-interaction and "
-            "cross-encoder stages are still to be built"
+        reranker = self.reranker.value
+        output = await reranker.rerank(
+            RerankInput(
+                tenant=current_caller().tenant,
+                query=request.query,
+                candidates=[
+                    Candidate(c.id, c.text, c.first_stage_score) for c in request.candidates
+                ],
+                top_k=request.top_k or 5,
+                late_interaction_k=request.late_interaction_k or 20,
+                allow_skip=request.allow_skip,
+            )
         )
+        clock = _finished_clock(output.queue_wait_s, output.stage_seconds)
+        return rerank_pb2.RerankResponse(
+            results=[
+                common_pb2.Hit(id=r.id, score=r.score, rank=rank, scores=r.scores)
+                for rank, r in enumerate(output.results, start=1)
+            ],
+            stages_run=[_STAGES[s] for s in output.stages_run],
+            skipped=[
+                rerank_pb2.SkippedStage(stage=_STAGES[stage], reason=reason)
+                for stage, reason in output.skipped
+            ],
+            usage=common_pb2.Usage(input_tokens=output.input_tokens),
+            timing=clock.to_proto(),
+        )
+
+    async def Prepare(self, request, context):
+        output = await self.reranker.value.prepare(
+            current_caller().tenant, [Candidate(d.id, d.text) for d in request.documents]
+        )
+        return rerank_pb2.PrepareResponse(
+            prepared=output.prepared,
+            already_prepared=output.already_prepared,
+            usage=common_pb2.Usage(input_tokens=output.input_tokens),
+            timing=_finished_clock(output.queue_wait_s, []).to_proto(),
+        )
+
+
+def _finished_clock(queue_wait_s: float, stage_seconds):
+    clock = current_clock()
+    clock.started = clock.received + queue_wait_s
+    for name, seconds in stage_seconds:
+        clock.add_stage(name, seconds)
+    clock.mark_finished()
+    return clock

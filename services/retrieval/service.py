@@ -44,7 +44,10 @@ class RetrievalConfig(ServiceConfig):
     # work and must not take the cores the queries need.
     build_threads: int = Field(default_factory=lambda: max(1, (os.cpu_count() or 2) // 2), ge=0)
     build_niceness: int = Field(19, ge=0, le=19)
+    # HYBRID fusion when a search names none, and its weight of the vector list for each.
+    default_fusion: Literal["rrf", "score"] = "score"
     default_vector_weight: float = Field(0.2, gt=0, lt=1)
+    default_score_weight: float = Field(0.4, gt=0, lt=1)
     default_candidates: int = Field(100, ge=1)
     default_hnsw_ef: int = Field(128, ge=1)
 
@@ -114,6 +117,8 @@ class RetrievalService(Service):
             default_candidates=cfg.default_candidates,
             default_hnsw_ef=cfg.default_hnsw_ef,
             default_vector_weight=cfg.default_vector_weight,
+            default_score_weight=cfg.default_score_weight,
+            default_fusion=cfg.default_fusion,
         )
         index = RetrievalIndex(directory, vectors, settings, self.embed)
         replayed = index.replay()

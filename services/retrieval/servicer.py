@@ -33,7 +33,7 @@ _MODE_ENUM = {
     PREFILTER: retrieval_pb2.SEARCH_MODE_PREFILTER,
 }
 _FUSION = {
-    retrieval_pb2.FUSION_UNSPECIFIED: "rrf",
+    retrieval_pb2.FUSION_UNSPECIFIED: "",
     retrieval_pb2.FUSION_RRF: "rrf",
     retrieval_pb2.FUSION_SCORE: "score",
 }

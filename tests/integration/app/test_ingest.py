@@ -11,7 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+from ragline.v1 import rerank_pb2, rerank_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
+from ragline_app.datasets import load_squad
 from support import SQUAD_SAMPLE
 
 pytestmark = pytest.mark.integration
@@ -66,6 +67,8 @@ def test_jsonl_good_records_go_in_bad_ones_are_reported_and_reruns_resume(ingest
     assert "record 6: invalid JSON" in first.stderr
     assert "record 13: text is missing or empty" in first.stderr
     assert "record 21: tenant 'bad tenant!'" in first.stderr
+    # No rerank service: said once, ingest goes on.
+    assert (first.stdout + first.stderr).count("did not prepare token vectors") == 1
     assert tenant_documents(retrieval.address, "acme") == 15
     assert tenant_documents(retrieval.address, "globex") == 15
 
@@ -80,9 +83,25 @@ def test_jsonl_good_records_go_in_bad_ones_are_reported_and_reruns_resume(ingest
     assert tenant_documents(retrieval.address, "acme") == 15  # upserts by id: no duplicates
 
 
-def test_squad_file(ingest_stack):
+def test_squad_file_goes_into_retrieval_and_its_token_vectors_into_rerank(ingest_stack, launcher):
     retrieval, env = ingest_stack
+    rerank = launcher.start("rerank")
+    env = {**env, "RAGLINE_RERANK_ADDR": rerank.address}
     result = run_ingest(env, str(SQUAD_SAMPLE), "--tenant", "squad")
     assert result.returncode == 0, result.stderr
     assert "ingested 203 documents" in result.stdout
+    assert "did not prepare" not in result.stdout + result.stderr
     assert tenant_documents(retrieval.address, "squad") == 203
+    passages, _ = load_squad(SQUAD_SAMPLE)
+    documents = [rerank_pb2.PrepareDocument(id=p.id, text=f"{p.title}. {p.text}") for p in passages]
+
+    async def prepare_again():
+        async with grpc.aio.insecure_channel(rerank.address) as channel:
+            return await rerank_pb2_grpc.RerankServiceStub(channel).Prepare(
+                rerank_pb2.PrepareRequest(documents=documents),
+                timeout=60,
+                metadata=(("x-ragline-tenant", "squad"),),
+            )
+
+    again = asyncio.run(prepare_again())
+    assert (again.prepared, again.already_prepared) == (0, 203)

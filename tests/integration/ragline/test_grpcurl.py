@@ -92,16 +92,28 @@ def test_bad_request_names_fields_through_grpcurl(all_services, grpcurl_bin):
         assert f'"field":"{field}"' in result.stderr.replace(" ", "")
 
 
-def test_unimplemented_names_what_is_missing(all_services, grpcurl_bin):
+def test_rerank_through_grpcurl(all_services, grpcurl_bin):
+    body = {
+        "query": "Which river flows through Warsaw?",
+        "candidates": [
+            {"id": "paris", "text": "Paris. The Seine flows through Paris."},
+            {"id": "warsaw", "text": "Warsaw. The Vistula River flows through Warsaw."},
+        ],
+        "top_k": 1,
+    }
     result = grpcurl(
         grpcurl_bin,
+        "-H",
+        "x-ragline-tenant: acme",
         "-d",
-        '{"query": "q", "candidates": [{"id": "a", "text": "t"}]}',
+        json.dumps(body),
         all_services["rerank"].address,
         "ragline.v1.RerankService/Rerank",
     )
-    assert "Code: Unimplemented" in result.stderr
-    assert "cross-encoder" in result.stderr
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(result.stdout)
+    assert [r["id"] for r in reply["results"]] == ["warsaw"]
+    assert reply["stages_run"] == ["RERANK_STAGE_LATE_INTERACTION", "RERANK_STAGE_CROSS_ENCODER"]
 
 
 def _readme_budget_commands() -> list[tuple[str, str, str]]:

@@ -77,6 +77,19 @@ async def test_a_question_about_the_demo_corpus_is_answered_with_a_correct_citat
     assert {e.node_id for e in node_events} >= set(nodes) - {"rerank"}
 
 
+async def test_the_rerank_cascade_orders_the_evidence_when_the_service_answers(rag_stack):
+    orchestrator = rag_stack.orchestrator()
+    result = result_of(
+        await ask(orchestrator.address, orchestrator_pb2.AskRequest(question=WARSAW))
+    )
+    nodes = {n.node_id: n for n in result.timing.nodes}
+    assert nodes["rerank"].state == orchestrator_pb2.NODE_STATE_SUCCEEDED, nodes["rerank"]
+    assert nodes["evidence"].call_start.ToNanoseconds() >= nodes["rerank"].call_end.ToNanoseconds()
+    assert nodes["rerank"].server.HasField("total")
+    assert "rerank_unavailable" not in result.degraded
+    assert result.evidence[0].title == "Warsaw", result.evidence
+
+
 async def test_embedding_and_bm25_run_side_by_side(rag_stack):
     orchestrator = rag_stack.orchestrator()
     result = result_of(

@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ragline.errors import DeadlineExceeded, ResourceExhausted
-from ragline_services.embedding.tokenization import TokenizedText
+from ragline.tokenization import TokenizedText
 
-RunBatch = Callable[[np.ndarray, np.ndarray], Awaitable[np.ndarray]]
+# Runs the model on one length bucket: its texts in, one row per text out. The batcher
+# knows nothing of tensor layouts (single texts, query-passage pairs, type ids).
+RunBatch = Callable[[Sequence[TokenizedText]], Awaitable[np.ndarray]]
 
 # Token-length bucket edges: texts of one bucket are padded to the bucket's longest text.
 DEFAULT_BUCKETS = (8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512)
@@ -30,7 +32,9 @@ DEFAULT_BUCKETS = (8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256
 
 @dataclass
 class BatchResult:
-    vectors: np.ndarray
+    # One model output per text of the request, in order (a vector, a score, a matrix of
+    # token vectors: whatever the run returns for a text).
+    rows: list[np.ndarray]
     enqueued: float
     batch_started: float
     compute_s: float
@@ -39,6 +43,11 @@ class BatchResult:
     @property
     def queue_wait_s(self) -> float:
         return self.batch_started - self.enqueued
+
+    @property
+    def vectors(self) -> np.ndarray:
+        """The rows as one array (when every text's output has the same shape)."""
+        return np.stack(self.rows)
 
 
 @dataclass
@@ -70,6 +79,7 @@ def bucket_groups(
 
 
 def pad(texts: Sequence[TokenizedText]) -> tuple[np.ndarray, np.ndarray]:
+    """input_ids and attention_mask of `texts`, padded to the longest."""
     width = max(t.length for t in texts)
     ids = np.zeros((len(texts), width), dtype=np.int64)
     mask = np.zeros((len(texts), width), dtype=np.int64)
@@ -77,6 +87,16 @@ def pad(texts: Sequence[TokenizedText]) -> tuple[np.ndarray, np.ndarray]:
         ids[row, : text.length] = text.ids
         mask[row, : text.length] = 1
     return ids, mask
+
+
+def pad_pairs(texts: Sequence[TokenizedText]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """input_ids, attention_mask and token_type_ids of encoded pairs, padded."""
+    ids, mask = pad(texts)
+    types = np.zeros_like(ids)
+    for row, text in enumerate(texts):
+        if text.type_ids is not None:
+            types[row, : text.length] = text.type_ids
+    return ids, mask, types
 
 
 class MicroBatcher:
@@ -190,16 +210,14 @@ class MicroBatcher:
     async def _run_batch(self, batch: list[_Item]) -> None:
         started = time.monotonic()
         flat = [text for item in batch for text in item.texts]
-        vectors: np.ndarray | None = None
+        rows: list = [None] * len(flat)
         try:
             for group in bucket_groups(
                 [t.length for t in flat], self.max_batch_texts, self._buckets
             ):
-                ids, mask = pad([flat[i] for i in group])
-                result = await self._run(ids, mask)
-                if vectors is None:
-                    vectors = np.empty((len(flat), result.shape[1]), dtype=np.float32)
-                vectors[group] = result
+                result = await self._run([flat[i] for i in group])
+                for position, index in enumerate(group):
+                    rows[index] = result[position]
         except Exception as error:  # the model failed: every request of the batch fails
             for item in batch:
                 if not item.future.done():
@@ -214,7 +232,7 @@ class MicroBatcher:
             if not item.future.done():
                 item.future.set_result(
                     BatchResult(
-                        vectors[offset : offset + count],
+                        rows[offset : offset + count],
                         item.enqueued,
                         started,
                         compute_s,

@@ -8,10 +8,9 @@ import time
 import numpy as np
 import pytest
 
+from ragline.batching import MicroBatcher, bucket_groups, pad
 from ragline.errors import DeadlineExceeded, ResourceExhausted
-from ragline_services.embedding.batcher import MicroBatcher, bucket_groups, pad
-from ragline_services.embedding.tokenization import TokenizedText
-from support import REPO_ROOT
+from ragline.tokenization import TokenizedText
 
 
 def text(*ids: int) -> TokenizedText:
@@ -26,7 +25,8 @@ class FakeModel:
         self.delay_s = delay_s
         self.fail = fail
 
-    async def __call__(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    async def __call__(self, texts) -> np.ndarray:
+        ids, mask = pad(texts)
         self.calls.append(ids.shape)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
@@ -118,32 +118,3 @@ async def test_a_model_failure_fails_every_request_of_the_batch():
     )
     await batcher.stop()
     assert all(isinstance(r, RuntimeError) for r in results)
-
-
-def test_trt_engine_tool_explains_a_missing_tensorrt(tmp_path):
-    import subprocess
-    import sys
-
-    pytest.importorskip("numpy")
-    try:
-        import tensorrt  # noqa: F401
-
-        pytest.skip("TensorRT is installed here")
-    except ImportError:
-        pass
-    tool = REPO_ROOT / "tools" / "build_trt_engine.py"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(tool),
-            "--onnx",
-            str(tmp_path / "m.onnx"),
-            "--out",
-            str(tmp_path / "m.plan"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 1
-    assert "needs TensorRT" in result.stderr and "GPU node" in result.stderr

@@ -14,6 +14,8 @@ from ragline.errors import InvalidArgument
 class TokenizedText:
     ids: np.ndarray  # int64, [tokens]
     truncated: bool
+    # Segment of each token (0: first text, 1: second) for encoded pairs.
+    type_ids: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -28,6 +30,36 @@ class Tokenizer:
         self._tokenizer = HfTokenizer.from_file(str(tokenizer_json))
         self._tokenizer.no_padding()
         self._tokenizer.enable_truncation(max_length=max_tokens)
+        # A pair keeps its first text (the query) whole and cuts the second (a passage)...
+        self._pairs = HfTokenizer.from_file(str(tokenizer_json))
+        self._pairs.no_padding()
+        self._pairs.enable_truncation(max_length=max_tokens, strategy="only_second")
+        # ... unless the query alone is too long: then both are cut.
+        self._long_pairs = HfTokenizer.from_file(str(tokenizer_json))
+        self._long_pairs.no_padding()
+        self._long_pairs.enable_truncation(max_length=max_tokens, strategy="longest_first")
+
+    def encode_pairs(self, pairs: list[tuple[str, str]]) -> list[TokenizedText]:
+        """[CLS] first [SEP] second [SEP], with segment ids, cut to max_tokens."""
+        try:
+            encodings = self._pairs.encode_batch(pairs)
+        except Exception:  # a query longer than the window: cut per pair, both sides
+            encodings = []
+            for pair in pairs:
+                try:
+                    encodings.append(self._pairs.encode(*pair))
+                except Exception:
+                    encodings.append(self._long_pairs.encode(*pair))
+        out = []
+        for encoding in encodings:
+            out.append(
+                TokenizedText(
+                    np.asarray(encoding.ids, dtype=np.int64),
+                    bool(encoding.overflowing),
+                    np.asarray(encoding.type_ids, dtype=np.int64),
+                )
+            )
+        return out
 
     def encode(self, texts: list[str], *, refuse_over_limit: bool) -> list[TokenizedText]:
         """Tokenizes `texts`; over-long ones are cut to max_tokens or refused (INVALID_ARGUMENT)."""

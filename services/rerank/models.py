@@ -1,0 +1,123 @@
+"""The two models of the cascade, on ONNX Runtime, each behind a micro-batcher.
+
+- TokenEncoder: the embedding model's per-token vectors (`last_hidden_state`), reduced for
+  storage to `dim` components by a fixed orthogonal projection (seeded, so every process
+  projects alike) and to int8 with one scale per token.
+- CrossEncoder: a sequence classifier that reads (query, passage) together: one logit.
+
+Both run one batch at a time on their own thread, so the event loop never waits on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ragline.batching import pad, pad_pairs
+from ragline.errors import FailedPrecondition
+from ragline.tokenization import TokenizedText
+
+PROJECTION_SEED = 20261130
+
+
+def _session(path: Path, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def projection(width: int, dim: int) -> np.ndarray:
+    """A [width, dim] matrix with orthonormal columns (dim >= width: the identity)."""
+    if dim >= width:
+        return np.eye(width, dtype=np.float32)
+    gaussian = np.random.default_rng(PROJECTION_SEED).normal(size=(width, dim))
+    q, _ = np.linalg.qr(gaussian)
+    return q.astype(np.float32)
+
+
+def quantize(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 rows and their scales (symmetric, one scale per row)."""
+    scales = np.maximum(np.abs(vectors).max(axis=1), 1e-12) / 127.0
+    return np.round(vectors / scales[:, None]).astype(np.int8), scales.astype(np.float32)
+
+
+def dequantize(rows: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    return rows.astype(np.float32) * scales[:, None]
+
+
+class TokenEncoder:
+    """Token vectors of texts: [tokens, dim] float32 per text, each row of length 1, the
+    [CLS] and [SEP] rows left out."""
+
+    def __init__(self, model_path: Path, *, dim: int, threads: int = 1) -> None:
+        self._session = _session(model_path, threads)
+        inputs = {i.name for i in self._session.get_inputs()}
+        self._types = "token_type_ids" in inputs
+        outputs = [o.name for o in self._session.get_outputs()]
+        if "last_hidden_state" not in outputs:
+            raise FailedPrecondition(
+                f"{model_path} has no last_hidden_state output ({outputs}): late interaction "
+                "needs a token-level embedding model"
+            )
+        width = int(self._session.get_outputs()[outputs.index("last_hidden_state")].shape[-1])
+        self.projection = projection(width, dim)
+        self.dim = min(dim, width)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="li")
+
+    def run_sync(self, texts: Sequence[TokenizedText]) -> list[np.ndarray]:
+        ids, mask = pad(texts)
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if self._types:
+            feeds["token_type_ids"] = np.zeros_like(ids)
+        (hidden,) = self._session.run(["last_hidden_state"], feeds)
+        out = []
+        for row, text in enumerate(texts):
+            tokens = hidden[row, 1 : max(text.length - 1, 2)] @ self.projection
+            norms = np.linalg.norm(tokens, axis=1, keepdims=True)
+            out.append((tokens / np.clip(norms, 1e-12, None)).astype(np.float32))
+        return out
+
+    async def run(self, texts: Sequence[TokenizedText]) -> list[np.ndarray]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.run_sync, texts)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def maxsim(query: np.ndarray, document: np.ndarray) -> float:
+    """Late interaction: each query token's best match in the document, averaged."""
+    if not len(query) or not len(document):
+        return 0.0
+    return float((query @ document.T).max(axis=1).mean())
+
+
+class CrossEncoder:
+    """Scores encoded (query, passage) pairs: one logit each."""
+
+    def __init__(self, model_path: Path, *, threads: int = 1) -> None:
+        self._session = _session(model_path, threads)
+        self._output = self._session.get_outputs()[0].name
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ce")
+
+    def run_sync(self, pairs: Sequence[TokenizedText]) -> np.ndarray:
+        ids, mask, types = pad_pairs(pairs)
+        (logits,) = self._session.run(
+            [self._output], {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+        )
+        return logits.reshape(len(pairs), -1)[:, 0].astype(np.float32)
+
+    async def run(self, pairs: Sequence[TokenizedText]) -> np.ndarray:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.run_sync, pairs)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,167 @@
+"""The rerank service as a real process on its real models (late interaction on the
+embedding model's token vectors, ragline's trained cross-encoder)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from ragline.v1 import rerank_pb2, rerank_pb2_grpc
+from ragline_app.datasets import load_squad
+from support import SQUAD_SAMPLE, field_violations
+
+pytestmark = pytest.mark.integration
+
+ACME = (("x-ragline-tenant", "acme"),)
+
+
+def candidates(count: int) -> list[rerank_pb2.RerankCandidate]:
+    passages, _ = load_squad(SQUAD_SAMPLE)
+    return [
+        rerank_pb2.RerankCandidate(id=p.id, text=f"{p.title}. {p.text}", first_stage_score=0.0)
+        for p in passages[:count]
+    ]
+
+
+async def rerank(
+    address: str,
+    request: rerank_pb2.RerankRequest,
+    deadline_s: float = 60.0,
+    tenant: str = "acme",
+):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = rerank_pb2_grpc.RerankServiceStub(channel)
+        return await stub.Rerank(
+            request, timeout=deadline_s, metadata=(("x-ragline-tenant", tenant),)
+        )
+
+
+async def test_the_cascade_finds_the_passage_that_answers(rerank_pair):
+    service, _ = rerank_pair
+    pool = candidates(40)
+    question = "Which river flows through Warsaw?"
+    request = rerank_pb2.RerankRequest(
+        query=question, candidates=pool, top_k=3, late_interaction_k=15
+    )
+    reply = await rerank(service.address, request)
+    assert [s for s in reply.stages_run] == [
+        rerank_pb2.RERANK_STAGE_LATE_INTERACTION,
+        rerank_pb2.RERANK_STAGE_CROSS_ENCODER,
+    ]
+    assert len(reply.results) == 3 and [r.rank for r in reply.results] == [1, 2, 3]
+    assert "Vistula" in {p.id: p.text for p in pool}[reply.results[0].id]
+    assert set(reply.results[0].scores) == {"late_interaction", "cross_encoder"}
+    assert reply.usage.input_tokens > 0
+    assert [s.name for s in reply.timing.stages] == ["late_interaction", "cross_encoder"]
+
+
+async def test_batched_and_unbatched_scores_are_identical(rerank_pair):
+    batched, unbatched = rerank_pair
+    pool = candidates(12)
+    questions = [
+        "Which river flows through Warsaw?",
+        "Who were the Normans?",
+        "What is computational complexity theory?",
+        "Where is Southern California?",
+    ]
+
+    async def scores(address):
+        replies = await asyncio.gather(
+            *(
+                rerank(address, rerank_pb2.RerankRequest(query=q, candidates=pool, top_k=12))
+                for q in questions
+            )
+        )
+        return [{r.id: dict(r.scores) for r in reply.results} for reply in replies]
+
+    together = await scores(batched.address)
+    alone = await scores(unbatched.address)
+    for a, b in zip(together, alone, strict=True):
+        assert list(a) == list(b)  # the same order
+        for pid in a:
+            for stage, value in a[pid].items():
+                assert abs(value - b[pid][stage]) < 1e-5, (pid, stage)
+
+
+async def test_stage_two_is_skipped_when_the_deadline_cannot_afford_it(rerank_pair):
+    service, _ = rerank_pair
+    request = rerank_pb2.RerankRequest(
+        query="Who were the Normans?", candidates=candidates(30), top_k=5, allow_skip=True
+    )
+    await rerank(service.address, request)  # warm: the service learns what each stage costs
+    reply = await rerank(service.address, request, deadline_s=0.03)
+    assert [s.stage for s in reply.skipped] == [rerank_pb2.RERANK_STAGE_CROSS_ENCODER]
+    assert reply.skipped[0].reason.startswith("deadline")
+    assert list(reply.stages_run) == [rerank_pb2.RERANK_STAGE_LATE_INTERACTION]
+    strict = rerank_pb2.RerankRequest(
+        query="Who were the Normans?", candidates=candidates(30), top_k=5
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await rerank(service.address, strict, deadline_s=0.03)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"query": "q"}, "candidates"),
+        ({"query": "", "candidates": [{"id": "a", "text": "t"}]}, "query"),
+        ({"query": "q", "candidates": [{"id": f"c{i}", "text": "t"} for i in range(1001)]},
+         "candidates"),
+        ({"query": "q", "candidates": [{"id": "a", "text": "t"}, {"id": "a", "text": "u"}]},
+         "candidates[1].id"),
+        ({"query": "q", "candidates": [{"id": "a", "text": ""}]}, "candidates[0].text"),
+    ],
+)  # fmt: skip
+async def test_bad_input_is_invalid_argument_naming_the_field(rerank_pair, fields, field):
+    service, _ = rerank_pair
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await rerank(service.address, rerank_pb2.RerankRequest(**fields))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in field_violations(caught.value)
+
+
+async def test_a_query_longer_than_the_cross_encoder_window_still_ranks(rerank_pair):
+    service, _ = rerank_pair
+    long_query = "Which river flows through Warsaw " + "and its many districts " * 60 + "?"
+    request = rerank_pb2.RerankRequest(query=long_query, candidates=candidates(5), top_k=2)
+    reply = await rerank(service.address, request)
+    assert len(reply.results) == 2
+
+
+async def test_prepared_documents_cost_a_query_only_their_scoring(rerank_pair):
+    service, _ = rerank_pair
+    pool = candidates(25)[10:]
+    initech = (("x-ragline-tenant", "initech"),)  # a tenant no other test of this module uses
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        stub = rerank_pb2_grpc.RerankServiceStub(channel)
+        documents = [rerank_pb2.PrepareDocument(id=c.id, text=c.text) for c in pool]
+        first = await stub.Prepare(
+            rerank_pb2.PrepareRequest(documents=documents), timeout=60, metadata=initech
+        )
+        again = await stub.Prepare(
+            rerank_pb2.PrepareRequest(documents=documents), timeout=60, metadata=initech
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Prepare(rerank_pb2.PrepareRequest(), timeout=10, metadata=initech)
+    assert (first.prepared, first.already_prepared) == (len(pool), 0)
+    assert (again.prepared, again.already_prepared) == (0, len(pool))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "documents" in field_violations(caught.value)
+    question = "Who were the Normans?"
+    reply = await rerank(
+        service.address,
+        rerank_pb2.RerankRequest(query=question, candidates=pool, top_k=3),
+        tenant="initech",
+    )
+    # Stage 1 encoded the query alone; the cross-encoder read its pairs.
+    pairs = reply.usage.input_tokens
+    cold = await rerank(
+        service.address,
+        rerank_pb2.RerankRequest(query=question, candidates=pool, top_k=3),
+        tenant="globex",
+    )
+    assert cold.usage.input_tokens > pairs + first.usage.input_tokens // 2
+    assert [r.id for r in cold.results] == [r.id for r in reply.results]

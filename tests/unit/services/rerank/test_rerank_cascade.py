@@ -1,0 +1,199 @@
+"""The cascade's rules with stand-in models (the real models: tests/integration/.../rerank)."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+
+import numpy as np
+import pytest
+
+from ragline import deadlines
+from ragline.batching import MicroBatcher
+from ragline.errors import DeadlineExceeded, InvalidArgument
+from ragline.tokenization import TokenizedText
+from ragline_services.rerank.cascade import (
+    CROSS_ENCODER,
+    LATE_INTERACTION,
+    Candidate,
+    Reranker,
+    RerankInput,
+    TokenCache,
+)
+from ragline_services.rerank.models import projection, quantize
+
+
+def word_id(word: str) -> int:
+    return zlib.crc32(word.lower().strip(".,?").encode()) % 1000 + 1
+
+
+class WordTokenizer:
+    """One token per word; pairs as first words, then second words (type ids 0 / 1)."""
+
+    def encode(self, texts, *, refuse_over_limit=False):
+        return [
+            TokenizedText(np.array([0, *(word_id(w) for w in t.split()), 0]), False) for t in texts
+        ]
+
+    def encode_pairs(self, pairs):
+        out = []
+        for first, second in pairs:
+            a = [word_id(w) for w in first.split()]
+            b = [word_id(w) for w in second.split()]
+            out.append(TokenizedText(np.array(a + b), False, np.array([0] * len(a) + [1] * len(b))))
+        return out
+
+
+class Models:
+    """Token vectors: one axis per word (so MaxSim counts shared words); cross-encoder: the
+    number of query words in the passage, plus a bonus for the word 'gold'."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.token_texts = 0
+        self.pairs = 0
+
+    async def tokens(self, texts):
+        self.token_texts += len(texts)
+        out = []
+        for text in texts:
+            vectors = np.zeros((max(text.length - 2, 1), 1001), dtype=np.float32)
+            for row, token in enumerate(text.ids[1:-1]):
+                vectors[row, token] = 1.0
+            out.append(vectors)
+        return out
+
+    async def cross(self, pairs):
+        self.pairs += len(pairs)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        scores = []
+        for pair in pairs:
+            query = set(pair.ids[pair.type_ids == 0].tolist())
+            passage = pair.ids[pair.type_ids == 1].tolist()
+            scores.append(len(query & set(passage)) + 5 * (word_id("gold") in passage))
+        return np.array(scores, dtype=np.float32)
+
+
+async def make(models: Models, **options) -> Reranker:
+    token_batcher = MicroBatcher(models.tokens, max_batch_texts=64, max_wait_s=0)
+    pair_batcher = MicroBatcher(models.cross, max_batch_texts=64, max_wait_s=0)
+    await token_batcher.start()
+    await pair_batcher.start()
+    return Reranker(
+        token_tokenizer=WordTokenizer(),
+        token_batcher=token_batcher,
+        pair_tokenizer=WordTokenizer(),
+        pair_batcher=pair_batcher,
+        cache=TokenCache(10_000_000),
+        **options,
+    )
+
+
+CANDIDATES = [
+    Candidate("far", "nothing in common here", 9.0),
+    Candidate("near", "warsaw river city", 1.0),
+    Candidate("gold", "the vistula river flows through warsaw gold", 0.5),
+    Candidate("half", "warsaw is a city", 2.0),
+]
+
+
+async def test_stage_one_cuts_to_late_interaction_k_and_stage_two_orders_the_rest():
+    models = Models()
+    reranker = await make(models, late_interaction_weight=1.0, cross_encoder_candidates=2)
+    out = await reranker.rerank(
+        RerankInput("acme", "which river flows through warsaw", CANDIDATES, top_k=2,
+                    late_interaction_k=3)
+    )  # fmt: skip
+    assert out.stages_run == [LATE_INTERACTION, CROSS_ENCODER] and not out.skipped
+    assert [r.id for r in out.results] == ["gold", "near"]
+    assert set(out.results[0].scores) == {LATE_INTERACTION, CROSS_ENCODER}
+    assert models.pairs == 2  # only the best two survivors of stage 1 were read together
+    assert out.input_tokens > 0
+
+
+async def test_the_incoming_score_counts_in_stage_one():
+    reranker = await make(Models(), late_interaction_weight=0.0)
+    out = await reranker.rerank(
+        RerankInput("acme", "river", CANDIDATES, top_k=4, late_interaction_k=1, allow_skip=True)
+    )
+    assert out.results[0].id == "far"  # by its first-stage score alone
+
+
+async def test_stage_two_is_skipped_when_the_deadline_cannot_afford_it_and_the_request_allows():
+    models = Models(delay_s=0.3)
+    reranker = await make(models)
+    question = RerankInput("acme", "river warsaw", CANDIDATES, top_k=2, allow_skip=True)
+    await reranker.rerank(question)  # learns what stage 2 costs
+    models.pairs = 0
+    with deadlines.deadline_scope(0.1):
+        out = await reranker.rerank(question)
+    assert out.stages_run == [LATE_INTERACTION]
+    assert out.skipped and out.skipped[0][0] == CROSS_ENCODER
+    assert out.skipped[0][1].startswith("deadline")
+    assert models.pairs == 0 and len(out.results) == 2
+    with deadlines.deadline_scope(0.1), pytest.raises(DeadlineExceeded, match="allow_skip"):
+        await reranker.rerank(
+            RerankInput("acme", "river warsaw", CANDIDATES, top_k=2, allow_skip=False)
+        )
+
+
+async def test_candidate_token_vectors_are_computed_once_per_tenant():
+    models = Models()
+    reranker = await make(models)
+    await reranker.rerank(RerankInput("acme", "river", CANDIDATES))
+    assert models.token_texts == 1 + len(CANDIDATES)
+    await reranker.rerank(RerankInput("acme", "warsaw", CANDIDATES))
+    assert models.token_texts == 1 + len(CANDIDATES) + 1  # only the new query
+    await reranker.rerank(RerankInput("globex", "warsaw", CANDIDATES))
+    assert models.token_texts == 2 * (1 + len(CANDIDATES)) + 1  # never another tenant's
+
+
+async def test_prepared_documents_are_not_encoded_again_by_a_query():
+    models = Models()
+    reranker = await make(models)
+    prepared = await reranker.prepare("acme", CANDIDATES)
+    assert (prepared.prepared, prepared.already_prepared) == (len(CANDIDATES), 0)
+    again = await reranker.prepare("acme", CANDIDATES[:2])
+    assert (again.prepared, again.already_prepared) == (0, 2)
+    models.token_texts = 0
+    await reranker.rerank(RerankInput("acme", "river", CANDIDATES))
+    assert models.token_texts == 1  # the query only
+    await reranker.rerank(RerankInput("globex", "river", CANDIDATES))
+    assert models.token_texts == 2 + len(CANDIDATES)  # another tenant prepared nothing
+
+
+async def test_a_cache_smaller_than_one_request_still_ranks_like_a_large_one():
+    small = await make(Models())
+    small.cache = TokenCache(max_bytes=1)  # every entry evicted as soon as it is kept
+    large = await make(Models())
+    question = RerankInput("acme", "which river flows through warsaw", CANDIDATES, top_k=4)
+    assert [r.id for r in (await small.rerank(question)).results] == [
+        r.id for r in (await large.rerank(question)).results
+    ]
+
+
+async def test_duplicate_candidate_ids_are_refused_naming_the_field():
+    reranker = await make(Models())
+    with pytest.raises(InvalidArgument) as caught:
+        await reranker.rerank(RerankInput("acme", "q", [CANDIDATES[0], CANDIDATES[0]]))
+    assert caught.value.field == "candidates[1].id"
+
+
+def test_the_cache_stores_int8_and_evicts_the_least_recently_used():
+    cache = TokenCache(max_bytes=2 * (16 * 8 + 16 * 4))
+    keys = [TokenCache.key("t", Candidate(str(i), f"text {i}")) for i in range(3)]
+    rng = np.random.default_rng(1)
+    vectors = [rng.normal(size=(16, 8)).astype(np.float32) for _ in keys]
+    for key, v in zip(keys, vectors, strict=True):
+        cache.put(key, v)
+    assert cache.get(keys[0]) is None  # evicted
+    restored = cache.get(keys[2])
+    assert np.abs(restored - vectors[2]).max() < np.abs(vectors[2]).max() / 100
+
+
+def test_token_vectors_are_stored_reduced():
+    basis = projection(384, 128)
+    assert np.allclose(basis.T @ basis, np.eye(128), atol=1e-5)
+    rows, scales = quantize(np.ones((3, 128), dtype=np.float32))
+    assert rows.dtype == np.int8 and scales.shape == (3,)
