@@ -22,6 +22,7 @@ def _service_names() -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from ragline.errors import StartRefused
     from ragline.server import serve
     from ragline_app.stack import local_addresses
     from ragline_services.registry import default_port, load_spec
@@ -37,7 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spec = load_spec(args.service)
     try:
         asyncio.run(serve(spec))
-    except OSError as error:
+    except (OSError, StartRefused) as error:
         print(f"ragline serve {args.service}: {error}", file=sys.stderr)
         return 1
     return 0

@@ -118,6 +118,11 @@ class Cancelled(RaglineError):
     code = grpc.StatusCode.CANCELLED
 
 
+class StartRefused(RuntimeError):
+    """The service will not start: its state needs an operator (the message says what to
+    do). Not a gRPC error: nothing is serving yet."""
+
+
 def to_rpc_status(error: BaseException) -> tuple[grpc.StatusCode, str, status_pb2.Status]:
     """Maps an exception to (code, message, google.rpc.Status with details)."""
     if isinstance(error, RaglineError):

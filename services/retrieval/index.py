@@ -19,6 +19,7 @@ import numpy as np
 import structlog
 
 from ragline.errors import DeadlineExceeded, InvalidArgument, RaglineError, Unavailable
+from ragline.files import atomic_write_text
 from ragline.ranking import rrf, score_fusion
 from ragline_services.retrieval.bm25 import Bm25Index, LexicalIndex
 from ragline_services.retrieval.documents import (
@@ -103,6 +104,7 @@ class IndexStatus:
     rebuilding: bool
     last_build_finished: float | None  # unix time
     dim: int
+    apply_error: str = ""
 
 
 @dataclass
@@ -120,6 +122,9 @@ class IndexSettings:
     default_fusion: str = "score"
 
 
+APPLY_RETRY_FIRST_S, APPLY_RETRY_MAX_S = 0.05, 5.0
+
+
 class RetrievalIndex:
     def __init__(
         self, directory: Path, vectors: VectorIndex, settings: IndexSettings, embed: Embed | None
@@ -135,6 +140,7 @@ class RetrievalIndex:
         state = json.loads(self._state_path.read_text()) if self._state_path.exists() else {}
         self.bm25_seq = int(state.get("bm25_seq", 0))
         self.applied_seq = 0
+        self.apply_error: str | None = None  # the write that cannot be applied now, and why
         self._apply_turn = asyncio.Condition()
         self._writes: set[asyncio.Task] = set()
         self.last_build_finished: float | None = None
@@ -176,9 +182,7 @@ class RetrievalIndex:
     def _bm25_apply(self, seq: int, upserts: list[StoredDocument], deletes: list[str]) -> None:
         self.bm25.apply(upserts, deletes)
         self.bm25_seq = seq
-        tmp = self._state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"bm25_seq": seq}))
-        tmp.replace(self._state_path)
+        atomic_write_text(self._state_path, json.dumps({"bm25_seq": seq}))
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -249,11 +253,23 @@ class RetrievalIndex:
         # log order so a later write never lands under an earlier one.
         async with self._apply_turn:
             await self._apply_turn.wait_for(lambda: self.applied_seq >= seq - 1)
-            try:
-                await asyncio.to_thread(self._apply_sync, seq, upserts, deletes)
-            finally:
-                self.applied_seq = max(self.applied_seq, seq)
-                self._apply_turn.notify_all()
+            # The record is durable in the log: it must reach the indexes before any later
+            # one, or replay (which starts after what the indexes report) would skip it.
+            # So a failed apply is retried in place, later writes waiting behind it.
+            delay = APPLY_RETRY_FIRST_S
+            while True:
+                try:
+                    await asyncio.to_thread(self._apply_sync, seq, upserts, deletes)
+                    break
+                except Exception as error:  # an engine or disk failure, never the caller's
+                    self.apply_error = f"record {seq}: {error}"
+                    log.error("retrieval.apply_failed", seq=seq, error=str(error),
+                              retry_in_s=delay)  # fmt: skip
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, APPLY_RETRY_MAX_S)
+            self.apply_error = None
+            self.applied_seq = max(self.applied_seq, seq)
+            self._apply_turn.notify_all()
 
     def _apply_sync(self, seq: int, upserts: list[StoredDocument], deletes: list[str]) -> None:
         self._bm25_apply(seq, upserts, deletes)
@@ -363,6 +379,7 @@ class RetrievalIndex:
                 rebuilding=vectors.building,
                 last_build_finished=self.last_build_finished,
                 dim=self.settings.dim,
+                apply_error=self.apply_error or "",
             )
 
         return await asyncio.to_thread(read)

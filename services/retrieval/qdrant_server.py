@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 
 from ragline.errors import Unavailable
+from ragline.files import atomic_write_text
 from ragline_services.retrieval.documents import Candidate, StoredDocument, Visibility
 from ragline_services.retrieval.vectors import (
     HNSW_EF_CONSTRUCT,
@@ -108,9 +109,7 @@ class QdrantServerIndex:
                 q.UpsertPoints(collection_name=self.collection, wait=True, points=points),
             )
         self.built_seq = seq
-        tmp = self._state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"seq": seq}))
-        tmp.replace(self._state_path)
+        atomic_write_text(self._state_path, json.dumps({"seq": seq}))
 
     def search(
         self,

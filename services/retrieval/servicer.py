@@ -128,6 +128,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             applied_sequence=status.applied_sequence,
             delta_documents=status.delta_documents,
             vector_index_ready=status.vector_index_ready,
+            apply_error=status.apply_error,
             rebuilding=status.rebuilding,
             embedding_model_version=self._embedding_version(),
             dim=status.dim,

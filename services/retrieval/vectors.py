@@ -30,6 +30,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ragline.files import atomic_write_text
 from ragline_services.retrieval.documents import (
     Candidate,
     StoredDocument,
@@ -246,10 +247,10 @@ class EdgeVectorIndex:
                 self.built_seq = upto_seq
                 self._delta = {k: e for k, e in self._delta.items() if e.seq > upto_seq}
                 self._by_tenant = None
-            (self.directory / "current.json.tmp").write_text(
-                json.dumps({"dir": name, "seq": upto_seq, "points": points})
+            atomic_write_text(
+                self.directory / "current.json",
+                json.dumps({"dir": name, "seq": upto_seq, "points": points}),
             )
-            (self.directory / "current.json.tmp").replace(self.directory / "current.json")
             self._release_retired()
             busy = {path for _, path in self._retired} | {target}
             for stale in self.directory.glob("hnsw-*"):

@@ -2,8 +2,13 @@
 
 Every upsert and delete is a record here first; the BM25 and vector indexes are derived
 from the log and can always be rebuilt from it. Concurrent appends share one fsync (group
-commit). A torn or corrupt tail (a crash mid-append) is cut off on open: it was never
-acknowledged.
+commit), and no append is acknowledged before its fsync returns.
+
+On open, a torn tail (a crash mid-append: a bad frame with no good frame after it) is cut
+off: it was never acknowledged. A bad frame with good frames after it is corruption, not a
+crash, and acknowledged writes lie behind it: the log refuses to open (CorruptLog) and says
+how to repair it (`python -m ragline_services.retrieval.wal repair PATH` keeps every good
+frame and moves the damaged file aside).
 
 Record framing: 4-byte little-endian payload length, 4-byte CRC32 of the payload, payload
 (compact JSON with "seq").
@@ -15,50 +20,114 @@ import asyncio
 import json
 import os
 import struct
+import sys
 import threading
+import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from ragline.errors import StartRefused
+from ragline.files import fsync_directory, write_all
 
 _HEADER = struct.Struct("<II")
 
 
+class CorruptLog(StartRefused):
+    """A bad frame in the middle of the log (good frames follow it)."""
+
+    def __init__(self, path: Path, offset: int, last_seq: int, next_good: int) -> None:
+        self.path, self.offset, self.last_seq, self.next_good = path, offset, last_seq, next_good
+        super().__init__(
+            f"write log {path} is corrupt at byte {offset} (after record {last_seq}), and good "
+            f"records follow at byte {next_good}: this is not a crash mid-append, and "
+            "acknowledged writes lie behind the damage, so the service will not cut them off. "
+            f"Repair: python -m ragline_services.retrieval.wal repair {path} (keeps every good "
+            "record, moves the damaged file aside), or restore the index directory from a copy."
+        )
+
+
+def _frame_at(data: bytes, offset: int) -> tuple[dict, int] | None:
+    """The record framed at `offset` of `data` and the offset after it, if the frame is good."""
+    if offset + _HEADER.size > len(data):
+        return None
+    length, crc = _HEADER.unpack_from(data, offset)
+    end = offset + _HEADER.size + length
+    if end > len(data):
+        return None
+    payload = data[offset + _HEADER.size : end]
+    if zlib.crc32(payload) != crc:
+        return None
+    try:
+        record = json.loads(payload)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("seq"), int):
+        return None
+    return record, end
+
+
+def _next_good_frame(data: bytes, start: int) -> int | None:
+    for offset in range(start, len(data) - _HEADER.size + 1):
+        if _frame_at(data, offset) is not None:
+            return offset
+    return None
+
+
 class WriteLog:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, fsync: Callable[[int], None] = os.fsync) -> None:
         self.path = path
+        self._fsync = fsync
         path.parent.mkdir(parents=True, exist_ok=True)
+        created = not path.exists()
         self.last_seq, valid_bytes = self._scan()
         with path.open("ab") as handle:
             if handle.tell() != valid_bytes:
                 handle.truncate(valid_bytes)  # drop the unacknowledged torn tail
-                os.fsync(handle.fileno())
-        self._file = path.open("ab", buffering=0)
+                self._fsync(handle.fileno())
+        if created:
+            fsync_directory(path.parent)  # the file's directory entry is durable too
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self._lock = threading.Lock()
         self._pending: list[tuple[dict, asyncio.Future]] = []
         self._flusher: asyncio.Future | None = None
 
     def _scan(self) -> tuple[int, int]:
         last, valid = 0, 0
-        for seq, _, end in self._records():
+        for seq, _, end in self._records(check_tail=True):
             last, valid = seq, end
         return last, valid
 
-    def _records(self) -> Iterator[tuple[int, dict, int]]:
+    def _records(self, check_tail: bool = False) -> Iterator[tuple[int, dict, int]]:
         if not self.path.exists():
             return
         with self.path.open("rb") as handle:
-            offset = 0
+            offset, last_seq = 0, 0
             while True:
                 header = handle.read(_HEADER.size)
-                if len(header) < _HEADER.size:
+                if not header:
                     return
-                length, crc = _HEADER.unpack(header)
-                payload = handle.read(length)
-                if len(payload) < length or zlib.crc32(payload) != crc:
+                good = None
+                if len(header) == _HEADER.size:
+                    length, _ = _HEADER.unpack(header)
+                    payload = handle.read(length)
+                    good = _frame_at(header + payload, 0)
+                if good is None:
+                    if check_tail:
+                        self._check_torn_tail(handle, offset, last_seq)
                     return
-                offset += _HEADER.size + length
-                record = json.loads(payload)
-                yield record["seq"], record, offset
+                record, size = good
+                offset += size
+                last_seq = record["seq"]
+                yield last_seq, record, offset
+
+    def _check_torn_tail(self, handle, offset: int, last_seq: int) -> None:
+        """Raises CorruptLog unless the bad frame at `offset` is a torn tail."""
+        handle.seek(offset)
+        rest = handle.read()
+        found = _next_good_frame(rest, 1)
+        if found is not None:
+            raise CorruptLog(self.path, offset, last_seq, offset + found)
 
     @classmethod
     def read(cls, path: Path) -> Iterator[dict]:
@@ -82,13 +151,13 @@ class WriteLog:
                 payload = json.dumps({**record, "seq": seq}, separators=(",", ":")).encode()
                 frames.append(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
                 seqs.append(seq)
-            size = self._file.tell()
+            size = os.lseek(self._fd, 0, os.SEEK_END)
             try:
-                self._file.write(b"".join(frames))
-                os.fsync(self._file.fileno())
+                write_all(self._fd, b"".join(frames))
+                self._fsync(self._fd)
             except OSError:
                 # Leave no half-written frame for later records to be appended after.
-                self._file.truncate(size)
+                os.truncate(self._fd, size)
                 raise
             self.last_seq = seqs[-1]
             return seqs
@@ -122,4 +191,52 @@ class WriteLog:
                     waiter.set_result(seq)
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
+
+
+def repair(path: Path) -> str:
+    """Rewrites the log with every good frame (in order, gaps left as they are) and moves
+    the damaged file aside. Returns what it did."""
+    data = path.read_bytes()
+    kept: list[bytes] = []
+    offset, skipped, seqs = 0, 0, []
+    while offset < len(data):
+        good = _frame_at(data, offset)
+        if good is None:
+            following = _next_good_frame(data, offset + 1)
+            if following is None:
+                skipped += len(data) - offset
+                break
+            skipped += following - offset
+            offset = following
+            continue
+        record, end = good
+        kept.append(data[offset:end])
+        seqs.append(record["seq"])
+        offset = end
+    aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+    os.replace(path, aside)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_all(fd, b"".join(kept))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_directory(path.parent)
+    missing = sorted(set(range(1, (max(seqs) if seqs else 0) + 1)) - set(seqs))
+    return (
+        f"kept {len(kept)} records, skipped {skipped} damaged bytes; records lost to the "
+        f"damage: {missing or 'none'}; the damaged file is {aside}"
+    )
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "repair":
+        print("usage: python -m ragline_services.retrieval.wal repair PATH", file=sys.stderr)
+        return 2
+    print(repair(Path(argv[1])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -198,6 +198,60 @@ def test_kill_9_during_ingest_loses_no_acknowledged_document(launcher, embedding
     asyncio.run(check())
 
 
+def test_a_corrupt_log_stops_the_service_with_a_repair_command_that_works(
+    launcher, embedding_service, tmp_path
+):
+    import struct
+    import subprocess
+    import sys
+
+    index_dir = tmp_path / "index"
+    service = start_retrieval(launcher, embedding_service, index_dir)
+
+    async def write(count: int):
+        client = Client(service.address)
+        for i in range(count):  # one record each
+            await client.upsert("acme", [{"id": f"doc-{i}", "title": "", "text": f"token{i}"}])
+        await client.close()
+
+    asyncio.run(write(4))
+    launcher.forget(service)
+    assert service.stop() == 0
+    log_path = index_dir / "write.log"
+    data = bytearray(log_path.read_bytes())
+    (first_length,) = struct.unpack_from("<I", data, 0)
+    data[8 + first_length + 8 + 20] ^= 0xFF  # inside record 2; records 3 and 4 follow
+    log_path.write_bytes(bytes(data))
+
+    refused = launcher.start(
+        "retrieval",
+        env={"RAGLINE_EMBEDDING_ADDR": embedding_service.address,
+             "RAGLINE_RETRIEVAL_INDEX_DIR": str(index_dir)},
+        wait=False,
+    )  # fmt: skip
+    assert refused.process.wait(timeout=60) == 1
+    launcher.forget(refused)
+    said = refused.log_path.read_text()
+    assert "is corrupt at byte" in said and "wal repair" in said
+    assert log_path.read_bytes() == bytes(data)  # nothing cut
+
+    repair = subprocess.run(
+        [sys.executable, "-m", "ragline_services.retrieval.wal", "repair", str(log_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert repair.returncode == 0 and "records lost to the damage: [2]" in repair.stdout
+    restarted = start_retrieval(launcher, embedding_service, index_dir)
+
+    async def check():
+        client = Client(restarted.address)
+        for i in (0, 2, 3):
+            found = await client.search("acme", f"token{i}", "bm25", k=1)
+            assert [h.id for h in found.hits] == [f"doc-{i}"]
+        await client.close()
+
+    asyncio.run(check())
+
+
 @pytest.mark.parametrize(
     "fields,field",
     [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -147,6 +148,34 @@ async def test_restart_replays_without_duplicates(tmp_path):
     assert reopened.bm25.count(ACME) == 3  # salary is hr-only
     hits = (await reopened.search(ACME, SearchQuery("Warsaw", 10, BM25, include_text=True))).hits
     assert [h.text for h in hits if h.id == "warsaw"] == ["Warsaw, updated text."]
+
+
+async def test_a_failed_apply_is_retried_and_a_later_write_never_skips_it(tmp_path, monkeypatch):
+    from ragline_services.retrieval import index as index_module
+
+    monkeypatch.setattr(index_module, "APPLY_RETRY_FIRST_S", 0.01, raising=False)
+    index = open_index(tmp_path)
+    real_apply, failed = index.bm25.apply, threading.Event()
+
+    def apply_failing_once(upserts, deletes):
+        if any(d.key.endswith("warsaw") for d in upserts) and not failed.is_set():
+            failed.set()
+            raise OSError("No space left on device")
+        real_apply(upserts, deletes)
+
+    monkeypatch.setattr(index.bm25, "apply", apply_failing_once)
+    first = asyncio.create_task(index.upsert("acme", DOCS[:1]))  # warsaw: its apply fails
+    assert await asyncio.to_thread(failed.wait, 10)
+    later = await index.upsert("acme", DOCS[1:2])  # paris, logged after the failure
+    assert (await first).seq == 1 and later.seq == 2
+    assert index.apply_error is None
+    assert "warsaw" in ids(await index.search(ACME, SearchQuery("Vistula", 10, BM25)))
+    index.close()
+    reopened = open_index(tmp_path)
+    for mode in (BM25, VECTOR):
+        assert {"warsaw", "paris"} <= set(
+            ids(await reopened.search(ACME, SearchQuery("Warsaw Paris capital", 10, mode)))
+        ), mode
 
 
 async def test_replay_keeps_log_order_for_a_key_written_then_deleted(tmp_path):

@@ -1,8 +1,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import threading
 
-from ragline_services.retrieval.wal import WriteLog
+import pytest
+
+from ragline_services.retrieval import wal
+from ragline_services.retrieval.wal import CorruptLog, WriteLog
 
 
 async def test_append_replay_and_reopen(tmp_path):
@@ -55,3 +61,78 @@ async def test_a_cancelled_caller_does_not_cancel_the_write(tmp_path):
     task.cancel()
     await asyncio.sleep(0.2)
     assert [r["n"] for r in log.replay()] == [1]
+
+
+async def test_corruption_in_the_middle_stops_the_open_and_repair_keeps_every_good_record(
+    tmp_path,
+):
+    path = tmp_path / "log"
+    log = WriteLog(path)
+    for i in range(5):
+        await log.append({"n": i})
+    log.close()
+    frames = list(WriteLog.read(path))
+    data = bytearray(path.read_bytes())
+    second = len(json.dumps(frames[0], separators=(",", ":"))) + 8  # start of record 2
+    data[second + 10] ^= 0xFF  # damage record 2's payload: records 3-5 are good after it
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptLog) as caught:
+        WriteLog(path)
+    assert caught.value.last_seq == 1 and "wal repair" in str(caught.value)
+    assert path.read_bytes() == bytes(data)  # nothing was cut
+
+    said = wal.repair(path)
+    assert "records lost to the damage: [2]" in said
+    repaired = WriteLog(path)
+    assert [r["n"] for r in repaired.replay()] == [0, 2, 3, 4]
+    assert repaired.last_seq == 5 and await repaired.append({"n": 5}) == 6
+    assert list(tmp_path.glob("log.damaged-*"))
+
+
+async def test_no_append_is_acknowledged_before_its_fsync_returns(tmp_path):
+    released = threading.Event()
+    synced = []
+
+    def slow_fsync(fd):
+        released.wait(5)
+        os.fsync(fd)
+        synced.append(fd)
+
+    log = WriteLog(tmp_path / "log", fsync=slow_fsync)
+    append = asyncio.create_task(log.append({"n": 1}))
+    await asyncio.sleep(0.2)
+    assert not append.done()  # the write is in the file, the fsync has not returned
+    released.set()
+    assert await append == 1 and synced
+
+
+async def test_short_writes_are_completed_before_the_fsync(tmp_path, monkeypatch):
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))
+    log = WriteLog(tmp_path / "log")
+    await asyncio.gather(*(log.append({"n": i, "text": "x" * 100}) for i in range(10)))
+    log.close()
+    monkeypatch.undo()
+    assert [r["n"] for r in WriteLog(tmp_path / "log").replay()] == list(range(10))
+
+
+def test_a_new_log_and_a_replaced_state_file_are_durable_in_their_directory(tmp_path, monkeypatch):
+    from ragline import files
+
+    synced = []
+    monkeypatch.setattr(wal, "fsync_directory", lambda d: synced.append(("wal", d)))
+    WriteLog(tmp_path / "log").close()
+    assert synced == [("wal", tmp_path)]
+    WriteLog(tmp_path / "log").close()  # opened again: nothing new in the directory
+    assert len(synced) == 1
+
+    events = []
+    monkeypatch.setattr(files.os, "fsync", lambda fd: events.append("fsync file"))
+    monkeypatch.setattr(files, "fsync_directory", lambda d: events.append("fsync dir"))
+    real_replace = files.os.replace
+    monkeypatch.setattr(
+        files.os, "replace", lambda a, b: (events.append("rename"), real_replace(a, b))
+    )
+    files.atomic_write_text(tmp_path / "state.json", "{}")
+    assert events == ["fsync file", "rename", "fsync dir"]
+    assert (tmp_path / "state.json").read_text() == "{}"
