@@ -8,7 +8,8 @@ whose deadline passes while queued leaves with DEADLINE_EXCEEDED.
 Prefix-cache isolation: each slot keeps the KV cache of its last prompt and belongs to the
 tenant that wrote it. A request prefers a free slot its own tenant owns (a warm prefix),
 then an empty one; a slot that another tenant owns is erased before it is handed over.
-No tenant can hit, or time, another tenant's cached prefix.
+An erase that fails or is cancelled leaves the slot its previous owner's, so the next
+other tenant erases it again: no tenant can hit, or time, another tenant's cached prefix.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ class SlotScheduler:
             try:
                 await self.erase(slot.index)
             except BaseException:
-                slot.owner = None  # unknown cache state: never hand it to anyone warm
+                # Failed or cancelled part-way: the cache holds the previous owner's prefix
+                # or nothing. It stays that owner's, so the next other tenant erases again.
                 self.release(slot)
                 raise
             erased = True

@@ -46,6 +46,31 @@ async def test_another_tenants_slot_is_erased_before_it_is_reused():
     assert back.erased and not back.warm  # globex's cache was there: erased again
 
 
+@pytest.mark.parametrize("how", ["fails", "is cancelled"])
+async def test_a_slot_whose_erase_did_not_finish_is_never_handed_over_warm(how):
+    class StuckEraser(Eraser):
+        async def __call__(self, slot: int) -> None:
+            self.erased.append(slot)
+            if how == "fails":
+                raise ConnectionError("engine unreachable")
+            await asyncio.sleep(10)
+
+    eraser = StuckEraser()
+    scheduler = SlotScheduler(1, 4, eraser)
+    first = await scheduler.acquire("acme", None)
+    scheduler.release(first.slot)
+    taking = asyncio.create_task(scheduler.acquire("globex", None))
+    await asyncio.sleep(0.05)  # inside the erase
+    if how == "is cancelled":
+        taking.cancel()
+    with pytest.raises((ConnectionError, asyncio.CancelledError)):
+        await taking
+    eraser.__class__ = Eraser  # the engine answers again
+    third = await scheduler.acquire("initech", None)
+    assert third.erased and not third.warm and eraser.erased == [0, 0]
+    scheduler.release(third.slot)
+
+
 async def test_waiters_are_served_in_order_when_slots_free():
     scheduler = SlotScheduler(1, 4, Eraser())
     held = await scheduler.acquire("acme", None)
