@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ragline import deadlines
 from ragline.errors import Unavailable
 from ragline_services.embedding.backends import normalise
 
@@ -48,7 +49,7 @@ class TritonBackend:
                 self.model,
                 inputs,
                 outputs=[self._triton.InferRequestedOutput("sentence_embedding")],
-                client_timeout=self._timeout_s,
+                client_timeout=deadlines.outbound_timeout("Triton", stage_budget_s=self._timeout_s),
             )
         except InferenceServerException as error:
             raise Unavailable(

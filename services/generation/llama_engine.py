@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import structlog
 
-from ragline.errors import Unavailable
+from ragline import deadlines
+from ragline.errors import DeadlineExceeded, Unavailable
 from ragline.processes import terminate
 from ragline_services.generation.engine import StreamEvent
 
@@ -148,7 +149,13 @@ class LlamaServerEngine:
         """POSTs `body`; returns the reply (or its `field`). A failed or malformed reply is
         the engine's fault, never the caller's: Unavailable."""
         try:
-            reply = await self._http.post(path, json=body, timeout=30.0)
+            # The caller's remaining time, at most 30 s (a slot action waits for its slot).
+            timeout = deadlines.outbound_timeout(f"llama-server {path}", stage_budget_s=30.0)
+            reply = await self._http.post(path, json=body, timeout=timeout)
+        except httpx.TimeoutException as error:
+            if timeout is not None and timeout < 30.0:
+                raise DeadlineExceeded(f"llama-server {path}: the deadline passed") from error
+            raise Unavailable(f"llama-server {path} timed out after {timeout} s") from error
         except httpx.HTTPError as error:
             raise Unavailable(f"llama-server {path} failed: {error}") from error
         if reply.status_code != 200:

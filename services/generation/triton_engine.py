@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
+from ragline import deadlines
 from ragline.errors import InvalidArgument, Unavailable
 from ragline_services.generation.engine import StreamEvent
 
@@ -99,7 +100,9 @@ class TritonGenerationEngine:
         self._tensor(request, "REQUEST_OUTPUT_LEN", "INT32", np.array([1], np.int32).tobytes())
         request.outputs.add(name="REQUEST_INPUT_LEN")
         try:
-            reply = await self._stub.ModelInfer(request, timeout=30)
+            reply = await self._stub.ModelInfer(
+                request, timeout=deadlines.outbound_timeout("Triton", stage_budget_s=30.0)
+            )
         except grpc.aio.AioRpcError as error:
             raise Unavailable(f"Triton preprocessing failed: {error.details()}") from error
         return int(np.frombuffer(reply.raw_output_contents[0], dtype=np.int32)[0])
@@ -132,7 +135,10 @@ class TritonGenerationEngine:
         async def requests():
             yield request
 
-        call = self._stub.ModelStreamInfer(requests(), timeout=self._timeout_s)
+        call = self._stub.ModelStreamInfer(
+            requests(),
+            timeout=deadlines.outbound_timeout("Triton", stage_budget_s=self._timeout_s),
+        )
         pieces: list[str] = []
         try:
             async for response in call:

@@ -15,7 +15,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from ragline.errors import Unavailable
+from ragline import deadlines
+from ragline.errors import DeadlineExceeded, Unavailable
 from ragline.files import atomic_write_text
 from ragline_services.retrieval.documents import Candidate, StoredDocument, Visibility
 from ragline_services.retrieval.vectors import (
@@ -55,12 +56,21 @@ class QdrantServerIndex:
         self._state_path = state_path
         self.built_seq = json.loads(state_path.read_text())["seq"] if state_path.exists() else 0
         self.building = False
-        self._call(self._ensure_collection)
-
-    def _call(self, fn, *args):
         try:
-            return fn(*args)
+            self._ensure_collection()
         except grpc.RpcError as error:
+            raise Unavailable(f"Qdrant at {self.url}: {error.details()}") from error
+
+    def _call(self, fn, request):
+        """One Qdrant call that ends at the caller's deadline (at most the configured
+        timeout), so a blocked call never holds its worker thread past it."""
+        timeout = deadlines.outbound_timeout(f"Qdrant at {self.url}", stage_budget_s=self._timeout)
+        callers = timeout is not None and timeout < self._timeout  # the caller's time is shorter
+        try:
+            return fn(request, timeout=timeout)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and callers:
+                raise DeadlineExceeded(f"Qdrant at {self.url}: the deadline passed") from error
             raise Unavailable(f"Qdrant at {self.url}: {error.details()}") from error
 
     def _ensure_collection(self) -> None:
@@ -159,10 +169,10 @@ class QdrantServerIndex:
     def status(self) -> VectorIndexStatus:
         q = self._q
         try:
-            info = self._collections.Get(
-                q.GetCollectionInfoRequest(collection_name=self.collection), timeout=self._timeout
+            info = self._call(
+                self._collections.Get, q.GetCollectionInfoRequest(collection_name=self.collection)
             ).result
-        except grpc.RpcError:
+        except (Unavailable, DeadlineExceeded):
             return VectorIndexStatus(0, 0, ready=False, building=False, built_seq=self.built_seq)
         return VectorIndexStatus(
             points=info.points_count,

@@ -5,6 +5,7 @@ this machine; this implements only what the adapter calls, with exact cosine sea
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -36,6 +37,7 @@ class FakeQdrant(q.CollectionsServicer, q.PointsServicer):
         self.collections: dict[str, dict] = {}
         self.calls: list[str] = []
         self.lock = threading.Lock()
+        self.hold_queries_s = 0.0  # a stalled server: Query answers only after this
 
     def CollectionExists(self, request, context):
         self.calls.append("CollectionExists")
@@ -90,6 +92,8 @@ class FakeQdrant(q.CollectionsServicer, q.PointsServicer):
 
     def Query(self, request, context):
         self.calls.append("Query")
+        if self.hold_queries_s:
+            time.sleep(self.hold_queries_s)
         collection = self.collections[request.collection_name]
         query = np.asarray(request.query.nearest.dense.data, dtype=np.float32)
         query /= np.linalg.norm(query)

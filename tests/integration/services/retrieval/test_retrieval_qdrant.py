@@ -77,3 +77,23 @@ def test_qdrant_backend_writes_filters_and_replays_only_unseen(launcher, qdrant,
         await client.close()
 
     asyncio.run(still_there(restarted.address))
+
+
+async def test_a_stalled_qdrant_call_ends_at_the_callers_deadline(qdrant, tmp_path):
+    import time
+
+    from ragline import deadlines
+    from ragline.errors import DeadlineExceeded
+    from ragline_services.retrieval.documents import Visibility
+    from ragline_services.retrieval.qdrant_server import QdrantServerIndex
+
+    url, fake = qdrant
+    index = QdrantServerIndex(url, "stalled", 8, tmp_path / "state.json", timeout_s=30.0)
+    fake.hold_queries_s = 5.0
+    started = time.monotonic()
+    with deadlines.deadline_scope(0.3), pytest.raises(DeadlineExceeded):
+        await asyncio.to_thread(
+            index.search, np.ones(8, dtype=np.float32), Visibility("acme"), 5, 64
+        )
+    assert time.monotonic() - started < 1.5  # not the 5 s stall, nor the 30 s cap
+    index.close()
