@@ -82,6 +82,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if etcd is not None:
             print(f"  etcd          {etcd.endpoint}  (budget ledger, data in {etcd.data_dir})")
         print(f"ragline up: starting {len(names)} services (logs in {log_dir}/)", flush=True)
+        print(f"ragline up: {_auth_notice()}", flush=True)
         ready = asyncio.create_task(stack.wait_ready(args.ready_timeout))
         interrupted = asyncio.create_task(stop_requested.wait())
         await asyncio.wait({ready, interrupted}, return_when=asyncio.FIRST_COMPLETED)
@@ -160,6 +161,7 @@ async def _load_demo(stack, common: CommonConfig) -> None:
         data_dir=common.data_dir,
         rerank_addr=addresses.get("rerank"),
         notice=lambda text: print(f"ragline up: {text}", flush=True),
+        token=_demo_token(DEMO_TENANT),
     )
     print(
         f"ragline up: demo corpus: {written} passages ingested"
@@ -167,6 +169,49 @@ async def _load_demo(stack, common: CommonConfig) -> None:
         else "ragline up: demo corpus already loaded",
         flush=True,
     )
+
+
+def _demo_token(tenant: str) -> str | None:
+    """With authentication on and an HMAC key at hand, a short-lived token for loading the
+    demo corpus (a public-key setup has no key to sign with: the load is refused)."""
+    from ragline.auth import AuthConfig, mint_token
+
+    config = AuthConfig()
+    if config.mode == "off" or not config.jwt_key:
+        return None
+    return mint_token(config.jwt_key, tenant, principal="ragline-up", ttl_s=600,
+                      audience=config.jwt_audience)  # fmt: skip
+
+
+def _auth_notice() -> str:
+    from ragline.auth import AuthConfig
+
+    if AuthConfig().mode == "off":
+        return (
+            "authentication is OFF (embedded laptop default): any caller that reaches these "
+            "ports can claim any tenant. Set RAGLINE_AUTH_MODE=jwt (docs/security.md) before "
+            "exposing them."
+        )
+    return "authentication is ON (jwt): clients send `authorization: Bearer <token>`"
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from ragline.auth import AuthConfig, mint_token
+
+    config = AuthConfig()
+    if not config.jwt_key:
+        print(
+            "ragline token: set RAGLINE_AUTH_JWT_KEY (the HMAC key the services verify with); "
+            "tokens for a public-key setup come from your identity provider",
+            file=sys.stderr,
+        )
+        return 2
+    print(mint_token(
+        config.jwt_key, args.tenant, principal=args.principal,
+        scopes=[s for s in args.scopes.split(",") if s], ttl_s=args.ttl,
+        audience=config.jwt_audience,
+    ))  # fmt: skip
+    return 0
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -212,6 +257,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
                     None if args.no_rerank_prepare
                     else service_address("rerank", common.data_dir)
                 ),
+                token=args.token or None,
                 notice=lambda text: bar.console.print(f"ragline ingest: {text}"),
             ))  # fmt: skip
         except grpc.aio.AioRpcError as error:
@@ -247,15 +293,17 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, retrieval_pb2
 
     common = CommonConfig()
-    caller = identity.Caller(
+    # With a token the server takes tenant, principal and scopes from it.
+    caller = None if args.token else identity.Caller(
         tenant=args.tenant,
         principal=args.principal,
         scopes=frozenset(s for s in args.scopes.split(",") if s),
-    )
+    )  # fmt: skip
     client = ServiceClient(
         orchestrator_pb2_grpc.OrchestratorServiceStub,
         _orchestrator_address(args, common),
         caller=caller,
+        token=args.token or None,
     )
     request = orchestrator_pb2.AskRequest(
         question=args.question,
@@ -443,7 +491,12 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question")
     ask.add_argument("--addr", help="orchestrator host:port (default: the running `ragline up`)")
     ask.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
-    ask.add_argument("--tenant", default="default")
+    ask.add_argument("--tenant", default="default", help="without --token (auth off) only")
+    ask.add_argument(
+        "--token",
+        default=os.environ.get("RAGLINE_TOKEN", ""),
+        help="client token (JWT) when authentication is on (default: $RAGLINE_TOKEN)",
+    )
     ask.add_argument("--principal", default="cli")
     ask.add_argument("--scopes", default="", help="comma-separated visibility scopes")
     ask.add_argument("--task-id", help="idempotency id of the task (default: generated)")
@@ -463,6 +516,11 @@ def build_parser() -> argparse.ArgumentParser:
     ingest = sub.add_parser("ingest", help="load documents (SQuAD JSON or JSONL) into retrieval")
     ingest.add_argument("path")
     ingest.add_argument("--tenant", default="default", help="tenant of records that name none")
+    ingest.add_argument(
+        "--token",
+        default=os.environ.get("RAGLINE_TOKEN", ""),
+        help="client token (JWT) when authentication is on (default: $RAGLINE_TOKEN)",
+    )
     ingest.add_argument("--batch", type=int, default=64)
     ingest.add_argument("--checkpoint", help="resume file (default .ragline/ingest/...)")
     ingest.add_argument("--restart", action="store_true", help="ignore an earlier checkpoint")
@@ -473,6 +531,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not send documents to rerank's Prepare (token vectors then come on first use)",
     )
     ingest.set_defaults(func=cmd_ingest)
+
+    token = sub.add_parser(
+        "token", help="mint a client token signed with RAGLINE_AUTH_JWT_KEY (development)"
+    )
+    token.add_argument("--tenant", required=True)
+    token.add_argument("--principal", default="")
+    token.add_argument("--scopes", default="", help="comma-separated visibility scopes")
+    token.add_argument("--ttl", type=float, default=3600.0, help="lifetime in seconds")
+    token.set_defaults(func=cmd_token)
 
     models = sub.add_parser("models", help="list, fetch and verify models (see the manifest)")
     models.add_argument("action", choices=["list", "prepare", "verify"])

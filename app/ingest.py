@@ -128,18 +128,22 @@ async def ingest(
     progress=None,
     rerank_addr: str | None = None,
     notice=None,
+    token: str | None = None,
 ) -> tuple[int, list[BadRecord]]:
     """Returns (documents written, bad records). `notice(text)` hears about rerank
-    preparation being given up."""
+    preparation being given up. `token`: a client token (authentication on); every record
+    must then belong to the token's tenant."""
     from ragline.v1 import embedding_pb2, embedding_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
     from ragline_services.retrieval.documents import passage_text
 
     pool = ChannelPool()
-    embedder = ServiceClient(embedding_pb2_grpc.EmbeddingServiceStub, embedding_addr, pool=pool)
+    embedder = ServiceClient(
+        embedding_pb2_grpc.EmbeddingServiceStub, embedding_addr, pool=pool, token=token
+    )
     bad: list[BadRecord] = []
     written = 0
     pending: dict[str, list[Record]] = {}
-    preparer = RerankPreparer(rerank_addr, pool, notice) if rerank_addr else None
+    preparer = RerankPreparer(rerank_addr, pool, notice, token) if rerank_addr else None
 
     async def flush(records: list[Record]) -> None:
         nonlocal written
@@ -167,6 +171,7 @@ async def ingest(
                 retrieval_addr,
                 pool=pool,
                 caller=identity.Caller(records[0].tenant),
+                token=token,
             )
             # Upserts are idempotent by document id: a retry after a lost reply rewrites
             # the same documents.
@@ -206,9 +211,10 @@ class RerankPreparer:
 
     TIMEOUT_S = 60.0
 
-    def __init__(self, address: str, pool: ChannelPool, notice=None) -> None:
+    def __init__(self, address: str, pool: ChannelPool, notice=None, token=None) -> None:
         from ragline.v1 import rerank_pb2_grpc
 
+        self.token = token
         self.address = address
         self.pool = pool
         self.stub_class = rerank_pb2_grpc.RerankServiceStub
@@ -224,7 +230,11 @@ class RerankPreparer:
         if self.given_up:
             return
         client = ServiceClient(
-            self.stub_class, self.address, pool=self.pool, caller=identity.Caller(tenant)
+            self.stub_class,
+            self.address,
+            pool=self.pool,
+            caller=identity.Caller(tenant),
+            token=self.token,
         )
         request = rerank_pb2.PrepareRequest(
             documents=[
@@ -245,14 +255,20 @@ class RerankPreparer:
 
 
 async def prepare_rerank(
-    path: Path, *, rerank_addr: str, default_tenant: str, batch_size: int = 64, notice=None
+    path: Path,
+    *,
+    rerank_addr: str,
+    default_tenant: str,
+    batch_size: int = 64,
+    notice=None,
+    token: str | None = None,
 ) -> int:
     """Sends the good records of `path` to rerank's `Prepare` only (the index has them
     already, the rerank process was restarted). Returns the documents it holds vectors of."""
     from ragline_services.retrieval.documents import passage_text
 
     pool = ChannelPool()
-    preparer = RerankPreparer(rerank_addr, pool, notice)
+    preparer = RerankPreparer(rerank_addr, pool, notice, token)
     pending: dict[str, list[Record]] = {}
     try:
         for item in read_records(path, default_tenant):
@@ -286,6 +302,7 @@ async def load_demo(
     data_dir: Path,
     rerank_addr: str | None = None,
     notice=None,
+    token: str | None = None,
 ) -> int:
     """Ingests the demo corpus into tenant `default` unless that tenant has documents
     already (a restarted stack keeps its index). Returns the documents written."""
@@ -295,6 +312,7 @@ async def load_demo(
         retrieval_pb2_grpc.RetrievalServiceStub,
         retrieval_addr,
         caller=identity.Caller(DEMO_TENANT),
+        token=token,
     )
     with deadlines.deadline_scope(30.0):
         status = await status_client.unary(
@@ -303,8 +321,9 @@ async def load_demo(
     if status.tenant_documents:
         if rerank_addr:  # rerank keeps token vectors in memory: a restarted stack has none
             await prepare_rerank(
-                DEMO_CORPUS, rerank_addr=rerank_addr, default_tenant=DEMO_TENANT, notice=notice
-            )
+                DEMO_CORPUS, rerank_addr=rerank_addr, default_tenant=DEMO_TENANT,
+                notice=notice, token=token,
+            )  # fmt: skip
         return 0
     checkpoint = Checkpoint(data_dir / "ingest" / "demo-corpus.json")
     checkpoint.path.unlink(missing_ok=True)
@@ -317,5 +336,6 @@ async def load_demo(
         checkpoint=checkpoint,
         rerank_addr=rerank_addr,
         notice=notice,
+        token=token,
     )
     return written

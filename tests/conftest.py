@@ -164,6 +164,23 @@ def embedding_service(module_launcher) -> ServiceHandle:
 
 
 @pytest.fixture(scope="module")
+def authenticated_stack(module_launcher, tmp_path_factory):
+    """Embedding + retrieval with authentication on; returns (embedding, retrieval, keys)."""
+    from support import AUTH_ENV
+
+    embedding = module_launcher.start("embedding", env=AUTH_ENV)
+    retrieval = module_launcher.start(
+        "retrieval",
+        env={
+            **AUTH_ENV,
+            "RAGLINE_EMBEDDING_ADDR": embedding.address,
+            "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path_factory.mktemp("auth-index")),
+        },
+    )
+    return embedding, retrieval
+
+
+@pytest.fixture(scope="module")
 def embedding_pair(module_launcher) -> tuple[ServiceHandle, ServiceHandle]:
     """Two embedding services: one batching across requests, one running texts alone."""
     batched = module_launcher.start("embedding", env={"RAGLINE_EMBEDDING_MAX_WAIT_MS": "5"})

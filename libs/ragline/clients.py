@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from ragline import deadlines, identity
+from ragline import auth, deadlines, identity
 from ragline.config import TRANSPORT_CAP_BYTES, CommonConfig
 from ragline.retry import RetryPolicy, call_with_retry
 
@@ -65,12 +65,17 @@ class ServiceClient:
         pool: ChannelPool | None = None,
         hop_margin_s: float = 0.005,
         caller: identity.Caller | None = None,
+        token: str | None = None,
     ) -> None:
+        """`caller` replaces the propagated identity (a CLI, a test); `token` is a client
+        token sent as `authorization: Bearer` (a client outside the services). Otherwise
+        the process's service credential goes with the propagated identity."""
         self.stub_class = stub_class
         self.target = target
         self._pool = pool or default_pool
         self._hop_margin_s = hop_margin_s
         self._caller = caller
+        self._token = token
         self._stub_cache: tuple[grpc.aio.Channel, object] | None = None
 
     @property
@@ -93,6 +98,10 @@ class ServiceClient:
             # An explicit caller (a CLI, a test) replaces the propagated identity.
             metadata = [kv for kv in metadata if kv[0] == identity.RUN_ID_KEY]
             metadata.extend(self._caller.metadata())
+        if self._token:
+            metadata.append((auth.AUTHORIZATION_KEY, f"Bearer {self._token}"))
+        else:
+            metadata.extend(auth.process_credential().metadata())
         return timeout, (*metadata, *deadlines.timeout_metadata(timeout))
 
     async def unary(

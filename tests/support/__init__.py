@@ -13,6 +13,14 @@ SMALL_GENERATION = {
     "RAGLINE_GENERATION_MAX_NUM_SEQS": "2",
 }
 
+# Authentication on (tests that check it): the client key signs test tokens.
+AUTH_CLIENT_KEY = "client-signing-key-for-tests-only-0123456789"
+AUTH_ENV = {
+    "RAGLINE_AUTH_MODE": "jwt",
+    "RAGLINE_AUTH_JWT_KEY": AUTH_CLIENT_KEY,
+    "RAGLINE_AUTH_SERVICE_KEY": "service-signing-key-for-tests-only-0123456789",
+}
+
 
 def field_violations(error) -> dict[str, str]:
     """field -> description of the google.rpc.BadRequest details of a failed call."""

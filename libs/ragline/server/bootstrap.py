@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from ragline.auth import AuthConfig, Authenticator
 from ragline.config import CommonConfig, ServiceConfig
 from ragline.logs import configure_logging
 from ragline.server.interceptor import RaglineServerInterceptor
@@ -100,6 +101,7 @@ class ServerRunner:
                     default_deadline_s=cfg.default_deadline_s,
                     max_request_bytes=cfg.max_request_bytes,
                     access_log=cfg.access_log,
+                    authenticator=Authenticator(AuthConfig()),
                 )
             ],
             options=[

@@ -19,6 +19,7 @@ from google.protobuf.message import Message
 from grpc_status import rpc_status
 
 from ragline import deadlines, identity, timing
+from ragline.auth import AuthConfig, Authenticator
 from ragline.errors import DeadlineExceeded, to_rpc_status
 from ragline.validation import check_size, validate
 
@@ -36,7 +37,9 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
         default_deadline_s: float,
         max_request_bytes: int,
         access_log: bool = True,
+        authenticator: Authenticator | None = None,
     ) -> None:
+        self._authenticator = authenticator or Authenticator(AuthConfig(mode="off"))
         self._default_deadline_s = default_deadline_s
         self._max_request_bytes = max_request_bytes
         self._access_log = access_log
@@ -141,7 +144,7 @@ class _CallScope:
         # with it.
         self._tokens.append(("identity", identity.bind(None, self.run_id)))
         structlog.contextvars.bind_contextvars(run_id=self.run_id, stage=self.method)
-        caller = identity.caller_from_metadata(metadata)
+        caller = self.owner._authenticator.authenticate(metadata).caller
         if caller is not None:
             identity.unbind(self._tokens.pop()[1])
             self._tokens.append(("identity", identity.bind(caller, self.run_id)))

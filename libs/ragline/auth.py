@@ -1,0 +1,259 @@
+"""Who is calling: signed tokens at the edge, a service credential between services.
+
+With `RAGLINE_AUTH_MODE=off` (the embedded laptop default) the caller is whatever the
+`x-ragline-tenant` / `-principal` / `-scopes` metadata says, as before: anyone who reaches a
+port can claim any tenant. With `jwt`:
+
+- A client sends `authorization: Bearer <JWT>`. The token is verified (signature, `exp`,
+  `nbf`, audience, issuer when set) with the HMAC key `RAGLINE_AUTH_JWT_KEY` or the public
+  key in `RAGLINE_AUTH_JWT_PUBLIC_KEY_FILE`; its claims give the caller: `tenant`, `sub`
+  (principal) and `scopes` (a list, or one space-separated string). Identity metadata may
+  narrow the scopes (`x-ragline-scopes`: only ones the token holds, else PERMISSION_DENIED)
+  and may repeat the token's tenant, never change it.
+- A service calling another service passes the verified caller on in the identity metadata
+  and proves it is a ragline service with `x-ragline-service-credential`: a short-lived JWT
+  signed with `RAGLINE_AUTH_SERVICE_KEY` (a key clients never hold). Only then is identity
+  metadata believed.
+- Any other call to a ragline method is UNAUTHENTICATED (health and reflection stay open:
+  probes and `grpcurl list` need no token).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ragline.config import ConfigError
+from ragline.errors import PermissionDenied, Unauthenticated
+from ragline.identity import (
+    SCOPES_KEY,
+    TENANT_KEY,
+    TENANT_RULE,
+    Caller,
+    caller_from_metadata,
+    is_name,
+    is_tenant,
+)
+
+AUTHORIZATION_KEY = "authorization"
+SERVICE_CREDENTIAL_KEY = "x-ragline-service-credential"
+SERVICE_ISSUER = "ragline-service"
+
+
+class AuthConfig(BaseSettings):
+    """Authentication settings shared by every process (prefix `RAGLINE_AUTH_`)."""
+
+    model_config = SettingsConfigDict(env_prefix="RAGLINE_AUTH_", extra="ignore")
+
+    mode: Literal["off", "jwt"] = "off"
+    # Verifies client tokens: an HMAC key (HS256/384/512) ...
+    jwt_key: str = ""
+    # ... or a PEM public key (RS*/ES*/EdDSA).
+    jwt_public_key_file: Path | None = None
+    jwt_algorithms: str = "HS256,RS256,ES256"
+    jwt_audience: str = "ragline"
+    jwt_issuer: str = ""  # checked when set
+    leeway_s: float = Field(30.0, ge=0)
+    # Signs and verifies the credential services present to each other.
+    service_key: str = ""
+    service_credential_ttl_s: float = Field(300.0, gt=10)
+
+    def check(self) -> None:
+        if self.mode == "off":
+            return
+        if not (self.jwt_key or self.jwt_public_key_file):
+            raise ConfigError(
+                "RAGLINE_AUTH_MODE=jwt needs RAGLINE_AUTH_JWT_KEY (HMAC) or "
+                "RAGLINE_AUTH_JWT_PUBLIC_KEY_FILE (PEM) to verify client tokens"
+            )
+        if len(self.service_key) < 32:
+            raise ConfigError(
+                "RAGLINE_AUTH_MODE=jwt needs RAGLINE_AUTH_SERVICE_KEY (at least 32 characters; "
+                "shared by the services only) for the service-to-service credential"
+            )
+
+
+@dataclass(frozen=True)
+class Authenticated:
+    caller: Caller | None
+    via: str  # "token", "service", "metadata" (auth off) or "none"
+
+
+def _values(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
+    return {
+        key.lower(): value.decode() if isinstance(value, bytes) else value
+        for key, value in (metadata or ())
+    }
+
+
+def _scopes_claim(value) -> frozenset[str]:
+    if value is None:
+        return frozenset()
+    items = value.split() if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(s, str) for s in items):
+        raise Unauthenticated("the token's `scopes` claim must be a list or a string")
+    return frozenset(items)
+
+
+class Authenticator:
+    def __init__(self, config: AuthConfig | None = None) -> None:
+        import jwt
+
+        self._jwt = jwt
+        self.config = config or AuthConfig()
+        self.config.check()
+        self.enabled = self.config.mode == "jwt"
+        key = self.config.jwt_key
+        if self.config.jwt_public_key_file is not None:
+            key = self.config.jwt_public_key_file.read_text()
+        self._client_key = key
+        self._algorithms = [a.strip() for a in self.config.jwt_algorithms.split(",") if a.strip()]
+        # One key, one family: an HMAC key never verifies RS/ES tokens and a public key never
+        # verifies HS tokens (the algorithm-confusion attack).
+        hmac = self.config.jwt_public_key_file is None
+        self._algorithms = [a for a in self._algorithms if a.startswith("HS") == hmac]
+        if not self._algorithms:
+            raise ConfigError(
+                f"RAGLINE_AUTH_JWT_ALGORITHMS ({self.config.jwt_algorithms}) has no algorithm "
+                f"for {'an HMAC key' if hmac else 'a public key'}"
+            )
+
+    def authenticate(self, metadata) -> Authenticated:
+        if not self.enabled:
+            caller = caller_from_metadata(metadata)
+            return Authenticated(caller, "metadata" if caller else "none")
+        values = _values(metadata)
+        bearer = values.get(AUTHORIZATION_KEY, "")
+        if bearer:
+            return Authenticated(self._from_token(bearer, values), "token")
+        credential = values.get(SERVICE_CREDENTIAL_KEY, "")
+        if credential:
+            self._verify_service(credential)
+            return Authenticated(caller_from_metadata(metadata), "service")
+        if values.get(TENANT_KEY, "").strip():
+            raise Unauthenticated(
+                f"authentication is on: metadata {TENANT_KEY} alone is not believed; send "
+                "`authorization: Bearer <token>` (a JWT with tenant, sub and scopes claims)"
+            )
+        raise Unauthenticated(
+            "authentication is on: send `authorization: Bearer <token>` (a JWT with tenant, "
+            "sub and scopes claims)"
+        )
+
+    def _from_token(self, bearer: str, values: dict[str, str]) -> Caller:
+        scheme, _, token = bearer.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated("metadata authorization must be `Bearer <token>`")
+        try:
+            claims = self._jwt.decode(
+                token.strip(),
+                self._client_key,
+                algorithms=self._algorithms,
+                audience=self.config.jwt_audience or None,
+                issuer=self.config.jwt_issuer or None,
+                leeway=self.config.leeway_s,
+                options={"require": ["exp", "tenant"]},
+            )
+        except self._jwt.ExpiredSignatureError:
+            raise Unauthenticated("the token has expired; get a new one") from None
+        except self._jwt.PyJWTError as error:
+            raise Unauthenticated(f"the token was refused: {error}") from None
+        tenant = claims.get("tenant")
+        if not isinstance(tenant, str) or not is_tenant(tenant):
+            raise Unauthenticated(f"the token's tenant claim must be {TENANT_RULE}")
+        principal = claims.get("sub", "")
+        if not isinstance(principal, str) or (principal and not is_name(principal)):
+            raise Unauthenticated("the token's sub claim is not a valid principal name")
+        held = _scopes_claim(claims.get("scopes"))
+        claimed_tenant = values.get(TENANT_KEY, "").strip()
+        if claimed_tenant and claimed_tenant != tenant:
+            raise PermissionDenied(
+                f"metadata {TENANT_KEY} is {claimed_tenant!r} but the token is for {tenant!r}"
+            )
+        asked = frozenset(s.strip() for s in values.get(SCOPES_KEY, "").split(",") if s.strip())
+        if asked - held:
+            raise PermissionDenied(
+                f"the token does not hold scope(s) {', '.join(sorted(asked - held))} asked for "
+                f"in metadata {SCOPES_KEY}"
+            )
+        return Caller(tenant=tenant, principal=principal, scopes=asked or held)
+
+    def _verify_service(self, credential: str) -> None:
+        try:
+            self._jwt.decode(
+                credential,
+                self.config.service_key,
+                algorithms=["HS256"],
+                issuer=SERVICE_ISSUER,
+                audience=SERVICE_ISSUER,
+                leeway=self.config.leeway_s,
+                options={"require": ["exp", "iss", "aud"]},
+            )
+        except self._jwt.PyJWTError as error:
+            raise Unauthenticated(f"the service credential was refused: {error}") from None
+
+
+class ServiceCredential:
+    """The credential this process presents to other ragline services (minted, cached and
+    renewed before it expires). Empty when authentication is off."""
+
+    def __init__(self, config: AuthConfig | None = None, name: str = "ragline") -> None:
+        import jwt
+
+        self._jwt = jwt
+        self.config = config or AuthConfig()
+        self.name = name
+        self._token, self._renew_at = "", 0.0
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        if self.config.mode != "jwt" or not self.config.service_key:
+            return ()
+        now = time.time()
+        if now >= self._renew_at:
+            ttl = self.config.service_credential_ttl_s
+            self._token = self._jwt.encode(
+                {"iss": SERVICE_ISSUER, "aud": SERVICE_ISSUER, "sub": self.name,
+                 "iat": int(now), "exp": int(now + ttl)},
+                self.config.service_key,
+                algorithm="HS256",
+            )  # fmt: skip
+            self._renew_at = now + ttl / 2
+        return ((SERVICE_CREDENTIAL_KEY, self._token),)
+
+
+def mint_token(
+    key: str,
+    tenant: str,
+    *,
+    principal: str = "",
+    scopes: Iterable[str] = (),
+    ttl_s: float = 3600.0,
+    audience: str = "ragline",
+    algorithm: str = "HS256",
+) -> str:
+    """A client token signed with `key` (for development, tests and `ragline token`)."""
+    import jwt
+
+    now = int(time.time())
+    claims = {"tenant": tenant, "scopes": sorted(scopes), "aud": audience,
+              "iat": now, "exp": int(now + ttl_s)}  # fmt: skip
+    if principal:
+        claims["sub"] = principal
+    return jwt.encode(claims, key, algorithm=algorithm)
+
+
+_process_credential: ServiceCredential | None = None
+
+
+def process_credential() -> ServiceCredential:
+    """This process's service credential, from the environment (read once)."""
+    global _process_credential
+    if _process_credential is None:
+        _process_credential = ServiceCredential(AuthConfig())
+    return _process_credential

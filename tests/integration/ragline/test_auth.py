@@ -1,0 +1,100 @@
+"""Authentication between real processes: client tokens at the service a client calls, the
+service credential on the hop to the next (retrieval -> embedding)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ragline.auth import mint_token
+from ragline.v1 import embedding_pb2, embedding_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
+from support import AUTH_CLIENT_KEY
+
+pytestmark = pytest.mark.integration
+
+
+def token(tenant: str, *scopes: str) -> str:
+    return mint_token(AUTH_CLIENT_KEY, tenant, principal="ana", scopes=scopes)
+
+
+def bearer(tenant: str, *scopes: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token(tenant, *scopes)}"),)
+
+
+async def call(address: str, method: str, request, metadata=()):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        return await getattr(stub, method)(request, timeout=30, metadata=metadata)
+
+
+async def code_of(coroutine) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await coroutine
+    return caught.value.code()
+
+
+async def test_tokens_decide_tenant_and_scopes_and_services_vouch_for_each_other(
+    authenticated_stack,
+):
+    _, retrieval = authenticated_stack
+    async with grpc.aio.insecure_channel(retrieval.address) as channel:  # probes need no token
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+    documents = retrieval_pb2.UpsertRequest()
+    documents.documents.add(id="river", title="Warsaw", text="The Vistula flows through Warsaw.")
+    documents.documents.add(
+        id="pay", title="Salaries", text="Salary bands of the Warsaw office.", acl=["hr"]
+    )
+    # The documents are embedded through the embedding service: that hop carries the
+    # service credential (the embedding service refuses anything else).
+    await call(retrieval.address, "Upsert", documents, bearer("acme"))
+
+    search = retrieval_pb2.SearchRequest(query="Warsaw", k=5, mode=retrieval_pb2.SEARCH_MODE_HYBRID)
+    forged = (("x-ragline-tenant", "acme"), ("x-ragline-scopes", "hr"))
+    assert await code_of(call(retrieval.address, "Search", search, forged)) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    assert await code_of(call(retrieval.address, "Search", search)) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    wrong_key = (("authorization", f"Bearer {mint_token('k' * 40, 'acme', scopes=['hr'])}"),)
+    assert await code_of(call(retrieval.address, "Search", search, wrong_key)) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    asks_more = (*bearer("acme"), ("x-ragline-scopes", "hr"))
+    assert await code_of(call(retrieval.address, "Search", search, asks_more)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    other_tenant = (*bearer("acme"), ("x-ragline-tenant", "globex"))
+    assert await code_of(call(retrieval.address, "Search", search, other_tenant)) == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+
+    plain = await call(retrieval.address, "Search", search, bearer("acme"))
+    assert [h.id for h in plain.hits] == ["river"]
+    assert not plain.fell_back, plain.fallback_reason  # the query embedding hop was accepted
+    with_hr = await call(retrieval.address, "Search", search, bearer("acme", "hr"))
+    assert {h.id for h in with_hr.hits} == {"river", "pay"}
+    assert not (await call(retrieval.address, "Search", search, bearer("globex"))).hits
+
+
+async def test_an_inner_service_refuses_calls_without_the_service_credential(
+    authenticated_stack,
+):
+    embedding, _ = authenticated_stack
+    request = embedding_pb2.EmbedRequest(texts=["Warsaw"])
+    async with grpc.aio.insecure_channel(embedding.address) as channel:
+        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+        for metadata in (
+            (("x-ragline-tenant", "acme"),),
+            (("x-ragline-service-credential", token("acme")), ("x-ragline-tenant", "acme")),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Embed(request, timeout=10, metadata=metadata)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        reply = await stub.Embed(request, timeout=30, metadata=bearer("acme"))
+    assert len(reply.embeddings) == 1
