@@ -1,11 +1,15 @@
 """Dynamic micro-batching: concurrent requests share one model run.
 
-Requests queue with their deadline. A batch forms as soon as the model is free: it takes
-queued requests up to `max_batch_texts` texts, waiting at most `max_wait_s` after the
-oldest one for more to arrive. Requests whose caller went away or whose deadline passed
-are dropped before compute. Inside a batch the texts are sorted by token length and run
-in length buckets, each padded only to its own longest text. A full queue refuses at once
-(RESOURCE_EXHAUSTED with a retry delay) instead of letting callers time out.
+Requests queue with their deadline, one queue per tenant. A batch forms as soon as the
+model is free: it takes queued requests up to `max_batch_texts` texts, one request per
+tenant in turn (round robin), waiting at most `max_wait_s` after the oldest one for more
+to arrive. So a tenant that floods the batcher delays another tenant's request by about one
+of its own requests, never by its whole backlog. Requests whose caller went away or whose
+deadline passed are dropped before compute. Inside a batch the texts are sorted by token
+length and run in length buckets, each padded only to its own longest text. A full queue
+(all tenants: `max_queue_texts`; one tenant: `max_queue_texts_per_tenant`, smaller, so one
+tenant cannot fill it for everyone) refuses at once with RESOURCE_EXHAUSTED and a retry
+delay instead of letting callers time out.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class _Item:
     deadline: float | None
     enqueued: float
     future: asyncio.Future = field(repr=False)
+    tenant: str = ""
 
 
 def bucket_groups(
@@ -107,14 +112,20 @@ class MicroBatcher:
         max_batch_texts: int = 32,
         max_wait_s: float = 0.001,
         max_queue_texts: int = 2048,
+        max_queue_texts_per_tenant: int | None = None,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
+        name: str = "batcher",
     ) -> None:
         self._run = run
+        self.name = name
         self.max_batch_texts = max_batch_texts
         self.max_wait_s = max_wait_s
         self.max_queue_texts = max_queue_texts
+        self.max_queue_texts_per_tenant = max_queue_texts_per_tenant or max(max_queue_texts // 2, 1)
         self._buckets = buckets
-        self._queue: deque[_Item] = deque()
+        # Waiting requests by tenant; the dict's order is the round-robin order.
+        self._queues: dict[str, deque[_Item]] = {}
+        self._queued_by_tenant: dict[str, int] = {}
         self._queued_texts = 0
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -124,32 +135,49 @@ class MicroBatcher:
         self.dropped = 0
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="embedding-batcher")
+        self._task = asyncio.create_task(self._loop(), name=self.name)
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for item in self._queue:
-            if not item.future.done():
-                item.future.set_exception(ResourceExhausted("embedding service is shutting down"))
-        self._queue.clear()
+        for queue in self._queues.values():
+            for item in queue:
+                if not item.future.done():
+                    item.future.set_exception(ResourceExhausted(f"{self.name} is shutting down"))
+        self._queues.clear()
+        self._queued_by_tenant.clear()
+        self._queued_texts = 0
 
     @property
     def queued_texts(self) -> int:
         return self._queued_texts
 
-    async def submit(self, texts: Sequence[TokenizedText], deadline: float | None) -> BatchResult:
+    def queued_texts_of(self, tenant: str) -> int:
+        return self._queued_by_tenant.get(tenant, 0)
+
+    def _refuse(self, waiting: int, limit: int, whose: str) -> ResourceExhausted:
+        backlog_s = waiting / max(self._texts_per_s, 1.0)
+        return ResourceExhausted(
+            f"{self.name} queue is full for {whose} ({waiting} texts waiting, limit {limit}); "
+            f"retry in about {backlog_s * 1000:.0f} ms",
+            retry_after_s=backlog_s,
+        )
+
+    async def submit(
+        self, texts: Sequence[TokenizedText], deadline: float | None, tenant: str = ""
+    ) -> BatchResult:
+        mine = self._queued_by_tenant.get(tenant, 0)
+        if mine + len(texts) > self.max_queue_texts_per_tenant:
+            raise self._refuse(mine, self.max_queue_texts_per_tenant, "this tenant")
         if self._queued_texts + len(texts) > self.max_queue_texts:
-            backlog_s = self._queued_texts / max(self._texts_per_s, 1.0)
-            raise ResourceExhausted(
-                f"embedding queue is full ({self._queued_texts} texts waiting, limit "
-                f"{self.max_queue_texts}); retry in about {backlog_s * 1000:.0f} ms",
-                retry_after_s=backlog_s,
-            )
+            raise self._refuse(self._queued_texts, self.max_queue_texts, "all tenants")
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Item(texts, deadline, time.monotonic(), future))
+        self._queues.setdefault(tenant, deque()).append(
+            _Item(texts, deadline, time.monotonic(), future, tenant)
+        )
+        self._queued_by_tenant[tenant] = mine + len(texts)
         self._queued_texts += len(texts)
         self._wakeup.set()
         try:
@@ -162,7 +190,7 @@ class MicroBatcher:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while self._queue:
+            while self._queues:
                 await self._gather()
                 batch = self._take()
                 if batch:
@@ -170,7 +198,7 @@ class MicroBatcher:
 
     async def _gather(self) -> None:
         """Waits (at most max_wait after the oldest request) for the batch to fill."""
-        wait_until = self._queue[0].enqueued + self.max_wait_s
+        wait_until = min(q[0].enqueued for q in self._queues.values()) + self.max_wait_s
         while self._queued_texts < self.max_batch_texts:
             left = wait_until - time.monotonic()
             if left <= 0:
@@ -181,16 +209,31 @@ class MicroBatcher:
             except TimeoutError:
                 return
 
+    def _pop(self, tenant: str) -> _Item:
+        queue = self._queues[tenant]
+        item = queue.popleft()
+        # The tenant goes to the back of the round: the next batch starts with another.
+        del self._queues[tenant]
+        if queue:
+            self._queues[tenant] = queue
+        self._queued_texts -= len(item.texts)
+        left = self._queued_by_tenant[tenant] - len(item.texts)
+        if left:
+            self._queued_by_tenant[tenant] = left
+        else:
+            del self._queued_by_tenant[tenant]
+        return item
+
     def _take(self) -> list[_Item]:
         batch: list[_Item] = []
         texts = 0
         now = time.monotonic()
-        while self._queue:
-            item = self._queue[0]
-            if batch and texts + len(item.texts) > self.max_batch_texts:
+        while self._queues:
+            tenant = next(iter(self._queues))
+            head = self._queues[tenant][0]
+            if batch and texts + len(head.texts) > self.max_batch_texts:
                 break
-            self._queue.popleft()
-            self._queued_texts -= len(item.texts)
+            item = self._pop(tenant)
             if item.future.done():  # cancelled by its caller
                 self.dropped += 1
                 continue
@@ -199,7 +242,7 @@ class MicroBatcher:
                 item.future.set_exception(
                     DeadlineExceeded(
                         f"deadline passed after {(now - item.enqueued) * 1000:.0f} ms in the "
-                        "embedding queue, before compute"
+                        f"{self.name} queue, before compute"
                     )
                 )
                 continue

@@ -57,6 +57,7 @@ class Embedder:
         dim: int = 0,
         refuse_over_limit: bool = False,
         input_type: str = PASSAGE,
+        tenant: str = "",
     ) -> EmbedResult:
         if dim > self.dim:
             raise InvalidArgument(
@@ -68,7 +69,7 @@ class Embedder:
         started = time.monotonic()
         tokens = self.tokenizer.encode(texts, refuse_over_limit=refuse_over_limit)
         tokenize_s = time.monotonic() - started
-        batch = await self.batcher.submit(tokens, deadlines.current_deadline())
+        batch = await self.batcher.submit(tokens, deadlines.current_deadline(), tenant)
         vectors = batch.vectors
         if dim and dim < self.dim:
             # Matryoshka-style truncation: keep the leading components, re-normalise.

@@ -39,6 +39,8 @@ class EmbeddingConfig(ServiceConfig):
     max_batch_texts: int = Field(32, ge=1)
     max_wait_ms: float = Field(1.0, ge=0)
     max_queue_texts: int = Field(2048, ge=1)
+    # One tenant's share of the queue (0: half of it), so no tenant can fill it for all.
+    max_queue_texts_per_tenant: int = Field(0, ge=0)
     # Triton backend: server address and model name.
     triton_url: str = "127.0.0.1:8001"
     triton_model: str = "minilm_l6"
@@ -106,6 +108,8 @@ class EmbeddingService(Service):
             max_batch_texts=max_batch_texts,
             max_wait_s=cfg.max_wait_ms / 1000,
             max_queue_texts=cfg.max_queue_texts,
+            max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
+            name="embedding",
         )
         await self.batcher.start()
         embedder = Embedder(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ragline.identity import optional_caller
 from ragline.server import Deferred
 from ragline.timing import current_clock
 from ragline.v1 import common_pb2, embedding_pb2, embedding_pb2_grpc
@@ -12,6 +13,12 @@ _INPUT_TYPES = {
     embedding_pb2.INPUT_TYPE_PASSAGE: PASSAGE,
     embedding_pb2.INPUT_TYPE_QUERY: QUERY,
 }
+
+
+def _tenant() -> str:
+    # Fair queueing is by tenant; a caller without one (a tool) queues as "".
+    caller = optional_caller()
+    return caller.tenant if caller is not None else ""
 
 
 class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
@@ -25,6 +32,7 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
             dim=request.dim,
             refuse_over_limit=request.truncation == embedding_pb2.TRUNCATION_NONE,
             input_type=_INPUT_TYPES[request.input_type],
+            tenant=_tenant(),
         )
         clock = current_clock()
         clock.add_stage("tokenize", result.tokenize_s)

@@ -3,7 +3,11 @@
 The engine runs `slots` sequences at once (llama-server decodes all busy slots in one
 batch). A request waits in a bounded queue, with its deadline, until a slot is free;
 a full queue is refused at once (RESOURCE_EXHAUSTED with a retry hint), and a request
-whose deadline passes while queued leaves with DEADLINE_EXCEEDED.
+whose deadline passes while queued leaves with DEADLINE_EXCEEDED. The queue is fair
+between tenants: each has its own (at most `max_queue_per_tenant` waiting, less than the
+whole queue, so one tenant cannot fill it for everyone), and a freed slot goes to the
+waiting tenants in turn, so a tenant's single request waits behind at most one request of
+each other tenant, never behind a flood.
 
 Prefix-cache isolation: each slot keeps the KV cache of its last prompt and belongs to the
 tenant that wrote it. A request prefers a free slot its own tenant owns (a warm prefix),
@@ -54,15 +58,18 @@ class SlotScheduler:
         max_queue: int,
         erase: Callable[[int], Awaitable[None]],
         *,
+        max_queue_per_tenant: int = 0,
         typical_request_s: float = 2.0,
     ) -> None:
         self.slots = [Slot(i) for i in range(slots)]
         self.max_queue = max_queue
+        self.max_queue_per_tenant = max_queue_per_tenant or max((max_queue + 1) // 2, 1)
         self.erase = erase
         self._paused = False
         self._idle = asyncio.Event()
         self._idle.set()
-        self._queue: deque[_Waiter] = deque()
+        # Waiters by tenant; the dict's order is the round-robin order of hand-overs.
+        self._queues: dict[str, deque[_Waiter]] = {}
         self._typical_request_s = typical_request_s
 
     @property
@@ -71,7 +78,15 @@ class SlotScheduler:
 
     @property
     def waiting(self) -> int:
-        return len(self._queue)
+        return sum(len(q) for q in self._queues.values())
+
+    def _refuse(self, waiting: int, limit: int, whose: str) -> ResourceExhausted:
+        retry = self._typical_request_s * (waiting + 1) / len(self.slots)
+        return ResourceExhausted(
+            f"generation is at capacity for {whose}: {self.busy} sequences running, "
+            f"{waiting} waiting (limit {limit}); retry in about {retry:.1f} s",
+            retry_after_s=retry,
+        )
 
     def _pick(self, tenant: str) -> Slot | None:
         if self._paused:
@@ -89,18 +104,15 @@ class SlotScheduler:
 
     async def acquire(self, tenant: str, deadline: float | None) -> Lease:
         started = time.monotonic()
-        slot = self._pick(tenant) if not self._queue else None
+        slot = self._pick(tenant) if not self._queues else None
         if slot is None:
-            if len(self._queue) >= self.max_queue:
-                retry = self._typical_request_s * (len(self._queue) + 1) / len(self.slots)
-                raise ResourceExhausted(
-                    f"generation is at capacity: {self.busy} sequences running, "
-                    f"{len(self._queue)} waiting (limit {self.max_queue}); retry in about "
-                    f"{retry:.1f} s",
-                    retry_after_s=retry,
-                )
+            mine = len(self._queues.get(tenant, ()))
+            if mine >= self.max_queue_per_tenant:
+                raise self._refuse(mine, self.max_queue_per_tenant, "this tenant")
+            if self.waiting >= self.max_queue:
+                raise self._refuse(self.waiting, self.max_queue, "all tenants")
             waiter = _Waiter(tenant, deadline, asyncio.get_running_loop().create_future())
-            self._queue.append(waiter)
+            self._queues.setdefault(tenant, deque()).append(waiter)
             try:
                 timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
                 slot = await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
@@ -130,8 +142,11 @@ class SlotScheduler:
         return Lease(slot, time.monotonic() - started, warm, erased)
 
     def _abandon(self, waiter: _Waiter) -> None:
-        if waiter in self._queue:
-            self._queue.remove(waiter)
+        queue = self._queues.get(waiter.tenant)
+        if queue is not None and waiter in queue:
+            queue.remove(waiter)
+            if not queue:
+                del self._queues[waiter.tenant]
         elif waiter.future.done() and not waiter.future.cancelled():
             # A slot was handed over just as the waiter gave up: pass it on.
             self.release(waiter.future.result())
@@ -158,15 +173,23 @@ class SlotScheduler:
             self._hand_over()
 
     def _hand_over(self) -> None:
-        while self._queue:
-            waiter = self._queue[0]
+        while self._queues:
+            tenant = next(iter(self._queues))
+            queue = self._queues[tenant]
+            waiter = queue[0]
             if waiter.future.done():
-                self._queue.popleft()
+                queue.popleft()
+                if not queue:
+                    del self._queues[tenant]
                 continue
             slot = self._pick(waiter.tenant)
             if slot is None:
                 return
-            self._queue.popleft()
+            queue.popleft()
+            # The tenant goes to the back of the round: the next free slot is another's.
+            del self._queues[tenant]
+            if queue:
+                self._queues[tenant] = queue
             slot.busy = True  # reserved for the waiter; acquire() finishes the hand-over
             self._idle.clear()
             waiter.future.set_result(slot)

@@ -42,6 +42,8 @@ class GenerationConfig(ServiceConfig):
     # Sequences decoded together per tier (llama-server slots) and the waiting-queue bound.
     max_num_seqs: int = Field(4, ge=1)
     max_queue: int = Field(16, ge=0)
+    # One tenant's share of the queue (0: half of it), so no tenant can fill it for all.
+    max_queue_per_tenant: int = Field(0, ge=0)
     context_per_seq: int = Field(4096, ge=256)
     # llama-server threads per tier; 0: the machine's cores shared out among the tiers
     # (the other services only compute in short bursts, generation is the steady load).
@@ -112,7 +114,12 @@ class GenerationService(Service):
         )
         self.engines.append(engine)
         await engine.start()
-        scheduler = SlotScheduler(cfg.max_num_seqs, cfg.max_queue, engine.erase_slot)
+        scheduler = SlotScheduler(
+            cfg.max_num_seqs,
+            cfg.max_queue,
+            engine.erase_slot,
+            max_queue_per_tenant=cfg.max_queue_per_tenant,
+        )
         return Tier(
             name=name,
             model=model,
@@ -183,7 +190,12 @@ class GenerationService(Service):
             model=model,
             model_version=f"triton:{model}",
             engine=engine,
-            scheduler=SlotScheduler(cfg.max_num_seqs, cfg.max_queue, engine.erase_slot),
+            scheduler=SlotScheduler(
+                cfg.max_num_seqs,
+                cfg.max_queue,
+                engine.erase_slot,
+                max_queue_per_tenant=cfg.max_queue_per_tenant,
+            ),
             speculation=Speculation("none"),  # decided inside the TensorRT-LLM engine
             context_window=cfg.context_per_seq,
         )

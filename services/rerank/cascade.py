@@ -238,7 +238,7 @@ class Reranker:
         if not texts:
             return None, found, 0
         tokenized = self.token_tokenizer.encode(texts, refuse_over_limit=False)
-        batch = await self.token_batcher.submit(tokenized, deadlines.current_deadline())
+        batch = await self.token_batcher.submit(tokenized, deadlines.current_deadline(), tenant)
         output.queue_wait_s = batch.queue_wait_s
         output.input_tokens += sum(t.length for t in tokenized)
         offset = 1 if query is not None else 0
@@ -266,7 +266,7 @@ class Reranker:
     async def _cross_encoder(self, request, chosen, stage1, output) -> list[Scored]:
         started = time.perf_counter()
         pairs = self.pair_tokenizer.encode_pairs([(request.query, c.text) for c in chosen])
-        batch = await self.pair_batcher.submit(pairs, deadlines.current_deadline())
+        batch = await self.pair_batcher.submit(pairs, deadlines.current_deadline(), request.tenant)
         output.input_tokens += sum(p.length for p in pairs)
         scores = np.array([float(row) for row in batch.rows])
         seconds = time.perf_counter() - started

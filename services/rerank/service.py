@@ -44,6 +44,8 @@ class RerankConfig(ServiceConfig):
     max_batch_texts: int = Field(32, ge=1)
     max_wait_ms: float = Field(1.0, ge=0)
     max_queue_texts: int = Field(4096, ge=1)
+    # One tenant's share of the queue (0: half of it).
+    max_queue_texts_per_tenant: int = Field(0, ge=0)
 
 
 @dataclass
@@ -70,6 +72,8 @@ async def build_reranker(cfg: RerankConfig, store: ModelStore) -> Built:
             max_batch_texts=cfg.max_batch_texts,
             max_wait_s=cfg.max_wait_ms / 1000,
             max_queue_texts=cfg.max_queue_texts,
+            max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
+            name="rerank",
         )
         await made.start()
         batchers.append(made)

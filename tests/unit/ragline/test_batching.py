@@ -95,7 +95,9 @@ async def test_expired_and_cancelled_requests_are_dropped_before_compute():
 
 async def test_full_queue_refuses_at_once_with_a_retry_hint():
     model = FakeModel(delay_s=0.2)
-    batcher = MicroBatcher(model, max_batch_texts=1, max_wait_s=0, max_queue_texts=2)
+    batcher = MicroBatcher(
+        model, max_batch_texts=1, max_wait_s=0, max_queue_texts=2, max_queue_texts_per_tenant=2
+    )
     await batcher.start()
     first = asyncio.create_task(batcher.submit([text(1)], None))
     await asyncio.sleep(0.01)  # taken by the model; the queue is empty again
@@ -107,6 +109,26 @@ async def test_full_queue_refuses_at_once_with_a_retry_hint():
     assert not first.done() and len(model.calls) == 1
     assert caught.value.retry_after_s is not None
     await asyncio.gather(first, *queued)
+    await batcher.stop()
+
+
+async def test_a_flooding_tenant_neither_fills_the_queue_nor_delays_another_much():
+    model = FakeModel(delay_s=0.01)
+    batcher = MicroBatcher(
+        model, max_batch_texts=2, max_wait_s=0, max_queue_texts=40, max_queue_texts_per_tenant=20
+    )
+    await batcher.start()
+    flood = [asyncio.create_task(batcher.submit([text(i)], None, "noisy")) for i in range(20)]
+    await asyncio.sleep(0)
+    with pytest.raises(ResourceExhausted, match="this tenant"):
+        await batcher.submit([text(99)], None, "noisy")  # its own limit, not everyone's
+    done_before = []
+    for task in flood:
+        task.add_done_callback(lambda _, done=done_before: done.append(1))
+    quiet = await batcher.submit([text(7)], None, "quiet")  # room was left for it
+    # Served within the first batches (round robin), not after the flood's 20 texts.
+    assert len(done_before) <= 4 and len(quiet.rows) == 1
+    await asyncio.gather(*flood)
     await batcher.stop()
 
 

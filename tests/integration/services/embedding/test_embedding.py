@@ -239,3 +239,38 @@ def test_triton_backend_down_is_not_serving(launcher, tmp_path):
     assert handle.process.wait(timeout=60) == 1
     assert "Triton at 127.0.0.1" in handle.log()
     launcher.forget(handle)
+
+
+async def test_a_flooding_tenant_neither_fills_the_queue_nor_starves_another(launcher):
+    service = launcher.start(
+        "embedding",
+        env={
+            "RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "8",
+            "RAGLINE_EMBEDDING_MAX_QUEUE_TEXTS": "64",
+            "RAGLINE_EMBEDDING_MAX_QUEUE_TEXTS_PER_TENANT": "32",
+        },
+    )
+    long_text = "The Vistula flows through Warsaw and Krakow to the Baltic Sea. " * 20
+
+    async def embed(stub, tenant, count):
+        reply = await stub.Embed(
+            embedding_pb2.EmbedRequest(texts=[long_text] * count),
+            timeout=60,
+            metadata=(("x-ragline-tenant", tenant),),
+        )
+        return reply.timing.queue_wait.ToNanoseconds() / 1e9
+
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+        await embed(stub, "warm", 8)
+        # 48 texts at once: more than the tenant's share (32) can wait.
+        flood = [asyncio.create_task(embed(stub, "noisy", 8)) for _ in range(6)]
+        await asyncio.sleep(0.05)
+        quiet_wait = await embed(stub, "quiet", 8)  # room was left, and its turn comes
+        outcomes = await asyncio.gather(*flood, return_exceptions=True)
+    refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    noisy_waits = [o for o in outcomes if isinstance(o, float)]
+    assert refused and all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused)
+    assert all("this tenant" in e.details() for e in refused)
+    # The quiet tenant waited about one noisy batch, not the whole flood.
+    assert quiet_wait < max(noisy_waits) * 0.75, (quiet_wait, noisy_waits)

@@ -72,7 +72,7 @@ async def test_a_slot_whose_erase_did_not_finish_is_never_handed_over_warm(how):
 
 
 async def test_waiters_are_served_in_order_when_slots_free():
-    scheduler = SlotScheduler(1, 4, Eraser())
+    scheduler = SlotScheduler(1, 4, Eraser(), max_queue_per_tenant=4)
     held = await scheduler.acquire("acme", None)
     order = []
 
@@ -115,6 +115,28 @@ async def test_deadline_while_queued_and_cancelled_waiters_leave_the_queue():
     scheduler.release(held.slot)
     lease = await asyncio.wait_for(scheduler.acquire("acme", None), 1)
     assert lease.slot.index == 0
+
+
+async def test_a_flooding_tenant_neither_fills_the_queue_nor_starves_another():
+    scheduler = SlotScheduler(1, 8, Eraser())  # one tenant may hold half the queue
+    held = await scheduler.acquire("noisy", None)
+    order = []
+
+    async def ask(tenant, name):
+        lease = await scheduler.acquire(tenant, None)
+        order.append(name)
+        await asyncio.sleep(0)
+        scheduler.release(lease.slot)
+
+    flood = [asyncio.create_task(ask("noisy", f"noisy-{i}")) for i in range(4)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(ResourceExhausted, match="for this tenant"):
+        await scheduler.acquire("noisy", None)
+    quiet = asyncio.create_task(ask("quiet", "quiet"))  # room was left for it
+    await asyncio.sleep(0.01)
+    scheduler.release(held.slot)
+    await asyncio.gather(quiet, *flood)
+    assert order.index("quiet") <= 1  # behind at most one of the flood, not all four
 
 
 def test_speculation_asks_for_fallback_once_below_threshold():
