@@ -159,8 +159,8 @@ class Reranker:
         pair_tokenizer: Tokenizer | None,
         pair_batcher: MicroBatcher | None,
         cache: TokenCache,
-        late_interaction_weight: float = 0.5,
-        cross_encoder_weight: float = 0.5,
+        late_interaction_weight: float = 0.7,
+        cross_encoder_weight: float = 0.3,
         cross_encoder_candidates: int = 10,
         deadline_margin_s: float = 0.005,
     ) -> None:

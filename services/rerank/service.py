@@ -32,9 +32,9 @@ class RerankConfig(ServiceConfig):
     token_dim: int = Field(128, ge=8, le=4096)
     token_cache_mb: int = Field(256, ge=1)
     # Weight of MaxSim against the candidate's incoming score in stage 1 (0..1).
-    late_interaction_weight: float = Field(0.5, ge=0, le=1)
+    late_interaction_weight: float = Field(0.7, ge=0, le=1)
     # Weight of the cross-encoder's score against stage 1's in stage 2 (0..1).
-    cross_encoder_weight: float = Field(0.5, ge=0, le=1)
+    cross_encoder_weight: float = Field(0.3, ge=0, le=1)
     # Stage 2: a cross-encoder of the manifest ("" turns stage 2 off).
     cross_encoder_model: str = "minilm-ce-l3-int8"
     cross_encoder_candidates: int = Field(10, ge=1, le=1000)

@@ -1,13 +1,29 @@
-"""Tantivy BM25 index on local disk: title + text, tenant / ACL / attribute filter terms."""
+"""Tantivy BM25 on local disk, one index per tenant: title + text, ACL / attribute filters.
+
+One index per tenant because BM25 scores depend on collection statistics (document
+frequencies, average length): in a shared index, one tenant's documents would move another
+tenant's scores, and the contract says a tenant is never a ranking signal. A tenant's index
+is opened on first use and kept among the `max_open` most recently used; its writer exists
+only while a write is applied (tantivy's writer holds a lock file and a memory arena).
+Within a tenant, statistics are shared by all its documents, whatever their scopes.
+"""
 
 from __future__ import annotations
 
 import re
+import shutil
 import threading
+import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Protocol
 
-from ragline_services.retrieval.documents import Candidate, StoredDocument, Visibility
+from ragline_services.retrieval.documents import (
+    Candidate,
+    StoredDocument,
+    Visibility,
+    split_key,
+)
 
 _NOT_WORD = re.compile(r"[^\w]+", re.UNICODE)
 
@@ -35,58 +51,58 @@ class LexicalIndex(Protocol):
     def close(self) -> None: ...
 
 
-class Bm25Index:
-    """Tantivy behind the LexicalIndex interface."""
+def _schema(tantivy):
+    builder = tantivy.SchemaBuilder()
+    builder.add_text_field("key", stored=True, tokenizer_name="raw")
+    builder.add_text_field("scope", stored=False, tokenizer_name="raw")
+    builder.add_text_field("attr", stored=False, tokenizer_name="raw")
+    builder.add_text_field("title", stored=True, tokenizer_name="en_stem")
+    builder.add_text_field("text", stored=True, tokenizer_name="en_stem")
+    builder.add_integer_field("version", stored=True, indexed=False)
+    return builder.build()
 
-    def __init__(self, directory: Path, *, heap_bytes: int = 64_000_000) -> None:
-        import tantivy
 
+class _TenantIndex:
+    """One tenant's tantivy index."""
+
+    def __init__(self, tantivy, schema, directory: Path, heap_bytes: int) -> None:
         self._tantivy = tantivy
-        builder = tantivy.SchemaBuilder()
-        builder.add_text_field("key", stored=True, tokenizer_name="raw")
-        builder.add_text_field("tenant", stored=False, tokenizer_name="raw")
-        builder.add_text_field("scope", stored=False, tokenizer_name="raw")
-        builder.add_text_field("attr", stored=False, tokenizer_name="raw")
-        builder.add_text_field("title", stored=True, tokenizer_name="en_stem")
-        builder.add_text_field("text", stored=True, tokenizer_name="en_stem")
-        builder.add_integer_field("version", stored=True, indexed=False)
-        self.schema = builder.build()
+        self.schema = schema
         directory.mkdir(parents=True, exist_ok=True)
-        self.index = tantivy.Index(self.schema, path=str(directory))
-        self._writer = self.index.writer(heap_size=heap_bytes, num_threads=1)
-        self._write_lock = threading.Lock()
+        self.index = tantivy.Index(schema, path=str(directory))
+        self.heap_bytes = heap_bytes
+        self.documents: int | None = None  # counted on first need, kept after writes
 
     def apply(self, upserts: list[StoredDocument], deletes: list[str]) -> None:
-        """Upserts and deletes (by key) in one commit; searchable when this returns."""
         tantivy = self._tantivy
-        with self._write_lock:
+        writer = self.index.writer(heap_size=self.heap_bytes, num_threads=1)
+        try:
             for key in deletes:
-                self._writer.delete_documents_by_term("key", key)
+                writer.delete_documents_by_term("key", key)
             for doc in upserts:
-                self._writer.delete_documents_by_term("key", doc.key)
-                self._writer.add_document(tantivy.Document(
-                    key=doc.key, tenant=doc.tenant, scope=list(doc.scopes),
-                    attr=doc.attribute_terms, title=doc.title, text=doc.text,
-                    version=doc.version,
+                writer.delete_documents_by_term("key", doc.key)
+                writer.add_document(tantivy.Document(
+                    key=doc.key, scope=list(doc.scopes), attr=doc.attribute_terms,
+                    title=doc.title, text=doc.text, version=doc.version,
                 ))  # fmt: skip
-            self._writer.commit()
+            writer.commit()
+            writer.wait_merging_threads()  # releases the writer (and its lock) now
+        finally:
+            del writer
         self.index.reload()
+        self.documents = self.index.searcher().num_docs
 
     def _filters(self, visibility: Visibility) -> list:
         tantivy = self._tantivy
         Occur, Query = tantivy.Occur, tantivy.Query
         clauses = [
-            (Occur.Must, Query.term_query(self.schema, "tenant", visibility.tenant)),
             (Occur.Must, Query.term_set_query(self.schema, "scope", visibility.allowed_scopes)),
         ]
         for term in visibility.attribute_terms:
             clauses.append((Occur.Must, Query.term_query(self.schema, "attr", term)))
         return clauses
 
-    def search(self, query: str, visibility: Visibility, k: int) -> list[Candidate]:
-        text = sanitise(query)
-        if not text:
-            return []
+    def search(self, text: str, visibility: Visibility, k: int) -> list[Candidate]:
         tantivy = self._tantivy
         parsed = self.index.parse_query(text, ["title", "text"])
         combined = tantivy.Query.boolean_query(
@@ -103,12 +119,7 @@ class Bm25Index:
         query = self._tantivy.Query.boolean_query(self._filters(visibility))
         return searcher.search(query, 1, count=True).count
 
-    def count_tenant(self, tenant: str) -> int:
-        query = self._tantivy.Query.term_query(self.schema, "tenant", tenant)
-        return self.index.searcher().search(query, 1, count=True).count
-
     def stored(self, keys: list[str]) -> dict[str, dict]:
-        """Title, text and version of documents by key (for `include_text`)."""
         tantivy = self._tantivy
         searcher = self.index.searcher()
         out = {}
@@ -123,9 +134,110 @@ class Bm25Index:
                 }
         return out
 
-    def close(self) -> None:
-        """Releases the index writer (and its directory lock)."""
-        import gc
 
-        self._writer = None
-        gc.collect()
+def _tenant_directory(root: Path, tenant: str) -> Path:
+    # "t-" keeps tenants named "." or ".." (valid tenant ids) inside the root.
+    return root / f"t-{tenant}"
+
+
+class Bm25Index:
+    """Tantivy behind the LexicalIndex interface, one index per tenant."""
+
+    def __init__(
+        self, directory: Path, *, heap_bytes: int = 15_000_000, max_open: int = 256
+    ) -> None:
+        import tantivy
+
+        self._tantivy = tantivy
+        self.schema = _schema(tantivy)
+        self.directory = directory
+        self.heap_bytes = heap_bytes
+        self.max_open = max_open
+        self.migrated_from_shared = self._set_aside_a_shared_index(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._open: OrderedDict[str, _TenantIndex] = OrderedDict()
+        self._counts: dict[str, int] = {}  # documents per tenant, for the totals
+        self._lock = threading.Lock()  # the open-index table
+        self._write_lock = threading.Lock()  # one apply at a time (log order)
+        self.opened = 0  # tenant indexes opened (first use or after eviction)
+
+    @staticmethod
+    def _set_aside_a_shared_index(directory: Path) -> bool:
+        """An index of the earlier layout (all tenants in one) is moved aside; the caller
+        rebuilds from the write log. Returns whether it did."""
+        if not (directory / "meta.json").exists():
+            return False
+        aside = directory.with_name(f"{directory.name}.shared-{time.strftime('%Y%m%dT%H%M%S')}")
+        shutil.move(str(directory), aside)
+        return True
+
+    def _tenant(self, tenant: str, create: bool) -> _TenantIndex | None:
+        with self._lock:
+            found = self._open.get(tenant)
+            if found is not None:
+                self._open.move_to_end(tenant)
+                return found
+        path = _tenant_directory(self.directory, tenant)
+        if not create and not (path / "meta.json").exists():
+            return None
+        opened = _TenantIndex(self._tantivy, self.schema, path, self.heap_bytes)
+        with self._lock:
+            found = self._open.setdefault(tenant, opened)
+            self._open.move_to_end(tenant)
+            self.opened += found is opened
+            while len(self._open) > self.max_open:
+                self._open.popitem(last=False)  # searchers of its last queries stay valid
+            return found
+
+    def apply(self, upserts: list[StoredDocument], deletes: list[str]) -> None:
+        """Upserts and deletes (by key) in one commit per tenant; searchable on return."""
+        by_tenant: dict[str, tuple[list[StoredDocument], list[str]]] = {}
+        for doc in upserts:
+            by_tenant.setdefault(doc.tenant, ([], []))[0].append(doc)
+        for key in deletes:
+            by_tenant.setdefault(split_key(key)[0], ([], []))[1].append(key)
+        with self._write_lock:
+            for tenant, (tenant_upserts, tenant_deletes) in by_tenant.items():
+                index = self._tenant(tenant, create=bool(tenant_upserts))
+                if index is None:
+                    continue  # deletes for a tenant that never wrote: nothing to do
+                index.apply(tenant_upserts, tenant_deletes)
+                self._counts[tenant] = index.documents or 0
+
+    def search(self, query: str, visibility: Visibility, k: int) -> list[Candidate]:
+        text = sanitise(query)
+        if not text:
+            return []
+        index = self._tenant(visibility.tenant, create=False)
+        return [] if index is None else index.search(text, visibility, k)
+
+    def count(self, visibility: Visibility | None = None) -> int:
+        if visibility is not None:
+            index = self._tenant(visibility.tenant, create=False)
+            return 0 if index is None else index.count(visibility)
+        return sum(self.count_tenant(t) for t in self.tenants())
+
+    def count_tenant(self, tenant: str) -> int:
+        if tenant not in self._counts:
+            index = self._tenant(tenant, create=False)
+            self._counts[tenant] = 0 if index is None else index.count()
+        return self._counts[tenant]
+
+    def tenants(self) -> list[str]:
+        return [p.name[2:] for p in self.directory.glob("t-*") if (p / "meta.json").exists()]
+
+    def stored(self, keys: list[str]) -> dict[str, dict]:
+        """Title, text and version of documents by key (for `include_text`)."""
+        by_tenant: dict[str, list[str]] = {}
+        for key in keys:
+            by_tenant.setdefault(split_key(key)[0], []).append(key)
+        out: dict[str, dict] = {}
+        for tenant, tenant_keys in by_tenant.items():
+            index = self._tenant(tenant, create=False)
+            if index is not None:
+                out.update(index.stored(tenant_keys))
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._open.clear()

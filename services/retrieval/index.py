@@ -120,6 +120,7 @@ class IndexSettings:
     default_score_weight: float = 0.4
     # Held out on new_wiki (tuned on SQuAD dev): score fusion 0.900 nDCG@10, RRF 0.883.
     default_fusion: str = "score"
+    bm25_max_open_tenants: int = 256
 
 
 APPLY_RETRY_FIRST_S, APPLY_RETRY_MAX_S = 0.05, 5.0
@@ -133,12 +134,17 @@ class RetrievalIndex:
         directory.mkdir(parents=True, exist_ok=True)
         self.settings = settings
         self.wal = WriteLog(directory / "write.log")
-        self.bm25: LexicalIndex = Bm25Index(directory / "bm25")
+        bm25 = Bm25Index(directory / "bm25", max_open=settings.bm25_max_open_tenants)
+        self.bm25: LexicalIndex = bm25
         self.vectors = vectors
         self._embed = embed
         self._state_path = directory / "state.json"
         state = json.loads(self._state_path.read_text()) if self._state_path.exists() else {}
         self.bm25_seq = int(state.get("bm25_seq", 0))
+        if bm25.migrated_from_shared:
+            # The shared index of the earlier layout was set aside: rebuild from the log.
+            log.warning("retrieval.bm25_rebuilding_per_tenant", from_seq=self.bm25_seq)
+            self.bm25_seq = 0
         self.applied_seq = 0
         self.apply_error: str | None = None  # the write that cannot be applied now, and why
         self._apply_turn = asyncio.Condition()

@@ -46,6 +46,8 @@ class RetrievalConfig(ServiceConfig):
     build_niceness: int = Field(19, ge=0, le=19)
     # HYBRID fusion when a search names none, and its weight of the vector list for each.
     default_fusion: Literal["rrf", "score"] = "score"
+    # BM25 indexes (one per tenant) kept open, most recently used first.
+    bm25_max_open_tenants: int = Field(256, ge=1)
     default_vector_weight: float = Field(0.2, gt=0, lt=1)
     default_score_weight: float = Field(0.4, gt=0, lt=1)
     default_candidates: int = Field(100, ge=1)
@@ -119,6 +121,7 @@ class RetrievalService(Service):
             default_vector_weight=cfg.default_vector_weight,
             default_score_weight=cfg.default_score_weight,
             default_fusion=cfg.default_fusion,
+            bm25_max_open_tenants=cfg.bm25_max_open_tenants,
         )
         index = RetrievalIndex(directory, vectors, settings, self.embed)
         replayed = index.replay()

@@ -269,3 +269,56 @@ def test_vectors_in_the_log_are_lossless_and_older_json_logs_still_read():
     assert np.array_equal(decode_vector(encode_vector(values)), values)
     assert np.array_equal(decode_vector(values.tolist()), values)  # a JSON list
     assert len(encode_vector(values)) < len(str(values.tolist())) / 3
+
+
+async def test_one_tenants_documents_do_not_change_another_tenants_bm25_scores(tmp_path):
+    index = open_index(tmp_path)
+    await index.upsert("acme", DOCS)
+    query = SearchQuery("capital river", 10, BM25)
+    before = [(h.id, h.score) for h in (await index.search(ACME, query)).hits]
+    # Another tenant writes many documents full of the query's words: in a shared index
+    # their document frequencies would lower acme's idf, and its scores.
+    await index.upsert("globex", [
+        DocumentInput(f"g{i}", "Capital", f"capital river capital river number {i}")
+        for i in range(200)
+    ])  # fmt: skip
+    after = [(h.id, h.score) for h in (await index.search(ACME, query)).hits]
+    assert before and after == before
+
+
+async def test_tenant_indexes_beyond_the_open_bound_are_reopened_and_still_right(tmp_path):
+    vectors = EdgeVectorIndex(tmp_path / "vectors", DIM, tmp_path / "write.log")
+    index = RetrievalIndex(
+        tmp_path, vectors, IndexSettings(dim=DIM, bm25_max_open_tenants=2), toy_embed
+    )
+    index.replay()
+    tenants = [f"t{i}" for i in range(5)]
+    for tenant in tenants:
+        await index.upsert(tenant, [DocumentInput("d", "Doc", f"words of {tenant}")])
+    for tenant in tenants * 2:
+        hits = (await index.search(Visibility(tenant), SearchQuery(tenant, 5, BM25))).hits
+        assert [h.id for h in hits] == ["d"], tenant
+    assert index.bm25.opened > 2  # evicted ones were opened again
+    assert index.bm25.count() == 5 and index.bm25.count_tenant("t3") == 1
+    index.close()
+
+
+async def test_an_index_of_the_shared_layout_is_set_aside_and_rebuilt_per_tenant(tmp_path):
+    import tantivy
+
+    index = open_index(tmp_path)
+    await index.upsert("acme", DOCS)
+    index.close()
+    # What an earlier version left: one tantivy index for every tenant in bm25/.
+    builder = tantivy.SchemaBuilder()
+    builder.add_text_field("key", stored=True)
+    shared = tmp_path / "bm25"
+    import shutil
+
+    shutil.rmtree(shared)
+    shared.mkdir()
+    tantivy.Index(builder.build(), path=str(shared))
+    reopened = open_index(tmp_path)
+    assert list(tmp_path.glob("bm25.shared-*"))
+    found = await reopened.search(ACME, SearchQuery("Vistula", 5, BM25))
+    assert [h.id for h in found.hits] == ["warsaw"]
