@@ -37,6 +37,8 @@ up: install llama-server
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python tools/buf.py lint
+	$(BIN)/python tools/buf.py breaking
 
 test: lint triton-env llama-server
 	$(BIN)/pytest
