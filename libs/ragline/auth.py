@@ -161,7 +161,9 @@ class Authenticator:
                 options={"require": ["exp", "tenant"]},
             )
         except self._jwt.ExpiredSignatureError:
-            raise Unauthenticated("the token has expired; get a new one") from None
+            raise Unauthenticated(
+                "the token has expired; get a new one", reason="TOKEN_EXPIRED"
+            ) from None
         except self._jwt.PyJWTError as error:
             raise Unauthenticated(f"the token was refused: {error}") from None
         tenant = claims.get("tenant")
@@ -174,13 +176,16 @@ class Authenticator:
         claimed_tenant = values.get(TENANT_KEY, "").strip()
         if claimed_tenant and claimed_tenant != tenant:
             raise PermissionDenied(
-                f"metadata {TENANT_KEY} is {claimed_tenant!r} but the token is for {tenant!r}"
+                f"metadata {TENANT_KEY} is {claimed_tenant!r} but the token is for {tenant!r}",
+                reason="TENANT_MISMATCH",
             )
         asked = frozenset(s.strip() for s in values.get(SCOPES_KEY, "").split(",") if s.strip())
         if asked - held:
             raise PermissionDenied(
                 f"the token does not hold scope(s) {', '.join(sorted(asked - held))} asked for "
-                f"in metadata {SCOPES_KEY}"
+                f"in metadata {SCOPES_KEY}",
+                reason="SCOPE_NOT_HELD",
+                metadata={"scopes": ",".join(sorted(asked - held))},
             )
         return Caller(tenant=tenant, principal=principal, scopes=asked or held)
 

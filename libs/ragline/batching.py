@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ragline.errors import DeadlineExceeded, ResourceExhausted
+from ragline.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from ragline.tokenization import TokenizedText
 
 # Runs the model on one length bucket: its texts in, one row per text out. The batcher
@@ -145,7 +145,9 @@ class MicroBatcher:
         for queue in self._queues.values():
             for item in queue:
                 if not item.future.done():
-                    item.future.set_exception(ResourceExhausted(f"{self.name} is shutting down"))
+                    item.future.set_exception(
+                        Unavailable(f"{self.name} is shutting down", reason="SHUTTING_DOWN")
+                    )
         self._queues.clear()
         self._queued_by_tenant.clear()
         self._queued_texts = 0
@@ -163,6 +165,8 @@ class MicroBatcher:
             f"{self.name} queue is full for {whose} ({waiting} texts waiting, limit {limit}); "
             f"retry in about {backlog_s * 1000:.0f} ms",
             retry_after_s=backlog_s,
+            reason="QUEUE_FULL",
+            metadata={"queue": self.name, "scope": "tenant" if whose == "this tenant" else "all"},
         )
 
     async def submit(

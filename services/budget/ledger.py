@@ -112,18 +112,26 @@ def decide_reserve(reservation_id: str, amounts: Amounts, stage: str) -> Decisio
                 f"task {task.task_id} passed its deadline {late_ms:.0f} ms ago; no new reservations"
             )
         if state == TASK_CLOSED:
-            raise FailedPrecondition(f"task {task.task_id} is closed; no new reservations")
+            raise FailedPrecondition(
+                f"task {task.task_id} is closed; no new reservations",
+                reason="TASK_CLOSED",
+                metadata={"task_id": task.task_id},
+            )
         if task.max_in_flight and task.in_flight >= task.max_in_flight:
             raise ResourceExhausted(
                 f"task {task.task_id} has {task.in_flight} reservations in flight, its cap is "
                 f"{task.max_in_flight}; settle one first",
                 retry_after_s=0.05,
+                reason="TOO_MANY_IN_FLIGHT",
+                metadata={"task_id": task.task_id, "max_in_flight": task.max_in_flight},
             )
         if not (task.committed + amounts).fits_within(task.limits):
             over = ", ".join(amounts.exceeding(task.remaining))
             raise ResourceExhausted(
                 f"task {task.task_id} budget cannot cover this reservation ({over} too high); "
-                f"remaining: {task.remaining.describe()}"
+                f"remaining: {task.remaining.describe()}",
+                reason="BUDGET_EXHAUSTED",
+                metadata={"task_id": task.task_id, "over": over},
             )
         return Write(
             replace(task, reserved=task.reserved + amounts, in_flight=task.in_flight + 1),

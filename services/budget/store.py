@@ -94,7 +94,8 @@ class EtcdLedgerStore:
             raise Unavailable(
                 f"budget ledger store unreachable (etcd at {', '.join(self.endpoints)}, "
                 f"{operation}): {error}; no reservation was granted, retry with the same "
-                "reservation id"
+                "reservation id",
+                reason="LEDGER_STORE_UNAVAILABLE",
             ) from error
 
     async def read(self, keys: Sequence[bytes]) -> list[Versioned | None]:

@@ -86,6 +86,11 @@ class SlotScheduler:
             f"generation is at capacity for {whose}: {self.busy} sequences running, "
             f"{waiting} waiting (limit {limit}); retry in about {retry:.1f} s",
             retry_after_s=retry,
+            reason="QUEUE_FULL",
+            metadata={
+                "queue": "generation",
+                "scope": "tenant" if whose == "this tenant" else "all",
+            },
         )
 
     def _pick(self, tenant: str) -> Slot | None:

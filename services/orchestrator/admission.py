@@ -69,6 +69,8 @@ class Admission:
                 f"{len(self._queue)} queued (limit {self.max_queue}); retry in about "
                 f"{retry:.1f} s",
                 retry_after_s=retry,
+                reason="QUEUE_FULL",
+                metadata={"queue": "orchestrator", "scope": "all"},
             )
         left = None if deadline is None else deadline - started
         if left is not None and self.expected_wait_s() + self.typical_run_s > left:
@@ -78,6 +80,8 @@ class Admission:
                 f"{self.expected_wait_s():.1f} s and take about {self.typical_run_s:.1f} s, "
                 f"more than the {left:.1f} s its deadline leaves; retry in about {retry:.1f} s",
                 retry_after_s=retry,
+                reason="DEADLINE_TOO_SHORT_FOR_QUEUE",
+                metadata={"queue": "orchestrator"},
             )
         waiter = _Waiter(deadline, asyncio.get_running_loop().create_future())
         self._queue.append(waiter)

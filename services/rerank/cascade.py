@@ -193,7 +193,9 @@ class Reranker:
             elif reason:
                 raise DeadlineExceeded(
                     f"the cross-encoder would need about {reason}; the request does not allow "
-                    "skipping it (allow_skip)"
+                    "skipping it (allow_skip)",
+                    reason="STAGE_UNAFFORDABLE",
+                    metadata={"stage": CROSS_ENCODER},
                 )
             else:
                 results = await self._cross_encoder(request, chosen, stage1, output) + [

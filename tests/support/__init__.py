@@ -36,3 +36,18 @@ def field_violations(error) -> dict[str, str]:
             detail.Unpack(bad_request)
             violations.update({v.field: v.description for v in bad_request.field_violations})
     return violations
+
+
+def error_info(error) -> tuple[str, str, dict[str, str]]:
+    """(reason, domain, metadata) of the google.rpc.ErrorInfo of a failed call."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(error)
+    assert status is not None, "no google.rpc.Status details in the trailers"
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info.reason, info.domain, dict(info.metadata)
+    raise AssertionError(f"no ErrorInfo among {[d.type_url for d in status.details]}")

@@ -37,7 +37,11 @@ class Deferred(Generic[T]):
     @property
     def value(self) -> T:
         if self._value is None:
-            raise Unavailable(f"{self.what} is still starting; retry in a moment")
+            raise Unavailable(
+                f"{self.what} is still starting; retry in a moment",
+                reason="NOT_READY",
+                retry_after_s=1.0,
+            )
         return self._value
 
 

@@ -13,7 +13,7 @@ from ragline.v1 import (
     retrieval_pb2,
     retrieval_pb2_grpc,
 )
-from support import field_violations
+from support import error_info, field_violations
 
 pytestmark = pytest.mark.integration
 
@@ -100,3 +100,36 @@ async def test_run_id_is_echoed_in_trailers(all_services):
                 metadata=(("x-ragline-run-id", "run-123"),),
             )
     assert ("x-ragline-run-id", "run-123") in tuple(caught.value.trailing_metadata())
+
+
+@pytest.mark.parametrize(
+    ("service", "stub", "method", "message", "field"),
+    [
+        ("embedding", "EmbeddingServiceStub", "Embed", "EmbedRequest", "texts"),
+        ("retrieval", "RetrievalServiceStub", "Search", "SearchRequest", "query"),
+        ("rerank", "RerankServiceStub", "Rerank", "RerankRequest", "query"),
+        ("generation", "GenerationServiceStub", "CountTokens", "CountTokensRequest", "input"),
+        ("budget", "BudgetServiceStub", "GetLedger", "GetLedgerRequest", "task_id"),
+        ("orchestrator", "OrchestratorServiceStub", "Ask", "AskRequest", "question"),
+    ],
+)  # fmt: skip
+async def test_every_service_names_the_field_and_a_stable_reason(
+    all_services, service, stub, method, message, field
+):
+    import importlib
+
+    messages = importlib.import_module(f"ragline.v1.{service}_pb2")
+    stubs = importlib.import_module(f"ragline.v1.{service}_pb2_grpc")
+    async with grpc.aio.insecure_channel(all_services[service].address) as channel:
+        call = getattr(getattr(stubs, stub)(channel), method)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            reply = call(getattr(messages, message)(), timeout=30, metadata=TENANT)
+            if hasattr(reply, "__aiter__"):
+                async for _ in reply:
+                    pass
+            else:
+                await reply
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in field_violations(caught.value), field_violations(caught.value)
+    reason, domain, metadata = error_info(caught.value)
+    assert (reason, domain) == ("INVALID_ARGUMENT", "ragline.dev") and metadata["field"]

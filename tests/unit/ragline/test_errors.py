@@ -43,3 +43,61 @@ def test_codes_match_the_status_proto():
     code, message, status = to_rpc_status(Unimplemented("later"))
     assert status.code == code.value[0] == 12
     assert status.message == message
+
+
+def test_every_error_carries_a_stable_reason_in_the_ragline_domain():
+    from ragline import errors
+
+    base = errors.RaglineError
+    classes = [
+        c for c in vars(errors).values()
+        if isinstance(c, type) and issubclass(c, base) and c is not base
+    ]  # fmt: skip
+    assert len(classes) >= 12
+    for cls in classes:
+        error = cls("field", "why") if cls is InvalidArgument else cls("something happened")
+        _, _, status = to_rpc_status(error)
+        info = unpack(status, error_details_pb2.ErrorInfo)
+        assert info is not None, cls
+        assert info.domain == "ragline.dev" and info.reason == info.reason.upper(), cls
+    _, _, status = to_rpc_status(ValueError("boom"))
+    assert unpack(status, error_details_pb2.ErrorInfo).reason == "INTERNAL"
+
+
+def test_a_specific_reason_and_its_metadata_travel():
+    error = ResourceExhausted(
+        "budget spent", reason="BUDGET_EXHAUSTED", metadata={"task_id": "t1", "over": 3}
+    )
+    _, _, status = to_rpc_status(error)
+    info = unpack(status, error_details_pb2.ErrorInfo)
+    assert info.reason == "BUDGET_EXHAUSTED" and dict(info.metadata) == {
+        "task_id": "t1",
+        "over": "3",
+    }
+    assert unpack(status, error_details_pb2.RetryInfo) is None  # waiting will not help
+
+
+def test_errors_a_retry_can_cure_say_when():
+    from ragline.errors import Aborted, DeadlineExceeded, Unavailable
+
+    for error in (Unavailable("engine down"), Aborted("conflict")):
+        _, _, status = to_rpc_status(error)
+        assert unpack(status, error_details_pb2.RetryInfo) is not None, error
+    _, _, status = to_rpc_status(DeadlineExceeded("late"))
+    assert unpack(status, error_details_pb2.RetryInfo) is None
+
+
+def test_a_downstream_failure_keeps_its_code_and_details():
+    from grpc_status import rpc_status
+
+    _, _, downstream = to_rpc_status(
+        ResourceExhausted("full", retry_after_s=0.5, reason="QUEUE_FULL", metadata={"queue": "q"})
+    )
+    trailing = grpc.aio.Metadata(*rpc_status.to_status(downstream).trailing_metadata)
+    failed = grpc.aio.AioRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), trailing, details="full"
+    )
+    code, _, status = to_rpc_status(failed)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert unpack(status, error_details_pb2.ErrorInfo).reason == "QUEUE_FULL"
+    assert unpack(status, error_details_pb2.RetryInfo).retry_delay.ToMilliseconds() == 500

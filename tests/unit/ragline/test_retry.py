@@ -12,7 +12,7 @@ from ragline.retry import RetryPolicy, call_with_retry, retry_delay_of
 def rpc_error(code: grpc.StatusCode, retry_after_s: float | None = None) -> grpc.aio.AioRpcError:
     trailing = grpc.aio.Metadata()
     if retry_after_s is not None:
-        _, _, status = to_rpc_status(ResourceExhausted("queue full", retry_after_s))
+        _, _, status = to_rpc_status(ResourceExhausted("queue full", retry_after_s=retry_after_s))
         for key, value in rpc_status.to_status(status).trailing_metadata:
             trailing.add(key, value)
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details="x")

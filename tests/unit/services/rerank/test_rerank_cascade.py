@@ -121,18 +121,18 @@ async def test_the_incoming_score_counts_in_stage_one():
 
 
 async def test_stage_two_is_skipped_when_the_deadline_cannot_afford_it_and_the_request_allows():
-    models = Models(delay_s=0.3)
+    models = Models(delay_s=0.6)
     reranker = await make(models)
     question = RerankInput("acme", "river warsaw", CANDIDATES, top_k=2, allow_skip=True)
     await reranker.rerank(question)  # learns what stage 2 costs
     models.pairs = 0
-    with deadlines.deadline_scope(0.1):
+    with deadlines.deadline_scope(0.2):
         out = await reranker.rerank(question)
     assert out.stages_run == [LATE_INTERACTION]
     assert out.skipped and out.skipped[0][0] == CROSS_ENCODER
     assert out.skipped[0][1].startswith("deadline")
     assert models.pairs == 0 and len(out.results) == 2
-    with deadlines.deadline_scope(0.1), pytest.raises(DeadlineExceeded, match="allow_skip"):
+    with deadlines.deadline_scope(0.2), pytest.raises(DeadlineExceeded, match="allow_skip"):
         await reranker.rerank(
             RerankInput("acme", "river warsaw", CANDIDATES, top_k=2, allow_skip=False)
         )
