@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ragline-installed
 TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.ragline-installed
 
-.PHONY: install triton-env llama-server up test lint format clean
+.PHONY: install triton-env llama-server node-client up test lint format clean
 
 # Re-installing regenerates the protobuf/gRPC stubs (setup.py runs grpcio-tools).
 install: $(STAMP)
@@ -40,7 +40,13 @@ lint: install
 	$(BIN)/python tools/buf.py lint
 	$(BIN)/python tools/buf.py breaking
 
-test: lint triton-env llama-server
+# The Node.js client's packages (npm registry), for its end-to-end test.
+node-client: clients/node/node_modules/.package-lock.json
+
+clients/node/node_modules/.package-lock.json: clients/node/package.json clients/node/package-lock.json
+	cd clients/node && npm ci --no-audit --no-fund
+
+test: lint triton-env llama-server node-client
 	$(BIN)/pytest
 
 format: install
