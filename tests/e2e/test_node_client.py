@@ -62,3 +62,33 @@ def test_node_client_reads_bad_request_and_error_info(rag_stack, node_client):
     assert json.loads(too_short.stderr.strip().splitlines()[-1])["error"]["code"] == (
         "DEADLINE_EXCEEDED"
     )
+
+
+@pytest.mark.parametrize(
+    ("service", "grpc_service", "method", "field"),
+    [
+        ("embedding", "EmbeddingService", "Embed", "texts"),
+        ("retrieval", "RetrievalService", "Search", "query"),
+        ("rerank", "RerankService", "Rerank", "query"),
+        ("generation", "GenerationService", "CountTokens", "input"),
+        ("budget", "BudgetService", "GetLedger", "task_id"),
+    ],
+)
+def test_node_client_reads_every_services_bad_request(
+    all_services, node_client, service, grpc_service, method, field
+):
+    failed = subprocess.run(
+        ["node", str(CLIENT / "call.js"), "--addr", all_services[service].address,
+         "--tenant", "acme", grpc_service, method, "{}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    error = json.loads(failed.stderr.strip().splitlines()[-1])["error"]
+    assert error["code"] == "INVALID_ARGUMENT" and error["reason"] == "INVALID_ARGUMENT"
+    assert field in {v["field"] for v in error["fieldViolations"]}
+    worked = subprocess.run(
+        ["node", str(CLIENT / "call.js"), "--addr", all_services["retrieval"].address,
+         "--tenant", "acme", "RetrievalService", "IndexStatus", "{}"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert worked.returncode == 0 and "dim" in json.loads(worked.stdout)
