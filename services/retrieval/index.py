@@ -162,7 +162,11 @@ class RetrievalIndex:
         final: dict[str, StoredDocument | None] = {}
         for record in self.wal.replay(after_seq=start):
             seq = record["seq"]
-            upserts = [StoredDocument.from_record(d) for d in record.get("upserts", ())]
+            # A document's version is the sequence of its write (the log stores 0: the
+            # sequence is only known once the record is appended).
+            upserts = [
+                StoredDocument.from_record({**d, "version": seq}) for d in record.get("upserts", ())
+            ]
             deletes = list(record.get("deletes", ()))
             self.vectors.apply(seq, upserts, deletes)
             if seq > self.bm25_seq:

@@ -148,6 +148,11 @@ async def test_restart_replays_without_duplicates(tmp_path):
     assert reopened.bm25.count(ACME) == 3  # salary is hr-only
     hits = (await reopened.search(ACME, SearchQuery("Warsaw", 10, BM25, include_text=True))).hits
     assert [h.text for h in hits if h.id == "warsaw"] == ["Warsaw, updated text."]
+    (tmp_path / "state.json").unlink()  # BM25 rebuilt from the log: versions survive it
+    reopened.close()
+    rebuilt = open_index(tmp_path)
+    hits = (await rebuilt.search(ACME, SearchQuery("Warsaw Paris", 10, BM25))).hits
+    assert {h.id: h.version for h in hits} == {"warsaw": 2, "paris": 1}
 
 
 async def test_a_failed_apply_is_retried_and_a_later_write_never_skips_it(tmp_path, monkeypatch):
