@@ -209,7 +209,7 @@ def cmd_token(args: argparse.Namespace) -> int:
     print(mint_token(
         config.jwt_key, args.tenant, principal=args.principal,
         scopes=[s for s in args.scopes.split(",") if s], ttl_s=args.ttl,
-        audience=config.jwt_audience,
+        audience=config.jwt_audience, operator=args.operator,
     ))  # fmt: skip
     return 0
 
@@ -539,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
     token.add_argument("--principal", default="")
     token.add_argument("--scopes", default="", help="comma-separated visibility scopes")
     token.add_argument("--ttl", type=float, default=3600.0, help="lifetime in seconds")
+    token.add_argument(
+        "--operator", action="store_true", help="also sees figures that count every tenant"
+    )
     token.set_defaults(func=cmd_token)
 
     models = sub.add_parser("models", help="list, fetch and verify models (see the manifest)")

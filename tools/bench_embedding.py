@@ -114,7 +114,10 @@ async def drive(address: str, texts: list[str], concurrency: int, seconds: float
                 started = time.perf_counter()
                 try:
                     reply = await stub.Embed(
-                        embedding_pb2.EmbedRequest(texts=[texts[i % len(texts)]]), timeout=30
+                        embedding_pb2.EmbedRequest(texts=[texts[i % len(texts)]]),
+                        timeout=30,
+                        # batch sizes are shown to operators only
+                        metadata=(("x-ragline-tenant", "bench"), ("x-ragline-operator", "true")),
                     )
                     batch_sizes.append(reply.batch_size)
                 except grpc.aio.AioRpcError:

@@ -7,7 +7,8 @@ port can claim any tenant. With `jwt`:
 - A client sends `authorization: Bearer <JWT>`. The token is verified (signature, `exp`,
   `nbf`, audience, issuer when set) with the HMAC key `RAGLINE_AUTH_JWT_KEY` or the public
   key in `RAGLINE_AUTH_JWT_PUBLIC_KEY_FILE`; its claims give the caller: `tenant`, `sub`
-  (principal) and `scopes` (a list, or one space-separated string). Identity metadata may
+  (principal), `scopes` (a list, or one space-separated string) and `ragline_operator`
+  (true: also sees figures that count every tenant). Identity metadata may
   narrow the scopes (`x-ragline-scopes`: only ones the token holds, else PERMISSION_DENIED)
   and may repeat the token's tenant, never change it.
 - A service calling another service passes the verified caller on in the identity metadata
@@ -187,7 +188,8 @@ class Authenticator:
                 reason="SCOPE_NOT_HELD",
                 metadata={"scopes": ",".join(sorted(asked - held))},
             )
-        return Caller(tenant=tenant, principal=principal, scopes=asked or held)
+        operator = claims.get("ragline_operator") is True
+        return Caller(tenant=tenant, principal=principal, scopes=asked or held, operator=operator)
 
     def _verify_service(self, credential: str) -> None:
         try:
@@ -241,6 +243,7 @@ def mint_token(
     ttl_s: float = 3600.0,
     audience: str = "ragline",
     algorithm: str = "HS256",
+    operator: bool = False,
 ) -> str:
     """A client token signed with `key` (for development, tests and `ragline token`)."""
     import jwt
@@ -250,6 +253,8 @@ def mint_token(
               "iat": now, "exp": int(now + ttl_s)}  # fmt: skip
     if principal:
         claims["sub"] = principal
+    if operator:
+        claims["ragline_operator"] = True
     return jwt.encode(claims, key, algorithm=algorithm)
 
 

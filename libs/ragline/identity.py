@@ -13,6 +13,8 @@ from ragline.errors import InvalidArgument, Unauthenticated
 TENANT_KEY = "x-ragline-tenant"
 PRINCIPAL_KEY = "x-ragline-principal"
 SCOPES_KEY = "x-ragline-scopes"
+# An operator also sees figures that count every tenant (index totals, batch sizes).
+OPERATOR_KEY = "x-ragline-operator"
 RUN_ID_KEY = "x-ragline-run-id"
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
@@ -36,6 +38,7 @@ class Caller:
     tenant: str
     principal: str = ""
     scopes: frozenset[str] = frozenset()
+    operator: bool = False
 
     def metadata(self) -> list[tuple[str, str]]:
         pairs = [(TENANT_KEY, self.tenant)]
@@ -43,6 +46,8 @@ class Caller:
             pairs.append((PRINCIPAL_KEY, self.principal))
         if self.scopes:
             pairs.append((SCOPES_KEY, ",".join(sorted(self.scopes))))
+        if self.operator:
+            pairs.append((OPERATOR_KEY, "true"))
         return pairs
 
 
@@ -69,7 +74,8 @@ def caller_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> 
     for scope in scopes:
         if not is_name(scope):
             raise InvalidArgument(f"metadata {SCOPES_KEY}", f"scope {scope!r} must be {NAME_RULE}")
-    return Caller(tenant=tenant, principal=principal, scopes=scopes)
+    operator = values.get(OPERATOR_KEY, "").strip().lower() in ("true", "1")
+    return Caller(tenant=tenant, principal=principal, scopes=scopes, operator=operator)
 
 
 def run_id_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:

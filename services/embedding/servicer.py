@@ -15,6 +15,11 @@ _INPUT_TYPES = {
 }
 
 
+def _is_operator() -> bool:
+    caller = optional_caller()
+    return caller is not None and caller.operator
+
+
 def _tenant() -> str:
     # Fair queueing is by tenant; a caller without one (a tool) queues as "".
     caller = optional_caller()
@@ -53,5 +58,6 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
             dim=result.dim,
             usage=common_pb2.Usage(input_tokens=sum(result.token_counts)),
             timing=clock.to_proto(),
-            batch_size=result.batch_texts,
+            # How many texts ran together shows others' traffic: operators only.
+            batch_size=result.batch_texts if _is_operator() else len(request.texts),
         )

@@ -31,7 +31,7 @@ from ragline_services.retrieval.documents import (
     split_key,
 )
 from ragline_services.retrieval.vectors import VectorIndex
-from ragline_services.retrieval.wal import WriteLog
+from ragline_services.retrieval.wal import WriteLog, tenant_seq
 
 log = structlog.get_logger("ragline.retrieval")
 
@@ -53,10 +53,11 @@ class DocumentInput:
 
 @dataclass(frozen=True)
 class WriteResult:
-    seq: int
+    seq: int  # position in the whole log (operators)
     versions: list[int]
     deleted: int = 0
     not_found: int = 0
+    tenant_seq: int = 0  # position among the tenant's writes (what the tenant is shown)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,9 @@ class RetrievalIndex:
             log.warning("retrieval.bm25_rebuilding_per_tenant", from_seq=self.bm25_seq)
             self.bm25_seq = 0
         self.applied_seq = 0
+        # The last applied write of each tenant, in the tenant's numbering: the index
+        # version a tenant is shown (its own writes only).
+        self.tenant_applied: dict[str, int] = {}
         self.apply_error: str | None = None  # the write that cannot be applied now, and why
         self._apply_turn = asyncio.Condition()
         self._writes: set[asyncio.Task] = set()
@@ -162,10 +166,12 @@ class RetrievalIndex:
         final: dict[str, StoredDocument | None] = {}
         for record in self.wal.replay(after_seq=start):
             seq = record["seq"]
-            # A document's version is the sequence of its write (the log stores 0: the
-            # sequence is only known once the record is appended).
+            # A document's version is its write's number among the tenant's writes (the
+            # log stores 0: the number is only known once the record is appended).
+            version = tenant_seq(record)
             upserts = [
-                StoredDocument.from_record({**d, "version": seq}) for d in record.get("upserts", ())
+                StoredDocument.from_record({**d, "version": version})
+                for d in record.get("upserts", ())
             ]
             deletes = list(record.get("deletes", ()))
             self.vectors.apply(seq, upserts, deletes)
@@ -180,6 +186,7 @@ class RetrievalIndex:
         if final:
             self._bm25_apply_final(self.applied_seq, final)
         self.applied_seq = max(self.applied_seq, self.wal.last_seq)
+        self.tenant_applied = dict(self.wal.tenant_last)  # everything logged is applied now
         return count
 
     def _bm25_apply_final(self, seq: int, final: dict[str, StoredDocument | None]) -> None:
@@ -229,27 +236,39 @@ class RetrievalIndex:
              "vector": encode_vector(d.vector if d.vector else vectors[i]), "version": 0}
             for i, d in enumerate(documents)
         ]  # fmt: skip
-        seq = await self._write({"op": "write", "upserts": records, "deletes": []})
-        return WriteResult(seq, [seq] * len(records))
+        seq, tseq = await self._write(
+            {"op": "write", "tenant": tenant, "upserts": records, "deletes": []}
+        )
+        return WriteResult(seq, [tseq] * len(records), tenant_seq=tseq)
 
     async def delete(self, tenant: str, ids: list[str]) -> WriteResult:
         keys = [doc_key(tenant, i) for i in dict.fromkeys(ids)]
         existing = await asyncio.to_thread(self.bm25.stored, keys)
         present = [k for k in keys if k in existing]
         if not present:
-            return WriteResult(self.applied_seq, [], 0, len(keys))
-        seq = await self._write({"op": "write", "upserts": [], "deletes": present})
-        return WriteResult(seq, [], len(present), len(keys) - len(present))
+            tseq = self.tenant_applied.get(tenant, 0)
+            return WriteResult(self.applied_seq, [], 0, len(keys), tenant_seq=tseq)
+        seq, tseq = await self._write(
+            {"op": "write", "tenant": tenant, "upserts": [], "deletes": present}
+        )
+        return WriteResult(seq, [], len(present), len(keys) - len(present), tenant_seq=tseq)
 
-    async def _write(self, record: dict) -> int:
-        """Log, then apply. Shielded: once a record may be in the log it is applied even
-        if the caller goes away, or every later write would wait for it forever."""
+    async def _write(self, record: dict) -> tuple[int, int]:
+        """Log, then apply; returns (seq, tenant seq). Shielded: once a record may be in
+        the log it is applied even if the caller goes away, or every later write would wait
+        for it forever."""
 
-        async def log_and_apply() -> int:
-            seq = await self.wal.append(record)
-            upserts = [StoredDocument.from_record({**r, "version": seq}) for r in record["upserts"]]
+        async def log_and_apply() -> tuple[int, int]:
+            seq, tseq = await self.wal.append_numbered(record)
+            # A document's version is its write's number among the tenant's writes.
+            upserts = [
+                StoredDocument.from_record({**r, "version": tseq}) for r in record["upserts"]
+            ]
             await self._apply_in_order(seq, upserts, list(record["deletes"]))
-            return seq
+            self.tenant_applied[record["tenant"]] = max(
+                self.tenant_applied.get(record["tenant"], 0), tseq
+            )
+            return seq, tseq
 
         task = asyncio.ensure_future(log_and_apply())
         self._writes.add(task)
@@ -371,25 +390,31 @@ class RetrievalIndex:
                 title=info["title"] if query.include_text else "",
                 text=info["text"] if query.include_text else "",
             ))  # fmt: skip
-        return SearchResult(hits, mode, mode != query.mode, reason, self.applied_seq, stages)
+        version = self.tenant_applied.get(visibility.tenant, 0)
+        return SearchResult(hits, mode, mode != query.mode, reason, version, stages)
 
     # -- state ------------------------------------------------------------------------------
 
-    async def status(self, tenant: str) -> IndexStatus:
+    async def status(self, tenant: str, *, operator: bool = False) -> IndexStatus:
+        """The index as `tenant` may see it: its own documents and write numbers. Figures
+        that count every tenant's documents and writes go to operators only (zero here
+        otherwise), since they would show a tenant how much the others write."""
+
         def read() -> IndexStatus:
             vectors = self.vectors.status()
+            mine = self.tenant_applied.get(tenant, 0)
             return IndexStatus(
-                index_version=self.applied_seq,
+                index_version=self.applied_seq if operator else mine,
                 tenant_documents=self.bm25.count_tenant(tenant),
-                total_documents=self.bm25.count(),
-                log_sequence=self.wal.last_seq,
-                applied_sequence=self.applied_seq,
-                delta_documents=vectors.points - vectors.indexed_points,
+                total_documents=self.bm25.count() if operator else 0,
+                log_sequence=self.wal.last_seq if operator else self.wal.tenant_last.get(tenant, 0),
+                applied_sequence=self.applied_seq if operator else mine,
+                delta_documents=vectors.points - vectors.indexed_points if operator else 0,
                 vector_index_ready=vectors.ready,
                 rebuilding=vectors.building,
                 last_build_finished=self.last_build_finished,
                 dim=self.settings.dim,
-                apply_error=self.apply_error or "",
+                apply_error=(self.apply_error or "") if operator else "",
             )
 
         return await asyncio.to_thread(read)

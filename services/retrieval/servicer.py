@@ -66,10 +66,11 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             for d in request.documents
         ]
         result = await index.upsert(current_caller().tenant, documents)
+        # The tenant's own write numbers: the global ones would show it everyone's writes.
         return retrieval_pb2.UpsertResponse(
             upserted=len(documents),
-            log_sequence=result.seq,
-            index_version=index.applied_seq,
+            log_sequence=result.tenant_seq,
+            index_version=result.tenant_seq,
             versions=result.versions,
             timing=_finish_timing(),
         )
@@ -80,8 +81,8 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         return retrieval_pb2.DeleteResponse(
             deleted=result.deleted,
             not_found=result.not_found,
-            log_sequence=result.seq,
-            index_version=index.applied_seq,
+            log_sequence=result.tenant_seq,
+            index_version=result.tenant_seq,
             timing=_finish_timing(),
         )
 
@@ -119,7 +120,8 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         )
 
     async def IndexStatus(self, request, context):
-        status = await self.index.value.status(current_caller().tenant)
+        caller = current_caller()
+        status = await self.index.value.status(caller.tenant, operator=caller.operator)
         reply = retrieval_pb2.IndexStatusResponse(
             index_version=status.index_version,
             tenant_documents=status.tenant_documents,

@@ -10,6 +10,10 @@ crash, and acknowledged writes lie behind it: the log refuses to open (CorruptLo
 how to repair it (`python -m ragline_services.retrieval.wal repair PATH` keeps every good
 frame and moves the damaged file aside).
 
+Every record gets "seq", its position in the log, and, when it names its "tenant", "tseq":
+its position among that tenant's records. Tenants see only their own numbering (a global
+sequence would show them how much everyone else writes); operators see both.
+
 Record framing: 4-byte little-endian payload length, 4-byte CRC32 of the payload, payload
 (compact JSON with "seq").
 """
@@ -29,6 +33,7 @@ from pathlib import Path
 
 from ragline.errors import StartRefused
 from ragline.files import fsync_directory, write_all
+from ragline_services.retrieval.documents import split_key
 
 _HEADER = struct.Struct("<II")
 
@@ -45,6 +50,23 @@ class CorruptLog(StartRefused):
             f"Repair: python -m ragline_services.retrieval.wal repair {path} (keeps every good "
             "record, moves the damaged file aside), or restore the index directory from a copy."
         )
+
+
+def tenant_of(record: dict) -> str | None:
+    """The tenant a record writes for (records before "tenant" was logged: from its keys)."""
+    if "tenant" in record:
+        return record["tenant"]
+    if record.get("upserts"):
+        return record["upserts"][0].get("tenant")
+    if record.get("deletes"):
+        return split_key(record["deletes"][0])[0]
+    return None
+
+
+def tenant_seq(record: dict) -> int:
+    """The record's number among its tenant's records; records logged before tenants were
+    numbered count with their global sequence, so a tenant's numbers only ever grow."""
+    return record.get("tseq", record["seq"])
 
 
 def _frame_at(data: bytes, offset: int) -> tuple[dict, int] | None:
@@ -80,6 +102,7 @@ class WriteLog:
         self._fsync = fsync
         path.parent.mkdir(parents=True, exist_ok=True)
         created = not path.exists()
+        self.tenant_last: dict[str, int] = {}  # the last "tseq" of each tenant
         self.last_seq, valid_bytes = self._scan()
         with path.open("ab") as handle:
             if handle.tell() != valid_bytes:
@@ -94,8 +117,11 @@ class WriteLog:
 
     def _scan(self) -> tuple[int, int]:
         last, valid = 0, 0
-        for seq, _, end in self._records(check_tail=True):
+        for seq, record, end in self._records(check_tail=True):
             last, valid = seq, end
+            tenant = tenant_of(record)
+            if tenant is not None:
+                self.tenant_last[tenant] = max(self.tenant_last.get(tenant, 0), tenant_seq(record))
         return last, valid
 
     def _records(self, check_tail: bool = False) -> Iterator[tuple[int, dict, int]]:
@@ -143,14 +169,20 @@ class WriteLog:
             if seq > after_seq:
                 yield record
 
-    def _append_sync(self, records: list[dict]) -> list[int]:
+    def _append_sync(self, records: list[dict]) -> list[tuple[int, int | None]]:
         with self._lock:
             frames, seqs = [], []
+            tenant_last = dict(self.tenant_last)
             for offset, record in enumerate(records, start=1):
                 seq = self.last_seq + offset
-                payload = json.dumps({**record, "seq": seq}, separators=(",", ":")).encode()
+                numbered = {**record, "seq": seq}
+                tseq = None
+                if "tenant" in record:
+                    tseq = tenant_last.get(record["tenant"], 0) + 1
+                    tenant_last[record["tenant"]] = numbered["tseq"] = tseq
+                payload = json.dumps(numbered, separators=(",", ":")).encode()
                 frames.append(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
-                seqs.append(seq)
+                seqs.append((seq, tseq))
             size = os.lseek(self._fd, 0, os.SEEK_END)
             try:
                 write_all(self._fd, b"".join(frames))
@@ -159,11 +191,18 @@ class WriteLog:
                 # Leave no half-written frame for later records to be appended after.
                 os.truncate(self._fd, size)
                 raise
-            self.last_seq = seqs[-1]
+            self.last_seq = seqs[-1][0]
+            self.tenant_last = tenant_last
             return seqs
 
     async def append(self, record: dict) -> int:
-        """Appends one record durably; returns its sequence number once it is fsynced.
+        """Appends one record durably; returns its sequence number once it is fsynced."""
+        seq, _ = await self.append_numbered(record)
+        return seq
+
+    async def append_numbered(self, record: dict) -> tuple[int, int | None]:
+        """Appends one record durably; returns (seq, tseq) once it is fsynced (tseq: its
+        number among its tenant's records, None when the record names no tenant).
 
         Records that arrive while a flush is running are written together by the next
         flush, so concurrent writers share one fsync (group commit). The flush runs in its

@@ -14,10 +14,12 @@ MODES = {
 }
 
 
-def who(tenant: str, scopes: str = "") -> tuple[tuple[str, str], ...]:
+def who(tenant: str, scopes: str = "", operator: bool = False) -> tuple[tuple[str, str], ...]:
     metadata = [("x-ragline-tenant", tenant)]
     if scopes:
         metadata.append(("x-ragline-scopes", scopes))
+    if operator:
+        metadata.append(("x-ragline-operator", "true"))
     return tuple(metadata)
 
 
@@ -36,9 +38,9 @@ class Client:
         request = retrieval_pb2.SearchRequest(query=query, k=k, mode=MODES[mode], **kwargs)
         return await self.stub.Search(request, timeout=30, metadata=who(tenant, scopes))
 
-    async def status(self, tenant):
+    async def status(self, tenant, operator: bool = False):
         return await self.stub.IndexStatus(
-            retrieval_pb2.IndexStatusRequest(), timeout=10, metadata=who(tenant)
+            retrieval_pb2.IndexStatusRequest(), timeout=10, metadata=who(tenant, operator=operator)
         )
 
     async def close(self):

@@ -27,10 +27,15 @@ def sample_texts(n: int) -> list[str]:
     return texts
 
 
-async def embed(address: str, request: embedding_pb2.EmbedRequest, deadline_s=30.0):
+OPERATOR = (("x-ragline-tenant", "ops"), ("x-ragline-operator", "true"))
+
+
+async def embed(
+    address: str, request: embedding_pb2.EmbedRequest, deadline_s=30.0, metadata=OPERATOR
+):
     async with grpc.aio.insecure_channel(address) as channel:
         return await embedding_pb2_grpc.EmbeddingServiceStub(channel).Embed(
-            request, timeout=deadline_s
+            request, timeout=deadline_s, metadata=metadata
         )
 
 
@@ -89,6 +94,13 @@ async def test_batched_and_unbatched_results_are_identical(embedding_pair):
     unbatched_replies, alone = await one_by_one(unbatched.address)
     assert max(r.batch_size for r in batched_replies) > 1, "nothing was batched"
     assert {r.batch_size for r in unbatched_replies} == {1}
+    # A tenant is shown its own texts only: the batch size would show others' traffic.
+    tenant_view = await asyncio.gather(*(
+        embed(batched.address, embedding_pb2.EmbedRequest(texts=[t]),
+              metadata=(("x-ragline-tenant", "acme"),))
+        for t in texts
+    ))  # fmt: skip
+    assert {r.batch_size for r in tenant_view} == {1}
     assert np.abs(together - alone).max() < 1e-6
 
 

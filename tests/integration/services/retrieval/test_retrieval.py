@@ -62,6 +62,28 @@ async def test_ingest_then_search_in_every_mode(launcher, embedding_service, tmp
     await client.close()
 
 
+async def test_a_tenant_cannot_read_another_tenants_counters(launcher, embedding_service, tmp_path):
+    service = start_retrieval(launcher, embedding_service, tmp_path / "index")
+    client = Client(service.address)
+    first = await client.upsert("acme", [{"id": "a1", "text": "acme one"}])
+    before = await client.status("acme")
+    for i in range(6):  # another tenant's traffic
+        await client.upsert("globex", [{"id": f"g{i}", "text": f"globex {i}"}])
+    second = await client.upsert("acme", [{"id": "a2", "text": "acme two"}])
+    after = await client.status("acme")
+    # Only acme's own numbering moves, by acme's own writes; nothing counts globex.
+    assert (first.log_sequence, second.log_sequence) == (1, 2)
+    assert (before.index_version, after.index_version) == (1, 2)
+    assert after.log_sequence == after.applied_sequence == 2
+    assert after.total_documents == 0 and after.delta_documents == 0
+    assert after.tenant_documents == 2
+    found = await client.search("acme", "acme", "bm25")
+    assert found.index_version == 2 and {h.version for h in found.hits} == {1, 2}
+    operator = await client.status("acme", operator=True)
+    assert operator.total_documents == 8 and operator.log_sequence == 8
+    await client.close()
+
+
 async def test_tenants_and_revoked_scopes(launcher, embedding_service, tmp_path):
     service = start_retrieval(launcher, embedding_service, tmp_path / "index")
     client = Client(service.address)
@@ -145,7 +167,7 @@ async def test_writes_are_searchable_before_the_rebuild_and_queries_run_during_i
         elif answered_during_build and status.last_build_finished.seconds:
             break
         await asyncio.sleep(0.05)
-    final = await client.status("acme")
+    final = await client.status("acme", operator=True)
     assert final.vector_index_ready and final.total_documents >= 3000
     await client.close()
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ragline.errors import InvalidArgument
-from ragline_services.retrieval.documents import Visibility, split_key
+from ragline_services.retrieval.documents import Visibility, encode_vector, split_key
 from ragline_services.retrieval.index import (
     BM25,
     HYBRID,
@@ -327,3 +327,48 @@ async def test_an_index_of_the_shared_layout_is_set_aside_and_rebuilt_per_tenant
     assert list(tmp_path.glob("bm25.shared-*"))
     found = await reopened.search(ACME, SearchQuery("Vistula", 5, BM25))
     assert [h.id for h in found.hits] == ["warsaw"]
+
+
+async def test_a_tenant_sees_its_own_write_numbers_and_no_global_counters(tmp_path):
+    index = open_index(tmp_path)
+    first = await index.upsert("acme", DOCS[:1])
+    for i in range(5):  # another tenant's traffic in between
+        await index.upsert("globex", [DocumentInput(f"g{i}", "", f"text {i}")])
+    second = await index.upsert("acme", DOCS[1:2])
+    assert (first.tenant_seq, second.tenant_seq) == (1, 2)  # not 1 and 7
+    assert second.versions == [2] and second.seq == 7
+    found = await index.search(ACME, SearchQuery("Paris", 5, BM25))
+    assert found.index_version == 2 and found.hits[0].version == 2
+    mine = await index.status("acme")
+    assert (mine.index_version, mine.log_sequence, mine.applied_sequence) == (2, 2, 2)
+    assert mine.total_documents == 0 and mine.delta_documents == 0  # operators only
+    assert mine.tenant_documents == 2
+    ops = await index.status("acme", operator=True)
+    assert (ops.index_version, ops.log_sequence, ops.total_documents) == (7, 7, 7)
+    index.close()
+    reopened = open_index(tmp_path)  # the numbering survives a restart and goes on
+    assert (await reopened.status("acme")).index_version == 2
+    assert (await reopened.upsert("acme", DOCS[3:4])).tenant_seq == 3
+
+
+async def test_logs_written_before_tenant_numbering_keep_growing_numbers(tmp_path):
+    from ragline_services.retrieval.wal import WriteLog
+
+    log = WriteLog(tmp_path / "write.log")
+    record = {
+        "tenant": "acme",
+        "id": "old",
+        "title": "",
+        "text": "old text",
+        "acl": [],
+        "attributes": {},
+        "vector": encode_vector(toy_vector("old text")),
+        "version": 0,
+    }
+    for _ in range(3):  # the earlier format: no "tenant", no "tseq"
+        await log.append({"op": "write", "upserts": [record], "deletes": []})
+    log.close()
+    index = open_index(tmp_path)
+    hits = (await index.search(ACME, SearchQuery("old", 5, BM25))).hits
+    assert [h.version for h in hits] == [3]
+    assert (await index.upsert("acme", DOCS[:1])).tenant_seq == 4  # never below an old one
