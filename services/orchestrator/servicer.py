@@ -82,6 +82,7 @@ def settings_of(request: orchestrator_pb2.AskRequest, config) -> Settings:
         vector_weight=config.vector_weight,
         rerank_candidates=config.rerank_candidates,
         late_interaction_k=config.late_interaction_k,
+        rerank_cross_encoder=config.rerank_cross_encoder,
         context_passages=options.context_passages or config.context_passages,
         evidence_tokens=request.max_evidence_tokens or config.evidence_tokens,
         embed_sentences=config.embed_sentences,

@@ -110,6 +110,7 @@ class Settings:
     vector_weight: float = 0.4
     rerank_candidates: int = 30
     late_interaction_k: int = 20
+    rerank_cross_encoder: bool = False
     context_passages: int = 4
     evidence_tokens: int = 160
     # Sentences embedded to compete for the prompt (the rest lose on lexical evidence).
@@ -366,6 +367,9 @@ async def rerank(ctx: RunContext, step: Step) -> Ranked:
         top_k=top_k,
         late_interaction_k=int(step.node.params.get("late_interaction_k") or s.late_interaction_k),
         allow_skip=s.allow_degrade,
+        late_interaction_only=not _flag(
+            step.node.params.get("cross_encoder"), s.rerank_cross_encoder
+        ),
     )
     tokens = sum(ev.tokens_estimate(ev_text(p)) for p in passages)
     reply = await ctx.model_call(
@@ -387,6 +391,11 @@ async def rerank(ctx: RunContext, step: Step) -> Ranked:
         if h.id in by_id
     ]  # fmt: skip
     return Ranked(out, "reranked")
+
+
+def _flag(value: str | None, default: bool) -> bool:
+    """A plan node's boolean parameter (params are strings)."""
+    return default if value is None else value.strip().lower() in ("true", "1", "yes")
 
 
 def ev_text(passage: ev.Passage) -> str:

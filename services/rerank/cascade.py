@@ -46,6 +46,7 @@ class RerankInput:
     top_k: int = 5
     late_interaction_k: int = 20
     allow_skip: bool = False
+    late_interaction_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,9 @@ class Reranker:
             Scored(c.id, float(stage1[c.id]), {LATE_INTERACTION: float(stage1[c.id])})
             for c in survivors
         ]
-        if self.pair_batcher is None:
+        if request.late_interaction_only:
+            pass  # the caller's choice: nothing skipped, nothing to report
+        elif self.pair_batcher is None:
             output.skipped.append((CROSS_ENCODER, "disabled"))
         else:
             chosen = survivors[: self.cross_encoder_candidates]

@@ -36,6 +36,7 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
                 top_k=request.top_k or 5,
                 late_interaction_k=request.late_interaction_k or 20,
                 allow_skip=request.allow_skip,
+                late_interaction_only=request.late_interaction_only,
             )
         )
         clock = _finished_clock(output.queue_wait_s, output.stage_seconds)

@@ -197,3 +197,13 @@ def test_token_vectors_are_stored_reduced():
     assert np.allclose(basis.T @ basis, np.eye(128), atol=1e-5)
     rows, scales = quantize(np.ones((3, 128), dtype=np.float32))
     assert rows.dtype == np.int8 and scales.shape == (3,)
+
+
+async def test_late_interaction_only_runs_stage_one_and_reports_nothing_skipped():
+    models = Models()
+    reranker = await make(models)
+    out = await reranker.rerank(
+        RerankInput("acme", "river warsaw", CANDIDATES, top_k=2, late_interaction_only=True)
+    )
+    assert out.stages_run == [LATE_INTERACTION] and not out.skipped
+    assert models.pairs == 0 and len(out.results) == 2
