@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from ragline.config import ConfigError
+from ragline.config import ConfigError, EmptyMeansUnset
 from ragline.errors import PermissionDenied, Unauthenticated
 from ragline.identity import (
     SCOPES_KEY,
@@ -47,7 +47,7 @@ SERVICE_CREDENTIAL_KEY = "x-ragline-service-credential"
 SERVICE_ISSUER = "ragline-service"
 
 
-class AuthConfig(BaseSettings):
+class AuthConfig(EmptyMeansUnset):
     """Authentication settings shared by every process (prefix `RAGLINE_AUTH_`)."""
 
     model_config = SettingsConfigDict(env_prefix="RAGLINE_AUTH_", extra="ignore")

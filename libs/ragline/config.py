@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -26,6 +27,25 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 _ADDRESS_VARIABLE = re.compile(r"^RAGLINE_([A-Z][A-Z0-9_]*)_ADDR$")
 
 
+def _optional_path(annotation) -> bool:
+    args = typing.get_args(annotation)
+    return type(None) in args and any(a is Path for a in args)
+
+
+class EmptyMeansUnset(BaseSettings):
+    """`VAR=""` for an optional path means "not set" (a ConfigMap or a shell that always
+    exports every key), not the current directory. Empty strings elsewhere keep their
+    meaning (an empty large model means small only)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_path_is_unset(cls, value, info):
+        field = cls.model_fields.get(info.field_name)
+        if value == "" and field is not None and _optional_path(field.annotation):
+            return None
+        return value
+
+
 class ConfigError(RuntimeError):
     """A setting is missing or wrong; the message names the variable to set."""
 
@@ -34,7 +54,7 @@ def _default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ragline"
 
 
-class CommonConfig(BaseSettings):
+class CommonConfig(EmptyMeansUnset):
     """Settings shared by every ragline process (prefix `RAGLINE_`)."""
 
     model_config = SettingsConfigDict(env_prefix="RAGLINE_", extra="ignore")
@@ -76,7 +96,7 @@ class CommonConfig(BaseSettings):
             ) from None
 
 
-class ServiceConfig(BaseSettings):
+class ServiceConfig(EmptyMeansUnset):
     """Settings of one gRPC service. Subclasses set their env prefix with `env_for(name)`."""
 
     model_config = SettingsConfigDict(extra="ignore")

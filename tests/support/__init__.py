@@ -51,3 +51,38 @@ def error_info(error) -> tuple[str, str, dict[str, str]]:
             detail.Unpack(info)
             return info.reason, info.domain, dict(info.metadata)
     raise AssertionError(f"no ErrorInfo among {[d.type_url for d in status.details]}")
+
+
+def settings() -> list[str]:
+    """Every RAGLINE_* variable a config class reads, except the per-service suffixes every
+    service shares (HOST, PORT, GRACE_S, ...: see `service_settings`)."""
+    from ragline.auth import AuthConfig
+    from ragline.config import CommonConfig, ServiceConfig
+    from ragline_services.registry import load_spec, service_names
+
+    names = [f"RAGLINE_{field.upper()}" for field in CommonConfig.model_fields]
+    names += [f"RAGLINE_AUTH_{field.upper()}" for field in AuthConfig.model_fields]
+    shared = set(ServiceConfig.model_fields)
+    for service in service_names():
+        config = load_spec(service).config_factory
+        names += [
+            f"RAGLINE_{service.upper()}_{field.upper()}"
+            for field in config.model_fields
+            if field not in shared
+        ]
+    return names
+
+
+def service_settings() -> list[str]:
+    """Everything a deployment sets: `settings()`, every service's shared suffixes, and
+    where each service answers (RAGLINE_<NAME>_ADDR)."""
+    from ragline.config import ServiceConfig
+    from ragline_services.registry import service_names
+
+    names = settings()
+    for service in service_names():
+        names += [
+            f"RAGLINE_{service.upper()}_{field.upper()}" for field in ServiceConfig.model_fields
+        ]
+        names.append(f"RAGLINE_{service.upper()}_ADDR")
+    return names

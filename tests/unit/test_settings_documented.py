@@ -4,24 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ragline.auth import AuthConfig
-from ragline.config import CommonConfig, ServiceConfig
-from ragline_services.registry import load_spec, service_names
-from support import REPO_ROOT
-
-
-def settings() -> list[str]:
-    names = [f"RAGLINE_{field.upper()}" for field in CommonConfig.model_fields]
-    names += [f"RAGLINE_AUTH_{field.upper()}" for field in AuthConfig.model_fields]
-    shared = set(ServiceConfig.model_fields)
-    for service in service_names():
-        config = load_spec(service).config_factory
-        names += [
-            f"RAGLINE_{service.upper()}_{field.upper()}"
-            for field in config.model_fields
-            if field not in shared
-        ]
-    return names
+from support import REPO_ROOT, settings
 
 
 def documented(text: str) -> set[str]:

@@ -42,3 +42,18 @@ def test_model_dir_follows_the_cache_dir(monkeypatch, tmp_path):
     assert CommonConfig().model_dir == tmp_path / "models"
     monkeypatch.setenv("RAGLINE_MODEL_DIR", str(tmp_path / "elsewhere"))
     assert CommonConfig().model_dir == tmp_path / "elsewhere"
+
+
+def test_an_empty_variable_unsets_an_optional_path_and_nothing_else(monkeypatch):
+    from ragline_services.registry import load_spec
+
+    monkeypatch.setenv("RAGLINE_MODEL_DIR", "")
+    monkeypatch.setenv("RAGLINE_EMBEDDING_MODEL_DIR", "")
+    monkeypatch.setenv("RAGLINE_RERANK_CROSS_ENCODER_MODEL", "")
+    monkeypatch.setenv("RAGLINE_AUTH_JWT_PUBLIC_KEY_FILE", "")
+    from ragline.auth import AuthConfig
+
+    assert load_spec("embedding").config_factory().model_dir is None  # not Path(".")
+    assert CommonConfig().model_dir == CommonConfig().cache_dir / "models"
+    assert AuthConfig().jwt_public_key_file is None
+    assert load_spec("rerank").config_factory().cross_encoder_model == ""  # its meaning kept

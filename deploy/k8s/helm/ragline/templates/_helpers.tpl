@@ -1,0 +1,28 @@
+{{- define "ragline.fullname" -}}
+{{- default .Release.Name .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "ragline.labels" -}}
+app.kubernetes.io/part-of: ragline
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
+{{- end -}}
+
+{{- define "ragline.selector" -}}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/name: {{ .name }}
+{{- end -}}
+
+{{- define "ragline.etcdEndpoints" -}}
+{{- if .Values.etcd.enabled -}}
+{{- $name := printf "%s-etcd" (include "ragline.fullname" .) -}}
+{{- $endpoints := list -}}
+{{- range $i := until (int .Values.etcd.replicas) -}}
+{{- $endpoints = append $endpoints (printf "%s-%d.%s:2379" $name $i $name) -}}
+{{- end -}}
+{{- join "," $endpoints -}}
+{{- else -}}
+{{- required "etcd.endpoints is required when etcd.enabled is false" .Values.etcd.endpoints -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,149 @@
+"""The Helm chart (deploy/k8s/helm/ragline): helm lint and helm template with both values
+files, every rendered object validated strictly against the Kubernetes API schema, and the
+ConfigMap + Secret keys equal to the variables the services read (both ways)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from support import REPO_ROOT, service_settings
+
+pytestmark = pytest.mark.deploy
+
+CHART = REPO_ROOT / "deploy" / "k8s" / "helm" / "ragline"
+KEYS = ["--set", "auth.jwtKey=test-client-key", "--set", "auth.serviceKey=" + "s" * 40]
+VALUES = {"cpu": [], "gpu": ["-f", str(CHART / "values-gpu.yaml")]}
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    spec = importlib.util.spec_from_file_location("fetch_helm", REPO_ROOT / "tools/fetch_helm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(module.ensure_helm())
+
+
+def render(helm: str, chart=CHART, *extra: str) -> list[dict]:
+    result = subprocess.run(
+        [helm, "template", "rl", str(chart), *KEYS, *extra],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def invalid(objects: list[dict]) -> list[str]:
+    import kubernetes_validate
+    from kubernetes_validate.utils import latest_version
+
+    version = latest_version()
+    problems = []
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {error.message}")
+    return problems
+
+
+@pytest.mark.parametrize("flavour", VALUES)
+def test_the_chart_lints_renders_and_validates(helm, flavour):
+    lint = subprocess.run(
+        [helm, "lint", "--strict", str(CHART), *KEYS, *VALUES[flavour]],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    objects = render(helm, CHART, *VALUES[flavour])
+    assert not invalid(objects)
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    for service in ("orchestrator", "embedding", "rerank", "generation", "budget"):
+        assert ("Deployment", f"rl-{service}") in kinds
+        assert ("HorizontalPodAutoscaler", f"rl-{service}") in kinds
+        assert ("PodDisruptionBudget", f"rl-{service}") in kinds
+    assert ("StatefulSet", "rl-retrieval") in kinds and ("StatefulSet", "rl-etcd") in kinds
+    workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    ragline = [w for w in workloads if w["spec"]["template"]["spec"]["containers"][0]["args"][0]
+               == "serve"]  # fmt: skip
+    assert len(ragline) == 6
+    for workload in ragline:
+        container = workload["spec"]["template"]["spec"]["containers"][0]
+        assert container["readinessProbe"]["grpc"]["service"].startswith("ragline.v1.")
+        assert "grpc" in container["livenessProbe"]
+        grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > 20  # the service's own shutdown grace fits inside it
+    services = [
+        o
+        for o in objects
+        if o["kind"] == "Service"
+        and o["metadata"]["name"]
+        in {f"rl-{w['metadata']['labels']['app.kubernetes.io/name']}" for w in ragline}
+    ]
+    assert len(services) == 6
+    assert all(p["appProtocol"] == "grpc" for s in services for p in s["spec"]["ports"])
+    triton = [w for w in workloads if w["metadata"]["name"] == "rl-triton"]
+    if flavour == "gpu":
+        limits = triton[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == 1
+    else:
+        assert not triton
+
+
+def test_inner_services_accept_only_the_orchestrator(helm):
+    objects = render(helm)
+    policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "NetworkPolicy"}
+
+    def callers(name):
+        rule = policies[f"rl-{name}"]["spec"]["ingress"][0]["from"]
+        return {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in rule}
+
+    for inner in ("retrieval", "rerank", "generation", "budget"):
+        assert callers(inner) == {"orchestrator"}, inner
+    assert callers("embedding") == {"orchestrator", "retrieval"}  # retrieval embeds queries
+    assert callers("etcd") == {"budget", "etcd"}
+
+
+def test_a_broken_template_fails_the_check(helm, tmp_path):
+    chart = tmp_path / "ragline"
+    shutil.copytree(CHART, chart)
+    services = chart / "templates" / "services.yaml"
+    services.write_text(services.read_text().replace("containerPort:", "containerPorts:"))
+    problems = invalid(render(helm, chart))
+    assert len(problems) == 6 and all("containerPort" in p for p in problems)
+    services.write_text(services.read_text().replace("{{- end }}\n", "", 1))
+    broken = subprocess.run(
+        [helm, "template", "rl", str(chart), *KEYS], capture_output=True, text=True, timeout=120
+    )
+    assert broken.returncode != 0
+
+
+def config_keys(objects: list[dict]) -> set[str]:
+    keys = set()
+    for obj in objects:
+        if obj["kind"] == "ConfigMap":
+            keys |= set(obj["data"])
+        elif obj["kind"] == "Secret":
+            keys |= set(obj.get("stringData", {})) | set(obj.get("data", {}))
+    return keys
+
+
+def test_every_variable_the_services_read_is_in_the_chart_and_nothing_else(helm):
+    read, chart = set(service_settings()), config_keys(render(helm))
+    assert not read - chart, f"read by the services, missing from the chart: {read - chart}"
+    assert not chart - read, f"in the chart, read by no service: {chart - read}"
+
+
+def test_the_parity_check_fails_when_one_side_gains_a_variable(helm, tmp_path):
+    chart = tmp_path / "ragline"
+    shutil.copytree(CHART, chart)
+    values = chart / "values.yaml"
+    values.write_text(values.read_text() + '  RAGLINE_EMBEDDING_NOT_A_SETTING: "1"\n')
+    assert config_keys(render(helm, chart)) - set(service_settings()) == {
+        "RAGLINE_EMBEDDING_NOT_A_SETTING"
+    }
+    read = set(service_settings()) | {"RAGLINE_RERANK_NEW_KNOB"}
+    assert read - config_keys(render(helm)) == {"RAGLINE_RERANK_NEW_KNOB"}
