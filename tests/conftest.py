@@ -244,6 +244,45 @@ def generation_service(module_launcher) -> ServiceHandle:
 
 
 @pytest.fixture
+async def external_llama(tmp_path):
+    """A llama-server on SmolLM2 with one slot, started the way the generation service
+    starts its own, and a proxy in front of it that can refuse slot erases."""
+    from ragline.config import CommonConfig
+    from ragline.models import ModelStore
+    from ragline_services.generation.llama_engine import (
+        EngineSettings,
+        LlamaServerEngine,
+        default_llama_cache,
+    )
+    from support.faulty_proxy import FaultyProxy
+
+    common = CommonConfig()
+    store = ModelStore(common.model_dir)
+    model = SMALL_GENERATION["RAGLINE_GENERATION_SMALL_MODEL"]
+    store.prepare(model)
+    engine = LlamaServerEngine(
+        EngineSettings(
+            store.file(model, store.spec(model).assembled or "model.gguf"),
+            default_llama_cache(common.cache_dir) / "llama-server",
+            slots=1,
+            context_per_slot=2048,
+            threads=1,
+            speculation="none",
+        ),
+        port=free_ports(1)[0],
+        log_path=tmp_path / "llama-server.log",
+    )
+    await engine.start()
+    proxy = FaultyProxy(engine.port, b"action=erase")
+    port = await proxy.start()
+    try:
+        yield proxy, f"http://127.0.0.1:{port}"
+    finally:
+        await proxy.close()
+        await engine.close()
+
+
+@pytest.fixture
 def generation_on_triton(triton_generation, launcher) -> ServiceHandle:
     return launcher.start(
         "generation",

@@ -55,15 +55,18 @@ class EngineSettings:
 class LlamaServerEngine:
     """llama-server behind the GenerationEngine interface."""
 
-    def __init__(self, settings: EngineSettings, port: int, log_path: Path) -> None:
+    def __init__(self, settings: EngineSettings, port: int, log_path: Path, url: str = "") -> None:
+        """`url`: a llama-server already running there (a sidecar started with the flags of
+        `command()`); this engine then only talks to it, never starts or stops it."""
         self.settings = settings
         self.port = port
         self.log_path = log_path
+        self.external = bool(url)
         self.process: subprocess.Popen | None = None
         self.context_window = settings.context_per_slot
         self.slot_dir = log_path.parent / f"llama-slots-{port}"
         self._http = httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{port}",
+            base_url=url.rstrip("/") if url else f"http://127.0.0.1:{port}",
             timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
             limits=httpx.Limits(max_connections=settings.slots * 2 + 4),
         )
@@ -105,6 +108,9 @@ class LlamaServerEngine:
         return command
 
     async def start(self, wait_s: float = 180.0) -> None:
+        if self.external:
+            await self._wait_healthy(wait_s)
+            return
         binary = self.settings.binary
         if not binary.exists():
             raise Unavailable(
@@ -117,9 +123,12 @@ class LlamaServerEngine:
             self.process = subprocess.Popen(  # noqa: ASYNC220 - fork+exec, returns at once
                 self.command(), stdout=log_file, stderr=subprocess.STDOUT
             )
+        await self._wait_healthy(wait_s)
+
+    async def _wait_healthy(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            if self.process is not None and self.process.poll() is not None:
                 raise Unavailable(
                     f"llama-server exited with {self.process.returncode}: {self.log_tail()}"
                 )

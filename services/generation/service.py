@@ -61,6 +61,12 @@ class GenerationConfig(ServiceConfig):
     # (default <RAGLINE_CACHE_DIR>/llama.cpp/<build tag>).
     llama_server: Path | None = None
     llama_cache: Path | None = None
+    # A llama-server already running per tier (for example a sidecar container), started
+    # with the flags this service would use (slots = max_num_seqs, --slot-save-path,
+    # --cache-ram 0, --slot-prompt-similarity 0); empty: the service starts its own.
+    # Speculation then is whatever that server was started with (no fallback restart).
+    small_llama_url: str = ""
+    large_llama_url: str = ""
     # "llama": llama-server processes on this machine (CPU). "triton": TensorRT-LLM
     # ensembles on a Triton server (GPU nodes); tiers map to Triton model names.
     engine: Literal["llama", "triton"] = "llama"
@@ -111,6 +117,7 @@ class GenerationService(Service):
             ),
             port=free_ports(1)[0],
             log_path=Path(log_dir) / f"llama-server-{name}.log",
+            url=cfg.small_llama_url if name == SMALL else cfg.large_llama_url,
         )
         self.engines.append(engine)
         await engine.start()
@@ -160,6 +167,13 @@ class GenerationService(Service):
         )
         old = tier.engine
         assert isinstance(old, LlamaServerEngine)  # only llama tiers speculate per process
+        if old.external:
+            log.warning(
+                "generation.speculation_fallback_skipped",
+                tier=tier.name,
+                reason="the llama-server is external: restart it without speculation",
+            )
+            return
         async with tier.scheduler.paused():
             new = LlamaServerEngine(
                 replace(old.settings, speculation="none", draft_model_path=None),

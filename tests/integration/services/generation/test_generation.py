@@ -147,6 +147,33 @@ async def test_prefix_reuse_is_per_tenant(generation_service):
     assert again.timing.first_token.ToNanoseconds() < first.timing.first_token.ToNanoseconds()
 
 
+async def test_a_failed_erase_never_hands_a_warm_slot_to_another_tenant(launcher, external_llama):
+    proxy, url = external_llama
+    env = {
+        **SMALL_GENERATION,
+        "RAGLINE_GENERATION_SMALL_LLAMA_URL": url,  # through the proxy
+        "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+    }
+    # In a thread: the proxy runs on this event loop while the service starts.
+    service = await asyncio.to_thread(launcher.start, "generation", env=env)
+    prompt = f"Evidence: {EVIDENCE}\nQuestion: How many people live in Warsaw?\nAnswer:"
+
+    async def final_of(who: str):
+        request = prompt_request(prompt, 2)
+        return (await collect(service.address, request, metadata=tenant(who)))[-1].final
+
+    warm = await final_of("ann")
+    again = await final_of("ann")
+    assert again.usage.cached_input_tokens > 0.8 * warm.usage.input_tokens  # the slot is warm
+    proxy.fail = True  # the engine refuses the erase of ann's slot
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await final_of("bob")
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and proxy.refused == 1
+    proxy.fail = False
+    third = await final_of("cid")
+    assert third.usage.cached_input_tokens == 0  # erased first: nothing of ann's prefix
+
+
 async def test_count_tokens(generation_service):
     async with grpc.aio.insecure_channel(generation_service.address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
