@@ -24,6 +24,7 @@ from ragline_services.retrieval.documents import (
     Visibility,
     split_key,
 )
+from ragline_services.retrieval.stopwords import STOP_WORDS, without_stop_words
 
 _NOT_WORD = re.compile(r"[^\w]+", re.UNICODE)
 
@@ -153,6 +154,7 @@ class Bm25Index:
         self.directory = directory
         self.heap_bytes = heap_bytes
         self.max_open = max_open
+        self.stop_words = STOP_WORDS  # dropped from queries (tools compare other sets)
         self.migrated_from_shared = self._set_aside_a_shared_index(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self._open: OrderedDict[str, _TenantIndex] = OrderedDict()
@@ -205,7 +207,7 @@ class Bm25Index:
                 self._counts[tenant] = index.documents or 0
 
     def search(self, query: str, visibility: Visibility, k: int) -> list[Candidate]:
-        text = sanitise(query)
+        text = " ".join(without_stop_words(sanitise(query).split(), self.stop_words))
         if not text:
             return []
         index = self._tenant(visibility.tenant, create=False)

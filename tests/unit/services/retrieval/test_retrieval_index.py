@@ -372,3 +372,15 @@ async def test_logs_written_before_tenant_numbering_keep_growing_numbers(tmp_pat
     hits = (await index.search(ACME, SearchQuery("old", 5, BM25))).hits
     assert [h.version for h in hits] == [3]
     assert (await index.upsert("acme", DOCS[:1])).tenant_seq == 4  # never below an old one
+
+
+async def test_stop_words_in_a_question_do_not_rank_short_noisy_titles_first(tmp_path):
+    index = open_index(tmp_path)
+    await index.upsert("acme", [
+        DocumentInput("noise", "What is the of the", "An unrelated note on gardening."),
+        *DOCS[:2],
+    ])  # fmt: skip
+    found = await index.search(ACME, SearchQuery("What is the capital of Poland?", 3, BM25))
+    assert ids(found)[0] == "warsaw"  # not the title full of the question's stop words
+    only_stop_words = await index.search(ACME, SearchQuery("what is the", 3, BM25))
+    assert ids(only_stop_words)  # searched as it is

@@ -1,0 +1,26 @@
+"""English stop words dropped from BM25 queries (never from documents).
+
+Lucene's default English set plus question words, pronouns and auxiliaries: questions are
+full of them ("what", "which", "the", "of"), they match nearly every document (so block
+pruning cannot skip anything), and inside short title fields BM25 weighs them high.
+Measured by tools/eval_bm25_stopwords.py (a third of the questions): SQuAD dev nDCG@10
+0.860 -> 0.869, new_wiki 0.875 -> 0.878, BM25 search p50 about 20 % faster at 2k passages
+(Lucene's 33 words alone: 0.859 / 0.874). A query of stop words only is searched as it is.
+"""
+
+from __future__ import annotations
+
+STOP_WORDS = frozenset(
+    """a an and are as at be but by for if in into is it no not of on or such that the their
+    then there these they this to was will with what which who whom whose when where why how
+    do does did were been being have has had having i me my we our you your he him his she
+    her its them about above after again against all am any because before below between
+    both can could down during each few from further here more most other out over own same
+    should so some than too under until up very would s t just don now only off once through
+    while""".split()
+)
+
+
+def without_stop_words(words: list[str], stop_words: frozenset[str] = STOP_WORDS) -> list[str]:
+    kept = [w for w in words if w not in stop_words]
+    return kept or words

@@ -1,0 +1,77 @@
+"""BM25 with and without query stop words: nDCG@10, Recall@100 and search latency, one run.
+
+    .venv/bin/python tools/eval_bm25_stopwords.py ../shared/data/squaddev_v1.1.json \\
+        [../shared/data/new_wiki_v1.0.json] [--every 3]
+
+Indexes every paragraph of each SQuAD-format file into the service's BM25 index (one
+tenant), asks every `--every`-th question three ways (all words; Lucene's 33 English stop
+words dropped; the service's list, services/retrieval/stopwords.py, dropped) and reports
+quality and the Tantivy search time per query (p50 / p95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ragline_app.datasets import load_squad
+from ragline_app.evaluation import ranking_metrics
+from ragline_services.retrieval.bm25 import Bm25Index
+from ragline_services.retrieval.documents import StoredDocument, Visibility, doc_key
+from ragline_services.retrieval.stopwords import STOP_WORDS
+
+LUCENE = frozenset(
+    "a an and are as at be but by for if in into is it no not of on or such that the their "
+    "then there these they this to was will with".split()
+)
+
+
+def evaluate(path: Path, every: int) -> list[str]:
+    passages, questions = load_squad(path)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="eval-stopwords-") as tmp:
+        index = Bm25Index(Path(tmp))
+        docs = [StoredDocument("eval", p.id, p.title, p.text, (), {}, None, 1) for p in passages]
+        for start in range(0, len(docs), 500):
+            index.apply(docs[start : start + 500], [])
+        chosen = questions[::every]
+        relevant = [doc_key("eval", q.passage_id) for q in chosen]
+        for name, stop in (("all words", frozenset()), ("Lucene 33", LUCENE),
+                           ("service list", STOP_WORDS)):  # fmt: skip
+            rankings, times = [], []
+            index.stop_words = stop
+            for q in chosen:
+                started = time.perf_counter()
+                hits = index.search(q.text, Visibility("eval"), 100)
+                times.append(time.perf_counter() - started)
+                rankings.append([h.key for h in hits])
+            m = ranking_metrics(rankings, relevant)
+            p95 = sorted(times)[int(0.95 * len(times))]
+            rows.append(
+                f"| {path.name} | {name} | {m['ndcg@10']:.3f} | {m['recall@100']:.3f} | "
+                f"{statistics.median(times) * 1000:.2f} / {p95 * 1000:.2f} |"
+            )
+        index.close()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("data", type=Path, nargs="+")
+    parser.add_argument("--every", type=int, default=3)
+    args = parser.parse_args()
+    print("| data | query words | nDCG@10 | Recall@100 | search p50 / p95 ms |")
+    print("|---|---|---|---|---|")
+    for path in args.data:
+        print("\n".join(evaluate(path, args.every)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
