@@ -14,14 +14,12 @@ fields, messages, RPCs or enum values needs no new baseline.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
-import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
 from pathlib import Path
+
+from ragline_app.npm_binaries import cached_binary
 
 BUF_VERSION = "1.75.0"
 REPO = Path(__file__).resolve().parents[1]
@@ -38,34 +36,9 @@ def _package() -> str:
     return f"@bufbuild/buf-{system}-{arch}@{BUF_VERSION}"
 
 
-def _cache_dir() -> Path:
-    base = (
-        os.environ.get("RAGLINE_CACHE_DIR")
-        or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ragline"
-    )
-    return Path(base) / "buf" / BUF_VERSION
-
-
 def ensure_buf() -> Path:
     """The buf binary, fetched from the npm registry on first use."""
-    binary = _cache_dir() / "buf"
-    if binary.exists():
-        return binary
-    binary.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="buf-") as tmp:
-        packed = subprocess.run(
-            ["npm", "pack", "--silent", _package()],
-            cwd=tmp, check=True, capture_output=True, text=True, timeout=300,
-        ).stdout.strip().splitlines()[-1]  # fmt: skip
-        with tarfile.open(Path(tmp) / packed) as archive:
-            member = archive.getmember("package/bin/buf")
-            source = archive.extractfile(member)
-            partial = binary.with_suffix(".partial")
-            with partial.open("wb") as out:
-                shutil.copyfileobj(source, out)
-        partial.chmod(0o755)
-        partial.replace(binary)
-    return binary
+    return cached_binary("buf", BUF_VERSION, _package(), "bin/buf")
 
 
 def run(*args: str | Path, proto: Path = PROTO) -> subprocess.CompletedProcess:
