@@ -14,12 +14,13 @@ optimisation, never a condition: when rerank does not answer, ingest says so onc
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ragline import deadlines, identity
 from ragline.clients import ChannelPool, ServiceClient
+from ragline.files import atomic_write_text
 from ragline.retry import PATIENT_POLICY
 from ragline.v1 import common_pb2
 from ragline.validation import violations
@@ -112,9 +113,23 @@ class Checkpoint:
     def save(self, done: int) -> None:
         self.done = max(self.done, done)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"done": self.done}))
-        tmp.replace(self.path)
+        atomic_write_text(self.path, json.dumps({"done": self.done}))
+
+
+def tenant_batches(
+    records: Iterable[Record], batch_size: int
+) -> Iterator[tuple[list[Record], bool]]:
+    """The records grouped by tenant, each group as soon as it holds `batch_size` (the rest
+    at the end), with whether no other group is still waiting: then every record read so
+    far is in a batch handed out."""
+    pending: dict[str, list[Record]] = {}
+    for record in records:
+        batch = pending.setdefault(record.tenant, [])
+        batch.append(record)
+        if len(batch) >= batch_size:
+            yield pending.pop(record.tenant), not pending
+    for tenant in list(pending):
+        yield pending.pop(tenant), not pending
 
 
 async def ingest(
@@ -142,7 +157,6 @@ async def ingest(
     )
     bad: list[BadRecord] = []
     written = 0
-    pending: dict[str, list[Record]] = {}
     preparer = RerankPreparer(rerank_addr, pool, notice, token) if rerank_addr else None
 
     async def flush(records: list[Record]) -> None:
@@ -178,10 +192,12 @@ async def ingest(
             await retrieval.unary("Upsert", request, retry=PATIENT_POLICY)
         written += len(records)
         if preparer is not None:
-            await preparer.prepare(records[0].tenant, [r.id for r in records], texts)
+            await preparer.prepare(records)
 
     last_number = checkpoint.done
-    try:
+
+    def good_records() -> Iterator[Record]:
+        nonlocal last_number
         for item in read_records(path, default_tenant):
             last_number = item.number
             if progress is not None:
@@ -191,14 +207,13 @@ async def ingest(
             if isinstance(item, BadRecord):
                 bad.append(item)
                 continue
-            batch = pending.setdefault(item.tenant, [])
-            batch.append(item)
-            if len(batch) >= batch_size:
-                await flush(pending.pop(item.tenant))
-                if not pending:  # everything before this record is acknowledged
-                    checkpoint.save(item.number)
-        for tenant in list(pending):
-            await flush(pending.pop(tenant))
+            yield item
+
+    try:
+        for records, drained in tenant_batches(good_records(), batch_size):
+            await flush(records)
+            if drained:  # everything up to this batch's last record is acknowledged
+                checkpoint.save(records[-1].number)
         checkpoint.save(last_number)
     finally:
         await pool.close()
@@ -222,10 +237,12 @@ class RerankPreparer:
         self.prepared = 0
         self.given_up: str | None = None
 
-    async def prepare(self, tenant: str, ids: list[str], texts: list[str]) -> None:
+    async def prepare(self, records: list[Record]) -> None:
+        """`records`: one tenant's."""
         import grpc
 
         from ragline.v1 import rerank_pb2
+        from ragline_services.retrieval.documents import passage_text
 
         if self.given_up:
             return
@@ -233,12 +250,13 @@ class RerankPreparer:
             self.stub_class,
             self.address,
             pool=self.pool,
-            caller=identity.Caller(tenant),
+            caller=identity.Caller(records[0].tenant),
             token=self.token,
         )
         request = rerank_pb2.PrepareRequest(
             documents=[
-                rerank_pb2.PrepareDocument(id=i, text=t) for i, t in zip(ids, texts, strict=True)
+                rerank_pb2.PrepareDocument(id=r.id, text=passage_text(r.title, r.text))
+                for r in records
             ]
         )
         try:
@@ -265,27 +283,14 @@ async def prepare_rerank(
 ) -> int:
     """Sends the good records of `path` to rerank's `Prepare` only (the index has them
     already, the rerank process was restarted). Returns the documents it holds vectors of."""
-    from ragline_services.retrieval.documents import passage_text
-
     pool = ChannelPool()
     preparer = RerankPreparer(rerank_addr, pool, notice, token)
-    pending: dict[str, list[Record]] = {}
+    good = (r for r in read_records(path, default_tenant) if isinstance(r, Record))
     try:
-        for item in read_records(path, default_tenant):
-            if isinstance(item, BadRecord) or preparer.given_up:
-                continue
-            batch = pending.setdefault(item.tenant, [])
-            batch.append(item)
-            if len(batch) >= batch_size:
-                records = pending.pop(item.tenant)
-                await preparer.prepare(
-                    item.tenant, [r.id for r in records],
-                    [passage_text(r.title, r.text) for r in records],
-                )  # fmt: skip
-        for tenant, records in pending.items():
-            await preparer.prepare(
-                tenant, [r.id for r in records], [passage_text(r.title, r.text) for r in records]
-            )
+        for records, _ in tenant_batches(good, batch_size):
+            if preparer.given_up:
+                break
+            await preparer.prepare(records)
     finally:
         await pool.close()
     return preparer.prepared

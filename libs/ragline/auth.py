@@ -114,11 +114,11 @@ class Authenticator:
         if self.config.jwt_public_key_file is not None:
             key = self.config.jwt_public_key_file.read_text()
         self._client_key = key
-        self._algorithms = [a.strip() for a in self.config.jwt_algorithms.split(",") if a.strip()]
         # One key, one family: an HMAC key never verifies RS/ES tokens and a public key never
         # verifies HS tokens (the algorithm-confusion attack).
         hmac = self.config.jwt_public_key_file is None
-        self._algorithms = [a for a in self._algorithms if a.startswith("HS") == hmac]
+        named = (a.strip() for a in self.config.jwt_algorithms.split(","))
+        self._algorithms = [a for a in named if a and a.startswith("HS") == hmac]
         if not self._algorithms:
             raise ConfigError(
                 f"RAGLINE_AUTH_JWT_ALGORITHMS ({self.config.jwt_algorithms}) has no algorithm "

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-from ragline.errors import DeadlineExceeded
+from ragline.errors import DeadlineExceeded, RaglineError, Unavailable
 
 # gRPC rounds the grpc-timeout header up (0.975 s arrives as ~1.0 s, 12.345 s as 12.4 s),
 # which would let a callee believe it has more time than its caller gave it. ragline
@@ -151,3 +151,12 @@ def outbound_timeout(
             f"{margin_s * 1000:.1f} ms are kept as hop margin"
         )
     return timeout
+
+
+def timed_out(what: str, timeout: float | None, cap_s: float, detail: str = "") -> RaglineError:
+    """The error for a call to `what` that ran out of its `timeout` (from `outbound_timeout`
+    with `stage_budget_s=cap_s`): DEADLINE_EXCEEDED when that was the caller's remaining
+    time, else UNAVAILABLE (the engine was slower than its own cap: retryable)."""
+    if timeout is not None and timeout < cap_s:
+        return DeadlineExceeded(f"{what}: the deadline passed")
+    return Unavailable(f"{what}: {detail or f'no answer within {timeout} s'}")

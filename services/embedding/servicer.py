@@ -15,35 +15,27 @@ _INPUT_TYPES = {
 }
 
 
-def _is_operator() -> bool:
-    caller = optional_caller()
-    return caller is not None and caller.operator
-
-
-def _tenant() -> str:
-    # Fair queueing is by tenant; a caller without one (a tool) queues as "".
-    caller = optional_caller()
-    return caller.tenant if caller is not None else ""
-
-
 class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
     def __init__(self) -> None:
         self.embedder: Deferred[Embedder] = Deferred("the embedding model")
 
     async def Embed(self, request, context):
         embedder = self.embedder.value
+        # A caller without identity (a tool) queues as tenant "" and is no operator.
+        caller = optional_caller()
         result = await embedder.embed(
             list(request.texts),
             dim=request.dim,
             refuse_over_limit=request.truncation == embedding_pb2.TRUNCATION_NONE,
             input_type=_INPUT_TYPES[request.input_type],
-            tenant=_tenant(),
+            tenant=caller.tenant if caller is not None else "",
         )
         clock = current_clock()
         clock.add_stage("tokenize", result.tokenize_s)
         clock.started = result.batch_started  # queue_wait: receipt -> its batch starts
         clock.add_stage("inference", result.compute_s)
         clock.mark_finished()
+        operator = caller is not None and caller.operator
         return embedding_pb2.EmbedResponse(
             embeddings=[
                 embedding_pb2.Embedding(
@@ -59,5 +51,5 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
             usage=common_pb2.Usage(input_tokens=sum(result.token_counts)),
             timing=clock.to_proto(),
             # How many texts ran together shows others' traffic: operators only.
-            batch_size=result.batch_texts if _is_operator() else len(request.texts),
+            batch_size=result.batch_texts if operator else len(request.texts),
         )

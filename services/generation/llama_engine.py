@@ -20,7 +20,7 @@ import httpx
 import structlog
 
 from ragline import deadlines
-from ragline.errors import DeadlineExceeded, Unavailable
+from ragline.errors import Unavailable
 from ragline.processes import terminate
 from ragline_services.generation.engine import StreamEvent
 
@@ -162,9 +162,7 @@ class LlamaServerEngine:
             timeout = deadlines.outbound_timeout(f"llama-server {path}", stage_budget_s=30.0)
             reply = await self._http.post(path, json=body, timeout=timeout)
         except httpx.TimeoutException as error:
-            if timeout is not None and timeout < 30.0:
-                raise DeadlineExceeded(f"llama-server {path}: the deadline passed") from error
-            raise Unavailable(f"llama-server {path} timed out after {timeout} s") from error
+            raise deadlines.timed_out(f"llama-server {path}", timeout, 30.0) from error
         except httpx.HTTPError as error:
             raise Unavailable(f"llama-server {path} failed: {error}") from error
         if reply.status_code != 200:

@@ -96,17 +96,19 @@ class TokenCache:
     def put(self, key, vectors: np.ndarray) -> np.ndarray:
         """Keeps `vectors` (int8) and returns them as kept, so that a hit and a miss rank
         alike (also when the entry is evicted at once by a bound smaller than one batch)."""
-        rows, scales = quantize(vectors)
-        size = rows.nbytes + scales.nbytes
+        entry = quantize(vectors)
         if key in self._entries:
-            old_rows, old_scales = self._entries.pop(key)
-            self.bytes -= old_rows.nbytes + old_scales.nbytes
-        self._entries[key] = (rows, scales)
-        self.bytes += size
+            self.bytes -= _nbytes(self._entries.pop(key))
+        self._entries[key] = entry
+        self.bytes += _nbytes(entry)
         while self.bytes > self.max_bytes and self._entries:
-            _, (old_rows, old_scales) = self._entries.popitem(last=False)
-            self.bytes -= old_rows.nbytes + old_scales.nbytes
-        return dequantize(rows, scales)
+            self.bytes -= _nbytes(self._entries.popitem(last=False)[1])
+        return dequantize(*entry)
+
+
+def _nbytes(entry: tuple[np.ndarray, np.ndarray]) -> int:
+    rows, scales = entry
+    return rows.nbytes + scales.nbytes
 
 
 @dataclass

@@ -72,7 +72,6 @@ class _TenantIndex:
         directory.mkdir(parents=True, exist_ok=True)
         self.index = tantivy.Index(schema, path=str(directory))
         self.heap_bytes = heap_bytes
-        self.documents: int | None = None  # counted on first need, kept after writes
 
     def apply(self, upserts: list[StoredDocument], deletes: list[str]) -> None:
         tantivy = self._tantivy
@@ -91,7 +90,6 @@ class _TenantIndex:
         finally:
             del writer
         self.index.reload()
-        self.documents = self.index.searcher().num_docs
 
     def _filters(self, visibility: Visibility) -> list:
         tantivy = self._tantivy
@@ -204,7 +202,7 @@ class Bm25Index:
                 if index is None:
                     continue  # deletes for a tenant that never wrote: nothing to do
                 index.apply(tenant_upserts, tenant_deletes)
-                self._counts[tenant] = index.documents or 0
+                self._counts[tenant] = index.count()
 
     def search(self, query: str, visibility: Visibility, k: int) -> list[Candidate]:
         text = " ".join(without_stop_words(sanitise(query).split(), self.stop_words))

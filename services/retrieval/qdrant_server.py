@@ -64,14 +64,14 @@ class QdrantServerIndex:
     def _call(self, fn, request):
         """One Qdrant call that ends at the caller's deadline (at most the configured
         timeout), so a blocked call never holds its worker thread past it."""
-        timeout = deadlines.outbound_timeout(f"Qdrant at {self.url}", stage_budget_s=self._timeout)
-        callers = timeout is not None and timeout < self._timeout  # the caller's time is shorter
+        what = f"Qdrant at {self.url}"
+        timeout = deadlines.outbound_timeout(what, stage_budget_s=self._timeout)
         try:
             return fn(request, timeout=timeout)
         except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and callers:
-                raise DeadlineExceeded(f"Qdrant at {self.url}: the deadline passed") from error
-            raise Unavailable(f"Qdrant at {self.url}: {error.details()}") from error
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise deadlines.timed_out(what, timeout, self._timeout, error.details()) from error
+            raise Unavailable(f"{what}: {error.details()}") from error
 
     def _ensure_collection(self) -> None:
         q = self._q

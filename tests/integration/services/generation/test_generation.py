@@ -146,12 +146,17 @@ async def test_full_queue_answers_resource_exhausted_quickly(generation_service)
     assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details)
 
 
+async def final_summary(address: str, prompt: str, max_tokens: int, who: str):
+    """The final message of one generation as tenant `who`."""
+    request = prompt_request(prompt, max_tokens)
+    return (await collect(address, request, metadata=tenant(who)))[-1].final
+
+
 async def test_prefix_reuse_is_per_tenant(generation_service):
     prompt = f"Evidence: {EVIDENCE}\nQuestion: What river does Warsaw stand on?\nAnswer:"
 
-    async def final_of(who: str):
-        request = prompt_request(prompt, 4)
-        return (await collect(generation_service.address, request, metadata=tenant(who)))[-1].final
+    def final_of(who: str):
+        return final_summary(generation_service.address, prompt, 4, who)
 
     first = await final_of("tenant-a")
     again = await final_of("tenant-a")
@@ -173,9 +178,8 @@ async def test_a_failed_erase_never_hands_a_warm_slot_to_another_tenant(launcher
     service = await asyncio.to_thread(launcher.start, "generation", env=env)
     prompt = f"Evidence: {EVIDENCE}\nQuestion: How many people live in Warsaw?\nAnswer:"
 
-    async def final_of(who: str):
-        request = prompt_request(prompt, 2)
-        return (await collect(service.address, request, metadata=tenant(who)))[-1].final
+    def final_of(who: str):
+        return final_summary(service.address, prompt, 2, who)
 
     warm = await final_of("ann")
     again = await final_of("ann")
