@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ragline-installed
 TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.ragline-installed
 
-.PHONY: install triton-env llama-server node-client up test lint format clean
+.PHONY: install triton-env llama-server node-client redis-server up test lint format clean
 
 # Re-installing regenerates the protobuf/gRPC stubs (setup.py runs grpcio-tools).
 install: $(STAMP)
@@ -46,7 +46,12 @@ node-client: clients/node/node_modules/.package-lock.json
 clients/node/node_modules/.package-lock.json: clients/node/package.json clients/node/package-lock.json
 	cd clients/node && npm ci --no-audit --no-fund
 
-test: lint triton-env llama-server node-client
+# Debian's redis-server for the tests of the shared cache backend (they start their own
+# on a free loopback port; nothing runs as a system service).
+redis-server:
+	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
+
+test: lint triton-env llama-server node-client redis-server
 	$(BIN)/pytest
 
 format: install

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import math
+import re
+import string
 from collections.abc import Sequence
 
 
@@ -24,3 +27,22 @@ def ranking_metrics(rankings: Sequence[Sequence[str]], relevant: Sequence[str]) 
         "recall@100": sum(1 for r in ranks if 0 < r <= 100) / n,
         "mrr@10": sum(1 / r for r in ranks if 0 < r <= 10) / n,
     }
+
+
+# SQuAD answer scoring (the official normalisation).
+
+
+def normalise(text: str) -> str:
+    text = "".join(c for c in text.lower() if c not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    predicted, expected = normalise(prediction).split(), normalise(gold).split()
+    common = collections.Counter(predicted) & collections.Counter(expected)
+    overlap = sum(common.values())
+    if not overlap:
+        return 0.0
+    precision, recall = overlap / len(predicted), overlap / len(expected)
+    return 2 * precision * recall / (precision + recall)

@@ -20,6 +20,7 @@ import pytest
 
 from ragline.processes import free_ports, terminate
 from ragline_app.etcd_server import EtcdServer
+from ragline_app.redis_server import RedisServer
 from ragline_app.stack import health_status_sync
 from support import REPO_ROOT, SMALL_GENERATION
 from support.budget import Api, budget_env, new_id
@@ -466,6 +467,15 @@ def etcd(tmp_path_factory) -> Iterator[EtcdServer]:
 def own_etcd(tmp_path) -> Iterator[EtcdServer]:
     """A real etcd for one test (which may stop and restart it)."""
     server = start_etcd(tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
+    """A real redis-server (Debian) shared by the session; tests namespace their keys."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"), free_ports(1)[0])
+    server.start()
     yield server
     server.stop()
 

@@ -23,9 +23,7 @@ import collections
 import json
 import os
 import random
-import re
 import signal
-import string
 import subprocess
 import sys
 import time
@@ -45,6 +43,7 @@ from ragline.v1 import (
     retrieval_pb2_grpc,
 )
 from ragline_app.datasets import load_squad
+from ragline_app.evaluation import normalise, token_f1
 from ragline_app.ingest import Checkpoint, ingest, prepare_rerank
 from ragline_services.orchestrator.evidence import strip_markers
 from ragline_services.orchestrator.plan import default_rag_plan
@@ -52,25 +51,6 @@ from ragline_services.orchestrator.servicer import plan_message
 
 TENANT = "bench"
 REPO = Path(__file__).resolve().parents[1]
-
-
-# -- SQuAD scoring (the official normalisation) -----------------------------------------------
-
-
-def normalise(text: str) -> str:
-    text = "".join(c for c in text.lower() if c not in set(string.punctuation))
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def token_f1(prediction: str, gold: str) -> float:
-    predicted, expected = normalise(prediction).split(), normalise(gold).split()
-    common = collections.Counter(predicted) & collections.Counter(expected)
-    overlap = sum(common.values())
-    if not overlap:
-        return 0.0
-    precision, recall = overlap / len(predicted), overlap / len(expected)
-    return 2 * precision * recall / (precision + recall)
 
 
 # -- the stack ----------------------------------------------------------------------------------

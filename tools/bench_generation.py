@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -118,41 +119,192 @@ async def bare_engine(port: int, prompt: str, max_tokens: int) -> dict:
         }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--levels", default="1,2,4,8")
-    parser.add_argument(
-        "--draft",
-        action="store_true",
-        help="also measure draft-model speculation: the large tier "
-        "(qwen2.5-coder-1.5b) drafted by the small model, vs plain",
-    )
-    parser.add_argument("--data", type=Path, default=REPO / "app/data/squad_dev_sample.json")
-    args = parser.parse_args()
-    passages, questions = load_squad(args.data)
-    by_passage = {}
-    for q in questions:
-        by_passage.setdefault(q.passage_id, []).append(q.text)
-    # Evidence = the question's passage and the next two of its article, as a RAG prompt
-    # with top-3 passages would carry (about 500-700 tokens).
-    cases = [
-        ("\n\n".join(x.text for x in passages[i : i + 3]), by_passage[p.id])
-        for i, p in enumerate(passages[:-2])
-        if len(by_passage.get(p.id, [])) >= 2
-    ]
-    logs = Path(os.environ.get("TMPDIR", "/tmp"))
-    rows: list[str] = []
-    base_env = {
-        "RAGLINE_GENERATION_SMALL_MODEL": args.model,
-        "RAGLINE_GENERATION_CONTEXT_PER_SEQ": "2048",
-        "RAGLINE_GENERATION_ENGINE_LOG_DIR": str(logs),
-    }
+@contextlib.contextmanager
+def generation_service(env: dict[str, str], log_path: Path):
+    process, address = spawn_service("generation", env, log_path)
+    try:
+        yield address
+    finally:
+        process.terminate()
+        process.wait()
 
+
+def engine_rss_mib(port: int) -> float:
+    """Resident memory of the llama-server listening on `port` (found by its command line)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
+            for line in (proc / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def stage_s(final, name: str) -> float:
+    for stage in final.timing.stages:
+        if stage.name == name:
+            return stage.duration.seconds + stage.duration.nanos / 1e9
+    return float("nan")
+
+
+async def prompt_of(stub, texts: list[str], tokens: int) -> str:
+    """Joins `texts` and cuts the result to about `tokens` tokens of the service's model."""
+    text = "\n\n".join(texts)
+    chars = tokens * 4
+    for _ in range(4):
+        counted = (
+            await stub.CountTokens(
+                generation_pb2.CountTokensRequest(prompt=text[:chars]),
+                metadata=(("x-ragline-tenant", "bench"),),
+            )
+        ).tokens
+        if abs(counted - tokens) <= tokens * 0.02:
+            break
+        chars = int(chars * tokens / counted)
+    return text[:chars]
+
+
+def flash_rows(args, passages, logs: Path, base_env: dict, rows: list[str]) -> None:
+    """Prefill tok/s with llama.cpp flash attention on vs off at 512 / 2k / 4k tokens."""
+    sizes = [int(x) for x in args.prefill_sizes.split(",")]
+    speed: dict[tuple[str, int], float] = {}
+    for flash in ("off", "on"):
+        env = {
+            **base_env,
+            "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+            "RAGLINE_GENERATION_CONTEXT_PER_SEQ": str(max(sizes) + 256),
+            "RAGLINE_GENERATION_FLASH_ATTN": flash,
+        }
+        with generation_service(env, logs / f"bench-generation-flash-{flash}.log") as address:
+
+            async def measure(address=address, flash=flash):
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                    for size in sizes:
+                        rates = []
+                        for round_ in range(args.rounds):
+                            start = (round_ * 17 + size // 64) % (len(passages) - 40)
+                            texts = [p.text for p in passages[start : start + 40]]
+                            prompt = await prompt_of(stub, texts, size)
+                            # A new tenant each time: the slot is erased, the prefill cold.
+                            reply = await run_one(
+                                stub,
+                                generation_pb2.GenerateRequest(prompt=prompt, max_tokens=1),
+                                tenant=uuid.uuid4().hex,
+                            )
+                            final = reply["final"]
+                            rates.append(final.usage.input_tokens / stage_s(final, "prefill"))
+                        speed[(flash, size)] = statistics.median(rates)
+
+            asyncio.run(measure())
+    for size in sizes:
+        on, off = speed[("on", size)], speed[("off", size)]
+        rows.append(
+            f"| prefill tok/s at {size} prompt tokens: flash attention on vs off | "
+            f"{on:.0f} vs {off:.0f} | {on / off:.2f}x |"
+        )
+
+
+def buried_cases(passages, questions, count: int, distractors: int):
+    """(question, gold passage, other passages): SQuAD dev questions whose paragraph is
+    buried among paragraphs of other articles."""
+    by_id = {p.id: p for p in passages}
+    article = lambda passage_id: passage_id.rsplit(":", 1)[0]  # noqa: E731
+    cases = []
+    for i, question in enumerate(questions[: count * 7 : 7]):
+        gold = by_id[question.passage_id]
+        others = [p for p in passages if article(p.id) != article(gold.id)]
+        offset = (i * 13) % max(len(others) - distractors, 1)
+        cases.append((question, gold, others[offset : offset + distractors]))
+    return cases
+
+
+def kv_type_rows(args, passages, questions, logs: Path, base_env: dict, rows: list[str]) -> None:
+    """Per KV cache type: engine memory, decode tok/s and answer F1 with the gold paragraph
+    buried in about `--long-tokens` tokens of other passages."""
+    from ragline_app.evaluation import token_f1
+    from ragline_services.orchestrator.evidence import SYSTEM_PROMPT, strip_markers
+
+    cases = buried_cases(passages, questions, args.long_questions, distractors=40)
+    results = {}
+    for cache_type in args.kv_types.split(","):
+        env = {
+            **base_env,
+            "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+            "RAGLINE_GENERATION_CONTEXT_PER_SEQ": str(args.long_tokens + 512),
+            "RAGLINE_GENERATION_FLASH_ATTN": "on",  # a quantized V cache needs it
+            "RAGLINE_GENERATION_CACHE_TYPE_K": cache_type,
+            "RAGLINE_GENERATION_CACHE_TYPE_V": cache_type,
+        }
+        log_path = logs / f"bench-generation-kv-{cache_type}.log"
+        with generation_service(env, log_path) as address:
+            port = engine_port(log_path)
+            idle_rss = engine_rss_mib(port)
+
+            async def measure(address=address):
+                f1s, speeds, tokens = [], [], []
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                    for question, gold, others in cases:
+                        # the gold paragraph in the middle of the distractors
+                        middle = len(others) // 2
+                        texts = [p.text for p in others[:middle]] + [gold.text]
+                        texts += [p.text for p in others[middle:]]
+                        evidence = await prompt_of(stub, texts, args.long_tokens)
+                        if gold.text not in evidence:  # cut off: put it back in the middle
+                            half = len(evidence) // 2
+                            evidence = evidence[:half] + "\n\n" + gold.text + evidence[half:]
+                            evidence = evidence[: len(evidence) - len(gold.text)]
+                        turns = [
+                            (generation_pb2.ROLE_SYSTEM, SYSTEM_PROMPT),
+                            (
+                                generation_pb2.ROLE_USER,
+                                f"Evidence:\n{evidence}\n\nQuestion: {question.text}",
+                            ),
+                        ]
+                        request = chat_request(turns, 24)
+                        request.sampling.stop.append("\n")
+                        tenant = uuid.uuid4().hex
+                        final = (await run_one(stub, request, tenant=tenant))["final"]
+                        answer = strip_markers(final.text).strip()
+                        f1s.append(max(token_f1(answer, g) for g in question.answers))
+                        tokens.append(final.usage.input_tokens)
+                        # decode speed at long context: 64 tokens after the same prompt
+                        # (same tenant: the prompt's KV is reused, only decoding is new)
+                        if len(speeds) < 3:
+                            long = chat_request(turns, 64)
+                            final = (await run_one(stub, long, tenant=tenant))["final"]
+                            speeds.append(final.decode_tokens_per_second)
+                return f1s, speeds, tokens
+
+            f1s, speeds, tokens = asyncio.run(measure())
+            results[cache_type] = {
+                "f1": statistics.fmean(f1s),
+                "decode": statistics.median(speeds),
+                "tokens": statistics.median(tokens),
+                "rss_idle": idle_rss,
+                "rss": engine_rss_mib(port),
+            }
+    base = results.get("f16")
+    for cache_type, r in results.items():
+        ratio = f"{r['decode'] / base['decode']:.2f}x decode" if base else ""
+        rows.append(
+            f"| KV cache {cache_type}: engine RSS idle / after, decode tok/s, F1 "
+            f"(gold in ~{r['tokens']:.0f} tokens, {len(cases)} q) | "
+            f"{r['rss_idle']:.0f} / {r['rss']:.0f} MiB, {r['decode']:.1f} tok/s, "
+            f"F1 {r['f1']:.3f} | {ratio} |"
+        )
+
+
+def store_rows(args, cases, logs: Path, base_env: dict, rows: list[str]) -> None:
+    raise SystemExit("store: not yet")
+
+
+def base_rows(args, cases, logs: Path, base_env: dict, rows: list[str]) -> None:
+    """Rows 1-4 (overhead, prefix cache, speculation, batching)."""
     # 1-2 on one plain service with one slot (one request at a time).
     service_log = logs / "bench-generation-1.log"
     process, address = spawn_service(
@@ -374,6 +526,62 @@ def main() -> int:
                 f"{d_tps / p_tps:.2f}x |"
             )
 
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--levels", default="1,2,4,8")
+    parser.add_argument(
+        "--draft",
+        action="store_true",
+        help="also measure draft-model speculation: the large tier "
+        "(qwen2.5-coder-1.5b) drafted by the small model, vs plain",
+    )
+    parser.add_argument(
+        "--parts",
+        default="base",
+        help="comma-separated: base (overhead, prefix cache, speculation, batching), "
+        "flash (prefill with/without flash attention), kvtypes (KV cache types), "
+        "store (hot-prefix KV store)",
+    )
+    parser.add_argument("--prefill-sizes", default="512,2048,4096")
+    parser.add_argument("--kv-types", default="f16,q8_0,q4_0")
+    parser.add_argument("--long-tokens", type=int, default=3500)
+    parser.add_argument("--long-questions", type=int, default=12)
+    parser.add_argument("--data", type=Path, default=REPO / "app/data/squad_dev_sample.json")
+    args = parser.parse_args()
+    passages, questions = load_squad(args.data)
+    by_passage = {}
+    for q in questions:
+        by_passage.setdefault(q.passage_id, []).append(q.text)
+    # Evidence = the question's passage and the next two of its article, as a RAG prompt
+    # with top-3 passages would carry (about 500-700 tokens).
+    cases = [
+        ("\n\n".join(x.text for x in passages[i : i + 3]), by_passage[p.id])
+        for i, p in enumerate(passages[:-2])
+        if len(by_passage.get(p.id, [])) >= 2
+    ]
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    rows: list[str] = []
+    base_env = {
+        "RAGLINE_GENERATION_SMALL_MODEL": args.model,
+        "RAGLINE_GENERATION_CONTEXT_PER_SEQ": "2048",
+        "RAGLINE_GENERATION_ENGINE_LOG_DIR": str(logs),
+    }
+
+    parts = set(args.parts.split(","))
+    if "base" in parts:
+        base_rows(args, cases, logs, base_env, rows)
+    if "flash" in parts:
+        flash_rows(args, passages, logs, base_env, rows)
+    if "kvtypes" in parts:
+        kv_type_rows(args, passages, questions, logs, base_env, rows)
+    if "store" in parts:
+        store_rows(args, cases, logs, base_env, rows)
     print(
         f"\ngeneration on llama-server, model {args.model}, {args.tokens} tokens, greedy, "
         f"{args.rounds} RAG prompts from {args.data.name}"

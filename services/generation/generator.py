@@ -11,10 +11,16 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import structlog
+from cachetools import LRUCache
+
 from ragline import deadlines
-from ragline.errors import InvalidArgument
+from ragline.errors import InvalidArgument, Unavailable
 from ragline_services.generation.engine import GenerationEngine, StreamEvent
-from ragline_services.generation.scheduler import SlotScheduler
+from ragline_services.generation.prefix_store import Candidate, PrefixStore, StoreOutcome
+from ragline_services.generation.scheduler import Lease, SlotScheduler
+
+log = structlog.get_logger("ragline.generation")
 
 SMALL, LARGE = "small", "large"
 
@@ -65,6 +71,8 @@ class Tier:
     context_window: int
     # Called (as a task) when speculation should be switched off for this tier.
     on_fall_back: Callable[[Tier], Awaitable[None]] | None = None
+    # Saved KV states of hot prompt prefixes (llama-server tiers; None: off).
+    prefix_store: PrefixStore | None = None
 
 
 @dataclass
@@ -102,12 +110,33 @@ class Summary:
     drafted: int
     accepted: int
     fell_back: bool
+    store: StoreOutcome = field(default_factory=StoreOutcome)
+
+
+@dataclass
+class Rendered:
+    tier: Tier
+    prompt: str
+    tokens: int
+    token_ids: list[int] | None = None  # when the tier has a prefix store
+    boundaries: list[int] = field(default_factory=list)  # candidate prefix lengths
+
+
+def common_prefix(a: tuple[int, ...] | list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Generator:
     def __init__(self, tiers: dict[str, Tier]) -> None:
         self.tiers = tiers
         self._background: set[asyncio.Future] = set()
+        # Token ids of rendered leading parts of chats (system prompts repeat verbatim).
+        self._partial_tokens: LRUCache[tuple, list[int]] = LRUCache(maxsize=512)
 
     def tier(self, name: str) -> Tier:
         try:
@@ -117,7 +146,7 @@ class Generator:
                 "tier", f"tier {name!r} is not served here; available: {', '.join(self.tiers)}"
             ) from None
 
-    async def render(self, request: GenerationRequest) -> tuple[Tier, str, int]:
+    async def render(self, request: GenerationRequest, *, for_store: bool = True) -> Rendered:
         tier = self.tier(request.tier)
         if request.chat is not None:
             prompt = await tier.engine.render_chat(request.chat)
@@ -126,15 +155,47 @@ class Generator:
         if not prompt.strip():
             field_name = "chat" if request.chat is not None else "prompt"
             raise InvalidArgument(field_name, "is empty; give the model something to continue")
-        tokens = await tier.engine.count_tokens(prompt)
-        return tier, prompt, tokens
+        if tier.prefix_store is None or not for_store:
+            return Rendered(tier, prompt, await tier.engine.count_tokens(prompt))
+        token_ids = await tier.engine.tokenize(prompt)  # type: ignore[attr-defined]
+        boundaries = [len(token_ids)]
+        if request.chat is not None:
+            boundaries += await self._chat_boundaries(tier, request.chat, token_ids)
+        return Rendered(tier, prompt, len(token_ids), token_ids, boundaries)
+
+    async def _chat_boundaries(
+        self, tier: Tier, chat: list[dict[str, str]], ids: list[int]
+    ) -> list[int]:
+        """Token counts where the leading system messages and the conversation before the
+        last message end (their rendering's common prefix with the whole prompt's)."""
+        system = next((i for i, m in enumerate(chat) if m["role"] != "system"), len(chat))
+        cuts = []
+        for upto in {system, len(chat) - 1}:
+            if not 0 < upto < len(chat):
+                continue
+            memo = (
+                tier.name,
+                tier.model_version,
+                *((m["role"], m["content"]) for m in chat[:upto]),
+            )
+            partial = self._partial_tokens.get(memo)
+            if partial is None:
+                try:
+                    text = await tier.engine.render_chat(chat[:upto])
+                    partial = await tier.engine.tokenize(text)  # type: ignore[attr-defined]
+                except Unavailable:
+                    continue  # a template that can't render a part: no boundary there
+                self._partial_tokens[memo] = partial
+            cuts.append(common_prefix(partial, ids))
+        return cuts
 
     async def count_tokens(self, request: GenerationRequest) -> tuple[int, int, str]:
-        tier, _, tokens = await self.render(request)
-        return tokens, tier.context_window, tier.model
+        rendered = await self.render(request, for_store=False)
+        return rendered.tokens, rendered.tier.context_window, rendered.tier.model
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk | Summary]:
-        tier, prompt, prompt_tokens = await self.render(request)
+        rendered = await self.render(request)
+        tier, prompt, prompt_tokens = rendered.tier, rendered.prompt, rendered.tokens
         input_field = "chat" if request.chat is not None else "prompt"
         if prompt_tokens >= tier.context_window:
             raise InvalidArgument(
@@ -152,6 +213,11 @@ class Generator:
         speculate = tier.speculation.mode != "none" and not tier.speculation.fell_back
         deadline = deadlines.current_deadline()
         lease = await tier.scheduler.acquire(request.tenant, deadline)
+        try:
+            store = await self._use_store(rendered, lease, request.tenant)
+        except BaseException:
+            tier.scheduler.release(lease.slot)
+            raise
         started = time.monotonic()
         text_parts: list[str] = []
         first_token_at = None
@@ -190,6 +256,7 @@ class Generator:
             # Closing the engine stream stops decoding now (deadline, cancel or done).
             with contextlib.suppress(Exception):
                 await stream.aclose()
+            lease.slot.tokens = tuple(rendered.token_ids or ())
             tier.scheduler.release(lease.slot)
         completion_tokens = final.completion_tokens if final else len(text_parts)
         drafted, accepted = (final.drafted, final.accepted) if final else (0, 0)
@@ -221,4 +288,93 @@ class Generator:
             drafted=drafted,
             accepted=accepted,
             fell_back=tier.speculation.fell_back,
+            store=store,
         )
+
+    async def _use_store(self, rendered: Rendered, lease: Lease, tenant: str) -> StoreOutcome:
+        """Restores the longest stored prefix into the leased slot (unless the slot already
+        holds more of this prompt), then saves the hot prefixes not yet stored."""
+        outcome = StoreOutcome()
+        store, ids = rendered.tier.prefix_store, rendered.token_ids
+        if store is None or ids is None:
+            return outcome
+        warm = common_prefix(lease.slot.tokens, ids) if lease.warm else 0
+        candidates = store.candidates(tenant, ids, rendered.boundaries)
+        if not candidates:
+            return outcome
+        # Sightings count even in a warm slot: the state must outlive the slot.
+        await store.look_up(tenant, candidates)
+        engine = rendered.tier.engine
+        slot = lease.slot
+        held = warm
+        if any(c.tokens > warm for c in candidates):
+            store.counters.lookups += 1  # there was prefill to skip
+        for candidate in candidates:  # longest first
+            entry = candidate.stored
+            if candidate.tokens <= warm:
+                break  # the slot already holds this much of the prompt
+            if entry is None or not await store.verified(entry):
+                candidate.stored = None
+                continue
+            began = time.monotonic()
+            try:
+                restored = await engine.restore_slot(slot.index, entry.file)  # type: ignore[attr-defined]
+            except Unavailable as error:
+                restored, why = -1, str(error)
+            else:
+                why = f"llama-server restored {restored} of {entry.tokens} tokens"
+            outcome.restore_s += time.monotonic() - began
+            if restored == entry.tokens:
+                await store.used(entry)
+                held = outcome.restored_tokens = restored
+                slot.tokens = tuple(ids[:restored])
+                break
+            # Never half-loaded: whatever the engine kept of it goes.
+            candidate.stored = None
+            slot.tokens = ()
+            held = 0
+            await store.discard(entry, why)
+            await engine.erase_slot(slot.index)
+        for candidate in sorted(candidates, key=lambda c: c.tokens):
+            # Not below what the slot holds: prefilling a shorter prefix would cut the
+            # cache back to it and this request would prefill the rest again.
+            if candidate.hot and candidate.stored is None and candidate.tokens >= held:
+                await self._save(rendered, slot.index, tenant, candidate, outcome)
+                slot.tokens = tuple(ids[: candidate.tokens])
+                held = candidate.tokens
+        if outcome.restored_tokens or outcome.saved_tokens:
+            log.info(
+                "generation.prefix_store",
+                tenant=tenant,
+                tier=rendered.tier.name,
+                restored=outcome.restored_tokens,
+                saved=outcome.saved_tokens,
+                hit_rate=round(store.counters.hit_rate, 3),
+                **{k: v for k, v in store.counters.__dict__.items()},
+            )
+        return outcome
+
+    async def _save(
+        self,
+        rendered: Rendered,
+        slot: int,
+        tenant: str,
+        candidate: Candidate,
+        outcome: StoreOutcome,
+    ) -> None:
+        store, engine = rendered.tier.prefix_store, rendered.tier.engine
+        assert store is not None and rendered.token_ids is not None
+        began = time.monotonic()
+        file = store.new_file_name(candidate.key)
+        try:
+            # The prefix alone first (the request's own prefill continues from it).
+            await engine.prefill(slot, rendered.token_ids[: candidate.tokens])  # type: ignore[attr-defined]
+            saved = await engine.save_slot(slot, file)  # type: ignore[attr-defined]
+        except Unavailable as error:
+            log.warning("generation.prefix_save_failed", tenant=tenant, error=str(error))
+            entry = None
+        else:
+            entry = await store.saved(tenant, candidate, file, saved)
+        if entry is not None:
+            outcome.saved_tokens += entry.tokens
+        outcome.save_s += time.monotonic() - began

@@ -50,6 +50,14 @@ class EngineSettings:
     speculation: str = "ngram"
     draft_model_path: Path | None = None
     draft_max: int = 8
+    # llama.cpp's flash-attention switch ("on", "off", "auto") and KV cache element types
+    # (a quantized V cache needs flash attention).
+    flash_attn: str = "auto"
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    # Where slot states are saved and restored from (the hot-prefix KV store's files);
+    # None: a folder beside the engine's log.
+    slot_save_dir: Path | None = None
 
 
 class LlamaServerEngine:
@@ -64,7 +72,7 @@ class LlamaServerEngine:
         self.external = bool(url)
         self.process: subprocess.Popen | None = None
         self.context_window = settings.context_per_slot
-        self.slot_dir = log_path.parent / f"llama-slots-{port}"
+        self.slot_dir = settings.slot_save_dir or log_path.parent / f"llama-slots-{port}"
         self._http = httpx.AsyncClient(
             base_url=url.rstrip("/") if url else f"http://127.0.0.1:{port}",
             timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
@@ -87,7 +95,9 @@ class LlamaServerEngine:
             "--slot-prompt-similarity", "0",
             "--offline",
             "--no-webui",
-            # enables the slot actions; we only use `erase` (no slot is ever saved there)
+            "--flash-attn", s.flash_attn,
+            "--cache-type-k", s.cache_type_k, "--cache-type-v", s.cache_type_v,
+            # the slot actions: erase, and save/restore for the hot-prefix KV store
             "--slot-save-path", str(self.slot_dir),
         ]  # fmt: skip
         if s.speculation == "ngram":
@@ -178,12 +188,34 @@ class LlamaServerEngine:
     async def render_chat(self, messages: list[dict[str, str]]) -> str:
         return str(await self._post("/apply-template", {"messages": messages}, "prompt"))
 
-    async def count_tokens(self, text: str) -> int:
+    async def tokenize(self, text: str) -> list[int]:
         body = {"content": text, "add_special": True, "parse_special": True}
-        return len(await self._post("/tokenize", body, "tokens"))
+        return [int(t) for t in await self._post("/tokenize", body, "tokens")]
+
+    async def count_tokens(self, text: str) -> int:
+        return len(await self.tokenize(text))
 
     async def erase_slot(self, slot: int) -> None:
         await self._post(f"/slots/{slot}?action=erase", {})
+
+    # -- slot states (the hot-prefix KV store) --------------------------------------------------
+
+    async def prefill(self, slot: int, tokens: list[int]) -> None:
+        """Evaluates `tokens` into `slot`'s cache (reusing what it already holds) and
+        generates nothing that stays: the slot then holds exactly these tokens."""
+        body = {"prompt": tokens, "id_slot": slot, "cache_prompt": True, "n_predict": 0}
+        await self._post("/completion", body)
+
+    async def save_slot(self, slot: int, filename: str) -> int:
+        """Writes the slot's KV state to `filename` in the slot-save folder; the tokens saved."""
+        reply = await self._post(f"/slots/{slot}?action=save", {"filename": filename})
+        return int(reply.get("n_saved", 0))
+
+    async def restore_slot(self, slot: int, filename: str) -> int:
+        """Loads a saved state into the slot (replacing its cache); the tokens restored.
+        A file llama-server can't load is Unavailable, and the slot is left empty."""
+        reply = await self._post(f"/slots/{slot}?action=restore", {"filename": filename})
+        return int(reply.get("n_restored", 0))
 
     async def stream(
         self, prompt: str, *, slot: int, max_tokens: int, sampling: dict

@@ -34,6 +34,9 @@ class Slot:
     owner: str | None = None  # tenant whose prompt the slot's cache holds
     busy: bool = False
     last_used: float = 0.0
+    # The prompt tokens the slot's cache starts with (set by the generator; empty when
+    # unknown or erased), so a warm slot is not overwritten by a shorter stored prefix.
+    tokens: tuple[int, ...] = ()
 
 
 @dataclass
@@ -143,6 +146,7 @@ class SlotScheduler:
                 self.release(slot)
                 raise
             erased = True
+            slot.tokens = ()
         slot.owner = tenant
         return Lease(slot, time.monotonic() - started, warm, erased)
 
@@ -173,6 +177,7 @@ class SlotScheduler:
             yield
             for slot in self.slots:
                 slot.owner = None
+                slot.tokens = ()
         finally:
             self._paused = False
             self._hand_over()

@@ -12,6 +12,7 @@ import grpc
 import structlog
 from pydantic import Field
 
+from ragline.cache import CacheBackend, open_cache
 from ragline.config import ServiceConfig
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
@@ -21,10 +22,19 @@ from ragline.v1 import generation_pb2, generation_pb2_grpc
 from ragline_services.generation.engine import GenerationEngine
 from ragline_services.generation.generator import LARGE, SMALL, Generator, Speculation, Tier
 from ragline_services.generation.llama_engine import (
+    LLAMA_BUILD_TAG,
     EngineSettings,
     LlamaServerEngine,
     default_llama_cache,
 )
+from ragline_services.generation.memory import (
+    MEMORY_FRACTION,
+    NotEnoughMemory,
+    available_memory,
+    model_shape,
+    plan_slots,
+)
+from ragline_services.generation.prefix_store import PrefixStore, StoreSettings
 from ragline_services.generation.scheduler import SlotScheduler
 from ragline_services.generation.servicer import GenerationServicer
 
@@ -39,8 +49,12 @@ class GenerationConfig(ServiceConfig):
     # Where prepared models live (default: the shared RAGLINE_MODEL_DIR).
     model_dir: Path | None = None
     prepare_models: bool = True
-    # Sequences decoded together per tier (llama-server slots) and the waiting-queue bound.
+    # Sequences decoded together per tier (llama-server slots): a hard cap; the slots a
+    # tier gets are fewer when its memory share holds fewer (see generation/memory.py).
     max_num_seqs: int = Field(4, ge=1)
+    # Memory for all tiers' engines (weights, buffers, KV caches) in MiB; 0: half of the
+    # memory available when the service starts.
+    memory_budget_mb: int = Field(0, ge=0)
     max_queue: int = Field(16, ge=0)
     # One tenant's share of the queue (0: half of it), so no tenant can fill it for all.
     max_queue_per_tenant: int = Field(0, ge=0)
@@ -56,7 +70,25 @@ class GenerationConfig(ServiceConfig):
     small_speculation: Literal["none", "ngram"] = "none"
     large_speculation: Literal["none", "ngram", "draft"] = "ngram"
     speculation_min_acceptance: float = Field(0.7, ge=0, le=1)
+    # llama.cpp flash attention: "auto" lets llama.cpp decide per device.
+    flash_attn: Literal["auto", "on", "off"] = "auto"
+    # KV cache element types (a quantized V cache needs flash attention on or auto).
+    cache_type_k: Literal["f16", "q8_0", "q4_0"] = "f16"
+    cache_type_v: Literal["f16", "q8_0", "q4_0"] = "f16"
     engine_log_dir: Path | None = None
+    # The hot-prefix KV store (generation/prefix_store.py): saved slot states of prompt
+    # prefixes a tenant repeats. Files in kv_store_dir (default <data dir>/kv-store; a
+    # shared volume for replicas, and the --slot-save-path of any external llama-server),
+    # index in cache_url's Redis (empty: in-process, lost on restart).
+    kv_store: bool = True
+    kv_store_dir: Path | None = None
+    kv_store_ttl_s: float = Field(300.0, gt=0)
+    kv_store_max_mb: int = Field(2048, ge=1)
+    # Seen this many times by a tenant within the TTL, a prefix is saved.
+    kv_store_hot_after: int = Field(2, ge=1)
+    # Shorter prefixes are cheaper to prefill than to restore.
+    kv_store_min_tokens: int = Field(64, ge=1)
+    cache_url: str = ""
     # The llama-server binary: an explicit path, else the build tool's cache folder
     # (default <RAGLINE_CACHE_DIR>/llama.cpp/<build tag>).
     llama_server: Path | None = None
@@ -83,6 +115,8 @@ class GenerationService(Service):
         super().__init__(config, common)
         self.engines: list[GenerationEngine] = []
         self._servicer = GenerationServicer()
+        self._memory_budget = 0
+        self._cache: CacheBackend | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(self._servicer, server)
@@ -101,6 +135,20 @@ class GenerationService(Service):
             raise FailedPrecondition(f"model {model} is a {spec.kind}, not a gguf model")
         model_path = store.file(model, spec.assembled or "model.gguf")
         context = min(cfg.context_per_seq, int(spec.extra.get("context", cfg.context_per_seq)))
+        shape = await asyncio.to_thread(model_shape, model_path)
+        try:
+            plan = plan_slots(
+                shape,
+                context_per_seq=context,
+                cache_type_k=cfg.cache_type_k,
+                cache_type_v=cfg.cache_type_v,
+                max_num_seqs=cfg.max_num_seqs,
+                budget=self._memory_budget,
+                tiers=2 if cfg.large_model else 1,
+            )
+        except NotEnoughMemory as error:
+            raise FailedPrecondition(f"tier {name} ({model}): {error}") from None
+        log.info("generation.slots", tier=name, model=model, plan=plan.describe())
         draft_path = None
         if speculation == "draft":
             draft_path = store.file(draft_model, store.spec(draft_model).assembled or "model.gguf")
@@ -109,11 +157,15 @@ class GenerationService(Service):
             EngineSettings(
                 model_path,
                 self._llama_binary(),
-                slots=cfg.max_num_seqs,
+                slots=plan.slots,
                 context_per_slot=context,
                 threads=self._threads(),
                 speculation=speculation,
                 draft_model_path=draft_path,
+                flash_attn=cfg.flash_attn,
+                cache_type_k=cfg.cache_type_k,
+                cache_type_v=cfg.cache_type_v,
+                slot_save_dir=self._store_dir(),
             ),
             port=free_ports(1)[0],
             log_path=Path(log_dir) / f"llama-server-{name}.log",
@@ -122,21 +174,48 @@ class GenerationService(Service):
         self.engines.append(engine)
         await engine.start()
         scheduler = SlotScheduler(
-            cfg.max_num_seqs,
+            plan.slots,
             cfg.max_queue,
             engine.erase_slot,
             max_queue_per_tenant=cfg.max_queue_per_tenant,
         )
+        model_version = store.version(model)
         return Tier(
             name=name,
             model=model,
-            model_version=store.version(model),
+            model_version=model_version,
             engine=engine,
             scheduler=scheduler,
             speculation=Speculation(speculation, threshold=cfg.speculation_min_acceptance),
             context_window=context,
             on_fall_back=self._fall_back,
+            # A draft model's own KV cache is not in a slot's saved state.
+            prefix_store=self._prefix_store(model_version) if speculation != "draft" else None,
         )
+
+    def _store_dir(self) -> Path:
+        return self.config.kv_store_dir or (self.common.data_dir / "kv-store")
+
+    def _prefix_store(self, model_version: str) -> PrefixStore | None:
+        cfg = self.config
+        if not cfg.kv_store:
+            return None
+        if self._cache is None:
+            self._cache = open_cache(cfg.cache_url)
+        # Everything that changes a saved state's layout: a state is restored only into
+        # an engine that wrote it the same way.
+        identity = (
+            f"{model_version}|llama.cpp {LLAMA_BUILD_TAG}|k={cfg.cache_type_k}"
+            f"|v={cfg.cache_type_v}|fa={cfg.flash_attn}"
+        )
+        settings = StoreSettings(
+            directory=self._store_dir(),
+            ttl_s=cfg.kv_store_ttl_s,
+            max_bytes=cfg.kv_store_max_mb << 20,
+            hot_after=cfg.kv_store_hot_after,
+            min_tokens=cfg.kv_store_min_tokens,
+        )
+        return PrefixStore(self._cache, settings, identity)
 
     def _threads(self) -> int:
         cfg = self.config
@@ -223,6 +302,9 @@ class GenerationService(Service):
             self._servicer.generator.set(Generator(tiers))
             return
         store = ModelStore(cfg.model_dir or self.common.model_dir)
+        self._memory_budget = (cfg.memory_budget_mb << 20) or int(
+            available_memory() * MEMORY_FRACTION
+        )
         tiers = {SMALL: await self._tier(store, SMALL, cfg.small_model, cfg.small_speculation, "")}
         if cfg.large_model:
             tiers[LARGE] = await self._tier(
@@ -233,6 +315,8 @@ class GenerationService(Service):
     async def stop(self) -> None:
         for engine in self.engines:
             await engine.close()
+        if self._cache is not None:
+            await self._cache.close()
 
 
 SPEC = ServiceSpec(

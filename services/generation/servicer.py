@@ -114,6 +114,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def _final(self, summary: Summary) -> generation_pb2.GenerateFinal:
         clock = current_clock()
         clock.started = clock.received + summary.queue_wait_s
+        if summary.store.restore_s:
+            clock.add_stage("kv_restore", summary.store.restore_s)
+        if summary.store.save_s:
+            clock.add_stage("kv_save", summary.store.save_s)
         clock.add_stage("prefill", summary.prefill_s)
         clock.add_stage("decode", summary.decode_s)
         clock.mark_finished()
@@ -140,6 +144,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 fell_back=summary.fell_back,
             ),
             text=summary.text,
+            prefix_store=generation_pb2.PrefixStoreStats(
+                restored_tokens=summary.store.restored_tokens,
+                saved_tokens=summary.store.saved_tokens,
+            ),
         )
 
     async def CountTokens(self, request, context):

@@ -1,0 +1,173 @@
+"""One cache backend for every service that caches: in-process when embedded, Redis when
+several replicas must share it.
+
+Two implementations behind `CacheBackend`:
+- `MemoryCache`: a bounded LRU with a TTL per entry (cachetools' TLRUCache), bounded in
+  bytes, for one process (`ragline up`, tests);
+- `RedisCache`: `redis.asyncio` against a Redis server (RAGLINE_<SERVICE>_CACHE_URL), so
+  replicas see each other's entries. Every call has a timeout.
+
+Values are bytes; what they mean is the caller's business (generation's KV store keeps
+JSON entries, the orchestrator's caches serialized results). Keys are namespaced by the
+caller. A cache is an optimisation: a backend that fails raises `Unavailable`, and callers
+treat that as a miss (they log it and carry on), never as the request's failure.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from cachetools import TLRUCache
+
+from ragline.errors import Unavailable
+
+
+class CacheBackend(Protocol):
+    name: str  # "memory" | "redis": for logs and reports
+
+    async def get(self, key: str) -> bytes | None:
+        """The value, or None when absent or expired."""
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        """Stores `value` for `ttl_s` seconds (replacing any previous value and TTL)."""
+
+    async def delete(self, *keys: str) -> None: ...
+
+    async def incr(self, key: str, ttl_s: float) -> int:
+        """Adds one to a counter and returns it. The counter's TTL starts at its first
+        increment and is not extended by later ones: it counts within a fixed window."""
+
+    async def keys(self, prefix: str) -> list[str]:
+        """Every live key that starts with `prefix` (for small key sets: an index, not
+        a whole cache)."""
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class _Item:
+    value: bytes | int
+    expires_at: float
+
+
+def _item_size(item: _Item) -> int:
+    # Entry overhead included, so a flood of tiny entries is bounded too.
+    return (len(item.value) if isinstance(item.value, bytes) else 8) + 64
+
+
+class MemoryCache:
+    """Bounded in-process LRU with per-entry TTLs. Not shared across processes."""
+
+    name = "memory"
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self._entries: TLRUCache[str, _Item] = TLRUCache(
+            maxsize=max_bytes,
+            ttu=lambda _key, item, _now: item.expires_at,
+            timer=time.monotonic,
+            getsizeof=_item_size,
+        )
+
+    def _live(self, key: str) -> _Item | None:
+        return self._entries.get(key)
+
+    async def get(self, key: str) -> bytes | None:
+        item = self._live(key)
+        return item.value if item is not None and isinstance(item.value, bytes) else None
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        item = _Item(bytes(value), time.monotonic() + ttl_s)
+        if _item_size(item) > self._entries.maxsize:
+            self._entries.pop(key, None)  # larger than the whole cache: not kept
+            return
+        self._entries[key] = item
+
+    async def delete(self, *keys: str) -> None:
+        for key in keys:
+            self._entries.pop(key, None)
+
+    async def incr(self, key: str, ttl_s: float) -> int:
+        item = self._live(key)
+        if item is None or not isinstance(item.value, int):
+            item = _Item(0, time.monotonic() + ttl_s)
+        item = _Item(item.value + 1, item.expires_at)
+        self._entries[key] = item
+        return item.value
+
+    async def keys(self, prefix: str) -> list[str]:
+        self._entries.expire()
+        return [key for key in list(self._entries) if key.startswith(prefix)]
+
+    async def close(self) -> None:
+        self._entries.clear()
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+class RedisCache:
+    """A Redis server shared by replicas. Every call is bounded by `timeout_s`."""
+
+    name = "redis"
+
+    def __init__(self, url: str, *, timeout_s: float = 0.5) -> None:
+        import redis.asyncio as redis  # only when configured
+
+        self.url = url
+        self._errors = (redis.RedisError, OSError)
+        self._client = redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            health_check_interval=30,
+        )
+
+    async def _call(self, what: str, call):
+        try:
+            return await call
+        except self._errors as error:
+            raise Unavailable(f"cache {what} on {self.url} failed: {error}") from error
+
+    async def get(self, key: str) -> bytes | None:
+        return await self._call("get", self._client.get(key))
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        await self._call("set", self._client.set(key, value, px=max(int(ttl_s * 1000), 1)))
+
+    async def delete(self, *keys: str) -> None:
+        if keys:
+            await self._call("delete", self._client.delete(*keys))
+
+    async def incr(self, key: str, ttl_s: float) -> int:
+        async def counted() -> int:
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.incr(key)
+                # NX: the window starts at the first increment and later ones keep it.
+                pipe.pexpire(key, max(int(ttl_s * 1000), 1), nx=True)
+                count, _ = await pipe.execute()
+            return int(count)
+
+        return await self._call("incr", counted())
+
+    async def keys(self, prefix: str) -> list[str]:
+        async def scanned() -> list[str]:
+            match = _glob_escape(prefix) + "*"
+            return [key.decode() async for key in self._client.scan_iter(match=match, count=500)]
+
+        return await self._call("scan", scanned())
+
+    async def ping(self) -> None:
+        await self._call("ping", self._client.ping())
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def open_cache(url: str = "", *, max_bytes: int = 64 << 20, timeout_s: float = 0.5) -> CacheBackend:
+    """Redis when `url` is set (redis://host:port/db), else an in-process LRU."""
+    if url:
+        return RedisCache(url, timeout_s=timeout_s)
+    return MemoryCache(max_bytes)

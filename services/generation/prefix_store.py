@@ -1,0 +1,268 @@
+"""The hot-prefix KV store: saved llama.cpp slot states of prompt prefixes that repeat, so a
+later request restores them into its slot and skips their prefill, also after an engine
+restart and on another replica (files on a shared volume, index in a shared Redis).
+
+What is a candidate prefix: the whole prompt, and for chats the end of the leading system
+messages and the end of the conversation before the last message (the orchestrator's
+fixed system prompt; a repeated question; a conversation's history), each as exact token
+ids, at least `min_tokens` long (shorter ones are cheaper to prefill than to restore).
+
+When a prefix is hot: seen `hot_after` times (default 2) by the same tenant within the TTL,
+counted in the cache backend. A hot prefix without a stored state is prefilled alone in the
+request's slot, saved, then the request continues from it (no prefill is done twice).
+
+Key: sha256 of (tenant, engine identity, token ids). The engine identity is the model
+version, the llama.cpp build, the KV cache types and flash attention, so a state is never
+restored into an engine whose KV layout differs. A state is restored only for the tenant
+that saved it (the tenant is in the key and checked again in the entry).
+
+Index entries (file, tokens, bytes, sha256, last use) live in the kit's cache backend with a
+TTL (default 5 minutes) that every use renews; a size bound evicts the least recently used.
+Before a restore the file's size and sha256 are checked against the entry: a corrupt,
+truncated or replaced file is discarded (entry and file), never loaded. Files whose entry
+expired are deleted by a sweep after each save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import struct
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import structlog
+
+from ragline.cache import CacheBackend
+from ragline.errors import Unavailable
+
+log = structlog.get_logger("ragline.generation.prefix_store")
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    directory: Path
+    ttl_s: float = 300.0
+    max_bytes: int = 2 << 30
+    hot_after: int = 2
+    min_tokens: int = 64
+    namespace: str = "ragline:kv:"
+
+
+@dataclass(frozen=True)
+class StoredPrefix:
+    key: str
+    tenant: str
+    file: str  # a name inside the store's directory (llama-server takes no paths)
+    tokens: int
+    bytes: int
+    sha256: str
+    last_use: float  # wall-clock seconds, comparable across replicas
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> StoredPrefix:
+        return StoredPrefix(**json.loads(data))
+
+
+@dataclass
+class StoreCounters:
+    lookups: int = 0  # requests that had a candidate and no warm slot covering it
+    hits: int = 0
+    saves: int = 0
+    evictions: int = 0
+    discarded: int = 0  # corrupt, missing or mismatched states thrown away
+    errors: int = 0  # the cache backend or a file operation failed (treated as a miss)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+@dataclass
+class Candidate:
+    tokens: int  # length of the prefix in tokens
+    key: str
+    stored: StoredPrefix | None = None
+    hot: bool = False
+
+
+@dataclass
+class StoreOutcome:
+    restored_tokens: int = 0
+    saved_tokens: int = 0
+    restore_s: float = 0.0
+    save_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+class PrefixStore:
+    def __init__(self, cache: CacheBackend, settings: StoreSettings, engine_identity: str) -> None:
+        self.cache = cache
+        self.settings = settings
+        self.engine_identity = engine_identity
+        self.counters = StoreCounters()
+        self._index = f"{settings.namespace}entry:"
+        self._hot = f"{settings.namespace}seen:"
+        settings.directory.mkdir(parents=True, exist_ok=True)
+
+    # -- keys ----------------------------------------------------------------------------------
+
+    def key(self, tenant: str, tokens: Sequence[int]) -> str:
+        digest = hashlib.sha256()
+        for part in (tenant, self.engine_identity):
+            encoded = part.encode()
+            digest.update(struct.pack("<I", len(encoded)) + encoded)
+        digest.update(struct.pack(f"<{len(tokens)}I", *tokens))
+        return digest.hexdigest()
+
+    def candidates(
+        self, tenant: str, tokens: Sequence[int], boundaries: Sequence[int]
+    ) -> list[Candidate]:
+        """Candidate prefixes at `boundaries` (token counts), longest first."""
+        lengths = sorted(
+            {b for b in boundaries if self.settings.min_tokens <= b <= len(tokens)}, reverse=True
+        )
+        return [Candidate(n, self.key(tenant, tokens[:n])) for n in lengths]
+
+    # -- index ---------------------------------------------------------------------------------
+
+    async def _guarded(self, what: str, call, default=None):
+        """The cache backend is an optimisation: its failure is a miss, logged."""
+        try:
+            return await call
+        except Unavailable as error:
+            self.counters.errors += 1
+            log.warning("prefix_store.cache_failed", op=what, error=str(error))
+            return default
+
+    async def look_up(self, tenant: str, candidates: list[Candidate]) -> None:
+        """Fills `stored` (this tenant's entries) and counts a sighting of each candidate
+        without one, marking it `hot` once seen `hot_after` times within the TTL."""
+        for candidate in candidates:
+            data = await self._guarded("get", self.cache.get(self._index + candidate.key))
+            if data:
+                try:
+                    entry = StoredPrefix.decode(data)
+                except (ValueError, TypeError):
+                    entry = None
+                if entry is not None and entry.tenant == tenant and entry.key == candidate.key:
+                    candidate.stored = entry
+                    continue
+            seen = await self._guarded(
+                "incr", self.cache.incr(self._hot + candidate.key, self.settings.ttl_s), 0
+            )
+            candidate.hot = seen >= self.settings.hot_after
+
+    async def verified(self, entry: StoredPrefix) -> bool:
+        """The file is there, whole and unchanged; else the entry and file are discarded."""
+        path = self.settings.directory / entry.file
+        try:
+            size, digest = await asyncio.to_thread(_file_digest, path)
+        except OSError:
+            size, digest = -1, ""
+        if size == entry.bytes and digest == entry.sha256:
+            return True
+        await self.discard(entry, "the file is missing or differs from the one saved")
+        return False
+
+    async def used(self, entry: StoredPrefix) -> None:
+        """A restore: renews the entry's TTL and last use (the LRU order)."""
+        self.counters.hits += 1
+        renewed = StoredPrefix(**{**asdict(entry), "last_use": time.time()})
+        await self._guarded(
+            "set", self.cache.set(self._index + entry.key, renewed.encode(), self.settings.ttl_s)
+        )
+
+    async def discard(self, entry: StoredPrefix, why: str) -> None:
+        self.counters.discarded += 1
+        log.warning("prefix_store.discarded", file=entry.file, tokens=entry.tokens, why=why)
+        await self._guarded("delete", self.cache.delete(self._index + entry.key))
+        await self._remove_file(entry.file)
+
+    def new_file_name(self, key: str) -> str:
+        # Unique per save: two replicas saving the same prefix never write one file.
+        return f"{key[:32]}-{uuid.uuid4().hex[:12]}.bin"
+
+    async def saved(
+        self, tenant: str, candidate: Candidate, file: str, tokens: int
+    ) -> StoredPrefix | None:
+        """Records a state that llama-server wrote to `file`, then enforces the size bound
+        and sweeps expired files. Returns None (and deletes the file) when it can't."""
+        path = self.settings.directory / file
+        try:
+            size, digest = await asyncio.to_thread(_file_digest, path)
+        except OSError as error:
+            log.warning("prefix_store.save_unreadable", file=file, error=str(error))
+            return None
+        if tokens != candidate.tokens or size > self.settings.max_bytes:
+            await self._remove_file(file)
+            return None
+        entry = StoredPrefix(candidate.key, tenant, file, tokens, size, digest, time.time())
+        stored = await self._guarded(
+            "set",
+            self.cache.set(self._index + entry.key, entry.encode(), self.settings.ttl_s),
+            False,
+        )
+        if stored is False:
+            await self._remove_file(file)
+            return None
+        self.counters.saves += 1
+        await self._evict_and_sweep(keep=entry)
+        return entry
+
+    async def _entries(self) -> list[StoredPrefix]:
+        keys = await self._guarded("keys", self.cache.keys(self._index), [])
+        entries = []
+        for key in keys:
+            data = await self._guarded("get", self.cache.get(key))
+            if data:
+                with contextlib.suppress(ValueError, TypeError):
+                    entries.append(StoredPrefix.decode(data))
+        return entries
+
+    async def _evict_and_sweep(self, keep: StoredPrefix) -> None:
+        entries = await self._entries()
+        total = sum(e.bytes for e in entries)
+        for entry in sorted(entries, key=lambda e: e.last_use):
+            if total <= self.settings.max_bytes:
+                break
+            if entry.key == keep.key:
+                continue
+            total -= entry.bytes
+            self.counters.evictions += 1
+            await self._guarded("delete", self.cache.delete(self._index + entry.key))
+            await self._remove_file(entry.file)
+        live = {e.file for e in entries} | {keep.file}
+        await asyncio.to_thread(self._sweep, live)
+
+    def _sweep(self, live: set[str]) -> None:
+        """Deletes state files no entry names, once older than the TTL (a younger one may
+        be another replica's save whose entry is on its way)."""
+        cutoff = time.time() - self.settings.ttl_s
+        for path in self.settings.directory.glob("*.bin"):
+            with contextlib.suppress(OSError):
+                if path.name not in live and path.stat().st_mtime < cutoff:
+                    path.unlink()
+
+    async def _remove_file(self, file: str) -> None:
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(os.unlink, self.settings.directory / file)

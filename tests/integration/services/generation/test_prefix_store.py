@@ -1,0 +1,181 @@
+"""The hot-prefix KV store on the real engine (llama-server, SmolLM2-135M): saved slot states
+restored for their own tenant only, across a restart through a real Redis index; expired,
+corrupt or evicted states never used; slots sized from memory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ragline.v1 import generation_pb2, generation_pb2_grpc
+from support import SMALL_GENERATION
+
+pytestmark = pytest.mark.integration
+
+# ~200 tokens each: long enough to be worth storing (min_tokens 32 here), quick to prefill.
+PASSAGE = (
+    "The Normans were the people who in the 10th and 11th centuries gave their name to "
+    "Normandy, a region in France. They were descended from Norse raiders and pirates from "
+    "Denmark, Iceland and Norway who, under their leader Rollo, agreed to swear fealty to "
+    "King Charles III of West Francia. "
+) * 3
+
+
+def prompt(n: int) -> str:
+    return f"Document {n}.\n{PASSAGE}\nQuestion {n}: who led the Normans?\nAnswer:"
+
+
+async def final(address: str, text: str, tenant: str) -> generation_pb2.GenerateFinal:
+    request = generation_pb2.GenerateRequest(prompt=text, max_tokens=1)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        messages = [
+            m
+            async for m in stub.Generate(
+                request, timeout=60, metadata=(("x-ragline-tenant", tenant),)
+            )
+        ]
+    return messages[-1].final
+
+
+def store_env(directory: Path, **more: str) -> dict[str, str]:
+    return {
+        **SMALL_GENERATION,
+        "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",  # every other tenant's request erases the slot
+        "RAGLINE_GENERATION_KV_STORE_DIR": str(directory),
+        "RAGLINE_GENERATION_KV_STORE_MIN_TOKENS": "32",
+        **more,
+    }
+
+
+def state_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.bin"))
+
+
+async def test_a_saved_prefix_is_restored_for_its_tenant_after_a_restart_never_for_another(
+    launcher, redis_server, tmp_path
+):
+    env = store_env(tmp_path / "kv", RAGLINE_GENERATION_CACHE_URL=redis_server.url)
+    service = await asyncio.to_thread(launcher.start, "generation", env=env)
+    first = await final(service.address, prompt(1), "ann")
+    assert first.prefix_store.saved_tokens == 0  # seen once: not hot yet
+    second = await final(service.address, prompt(1), "ann")
+    assert second.prefix_store.saved_tokens == second.usage.input_tokens  # hot: saved
+    assert len(state_files(tmp_path / "kv")) == 1
+
+    # A restart: a new process and a new llama-server with empty slots; the index is in Redis.
+    service.stop()
+    launcher.forget(service)
+    service = await asyncio.to_thread(launcher.start, "generation", env=env)
+
+    other = await final(service.address, prompt(1), "bob")  # same prompt, another tenant
+    assert other.prefix_store.restored_tokens == 0
+    assert other.usage.cached_input_tokens == 0
+    restored = await final(service.address, prompt(1), "ann")  # bob's slot erased first
+    assert restored.prefix_store.restored_tokens == restored.usage.input_tokens
+    assert restored.usage.cached_input_tokens >= restored.usage.input_tokens - 1
+    stages = {s.name: s.duration.ToNanoseconds() for s in restored.timing.stages}
+    assert "kv_restore" in stages
+    # prefill skipped: one token evaluated instead of the whole prompt
+    cold = {s.name: s.duration.ToNanoseconds() for s in other.timing.stages}
+    assert stages["prefill"] < cold["prefill"]
+
+
+async def test_expired_and_corrupt_states_are_not_used(launcher, tmp_path):
+    kv = tmp_path / "kv"
+    service = await asyncio.to_thread(
+        launcher.start, "generation", env=store_env(kv, RAGLINE_GENERATION_KV_STORE_TTL_S="6")
+    )
+    # Corrupt: same size, bytes changed in the middle.
+    for _ in range(2):
+        await final(service.address, prompt(2), "ann")
+    [saved] = state_files(kv)
+    data = bytearray(saved.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(64)
+    saved.write_bytes(bytes(data))
+    await final(service.address, prompt(3), "bob")  # takes (erases) the slot
+    corrupt = await final(service.address, prompt(2), "ann")
+    assert corrupt.prefix_store.restored_tokens == 0
+    assert corrupt.usage.cached_input_tokens == 0
+    assert not saved.exists()  # discarded with its entry
+
+    # Expired: saved, then unused for longer than the TTL.
+    for _ in range(2):
+        saved_at = time.monotonic()
+        await final(service.address, prompt(4), "ann")
+    await asyncio.sleep(max(0.0, saved_at + 6.5 - time.monotonic()))
+    await final(service.address, prompt(3), "bob")
+    expired = await final(service.address, prompt(4), "ann")
+    assert expired.prefix_store.restored_tokens == 0
+    assert expired.usage.cached_input_tokens == 0
+
+
+async def test_the_size_bound_evicts_the_least_recently_used_state(launcher, tmp_path):
+    kv = tmp_path / "kv"
+    # SmolLM2's states are ~23 KB a token: a ~210-token prompt is ~5 MB, two fit in 11 MB.
+    service = await asyncio.to_thread(
+        launcher.start, "generation", env=store_env(kv, RAGLINE_GENERATION_KV_STORE_MAX_MB="11")
+    )
+
+    async def ann(n: int) -> generation_pb2.GenerateFinal:
+        await final(service.address, "Hello.", "bob")  # a short prompt that erases the slot
+        return await final(service.address, prompt(n), "ann")
+
+    for n in (5, 6):
+        await ann(n)
+        assert (await ann(n)).prefix_store.saved_tokens > 0
+    assert (await ann(5)).prefix_store.restored_tokens > 0  # 5 is now the most recent
+    await ann(7)
+    assert (await ann(7)).prefix_store.saved_tokens > 0  # over the bound: 6 goes
+    assert len(state_files(kv)) == 2
+    assert (await ann(5)).prefix_store.restored_tokens > 0
+    assert (await ann(7)).prefix_store.restored_tokens > 0
+    evicted = await ann(6)
+    assert evicted.prefix_store.restored_tokens == 0
+
+
+async def test_slots_come_from_the_memory_budget_and_one_more_request_is_refused(
+    launcher, tmp_path
+):
+    # SmolLM2: ~94 MB file + 256 MiB buffers, 45 MiB of KV per 2048-token slot: a 450 MiB
+    # budget holds 2 slots, whatever max_num_seqs allows.
+    env = store_env(
+        tmp_path / "kv",
+        RAGLINE_GENERATION_MAX_NUM_SEQS="8",
+        RAGLINE_GENERATION_MAX_QUEUE="0",
+        RAGLINE_GENERATION_MEMORY_BUDGET_MB="450",
+    )
+    service = await asyncio.to_thread(launcher.start, "generation", env=env)
+    assert "2 slot(s) of 45 MiB KV each" in service.log()
+
+    async def long_one(n: int):
+        request = generation_pb2.GenerateRequest(prompt=prompt(n), max_tokens=48)
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            try:
+                async for _ in stub.Generate(
+                    request, timeout=60, metadata=(("x-ragline-tenant", f"t{n}"),)
+                ):
+                    pass
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+        return grpc.StatusCode.OK
+
+    codes = await asyncio.gather(*(long_one(n) for n in range(3)))
+    assert sorted(codes, key=str) == sorted(
+        [grpc.StatusCode.OK, grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED], key=str
+    )
+
+
+async def test_a_budget_too_small_for_one_slot_refuses_to_start(launcher, tmp_path):
+    env = store_env(tmp_path / "kv", RAGLINE_GENERATION_MEMORY_BUDGET_MB="200")
+    handle = launcher.start("generation", env=env, wait=False)
+    code = await asyncio.to_thread(handle.process.wait, 120)
+    launcher.forget(handle)
+    assert code != 0
+    assert "RAGLINE_GENERATION_MEMORY_BUDGET_MB" in handle.log()

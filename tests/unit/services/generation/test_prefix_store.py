@@ -1,0 +1,148 @@
+"""The hot-prefix store's decisions without an engine: keys, hotness, tenancy, integrity,
+the LRU size bound and the sweep (files written here stand in for llama-server's)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from ragline.cache import MemoryCache
+from ragline.errors import Unavailable
+from ragline_services.generation.prefix_store import PrefixStore, StoredPrefix, StoreSettings
+
+TOKENS = list(range(1000, 1300))
+
+
+def make_store(tmp_path: Path, **settings) -> PrefixStore:
+    options = {"min_tokens": 8, **settings}
+    return PrefixStore(MemoryCache(), StoreSettings(tmp_path / "kv", **options), "model@1|b1|f16")
+
+
+async def save(store: PrefixStore, tenant: str, tokens: int, size: int = 1000) -> StoredPrefix:
+    [candidate] = store.candidates(tenant, TOKENS, [tokens])
+    file = store.new_file_name(candidate.key)
+    (store.settings.directory / file).write_bytes(os.urandom(size))
+    entry = await store.saved(tenant, candidate, file, tokens)
+    assert entry is not None
+    return entry
+
+
+def test_keys_differ_by_tenant_engine_and_tokens(tmp_path):
+    store = make_store(tmp_path)
+    other_engine = PrefixStore(MemoryCache(), store.settings, "model@1|b1|q8_0")
+    key = store.key("ann", TOKENS)
+    assert key == store.key("ann", list(TOKENS))
+    assert key != store.key("bob", TOKENS)
+    assert key != other_engine.key("ann", TOKENS)
+    assert key != store.key("ann", TOKENS[:-1])
+
+
+def test_candidates_are_long_enough_distinct_and_longest_first(tmp_path):
+    store = make_store(tmp_path, min_tokens=64)
+    found = store.candidates("ann", TOKENS, [300, 100, 100, 10, 500])
+    assert [c.tokens for c in found] == [300, 100]
+
+
+async def test_a_prefix_is_hot_at_its_second_sighting_by_the_same_tenant(tmp_path):
+    store = make_store(tmp_path)
+
+    async def hot(tenant: str) -> bool:
+        [candidate] = store.candidates(tenant, TOKENS, [100])
+        await store.look_up(tenant, [candidate])
+        return candidate.hot
+
+    assert not await hot("ann")
+    assert not await hot("bob")  # another tenant's sighting does not count for ann
+    assert await hot("ann")
+
+
+async def test_a_stored_state_is_found_for_its_tenant_only(tmp_path):
+    store = make_store(tmp_path)
+    await save(store, "ann", 200)
+    for tenant, expected in (("ann", 200), ("bob", None)):
+        [candidate] = store.candidates(tenant, TOKENS, [200])
+        await store.look_up(tenant, [candidate])
+        assert (candidate.stored.tokens if candidate.stored else None) == expected
+
+
+async def test_an_entry_naming_another_tenant_is_ignored(tmp_path):
+    store = make_store(tmp_path)
+    entry = await save(store, "ann", 200)
+    [bobs] = store.candidates("bob", TOKENS, [200])
+    forged = StoredPrefix(**{**entry.__dict__, "key": bobs.key})
+    await store.cache.set(store._index + bobs.key, forged.encode(), 60)
+    await store.look_up("bob", [bobs])
+    assert bobs.stored is None
+
+
+async def test_a_changed_or_missing_file_is_discarded_not_used(tmp_path):
+    store = make_store(tmp_path)
+    entry = await save(store, "ann", 200)
+    assert await store.verified(entry)
+    path = store.settings.directory / entry.file
+    data = bytearray(path.read_bytes())
+    data[500] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert not await store.verified(entry)
+    assert not path.exists()
+    [candidate] = store.candidates("ann", TOKENS, [200])
+    await store.look_up("ann", [candidate])
+    assert candidate.stored is None and store.counters.discarded == 1
+
+
+async def test_a_save_whose_token_count_differs_is_dropped(tmp_path):
+    store = make_store(tmp_path)
+    [candidate] = store.candidates("ann", TOKENS, [200])
+    file = store.new_file_name(candidate.key)
+    (store.settings.directory / file).write_bytes(b"x" * 100)
+    assert await store.saved("ann", candidate, file, 150) is None
+    assert not (store.settings.directory / file).exists()
+
+
+async def test_the_size_bound_evicts_the_least_recently_used(tmp_path):
+    store = make_store(tmp_path, max_bytes=2500)
+    first = await save(store, "ann", 100)
+    second = await save(store, "ann", 150)
+    await store.used(first)  # first is now more recent than second
+    third = await save(store, "ann", 200)
+    names = {p.name for p in store.settings.directory.glob("*.bin")}
+    assert names == {first.file, third.file}
+    assert store.counters.evictions == 1 and second.file not in names
+
+
+async def test_the_sweep_deletes_old_files_without_an_entry_only(tmp_path):
+    store = make_store(tmp_path, ttl_s=60)
+    directory = store.settings.directory
+    old, young = directory / "orphan-old.bin", directory / "orphan-young.bin"
+    for path in (old, young):
+        path.write_bytes(b"x")
+    an_hour_ago = time.time() - 3600
+    os.utime(old, (an_hour_ago, an_hour_ago))
+    kept = await save(store, "ann", 100)
+    assert not old.exists()
+    assert young.exists()  # maybe another replica's save whose entry is on its way
+    assert (directory / kept.file).exists()
+
+
+class BrokenCache(MemoryCache):
+    async def get(self, key):
+        raise Unavailable("cache get failed: connection refused")
+
+    async def incr(self, key, ttl_s):
+        raise Unavailable("cache incr failed: connection refused")
+
+
+async def test_a_failing_cache_backend_is_a_miss_not_an_error(tmp_path):
+    store = PrefixStore(BrokenCache(), StoreSettings(tmp_path / "kv", min_tokens=8), "m")
+    [candidate] = store.candidates("ann", TOKENS, [100])
+    await store.look_up("ann", [candidate])
+    assert candidate.stored is None and not candidate.hot
+    assert store.counters.errors == 2
+
+
+@pytest.mark.parametrize("tokens", [0, 5])
+def test_prefixes_shorter_than_the_minimum_are_not_candidates(tmp_path, tokens):
+    assert make_store(tmp_path).candidates("ann", TOKENS, [tokens]) == []
