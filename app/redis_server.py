@@ -56,7 +56,8 @@ class RedisServer:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+                log = self.log_path
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                 raise RuntimeError(f"redis-server exited with {self.process.returncode}:\n{tail}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5):
