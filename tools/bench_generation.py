@@ -299,8 +299,124 @@ def kv_type_rows(args, passages, questions, logs: Path, base_env: dict, rows: li
         )
 
 
-def store_rows(args, cases, logs: Path, base_env: dict, rows: list[str]) -> None:
-    raise SystemExit("store: not yet")
+def store_rows(args, passages, questions, logs: Path, base_env: dict, rows: list[str]) -> None:
+    """The hot-prefix KV store: (1) TTFT with a restored ~1k-token prefix (the chat's
+    system part: instructions and fixed documents) vs cold, across a service restart, the
+    index in a real Redis; (2) hit rate and TTFT on a workload where 30% of questions
+    repeat an earlier one. One slot and tenants taking turns, so every request finds its
+    slot erased: only the store can skip a prefill."""
+    import random
+    import tempfile
+
+    from ragline.processes import free_ports
+    from ragline_app.redis_server import RedisServer
+    from ragline_services.orchestrator.evidence import SYSTEM_PROMPT
+
+    work = Path(tempfile.mkdtemp(prefix="bench-kv-store-", dir=logs))
+    redis = RedisServer(work / "redis", free_ports(1)[0])
+    redis.start()
+    env = {
+        **base_env,
+        "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+        "RAGLINE_GENERATION_CONTEXT_PER_SEQ": "2048",
+        "RAGLINE_GENERATION_KV_STORE_DIR": str(work / "kv"),
+        "RAGLINE_GENERATION_CACHE_URL": redis.url,
+    }
+    try:
+        ttft = {"cold": [], "restored": []}
+        restored_tokens = []
+        with generation_service(env, logs / "bench-generation-store-1.log") as address:
+
+            async def setup(address=address):
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                    manual = await prompt_of(stub, [p.text for p in passages[:12]], 1000)
+                    system = f"{SYSTEM_PROMPT}\n\nReference documents:\n{manual}"
+                    for q in questions[:2]:  # twice: the system part is hot, then saved
+                        turns = [
+                            (generation_pb2.ROLE_SYSTEM, system),
+                            (generation_pb2.ROLE_USER, q.text),
+                        ]
+                        await run_one(stub, chat_request(turns, 1), tenant="owner")
+                    return system
+
+            system = asyncio.run(setup())
+        # A restart: a new process, a new llama-server, empty slots.
+        with generation_service(env, logs / "bench-generation-store-2.log") as address:
+
+            async def measure(address=address):
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                    for i, q in enumerate(questions[10 : 10 + args.rounds]):
+                        # cold: another tenant, the same system part (nothing of owner's)
+                        turns = [
+                            (generation_pb2.ROLE_SYSTEM, system),
+                            (generation_pb2.ROLE_USER, q.text),
+                        ]
+                        cold = await run_one(stub, chat_request(turns, 1), tenant=f"cold-{i}")
+                        warm = await run_one(stub, chat_request(turns, 1), tenant="owner")
+                        ttft["cold"].append(cold["ttft_s"] or cold["total_s"])
+                        ttft["restored"].append(warm["ttft_s"] or warm["total_s"])
+                        restored_tokens.append(warm["final"].prefix_store.restored_tokens)
+
+            asyncio.run(measure())
+        cold, restored = statistics.median(ttft["cold"]), statistics.median(ttft["restored"])
+        rows.append(
+            f"| TTFT, ~1k-token prefix restored after a restart vs cold (median of "
+            f"{args.rounds}; restored {min(restored_tokens)}-{max(restored_tokens)} tokens) | "
+            f"{restored * 1000:.0f} vs {cold * 1000:.0f} ms | {restored / cold:.3f}x |"
+        )
+
+        # (2) 30% of questions repeat an earlier one (uniformly: popular ones come back more).
+        rng = random.Random(7)
+        by_id = {p.id: p for p in passages}
+        tenants = [f"tenant-{i}" for i in range(4)]
+        asked: list[tuple[str, object]] = []
+        workload = []
+        fresh = iter(questions[40:])
+        for i in range(args.store_requests):
+            if asked and rng.random() < 0.3:
+                workload.append((*rng.choice(asked), True))
+            else:
+                item = (tenants[i % len(tenants)], next(fresh))
+                asked.append(item)
+                workload.append((*item, False))
+        outcomes = []
+        with generation_service(env, logs / "bench-generation-store-3.log") as address:
+
+            async def drive(address=address):
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                    previous = None
+                    for tenant, q, repeat in workload:
+                        if tenant == previous:  # keep the slot cold: a turn of someone else
+                            await run_one(
+                                stub,
+                                generation_pb2.GenerateRequest(prompt="Hi.", max_tokens=1),
+                                tenant="interleave",
+                            )
+                        evidence = by_id[q.passage_id].text
+                        turns = rag_prompt(evidence, q.text)
+                        reply = await run_one(stub, chat_request(turns, 8), tenant=tenant)
+                        outcomes.append((repeat, reply))
+                        previous = tenant
+
+            asyncio.run(drive())
+        hits = [r for _, r in outcomes if r["final"].prefix_store.restored_tokens > 0]
+        repeats = [r for rep, r in outcomes if rep]
+        misses = [r for _, r in outcomes if r["final"].prefix_store.restored_tokens == 0]
+        saved = sum(r["final"].prefix_store.saved_tokens > 0 for _, r in outcomes)
+        hit_ttft = statistics.median(r["ttft_s"] for r in hits) if hits else float("nan")
+        miss_ttft = statistics.median(r["ttft_s"] for r in misses)
+        rows.append(
+            f"| hit rate, {len(outcomes)} RAG requests, {len(repeats)} repeats (30%), 4 tenants "
+            f"| {len(hits)} restored ({len(hits) / len(outcomes):.0%} of requests, "
+            f"{len(hits) / max(len(repeats), 1):.0%} of repeats), {saved} saves; TTFT p50 "
+            f"{hit_ttft * 1000:.0f} (hit) vs {miss_ttft * 1000:.0f} ms (miss) | "
+            f"{hit_ttft / miss_ttft:.2f}x |"
+        )
+    finally:
+        redis.stop()
 
 
 def base_rows(args, cases, logs: Path, base_env: dict, rows: list[str]) -> None:
@@ -552,6 +668,7 @@ def main() -> int:
     parser.add_argument("--kv-types", default="f16,q8_0,q4_0")
     parser.add_argument("--long-tokens", type=int, default=3500)
     parser.add_argument("--long-questions", type=int, default=12)
+    parser.add_argument("--store-requests", type=int, default=60)
     parser.add_argument("--data", type=Path, default=REPO / "app/data/squad_dev_sample.json")
     args = parser.parse_args()
     passages, questions = load_squad(args.data)
@@ -581,7 +698,7 @@ def main() -> int:
     if "kvtypes" in parts:
         kv_type_rows(args, passages, questions, logs, base_env, rows)
     if "store" in parts:
-        store_rows(args, cases, logs, base_env, rows)
+        store_rows(args, passages, questions, logs, base_env, rows)
     print(
         f"\ngeneration on llama-server, model {args.model}, {args.tokens} tokens, greedy, "
         f"{args.rounds} RAG prompts from {args.data.name}"

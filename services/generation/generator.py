@@ -28,6 +28,9 @@ SMALL, LARGE = "small", "large"
 # caller whose own deadline is the same one.
 DEADLINE_MARGIN_S = 0.05
 
+# Most tokens a save may make a request prefill again (see _use_store).
+SAVE_REWIND_TOKENS = 64
+
 
 @dataclass
 class Speculation:
@@ -336,9 +339,11 @@ class Generator:
             await store.discard(entry, why)
             await engine.erase_slot(slot.index)
         for candidate in sorted(candidates, key=lambda c: c.tokens):
-            # Not below what the slot holds: prefilling a shorter prefix would cut the
-            # cache back to it and this request would prefill the rest again.
-            if candidate.hot and candidate.stored is None and candidate.tokens >= held:
+            # Prefilling a prefix shorter than what the slot holds cuts the cache back to
+            # it, and this request prefills the rest again: only for a few tokens (a chat's
+            # system part in a slot warm with the same tenant's previous question).
+            rewind = held - candidate.tokens
+            if candidate.hot and candidate.stored is None and rewind <= SAVE_REWIND_TOKENS:
                 await self._save(rendered, slot.index, tenant, candidate, outcome)
                 slot.tokens = tuple(ids[: candidate.tokens])
                 held = candidate.tokens

@@ -179,3 +179,30 @@ async def test_a_budget_too_small_for_one_slot_refuses_to_start(launcher, tmp_pa
     launcher.forget(handle)
     assert code != 0
     assert "RAGLINE_GENERATION_MEMORY_BUDGET_MB" in handle.log()
+
+
+async def test_a_chats_system_part_is_stored_once_hot_and_serves_new_questions(launcher, tmp_path):
+    service = await asyncio.to_thread(launcher.start, "generation", env=store_env(tmp_path / "kv"))
+    system = f"Answer from these notes only.\n{PASSAGE}"
+
+    async def ask(question: str, who: str = "ann") -> generation_pb2.GenerateFinal:
+        request = generation_pb2.GenerateRequest(max_tokens=1)
+        request.chat.messages.add(role=generation_pb2.ROLE_SYSTEM, content=system)
+        request.chat.messages.add(role=generation_pb2.ROLE_USER, content=question)
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            replies = [
+                m
+                async for m in stub.Generate(
+                    request, timeout=60, metadata=(("x-ragline-tenant", who),)
+                )
+            ]
+        return replies[-1].final
+
+    await ask("Who led the Normans?")
+    second = await ask("Where is Normandy?")  # the same system part, seen twice: saved
+    assert 0 < second.prefix_store.saved_tokens < second.usage.input_tokens
+    await ask("Hello?", who="bob")  # erases the slot
+    third = await ask("Whom did they swear fealty to?")
+    assert third.prefix_store.restored_tokens == second.prefix_store.saved_tokens
+    assert third.usage.cached_input_tokens >= third.prefix_store.restored_tokens - 1
