@@ -192,9 +192,9 @@ class Generator:
             cuts.append(common_prefix(partial, ids))
         return cuts
 
-    async def count_tokens(self, request: GenerationRequest) -> tuple[int, int, str]:
+    async def count_tokens(self, request: GenerationRequest) -> tuple[int, Tier]:
         rendered = await self.render(request, for_store=False)
-        return rendered.tokens, rendered.tier.context_window, rendered.tier.model
+        return rendered.tokens, rendered.tier
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk | Summary]:
         rendered = await self.render(request)

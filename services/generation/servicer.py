@@ -153,5 +153,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def CountTokens(self, request, context):
         generator = self.generator.value
         domain = count_request(request, current_caller().tenant)
-        tokens, window, model = await generator.count_tokens(domain)
-        return generation_pb2.CountTokensResponse(tokens=tokens, context_window=window, model=model)
+        tokens, tier = await generator.count_tokens(domain)
+        return generation_pb2.CountTokensResponse(
+            tokens=tokens,
+            context_window=tier.context_window,
+            model=tier.model,
+            model_version=tier.model_version,
+        )

@@ -49,6 +49,9 @@ class LexicalIndex(Protocol):
     def stored(self, keys: list[str]) -> dict[str, dict]:
         """Title, text and version by key, for the keys that exist."""
 
+    def visible_versions(self, visibility: Visibility, keys: list[str]) -> dict[str, int]:
+        """Version by key, for the keys that exist and that `visibility` may see."""
+
     def close(self) -> None: ...
 
 
@@ -117,6 +120,19 @@ class _TenantIndex:
             return searcher.num_docs
         query = self._tantivy.Query.boolean_query(self._filters(visibility))
         return searcher.search(query, 1, count=True).count
+
+    def visible_versions(self, visibility: Visibility, keys: list[str]) -> dict[str, int]:
+        Occur, Query = self._tantivy.Occur, self._tantivy.Query
+        scope = Query.term_set_query(self.schema, "scope", visibility.allowed_scopes)
+        query = Query.boolean_query(
+            [(Occur.Must, Query.term_set_query(self.schema, "key", keys)), (Occur.Must, scope)]
+        )
+        searcher = self.index.searcher()
+        out = {}
+        for _, address in searcher.search(query, len(keys)).hits:
+            doc = searcher.doc(address)
+            out[doc["key"][0]] = doc["version"][0]
+        return out
 
     def stored(self, keys: list[str]) -> dict[str, dict]:
         tantivy = self._tantivy
@@ -237,6 +253,11 @@ class Bm25Index:
             if index is not None:
                 out.update(index.stored(tenant_keys))
         return out
+
+    def visible_versions(self, visibility: Visibility, keys: list[str]) -> dict[str, int]:
+        index = self._tenant(visibility.tenant, create=False)
+        mine = [k for k in keys if split_key(k)[0] == visibility.tenant]
+        return {} if index is None or not mine else index.visible_versions(visibility, mine)
 
     def close(self) -> None:
         with self._lock:

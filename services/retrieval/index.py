@@ -393,6 +393,17 @@ class RetrievalIndex:
         version = self.tenant_applied.get(visibility.tenant, 0)
         return SearchResult(hits, mode, mode != query.mode, reason, version, stages)
 
+    async def document_versions(
+        self, visibility: Visibility, ids: list[str]
+    ) -> tuple[dict[str, int], int]:
+        """The current version of each of `ids` that exists and `visibility` may see (absent
+        otherwise: a hidden document and a deleted one look the same), and the tenant's
+        index version. What a cache checks an entry against, cheaper than a search."""
+        keys = [doc_key(visibility.tenant, i) for i in ids]
+        found = await asyncio.to_thread(self.bm25.visible_versions, visibility, keys)
+        versions = {split_key(key)[1]: version for key, version in found.items()}
+        return versions, self.tenant_applied.get(visibility.tenant, 0)
+
     # -- state ------------------------------------------------------------------------------
 
     async def status(self, tenant: str, *, operator: bool = False) -> IndexStatus:

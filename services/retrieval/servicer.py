@@ -119,6 +119,15 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             timing=_finish_timing(result.stages),
         )
 
+    async def DocumentVersions(self, request, context):
+        caller = current_caller()
+        versions, index_version = await self.index.value.document_versions(
+            Visibility(caller.tenant, caller.scopes), list(request.ids)
+        )
+        return retrieval_pb2.DocumentVersionsResponse(
+            versions=versions, index_version=index_version, timing=_finish_timing()
+        )
+
     async def IndexStatus(self, request, context):
         caller = current_caller()
         status = await self.index.value.status(caller.tenant, operator=caller.operator)

@@ -43,5 +43,13 @@ class Client:
             retrieval_pb2.IndexStatusRequest(), timeout=10, metadata=who(tenant, operator=operator)
         )
 
+    async def versions(self, tenant, ids, scopes=""):
+        request = retrieval_pb2.DocumentVersionsRequest(ids=ids)
+        return await self.stub.DocumentVersions(request, timeout=10, metadata=who(tenant, scopes))
+
+    async def delete(self, tenant, ids):
+        request = retrieval_pb2.DeleteRequest(ids=ids)
+        return await self.stub.Delete(request, timeout=30, metadata=who(tenant))
+
     async def close(self):
         await self.channel.close()

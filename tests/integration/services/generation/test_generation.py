@@ -203,6 +203,7 @@ async def test_count_tokens(generation_service):
         )
     assert 2 <= reply.tokens <= 4 and reply.context_window == 2048
     assert reply.model == "smollm2-135m"
+    assert reply.model_version.startswith("smollm2-135m@")
 
 
 @pytest.mark.parametrize(

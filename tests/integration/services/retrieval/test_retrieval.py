@@ -332,3 +332,36 @@ async def test_without_the_embedding_service_search_falls_back_to_bm25(launcher,
     assert result.fell_back and result.fallback_reason == "embedding_unavailable"
     assert result.mode_used == retrieval_pb2.SEARCH_MODE_BM25 and result.hits[0].id == "w"
     await client.close()
+
+
+async def test_document_versions_follow_writes_deletes_and_visibility(
+    launcher, embedding_service, tmp_path
+):
+    service = start_retrieval(launcher, embedding_service, tmp_path / "index")
+    client = Client(service.address)
+    first = await client.upsert(
+        "acme",
+        [
+            {"id": "open", "text": "the canteen opens at eight"},
+            {"id": "pay", "text": "salary bands for engineers", "acl": ["hr"]},
+        ],
+    )
+    await client.upsert("globex", [{"id": "open", "text": "another tenant's document"}])
+    seen = await client.versions("acme", ["open", "pay", "missing"], scopes="hr")
+    assert dict(seen.versions) == {"open": first.versions[0], "pay": first.versions[1]}
+    assert seen.index_version == first.index_version
+    # Without the scope the hidden document is absent, exactly like a missing one.
+    assert dict((await client.versions("acme", ["open", "pay"])).versions) == {
+        "open": first.versions[0]
+    }
+    update = await client.upsert("acme", [{"id": "open", "text": "the canteen opens at nine"}])
+    after = await client.versions("acme", ["open"])
+    assert after.versions["open"] == update.versions[0] > first.versions[0]
+    assert after.index_version == update.index_version > seen.index_version
+    deleted = await client.delete("acme", ["open"])
+    gone = await client.versions("acme", ["open"])
+    assert dict(gone.versions) == {} and gone.index_version == deleted.index_version
+    # globex's document of the same id is globex's alone
+    assert dict((await client.versions("globex", ["pay"])).versions) == {}
+    assert set((await client.versions("globex", ["open"])).versions) == {"open"}
+    await client.close()
