@@ -379,6 +379,20 @@ def _print_result(result) -> None:
             f"{used.calls} model calls, cost {used.cost_micros} micros "
             f"(task {result.budget.task_id})"
         )
+    cache = result.cache
+    if cache.answer_hit or cache.retrieval_hits or cache.tool_hits:
+        layers = ["answer"] if cache.answer_hit else []
+        layers += [f"retrieval x{cache.retrieval_hits}"] if cache.retrieval_hits else []
+        layers += [f"tool x{cache.tool_hits}"] if cache.tool_hits else []
+        saved_ms = sum(s.time.ToMilliseconds() for s in cache.saved)
+        tokens = sum(s.input_tokens + s.output_tokens for s in cache.saved)
+        generation = [s for s in cache.saved if s.HasField("prefill")]
+        split = "".join(
+            f"; generation prefill {s.prefill.ToMilliseconds()} ms + decode "
+            f"{s.decode.ToMilliseconds()} ms"
+            for s in generation
+        )
+        print(f"cache: {', '.join(layers)} hit, saved ~{saved_ms} ms and {tokens} tokens{split}")
     timing = result.timing
     if timing.end_to_end.ToNanoseconds():
         print(

@@ -20,9 +20,17 @@ from ragline.budget import Amounts, BudgetRefused, TaskBudget
 from ragline.errors import DeadlineExceeded
 from ragline.retry import DEFAULT_POLICY
 from ragline.timing import duration
-from ragline.v1 import budget_pb2
+from ragline.v1 import budget_pb2, generation_pb2, retrieval_pb2
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.admission import Admission
+from ragline_services.orchestrator.caches import (
+    ANSWER,
+    CacheUse,
+    OrchestratorCaches,
+    Viewer,
+    normalise,
+    stale_documents,
+)
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 from ragline_services.orchestrator.report import CriticalPath, critical_path
 from ragline_services.orchestrator.runner import SUCCEEDED, NodeRecord, PlanRunner
@@ -40,6 +48,8 @@ log = structlog.get_logger("ragline.orchestrator")
 COMPLETE, PARTIAL, INCOMPLETE = "complete", "partial", "incomplete"
 # Time a closing ledger read may take after the run (bookkeeping, not the answer).
 _CLOSE_TIMEOUT_S = 5.0
+# Time the checks of an answer-cache hit may take (each a cheap call).
+_CHECK_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,10 @@ class AskInput:
     limits: Amounts
     task_id: str = ""
     plan: Plan | None = None
+    # Whose view the caches hold (None: no caching), and how this run uses them:
+    # "use" (read and write), "refresh" (write only), "bypass" (neither).
+    viewer: Viewer | None = None
+    cache_policy: str = "use"
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,9 @@ class AskOutcome:
     model: str = ""
     tier: int = 0
     prefill_tokens_saved: int = 0
+    model_version: str = ""
+    usage: Amounts | None = None  # the answer's generation
+    cache: CacheUse = field(default_factory=CacheUse)
 
     @property
     def end_to_end_s(self) -> float:
@@ -104,9 +121,15 @@ class OrchestratorSettings:
 
 
 class Orchestrator:
-    def __init__(self, clients: Clients, settings: OrchestratorSettings) -> None:
+    def __init__(
+        self,
+        clients: Clients,
+        settings: OrchestratorSettings,
+        caches: OrchestratorCaches | None = None,
+    ) -> None:
         self.clients = clients
         self.settings = settings
+        self.caches = caches
         self.admission = Admission(settings.max_in_flight, settings.max_queue)
         # Recent duration of each kind of step (moving average): what an optional step is
         # expected to cost when time runs short.
@@ -123,12 +146,132 @@ class Orchestrator:
         run_id: str,
         default_plan: Plan,
     ) -> AskOutcome:
+        plan = request.plan or default_plan
+        key = self._answer_key(request, plan)
+        if key and request.cache_policy == "use":
+            # Before admission: a hit is a few cheap calls, it never queues behind runs.
+            cached = await self._cached_answer(key, request, plan, received)
+            if cached is not None:
+                emit(Delta(cached.answer))
+                return cached
         async with self.admission.admit(deadlines.current_deadline()) as admitted:
             left = deadlines.remaining()
             # Keep back time to settle, close the ledger and send the result.
             scope = None if left is None else max(left - self.settings.answer_margin_s, 0.001)
             with deadlines.deadline_scope(scope):
-                return await self._run(request, emit, received, admitted, run_id, default_plan)
+                outcome = await self._run(request, emit, received, admitted, run_id, plan)
+        if key and request.cache_policy != "bypass" and outcome.state == COMPLETE:
+            await self._remember_answer(key, outcome)
+        return outcome
+
+    # -- the answer cache ---------------------------------------------------------------------
+
+    def _answer_key(self, request: AskInput, plan: Plan) -> str:
+        if self.caches is None or request.viewer is None or request.cache_policy == "bypass":
+            return ""
+        shaping = {
+            name: value
+            for name, value in request.settings.__dict__.items()
+            if name not in ("question", "allow_degrade", "prices")
+        }
+        return self.caches.key(
+            ANSWER, request.viewer, normalise(request.settings.question), shaping,
+            repr(plan.nodes), ev.PROMPT_TEMPLATE_VERSION,
+        )  # fmt: skip
+
+    async def _cached_answer(
+        self, key: str, request: AskInput, plan: Plan, received: float
+    ) -> AskOutcome | None:
+        """The stored answer when every document it returns is still at its version and
+        visible to this caller, and the tier's model is the one that wrote it."""
+        assert self.caches is not None
+        entry = await self.caches.get(ANSWER, key)
+        if entry is None:
+            return None
+        documents: dict[str, int] = entry["documents"]
+        versions, model = await asyncio.gather(
+            self.clients.retrieval.unary(
+                "DocumentVersions",
+                retrieval_pb2.DocumentVersionsRequest(ids=list(documents)),
+                stage_budget_s=_CHECK_TIMEOUT_S,
+            ),
+            self.clients.generation.unary(
+                "CountTokens",
+                generation_pb2.CountTokensRequest(prompt="x", tier=entry["tier"]),
+                stage_budget_s=_CHECK_TIMEOUT_S,
+            ),
+        )
+        stale = stale_documents(documents, dict(versions.versions))
+        if stale or model.model_version != entry["model_version"]:
+            why = f"documents changed or hidden: {stale}" if stale else "the model changed"
+            await self.caches.drop(ANSWER, key, why)
+            return None
+        self.caches.hit(ANSWER)
+
+        def items(kind: str) -> list[ev.EvidenceItem]:
+            return [
+                ev.EvidenceItem(marker, ev.Passage(doc, title, "", version), text)
+                for marker, doc, title, version, text in entry[kind]
+            ]
+
+        now = time.monotonic()
+        records = {node.id: NodeRecord(node, state=SUCCEEDED, cached=ANSWER) for node in plan.nodes}
+        return AskOutcome(
+            task_id=request.task_id,
+            answer=entry["answer"],
+            citations=items("citations"),
+            evidence=items("evidence"),
+            state=COMPLETE,
+            reason="",
+            detail="answered from the answer cache",
+            plan=plan,
+            records=records,
+            critical=critical_path(plan, records),
+            received=received,
+            admitted=received,
+            plan_ready=now,
+            finished=now,
+            model=entry["model"],
+            tier=entry["tier"],
+            model_version=entry["model_version"],
+            cache=CacheUse(answer_hit=True, saved=entry["saved"]),
+        )
+
+    async def _remember_answer(self, key: str, outcome: AskOutcome) -> None:
+        assert self.caches is not None
+
+        def rows(items: list[ev.EvidenceItem]) -> list[list]:
+            return [
+                [i.marker, i.passage.id, i.passage.title, i.passage.version, i.text] for i in items
+            ]
+
+        earlier = {saving["node_id"]: saving for saving in outcome.cache.saved}
+        saved = []
+        for node in outcome.plan.nodes:
+            record = outcome.records[node.id]
+            if record.state != SUCCEEDED:
+                continue
+            saving = earlier.get(node.id) or {
+                "node_id": node.id, "kind": node.kind.value, "time_s": record.duration_s,
+                "input_tokens": 0, "output_tokens": 0,
+            }  # fmt: skip
+            saving = {**saving, "layer": ANSWER}
+            if node.kind in (Kind.GENERATE, Kind.SYNTHESIZE) and outcome.usage is not None:
+                stages = _stages(record.server)
+                saving.update(
+                    input_tokens=outcome.usage.input_tokens,
+                    output_tokens=outcome.usage.output_tokens,
+                    prefill_s=stages.get("prefill", 0.0),
+                    decode_s=stages.get("decode", 0.0),
+                )
+            saved.append(saving)
+        documents = {i.passage.id: i.passage.version for i in outcome.citations + outcome.evidence}
+        await self.caches.put(ANSWER, key, {
+            "answer": outcome.answer, "citations": rows(outcome.citations),
+            "evidence": rows(outcome.evidence), "documents": documents,
+            "model": outcome.model, "model_version": outcome.model_version,
+            "tier": outcome.tier, "saved": saved,
+        })  # fmt: skip
 
     async def _run(
         self,
@@ -137,9 +280,8 @@ class Orchestrator:
         received: float,
         admitted: float,
         run_id: str,
-        default_plan: Plan,
+        plan: Plan,
     ) -> AskOutcome:
-        plan = request.plan or default_plan
         # A caller's own task id may be shared by several Asks (one budget for an agent's
         # whole job): joined if open, opened if not, never closed here. A task this run
         # made up is its own, and closed at its end.
@@ -149,7 +291,15 @@ class Orchestrator:
         await self._open_task(budget, request.limits, join=not own_task)
         plan_ready = time.monotonic()
         ctx = RunContext(
-            self.clients, budget, request.settings, run_id, lambda text: emit(Delta(text))
+            self.clients,
+            budget,
+            request.settings,
+            run_id,
+            lambda text: emit(Delta(text)),
+            caches=self.caches,
+            viewer=request.viewer,
+            read_cache=request.cache_policy == "use",
+            write_cache=request.cache_policy != "bypass",
         )
 
         def changed(record: NodeRecord) -> None:
@@ -189,6 +339,7 @@ class Orchestrator:
             finished=0.0,
             ledger=ledger,
             degraded=list(dict.fromkeys([*result.degraded, *ctx.degraded])),
+            cache=ctx.cache_use,
         )
         if result.failure is not None:
             self._failed(outcome, result.failure)
@@ -206,6 +357,7 @@ class Orchestrator:
         outcome.evidence = list(answer.evidence.items)
         outcome.dropped_citations = answer.cited.dropped
         outcome.model, outcome.tier = answer.model, answer.tier
+        outcome.model_version, outcome.usage = answer.model_version, answer.usage
         outcome.prefill_tokens_saved = answer.cached_input_tokens
         if answer.finish_reason == "deadline":
             outcome.state, outcome.reason = PARTIAL, "deadline"
@@ -304,6 +456,12 @@ class Orchestrator:
         if left < expected + self.settings.reserve_for_answer_s:
             return f"{node.kind.value}_skipped_deadline"
         return None
+
+
+def _stages(timing) -> dict[str, float]:
+    if timing is None:
+        return {}
+    return {stage.name: stage.duration.ToNanoseconds() / 1e9 for stage in timing.stages}
 
 
 def _is_deadline(error: BaseException | None) -> bool:

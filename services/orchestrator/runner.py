@@ -50,6 +50,8 @@ class NodeRecord:
     output: object | None = field(default=None, repr=False)
     # Set on a node that ran in place of a real call (answered from its inputs).
     note: str = ""
+    # The cache layer that answered the node ("answer", "retrieval", "tool"), if one did.
+    cached: str = ""
 
     @property
     def started(self) -> float | None:

@@ -8,6 +8,7 @@ import grpc
 from pydantic import Field
 
 from ragline.budget import Amounts
+from ragline.cache import open_cache
 from ragline.clients import connect
 from ragline.config import ServiceConfig
 from ragline.server import Service, ServiceSpec
@@ -20,6 +21,7 @@ from ragline.v1 import (
     rerank_pb2_grpc,
     retrieval_pb2_grpc,
 )
+from ragline_services.orchestrator.caches import CacheTtls, OrchestratorCaches
 from ragline_services.orchestrator.core import Orchestrator, OrchestratorSettings
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.servicer import OrchestratorServicer
@@ -74,6 +76,15 @@ class OrchestratorConfig(ServiceConfig):
     small_output_price: int = Field(0, ge=0)
     large_input_price: int = Field(0, ge=0)
     large_output_price: int = Field(0, ge=0)
+    # The answer, retrieval and tool-result caches (orchestrator/caches.py): Redis shared
+    # by the replicas when set (redis://host:port/db), else in-process.
+    cache: bool = True
+    cache_url: str = ""
+    cache_max_mb: int = Field(256, ge=1)
+    answer_cache_ttl_s: float = Field(3600.0, gt=0)
+    retrieval_cache_ttl_s: float = Field(600.0, gt=0)
+    # The freshness bound of tool results (query embeddings, reranks).
+    tool_cache_ttl_s: float = Field(300.0, gt=0)
 
 
 class OrchestratorService(Service):
@@ -82,6 +93,7 @@ class OrchestratorService(Service):
     def __init__(self, config: OrchestratorConfig, common) -> None:
         super().__init__(config, common)
         self._servicer = OrchestratorServicer(config)
+        self._caches: OrchestratorCaches | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(self._servicer, server)
@@ -123,7 +135,18 @@ class OrchestratorService(Service):
             ),
             rerank=cfg.rerank,
         )
-        self._servicer.orchestrator.set(Orchestrator(clients, settings))
+        caches = None
+        if cfg.cache:
+            caches = OrchestratorCaches(
+                open_cache(cfg.cache_url, max_bytes=cfg.cache_max_mb << 20),
+                CacheTtls(cfg.answer_cache_ttl_s, cfg.retrieval_cache_ttl_s, cfg.tool_cache_ttl_s),
+            )
+        self._caches = caches
+        self._servicer.orchestrator.set(Orchestrator(clients, settings, caches))
+
+    async def stop(self) -> None:
+        if self._caches is not None:
+            await self._caches.close()
 
 
 SPEC = ServiceSpec(

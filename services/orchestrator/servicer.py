@@ -11,6 +11,7 @@ from ragline.server import Deferred
 from ragline.timing import current_clock, duration
 from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, retrieval_pb2
 from ragline_services.orchestrator import plan as plans
+from ragline_services.orchestrator.caches import Viewer
 from ragline_services.orchestrator.core import (
     COMPLETE,
     INCOMPLETE,
@@ -62,6 +63,11 @@ _MODES = {
     retrieval_pb2.SEARCH_MODE_BM25: "bm25",
     retrieval_pb2.SEARCH_MODE_VECTOR: "vector",
     retrieval_pb2.SEARCH_MODE_PREFILTER: "prefilter",
+}
+_CACHE_POLICIES = {
+    orchestrator_pb2.CACHE_POLICY_UNSPECIFIED: "use",
+    orchestrator_pb2.CACHE_POLICY_REFRESH: "refresh",
+    orchestrator_pb2.CACHE_POLICY_BYPASS: "bypass",
 }
 _TIERS = {
     common_pb2.MODEL_TIER_UNSPECIFIED: "small",
@@ -158,12 +164,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     async def Ask(self, request, context):
         orchestrator = self.orchestrator.value
-        current_caller()  # UNAUTHENTICATED before any work when no tenant came
+        caller = current_caller()  # UNAUTHENTICATED before any work when no tenant came
         ask = AskInput(
             settings=settings_of(request, self.config),
             limits=limits_of(request, orchestrator.settings.default_limits),
             task_id=request.task_id,
             plan=plan_of(request),
+            viewer=Viewer(caller.tenant, caller.scopes),
+            cache_policy=_CACHE_POLICIES[request.cache],
         )
         clock = current_clock()
         events: asyncio.Queue = asyncio.Queue()
@@ -223,11 +231,14 @@ def _offset(value: float | None, origin: float):
 
 
 def _node_timing(record: NodeRecord, origin: float) -> orchestrator_pb2.NodeTiming:
+    state = _NODE_STATES.get(record.state, orchestrator_pb2.NODE_STATE_UNSPECIFIED)
+    if record.cached and record.state == SUCCEEDED:
+        state = orchestrator_pb2.NODE_STATE_CACHED
     timing = orchestrator_pb2.NodeTiming(
         node_id=record.node.id,
         kind=_KIND_ENUM[record.node.kind],
         depends_on=list(record.node.depends_on),
-        state=_NODE_STATES.get(record.state, orchestrator_pb2.NODE_STATE_UNSPECIFIED),
+        state=state,
         attempts=record.attempts,
         error=record.error or record.note,
     )
@@ -238,6 +249,31 @@ def _node_timing(record: NodeRecord, origin: float) -> orchestrator_pb2.NodeTimi
     if record.server is not None:
         timing.server.CopyFrom(record.server)
     return timing
+
+
+def _cache_report(outcome: AskOutcome) -> orchestrator_pb2.CacheReport:
+    use = outcome.cache
+    report = orchestrator_pb2.CacheReport(
+        answer_hit=use.answer_hit,
+        retrieval_hits=use.retrieval_hits,
+        retrieval_misses=use.retrieval_misses,
+        prefill_tokens_saved=outcome.prefill_tokens_saved,
+        tool_hits=use.tool_hits,
+        tool_misses=use.tool_misses,
+    )
+    for saving in use.saved:
+        entry = report.saved.add(
+            node_id=saving["node_id"],
+            kind=_KIND_ENUM.get(plans.Kind(saving["kind"]), 0),
+            layer=saving["layer"],
+            input_tokens=saving.get("input_tokens", 0),
+            output_tokens=saving.get("output_tokens", 0),
+        )
+        entry.time.CopyFrom(duration(saving.get("time_s", 0.0)))
+        if "prefill_s" in saving:
+            entry.prefill.CopyFrom(duration(saving["prefill_s"]))
+            entry.decode.CopyFrom(duration(saving["decode_s"]))
+    return report
 
 
 def _citation(item) -> orchestrator_pb2.Citation:
@@ -271,7 +307,7 @@ def _result(outcome: AskOutcome, run_id: str) -> orchestrator_pb2.AskResult:
             state=_ANSWER_STATES[outcome.state], reason=outcome.reason, detail=outcome.detail
         ),
         timing=report,
-        cache=orchestrator_pb2.CacheReport(prefill_tokens_saved=outcome.prefill_tokens_saved),
+        cache=_cache_report(outcome),
         task_id=outcome.task_id,
         model=outcome.model,
         tier=outcome.tier,

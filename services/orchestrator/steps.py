@@ -32,6 +32,15 @@ from ragline.v1 import (
     retrieval_pb2,
 )
 from ragline_services.orchestrator import evidence as ev
+from ragline_services.orchestrator.caches import (
+    RETRIEVAL,
+    TOOL,
+    CacheUse,
+    OrchestratorCaches,
+    Viewer,
+    normalise,
+    stale_documents,
+)
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.runner import Step
 
@@ -96,6 +105,7 @@ class Answer:
     cached_input_tokens: int
     model: str
     tier: int
+    model_version: str = ""
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,11 @@ class RunContext:
         settings: Settings,
         run_id: str,
         on_delta: Callable[[str], None],
+        *,
+        caches: OrchestratorCaches | None = None,
+        viewer: Viewer | None = None,
+        read_cache: bool = True,
+        write_cache: bool = True,
     ) -> None:
         self.clients = clients
         self.budget = budget
@@ -153,6 +168,42 @@ class RunContext:
         self.on_delta = on_delta
         self.settlements: list[asyncio.Task] = []
         self.degraded: list[str] = []
+        self.caches = caches if viewer is not None else None
+        self.viewer = viewer or Viewer("")
+        self.read_cache = read_cache and self.caches is not None
+        self.write_cache = write_cache and self.caches is not None
+        self.cache_use = CacheUse()
+
+    async def cached(self, step: Step, layer: str, key: str) -> dict | None:
+        """A cache entry for this step (None: miss, or reading is off)."""
+        if not self.read_cache:
+            return None
+        assert self.caches is not None
+        return await self.caches.get(layer, key)
+
+    def served_from_cache(self, step: Step, layer: str, entry: dict) -> None:
+        """The step's result came from `layer`: marked, counted, and what it saved noted."""
+        assert self.caches is not None
+        self.caches.hit(layer)
+        step.record.cached = layer
+        self.cache_use.saved.append(
+            {
+                "node_id": step.node.id,
+                "kind": step.node.kind.value,
+                "layer": layer,
+                "time_s": float(entry.get("time_s", 0.0)),
+                "input_tokens": int(entry.get("input_tokens", 0)),
+                "output_tokens": int(entry.get("output_tokens", 0)),
+            }
+        )
+
+    async def remember(self, step: Step, layer: str, key: str, entry: dict) -> None:
+        if self.write_cache:
+            assert self.caches is not None
+            started = step.record.started or step.record.call_start
+            if started is not None:
+                entry["time_s"] = time.monotonic() - started
+            await self.caches.put(layer, key, entry)
 
     # -- calls ------------------------------------------------------------------------------
 
@@ -265,6 +316,13 @@ def _query(step: Step, settings: Settings) -> str:
 
 async def embed(ctx: RunContext, step: Step) -> QueryVector:
     text = _query(step, ctx.settings)
+    key = ctx.caches.key(TOOL, ctx.viewer, "embed", text) if ctx.caches else ""
+    entry = await ctx.cached(step, TOOL, key) if key else None
+    if entry is not None:
+        ctx.served_from_cache(step, TOOL, entry)
+        ctx.cache_use.tool_hits += 1
+        return QueryVector(np.asarray(entry["values"], np.float32), entry["model_version"])
+    ctx.cache_use.tool_misses += bool(ctx.read_cache)
     request = embedding_pb2.EmbedRequest(texts=[text], input_type=embedding_pb2.INPUT_TYPE_QUERY)
     reply = await ctx.model_call(
         step,
@@ -274,7 +332,13 @@ async def embed(ctx: RunContext, step: Step) -> QueryVector:
         Amounts(input_tokens=ev.tokens_estimate(text) + 2, calls=1),
         lambda r: Amounts(input_tokens=r.usage.input_tokens, calls=1),
     )
-    return QueryVector(np.asarray(reply.embeddings[0].values, np.float32), reply.model_version)
+    vector = QueryVector(np.asarray(reply.embeddings[0].values, np.float32), reply.model_version)
+    if key:
+        await ctx.remember(step, TOOL, key, {
+            "values": vector.values.tolist(), "model_version": vector.model_version,
+            "input_tokens": reply.usage.input_tokens,
+        })  # fmt: skip
+    return vector
 
 
 def _ranked(reply, source: str) -> Ranked:
@@ -294,12 +358,57 @@ async def _search(ctx: RunContext, step: Step, mode: str, vector: QueryVector | 
         hnsw_ef=int(step.node.params.get("hnsw_ef", 0)),
         include_text=True,
     )
+    key = ""
+    if ctx.caches is not None:
+        key = ctx.caches.key(
+            RETRIEVAL, ctx.viewer, normalise(request.query), mode, request.k,
+            sorted(s.attributes), request.hnsw_ef, vector.model_version if vector else "",
+        )  # fmt: skip
+        found = await _cached_search(ctx, step, key, mode)
+        if found is not None:
+            return found
     if vector is not None:
         request.query_vector.extend(vector.values.tolist())
     reply = await ctx.call(step, "retrieval", "Search", request)
     if reply.fell_back:
         ctx.degraded.append(reply.fallback_reason)
-    return _ranked(reply, mode)
+    ranked = _ranked(reply, mode)
+    if key and ranked.passages and not reply.fell_back:
+        await ctx.remember(step, RETRIEVAL, key, {
+            "passages": [[p.id, p.title, p.text, p.version, p.score, p.scores]
+                         for p in ranked.passages],
+            "index_version": reply.index_version,
+            "embedding_model_version": "" if mode == "bm25" else reply.embedding_model_version,
+        })  # fmt: skip
+    return ranked
+
+
+async def _cached_search(ctx: RunContext, step: Step, key: str, mode: str) -> Ranked | None:
+    """A retrieval entry still true for this caller: the tenant's index has not changed
+    since (no write or delete), the vector model neither, and every hit is still visible."""
+    assert ctx.caches is not None
+    entry = await ctx.cached(step, RETRIEVAL, key)
+    if entry is None:
+        ctx.cache_use.retrieval_misses += bool(ctx.read_cache)
+        return None
+    request = retrieval_pb2.DocumentVersionsRequest(ids=[p[0] for p in entry["passages"]])
+    current = await ctx.call(step, "retrieval", "DocumentVersions", request)
+    model = entry["embedding_model_version"]
+    stale = stale_documents({p[0]: p[3] for p in entry["passages"]}, dict(current.versions))
+    if (
+        current.index_version != entry["index_version"]
+        or (model and model != current.embedding_model_version)
+        or stale
+    ):
+        await ctx.caches.drop(RETRIEVAL, key, "index or documents changed")
+        ctx.cache_use.retrieval_misses += 1
+        return None
+    ctx.served_from_cache(step, RETRIEVAL, entry)
+    ctx.cache_use.retrieval_hits += 1
+    passages = [
+        ev.Passage(i, t, x, v, sc, dict(parts)) for i, t, x, v, sc, parts in entry["passages"]
+    ]
+    return Ranked(passages, mode, current.index_version)
 
 
 async def bm25(ctx: RunContext, step: Step) -> Ranked:
@@ -371,24 +480,42 @@ async def rerank(ctx: RunContext, step: Step) -> Ranked:
             step.node.params.get("cross_encoder"), s.rerank_cross_encoder
         ),
     )
-    tokens = sum(ev.tokens_estimate(ev_text(p)) for p in passages)
-    reply = await ctx.model_call(
-        step,
-        "rerank",
-        "Rerank",
-        request,
-        Amounts(input_tokens=tokens, calls=1),
-        lambda r: Amounts(input_tokens=r.usage.input_tokens, calls=1),
-    )
-    for skipped in reply.skipped:
-        name = rerank_pb2.RerankStage.Name(skipped.stage).removeprefix("RERANK_STAGE_").lower()
-        ctx.degraded.append(f"{name}_skipped")
+    # A tool result: the documents' versions are part of its parameters.
+    key = ""
+    if ctx.caches is not None:
+        key = ctx.caches.key(
+            TOOL, ctx.viewer, "rerank", s.question, [(p.id, p.version) for p in passages],
+            request.top_k, request.late_interaction_k, request.late_interaction_only,
+        )  # fmt: skip
+    entry = await ctx.cached(step, TOOL, key) if key else None
+    if entry is not None:
+        ctx.served_from_cache(step, TOOL, entry)
+        ctx.cache_use.tool_hits += 1
+        results = entry["results"]
+    else:
+        ctx.cache_use.tool_misses += bool(ctx.read_cache)
+        tokens = sum(ev.tokens_estimate(ev_text(p)) for p in passages)
+        reply = await ctx.model_call(
+            step,
+            "rerank",
+            "Rerank",
+            request,
+            Amounts(input_tokens=tokens, calls=1),
+            lambda r: Amounts(input_tokens=r.usage.input_tokens, calls=1),
+        )
+        for skipped in reply.skipped:
+            stage = rerank_pb2.RerankStage.Name(skipped.stage).removeprefix("RERANK_STAGE_")
+            ctx.degraded.append(f"{stage.lower()}_skipped")
+        results = [[h.id, h.score, dict(h.scores)] for h in reply.results]
+        if key and not reply.skipped:  # a degraded ranking is not worth keeping
+            entry = {"results": results, "input_tokens": reply.usage.input_tokens}
+            await ctx.remember(step, TOOL, key, entry)
     by_id = {p.id: p for p in passages}
     out = [
-        ev.Passage(h.id, by_id[h.id].title, by_id[h.id].text, by_id[h.id].version, h.score,
-                   {**by_id[h.id].scores, **dict(h.scores)})
-        for h in reply.results
-        if h.id in by_id
+        ev.Passage(i, by_id[i].title, by_id[i].text, by_id[i].version, score,
+                   {**by_id[i].scores, **parts})
+        for i, score, parts in results
+        if i in by_id
     ]  # fmt: skip
     return Ranked(out, "reranked")
 
@@ -525,6 +652,7 @@ async def generate(ctx: RunContext, step: Step) -> Answer:
         cached_input_tokens=final.usage.cached_input_tokens,
         model=final.model,
         tier=final.tier,
+        model_version=final.model_version,
     )
 
 

@@ -125,7 +125,10 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             Visibility(caller.tenant, caller.scopes), list(request.ids)
         )
         return retrieval_pb2.DocumentVersionsResponse(
-            versions=versions, index_version=index_version, timing=_finish_timing()
+            versions=versions,
+            index_version=index_version,
+            embedding_model_version=self._embedding_version(),
+            timing=_finish_timing(),
         )
 
     async def IndexStatus(self, request, context):

@@ -1,0 +1,150 @@
+"""The orchestrator's three caches: answers, retrievals and tool results (DESIGN.md,
+"Caches"). Each entry is keyed on everything that decides it and checked again on a hit.
+
+| layer     | key (all of it)                                        | checked again on a hit   |
+|-----------|--------------------------------------------------------|--------------------------|
+| answer    | tenant, visibility scopes, normalised question, the    | every returned document  |
+|           | settings and plan that shape the answer, prompt        | still at its version and |
+|           | template version, tier                                 | visible to the caller;   |
+|           |                                                        | the tier's model version |
+| retrieval | tenant, scopes, normalised query, mode, k, filters,    | the tenant's index       |
+|           | hnsw_ef, embedding model version of a given vector     | version and each hit     |
+|           |                                                        | still visible            |
+| tool      | tenant, scopes, tool, parameters (with the versions    | freshness bound (TTL)    |
+|           | of the objects they name)                              |                          |
+
+The scopes are the caller's, from its credential: a principal whose scope was revoked
+presents other scopes, so it misses at once (no TTL to wait out), and every hit asks the
+retrieval service again which of the entry's documents this caller may see now
+(`DocumentVersions`). A write or delete bumps the tenant's index version and the
+document's version: the retrieval entries of that tenant and the answers that returned the
+document stop validating, and are dropped when next met. Only COMPLETE answers are stored;
+nothing that writes is ever served from here (the orchestrator only reads).
+
+Backends: the kit's `ragline.cache` (in-process LRU when embedded, Redis shared by the
+replicas with RAGLINE_ORCHESTRATOR_CACHE_URL). A failing backend is a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import unicodedata
+from dataclasses import dataclass, field
+
+import structlog
+
+from ragline.cache import CacheBackend
+from ragline.errors import Unavailable
+
+log = structlog.get_logger("ragline.orchestrator.caches")
+
+ANSWER, RETRIEVAL, TOOL = "answer", "retrieval", "tool"
+_TRAILING = re.compile(r"[\s?!.]+$")
+
+
+def normalise(text: str) -> str:
+    """Case, Unicode form, spacing and closing punctuation do not change a question."""
+    text = unicodedata.normalize("NFKC", text).casefold()
+    return _TRAILING.sub("", " ".join(text.split()))
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """Whose view of the tenant's documents an entry holds."""
+
+    tenant: str
+    scopes: frozenset[str] = frozenset()
+
+    def parts(self) -> list[str]:
+        return [self.tenant, ",".join(sorted(self.scopes))]
+
+
+@dataclass(frozen=True)
+class CacheTtls:
+    answer_s: float = 3600.0
+    retrieval_s: float = 600.0
+    tool_s: float = 300.0
+
+    def of(self, layer: str) -> float:
+        return {ANSWER: self.answer_s, RETRIEVAL: self.retrieval_s, TOOL: self.tool_s}[layer]
+
+
+@dataclass
+class LayerCounters:
+    hits: int = 0
+    misses: int = 0
+    invalidated: int = 0  # found, then failed its check (dropped)
+
+
+@dataclass
+class CacheUse:
+    """One run's use of the caches, for its report."""
+
+    answer_hit: bool = False
+    retrieval_hits: int = 0
+    retrieval_misses: int = 0
+    tool_hits: int = 0
+    tool_misses: int = 0
+    # Work saved, by node: dicts as CacheSaving messages carry them.
+    saved: list[dict] = field(default_factory=list)
+
+
+class OrchestratorCaches:
+    def __init__(
+        self, backend: CacheBackend, ttls: CacheTtls, namespace: str = "ragline:orch:"
+    ) -> None:
+        self.backend = backend
+        self.ttls = ttls
+        self.namespace = namespace
+        self.counters = {layer: LayerCounters() for layer in (ANSWER, RETRIEVAL, TOOL)}
+
+    def key(self, layer: str, viewer: Viewer, *parts: object) -> str:
+        # The tenant and scopes lead every key: no entry is ever another view's.
+        material = json.dumps([layer, *viewer.parts(), *parts], sort_keys=True, default=str)
+        return f"{self.namespace}{layer}:{hashlib.sha256(material.encode()).hexdigest()}"
+
+    async def get(self, layer: str, key: str) -> dict | None:
+        try:
+            data = await self.backend.get(key)
+        except Unavailable as error:
+            log.warning("cache.unavailable", layer=layer, op="get", error=str(error))
+            data = None
+        entry = None
+        if data:
+            try:
+                entry = json.loads(data)
+            except ValueError:
+                entry = None
+        counters = self.counters[layer]
+        if entry is None:
+            counters.misses += 1
+        return entry
+
+    def hit(self, layer: str) -> None:
+        self.counters[layer].hits += 1
+
+    async def put(self, layer: str, key: str, entry: dict) -> None:
+        try:
+            await self.backend.set(key, json.dumps(entry).encode(), self.ttls.of(layer))
+        except Unavailable as error:
+            log.warning("cache.unavailable", layer=layer, op="set", error=str(error))
+
+    async def drop(self, layer: str, key: str, why: str) -> None:
+        counters = self.counters[layer]
+        counters.invalidated += 1
+        counters.misses += 1
+        log.info("cache.invalidated", layer=layer, why=why)
+        try:
+            await self.backend.delete(key)
+        except Unavailable as error:
+            log.warning("cache.unavailable", layer=layer, op="delete", error=str(error))
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+
+def stale_documents(cached: dict[str, int], current: dict[str, int]) -> list[str]:
+    """Ids whose current version (absent: deleted or hidden from this caller) differs."""
+    return sorted(doc for doc, version in cached.items() if current.get(doc) != version)
