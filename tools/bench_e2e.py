@@ -8,7 +8,8 @@ reuses the index) unless --addr points at a running one, ingests every paragraph
 file into tenant `bench` once, then asks a fixed sample of its questions (seeded) at each
 concurrency, with the default (parallel) plan and, with --serial, the same plan forced
 serial. Reported per configuration, over every request asked (failed and unfinished ones
-counted, never dropped): time to first token and to the complete answer (p50/p95/p99),
+counted, never dropped; caches bypassed except in the --cache runs): time to first token
+and to the complete answer (p50/p95/p99),
 answers per second, refusals (RESOURCE_EXHAUSTED), failures and deadline misses,
 measured / lower bound of the timing report, SQuAD exact match and token F1 (max over the
 gold answers, citation markers stripped) and how often the gold paragraph reached the
@@ -126,6 +127,7 @@ class Outcome:
     f1: float = 0.0
     em: float = 0.0
     gold_in_prompt: bool = False
+    answer_hit: bool = False
 
 
 @dataclass
@@ -136,9 +138,9 @@ class Run:
     wall_s: float = 0.0
 
 
-async def ask_one(client: ServiceClient, question, plan, deadline_s: float) -> Outcome:
+async def ask_one(client: ServiceClient, question, plan, deadline_s: float, cache: int) -> Outcome:
     outcome = Outcome()
-    request = orchestrator_pb2.AskRequest(question=question.text)
+    request = orchestrator_pb2.AskRequest(question=question.text, cache=cache)
     if plan is not None:
         request.plan.CopyFrom(plan)
     started = time.monotonic()
@@ -157,6 +159,7 @@ async def ask_one(client: ServiceClient, question, plan, deadline_s: float) -> O
     outcome.ok = True
     outcome.state = common_pb2.AnswerState.Name(result.status.state).removeprefix("ANSWER_STATE_")
     outcome.ratio = result.timing.overhead_ratio
+    outcome.answer_hit = result.cache.answer_hit
     answer = strip_markers(result.answer)
     outcome.f1 = max((token_f1(answer, gold) for gold in question.answers), default=0.0)
     outcome.em = max(
@@ -166,7 +169,15 @@ async def ask_one(client: ServiceClient, question, plan, deadline_s: float) -> O
     return outcome
 
 
-async def run_config(name, address, questions, concurrency, plan, deadline_s) -> Run:
+async def run_config(
+    name,
+    address,
+    questions,
+    concurrency,
+    plan,
+    deadline_s,
+    cache: int = orchestrator_pb2.CACHE_POLICY_BYPASS,
+) -> Run:
     pool = ChannelPool()
     client = ServiceClient(
         orchestrator_pb2_grpc.OrchestratorServiceStub,
@@ -180,7 +191,7 @@ async def run_config(name, address, questions, concurrency, plan, deadline_s) ->
     async def worker():
         while queue:
             question = queue.pop(0)
-            run.outcomes.append(await ask_one(client, question, plan, deadline_s))
+            run.outcomes.append(await ask_one(client, question, plan, deadline_s, cache))
 
     started = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -269,6 +280,12 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=REPO / ".ragline" / "bench-e2e")
     parser.add_argument("--addr", help="orchestrator,retrieval,embedding[,rerank] (running)")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the services")
+    parser.add_argument(
+        "--cache",
+        action="store_true",
+        help="also the answer cache: every question asked once (misses, stored), then again "
+        "(hits), at c=1; the other configurations bypass the caches",
+    )
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--json", type=Path, help="write every outcome here")
     args = parser.parse_args()
@@ -299,6 +316,16 @@ def main() -> int:
                     asyncio.run(run_config("serial plan, c=1", addresses["orchestrator"], sample,
                                            1, serial_plan(), args.deadline))
                 )  # fmt: skip
+                print(table(runs[-1:]).splitlines()[-1], file=sys.stderr)
+        if args.cache:
+            use = orchestrator_pb2.CACHE_POLICY_UNSPECIFIED
+            for label in ("first ask", "asked again"):
+                run = asyncio.run(run_config(f"answer cache, {label}, c=1",
+                                             addresses["orchestrator"], sample, 1, None,
+                                             args.deadline, cache=use))  # fmt: skip
+                hits = sum(o.answer_hit for o in run.outcomes)
+                run.name += f" ({hits} hits)"
+                runs.append(run)
                 print(table(runs[-1:]).splitlines()[-1], file=sys.stderr)
     finally:
         if process is not None:

@@ -419,6 +419,58 @@ def store_rows(args, passages, questions, logs: Path, base_env: dict, rows: list
         redis.stop()
 
 
+def weights_rows(args, passages, questions, logs: Path, base_env: dict, rows: list[str]) -> None:
+    """Quality and speed of each packaged GGUF (the packages carry one quantization per
+    model, so the comparison is across models at the precision each ships): SQuAD dev
+    answer F1 with the gold paragraph as the evidence, prefill and decode tok/s."""
+    from ragline.models import ModelStore
+    from ragline_app.evaluation import token_f1
+    from ragline_services.orchestrator.evidence import SYSTEM_PROMPT, strip_markers
+
+    by_id = {p.id: p for p in passages}
+    sample = questions[: args.weights_questions]
+    store = ModelStore()
+    for model in args.weights_models.split(","):
+        description = store.spec(model).description.split(":")[0]
+        env = {
+            **base_env,
+            "RAGLINE_GENERATION_SMALL_MODEL": model,
+            "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+            "RAGLINE_GENERATION_KV_STORE": "false",
+        }
+        with generation_service(env, logs / f"bench-generation-weights-{model}.log") as address:
+
+            async def measure(address=address):
+                f1s, prefill, decode = [], [], []
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                    for q in sample:
+                        evidence = f"[1] {by_id[q.passage_id].text}"
+                        turns = [
+                            (generation_pb2.ROLE_SYSTEM, SYSTEM_PROMPT),
+                            (
+                                generation_pb2.ROLE_USER,
+                                f"Evidence:\n{evidence}\n\nQuestion: {q.text}",
+                            ),
+                        ]
+                        request = chat_request(turns, 24)
+                        request.sampling.stop.append("\n")
+                        final = (await run_one(stub, request, tenant=uuid.uuid4().hex))["final"]
+                        answer = strip_markers(final.text).strip()
+                        f1s.append(max(token_f1(answer, g) for g in q.answers))
+                        prefill.append(final.usage.input_tokens / stage_s(final, "prefill"))
+                        if final.usage.output_tokens >= 4:
+                            decode.append(final.decode_tokens_per_second)
+                return f1s, prefill, decode
+
+            f1s, prefill, decode = asyncio.run(measure())
+        rows.append(
+            f"| weights {description} ({len(sample)} q, gold paragraph given) | F1 "
+            f"{statistics.fmean(f1s):.3f}, prefill {statistics.median(prefill):.0f} tok/s, "
+            f"decode {statistics.median(decode) if decode else float('nan'):.1f} tok/s | |"
+        )
+
+
 def base_rows(args, cases, logs: Path, base_env: dict, rows: list[str]) -> None:
     """Rows 1-4 (overhead, prefix cache, speculation, batching)."""
     # 1-2 on one plain service with one slot (one request at a time).
@@ -662,13 +714,17 @@ def main() -> int:
         default="base",
         help="comma-separated: base (overhead, prefix cache, speculation, batching), "
         "flash (prefill with/without flash attention), kvtypes (KV cache types), "
-        "store (hot-prefix KV store)",
+        "store (hot-prefix KV store), weights (each packaged quantization)",
     )
     parser.add_argument("--prefill-sizes", default="512,2048,4096")
     parser.add_argument("--kv-types", default="f16,q8_0,q4_0")
     parser.add_argument("--long-tokens", type=int, default=3500)
     parser.add_argument("--long-questions", type=int, default=12)
     parser.add_argument("--store-requests", type=int, default=60)
+    parser.add_argument(
+        "--weights-models", default="smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b"
+    )
+    parser.add_argument("--weights-questions", type=int, default=30)
     parser.add_argument("--data", type=Path, default=REPO / "app/data/squad_dev_sample.json")
     args = parser.parse_args()
     passages, questions = load_squad(args.data)
@@ -697,6 +753,8 @@ def main() -> int:
         flash_rows(args, passages, logs, base_env, rows)
     if "kvtypes" in parts:
         kv_type_rows(args, passages, questions, logs, base_env, rows)
+    if "weights" in parts:
+        weights_rows(args, passages, questions, logs, base_env, rows)
     if "store" in parts:
         store_rows(args, passages, questions, logs, base_env, rows)
     print(
