@@ -381,14 +381,17 @@ class RagStack:
     small_generation: ServiceHandle
     launcher: ServiceLauncher
 
-    def orchestrator(self, *, small: bool = False, **settings) -> ServiceHandle:
-        """An orchestrator over these services (`settings`: RAGLINE_ORCHESTRATOR_* values)."""
+    def orchestrator(
+        self, *, small: bool = False, generation_addr: str = "", **settings
+    ) -> ServiceHandle:
+        """An orchestrator over these services (`settings`: RAGLINE_ORCHESTRATOR_* values;
+        `generation_addr`: another generation service, a test's proxy)."""
         generation = self.small_generation if small else self.generation
         env = {
             "RAGLINE_EMBEDDING_ADDR": self.embedding.address,
             "RAGLINE_RETRIEVAL_ADDR": self.retrieval.address,
             "RAGLINE_RERANK_ADDR": self.rerank.address,
-            "RAGLINE_GENERATION_ADDR": generation.address,
+            "RAGLINE_GENERATION_ADDR": generation_addr or generation.address,
             "RAGLINE_BUDGET_ADDR": self.budget.address,
             **{f"RAGLINE_ORCHESTRATOR_{k.upper()}": str(v) for k, v in settings.items()},
         }

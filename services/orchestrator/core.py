@@ -23,6 +23,7 @@ from ragline.timing import duration
 from ragline.v1 import budget_pb2, generation_pb2, retrieval_pb2
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.admission import Admission
+from ragline_services.orchestrator.agent import Costs, affordable, agent_plan, with_planning
 from ragline_services.orchestrator.caches import (
     ANSWER,
     CacheUse,
@@ -38,6 +39,7 @@ from ragline_services.orchestrator.steps import (
     Answer,
     Clients,
     NoEvidence,
+    Planned,
     RunContext,
     Settings,
     executors_for,
@@ -62,6 +64,9 @@ class AskInput:
     # "use" (read and write), "refresh" (write only), "bypass" (neither).
     viewer: Viewer | None = None
     cache_policy: str = "use"
+    # The agent plan (chosen by the caller or the router) instead of the RAG plan.
+    agent: bool = False
+    route_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,10 @@ class AskOutcome:
     model_version: str = ""
     usage: Amounts | None = None  # the answer's generation
     cache: CacheUse = field(default_factory=CacheUse)
+    # Which plan answered ("rag", "agent", "rag_fallback", "explicit") and why.
+    route: str = "rag"
+    route_detail: str = ""
+    subqueries: list[str] = field(default_factory=list)
 
     @property
     def end_to_end_s(self) -> float:
@@ -176,7 +185,7 @@ class Orchestrator:
         }
         return self.caches.key(
             ANSWER, request.viewer, normalise(request.settings.question), shaping,
-            repr(plan.nodes), ev.PROMPT_TEMPLATE_VERSION,
+            repr(plan.nodes), request.agent, ev.PROMPT_TEMPLATE_VERSION,
         )  # fmt: skip
 
     async def _cached_answer(
@@ -235,6 +244,9 @@ class Orchestrator:
             tier=entry["tier"],
             model_version=entry["model_version"],
             cache=CacheUse(answer_hit=True, saved=entry["saved"]),
+            route=entry.get("route", "rag"),
+            route_detail="answered from the answer cache",
+            subqueries=entry.get("subqueries", []),
         )
 
     async def _remember_answer(self, key: str, outcome: AskOutcome) -> None:
@@ -270,7 +282,8 @@ class Orchestrator:
             "answer": outcome.answer, "citations": rows(outcome.citations),
             "evidence": rows(outcome.evidence), "documents": documents,
             "model": outcome.model, "model_version": outcome.model_version,
-            "tier": outcome.tier, "saved": saved,
+            "tier": outcome.tier, "saved": saved, "route": outcome.route,
+            "subqueries": outcome.subqueries,
         })  # fmt: skip
 
     async def _run(
@@ -309,16 +322,22 @@ class Orchestrator:
                 self.typical_s[kind] = 0.8 * last + 0.2 * record.duration_s
             emit(NodeChanged(record, time.monotonic() - received))
 
-        runner = PlanRunner(
-            plan,
-            executors_for(ctx),
-            on_change=changed,
-            stage_budget=self._stage_budget,
-            skip_reason=lambda node: self._skip_reason(node, request.settings.allow_degrade),
-        )
+        def runner_for(graph: Plan) -> PlanRunner:
+            return PlanRunner(
+                graph,
+                executors_for(ctx),
+                on_change=changed,
+                stage_budget=self._stage_budget,
+                skip_reason=lambda node: self._skip_reason(node, request.settings.allow_degrade),
+            )
+
         ledger = None
+        route = _Route("explicit" if request.plan else "rag", request.route_reason)
         try:
-            result = await runner.run()
+            if request.agent:
+                plan, result, route = await self._run_agent(ctx, budget, runner_for, plan)
+            else:
+                result = await runner_for(plan).run()
         finally:
             await ctx.wait_settled()
             ledger = await self._final_ledger(budget, close=own_task)
@@ -340,13 +359,68 @@ class Orchestrator:
             ledger=ledger,
             degraded=list(dict.fromkeys([*result.degraded, *ctx.degraded])),
             cache=ctx.cache_use,
+            route=route.name,
+            route_detail=route.detail,
+            subqueries=route.subqueries,
         )
         if result.failure is not None:
             self._failed(outcome, result.failure)
         else:
             self._answered(outcome, result.answer)
+        if route.name == "rag_fallback":
+            outcome.detail = "; ".join(filter(None, [outcome.detail, route.detail]))
         outcome.finished = time.monotonic()
         return outcome
+
+    # -- the agent plan -------------------------------------------------------------------------
+
+    async def _run_agent(self, ctx: RunContext, budget: TaskBudget, runner_for, rag: Plan):
+        """Plans, then runs the lookups the plan affords in parallel and the synthesis;
+        falls back to the RAG plan when the planner's replies were malformed twice."""
+        planning = Node("plan", Kind.PLAN, budget_s=self.settings.stage_budgets.get(Kind.PLAN))
+        first = await runner_for(Plan((planning,))).run()
+        planned = first.records["plan"].output
+        if first.failure is not None:
+            return Plan((planning,)), first, _Route("agent", "the planning step failed")
+        assert isinstance(planned, Planned)
+        if planned.plan is None:
+            second = await runner_for(rag).run()
+            detail = (
+                "the planner's replies were not a valid plan twice ("
+                + "; ".join(planned.problems)
+                + "): answered with the RAG plan"
+            )
+            return _merged_run(planning, first, rag, second, _Route("rag_fallback", detail))
+        s = ctx.settings
+        remaining = await self._remaining(budget)
+        costs = Costs(
+            subquery=Amounts(input_tokens=64, calls=1),
+            synthesis=Amounts(input_tokens=s.evidence_tokens * 4 + 200,
+                              output_tokens=s.answer_tokens, calls=1),
+        )  # fmt: skip
+        kept, dropped = affordable(planned.plan, remaining, costs, allow_degrade=s.allow_degrade)
+        graph = agent_plan(kept, allow_degrade=s.allow_degrade, k=min(s.candidates, 10))
+        second = await runner_for(graph).run()
+        for sub in dropped:
+            second.degraded.append(f"lookup_dropped_budget: {sub.query}")
+        route = _Route(
+            "agent",
+            f"{len(kept)} lookup(s) run in parallel"
+            + (f", {len(dropped)} optional dropped for the budget" if dropped else ""),
+            [sub.query for sub in planned.plan.subqueries],
+        )
+        if planned.problems:
+            route.detail += f" (the first plan was malformed: {planned.problems[0]})"
+        return _merged_run(planning, first, graph, second, route)
+
+    async def _remaining(self, budget: TaskBudget) -> Amounts | None:
+        try:
+            ledger = await budget.call(
+                "GetLedger", budget_pb2.GetLedgerRequest(task_id=budget.task_id)
+            )
+        except grpc.aio.AioRpcError:
+            return None  # unknown: nothing dropped in advance; reservations still guard
+        return Amounts.from_proto(ledger.remaining)
 
     # -- outcome ------------------------------------------------------------------------------
 
@@ -456,6 +530,23 @@ class Orchestrator:
         if left < expected + self.settings.reserve_for_answer_s:
             return f"{node.kind.value}_skipped_deadline"
         return None
+
+
+@dataclass
+class _Route:
+    name: str
+    detail: str = ""
+    subqueries: list[str] = field(default_factory=list)
+
+
+def _merged_run(planning: Node, first, graph: Plan, second, route: _Route):
+    """The two phases of an agent run as one plan and one result for the report."""
+    plan = with_planning(planning, graph)
+    second.records = {"plan": first.records["plan"], **second.records}
+    for record in second.records.values():
+        record.node = plan.node(record.node.id)  # with its edge from the planning step
+    second.degraded = [*first.degraded, *second.degraded]
+    return plan, second, route
 
 
 def _stages(timing) -> dict[str, float]:

@@ -44,7 +44,8 @@ _CHOICES = {
 }
 # Kinds whose output is an answer; a plan has exactly one that nothing depends on.
 ANSWERING = {Kind.GENERATE, Kind.SYNTHESIZE}
-# Kinds this version can run (agent planning comes with the agent-plan work).
+# Kinds an explicit plan may hold: a planning step belongs to the built-in agent plan,
+# whose graph is made from what the planner writes.
 RUNNABLE = set(Kind) - {Kind.PLAN}
 
 
@@ -85,8 +86,11 @@ class Plan:
         return seen
 
     @property
-    def answer_node(self) -> Node:
-        return next(n for n in self.nodes if n.kind in ANSWERING and not self.dependents(n.id))
+    def answer_node(self) -> Node | None:
+        """The step whose output is the answer (None in a plan that only plans)."""
+        return next(
+            (n for n in self.nodes if n.kind in ANSWERING and not self.dependents(n.id)), None
+        )
 
     def serial(self) -> Plan:
         """The same steps, each waiting for the one before (the bench's baseline)."""
@@ -202,8 +206,9 @@ def build_plan(specs: list[NodeSpec]) -> Plan:
     for index, node in enumerate(plan.nodes):
         if node.kind not in RUNNABLE:
             raise Unimplemented(
-                f"plan.nodes[{index}].kind: {node.kind.value} steps are not available in this "
-                "version; send the retrieval steps and a generate step instead"
+                f"plan.nodes[{index}].kind: {node.kind.value} steps run only in the built-in "
+                "agent plan (plan_choice AGENT); an explicit plan sends the retrieval steps "
+                "and a generate step instead"
             )
     return plan
 

@@ -83,6 +83,13 @@ class Step:
                 return record.output
         return None
 
+    def plan_node(self, node_id: str) -> Node:
+        return self._runner.plan.node(node_id)
+
+    def output_of(self, node_id: str) -> object | None:
+        record = self._runner.records[node_id]
+        return record.output if record.state == SUCCEEDED else None
+
     def mark(self, what: str) -> None:
         now = time.monotonic()
         if what == "first_byte":
@@ -93,7 +100,8 @@ class Step:
 
     @property
     def is_answer(self) -> bool:
-        return self.node.id == self._runner.plan.answer_node.id
+        answer = self._runner.plan.answer_node
+        return answer is not None and self.node.id == answer.id
 
 
 Executor = Callable[[Step], Awaitable[object]]
@@ -173,7 +181,8 @@ class PlanRunner:
                     self._set(record, CANCELLED)
         for node_id in pending:
             self._set(self.records[node_id], SKIPPED)
-        answer_record = self.records[self.plan.answer_node.id]
+        answer_node = self.plan.answer_node
+        answer_record = self.records[(answer_node or self.plan.nodes[-1]).id]
         answer = answer_record.output if answer_record.state == SUCCEEDED else None
         return RunResult(self.records, answer, failure, self.degraded)
 

@@ -11,6 +11,7 @@ from ragline.server import Deferred
 from ragline.timing import current_clock, duration
 from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, retrieval_pb2
 from ragline_services.orchestrator import plan as plans
+from ragline_services.orchestrator.agent import needs_several_lookups
 from ragline_services.orchestrator.caches import Viewer
 from ragline_services.orchestrator.core import (
     COMPLETE,
@@ -102,6 +103,19 @@ def settings_of(request: orchestrator_pb2.AskRequest, config) -> Settings:
     )
 
 
+def route_of(request: orchestrator_pb2.AskRequest) -> dict:
+    """The agent plan or not: the caller's choice, else the router's rule."""
+    if request.HasField("plan"):
+        return {"agent": False, "route_reason": "the request sent its own plan"}
+    if request.plan_choice == orchestrator_pb2.PLAN_CHOICE_AGENT:
+        return {"agent": True, "route_reason": "the request chose the agent plan"}
+    if request.plan_choice == orchestrator_pb2.PLAN_CHOICE_RAG:
+        return {"agent": False, "route_reason": "the request chose the RAG plan"}
+    if needs_several_lookups(request.question):
+        return {"agent": True, "route_reason": "router: the question joins several questions"}
+    return {"agent": False, "route_reason": "router: one lookup"}
+
+
 def limits_of(request: orchestrator_pb2.AskRequest, defaults: Amounts) -> Amounts:
     return Amounts(*(getattr(request.budget, f) or getattr(defaults, f) for f in AMOUNT_FIELDS))
 
@@ -172,6 +186,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             plan=plan_of(request),
             viewer=Viewer(caller.tenant, caller.scopes),
             cache_policy=_CACHE_POLICIES[request.cache],
+            **route_of(request),
         )
         clock = current_clock()
         events: asyncio.Queue = asyncio.Queue()
@@ -313,6 +328,9 @@ def _result(outcome: AskOutcome, run_id: str) -> orchestrator_pb2.AskResult:
         tier=outcome.tier,
         degraded=outcome.degraded,
         dropped_citations=outcome.dropped_citations,
+        route=outcome.route,
+        route_detail=outcome.route_detail,
+        subqueries=outcome.subqueries,
     )
     if outcome.ledger is not None:
         result.budget.CopyFrom(outcome.ledger)

@@ -32,6 +32,13 @@ from ragline.v1 import (
     retrieval_pb2,
 )
 from ragline_services.orchestrator import evidence as ev
+from ragline_services.orchestrator.agent import (
+    PLANNER_PROMPT,
+    SYNTHESIS_PROMPT,
+    AgentPlan,
+    MalformedPlan,
+    parse_plan,
+)
 from ragline_services.orchestrator.caches import (
     RETRIEVAL,
     TOOL,
@@ -93,6 +100,16 @@ class Ranked:
     passages: list[ev.Passage]
     source: str  # bm25 | vector | hybrid | fused | reranked
     index_version: int = 0
+    query: str = ""  # the (sub-)query this ranking answers
+
+
+@dataclass(frozen=True)
+class Planned:
+    """What the planning step decided: the agent plan, or None when the planner's replies
+    were malformed twice (`problems` says how) and the run falls back to the RAG plan."""
+
+    plan: AgentPlan | None
+    problems: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -369,10 +386,18 @@ async def _search(ctx: RunContext, step: Step, mode: str, vector: QueryVector | 
             return found
     if vector is not None:
         request.query_vector.extend(vector.values.tolist())
-    reply = await ctx.call(step, "retrieval", "Search", request)
+    if step.node.params.get("charged"):
+        # An agent's lookup: the retrieval service embeds its query (a model call).
+        reply = await ctx.model_call(
+            step, "retrieval", "Search", request,
+            Amounts(input_tokens=ev.tokens_estimate(request.query) + 2, calls=1),
+            lambda r: Amounts(input_tokens=ev.tokens_estimate(request.query) + 2, calls=1),
+        )  # fmt: skip
+    else:
+        reply = await ctx.call(step, "retrieval", "Search", request)
     if reply.fell_back:
         ctx.degraded.append(reply.fallback_reason)
-    ranked = _ranked(reply, mode)
+    ranked = replace(_ranked(reply, mode), query=request.query)
     if key and ranked.passages and not reply.fell_back:
         await ctx.remember(step, RETRIEVAL, key, {
             "passages": [[p.id, p.title, p.text, p.version, p.score, p.scores]
@@ -588,31 +613,11 @@ def _evidence_of(ctx: RunContext, inputs: list[object]) -> ev.Evidence:
     return ev.Evidence(renumbered, tokens, 0)
 
 
-async def generate(ctx: RunContext, step: Step) -> Answer:
-    s = ctx.settings
-    evidence = _evidence_of(ctx, step.inputs)
-    if not evidence.items:
-        raise NoEvidence("retrieval found no passage visible to this caller for the question")
-    tier = str(step.node.params.get("tier") or s.tier)
-    user = ev.user_message(s.question, evidence)
-    prompt_tokens = ev.tokens_estimate(ev.SYSTEM_PROMPT + user) + 16  # + chat template
-    # The answer must fit the model's context beside the prompt (the estimate may be short
-    # of the real count: a quarter more is kept free).
-    room = await _context_window(ctx, tier) - int(prompt_tokens * 1.25) - 16
-    max_tokens = max(1, min(int(step.node.params.get("max_tokens") or s.answer_tokens), room))
-    request = generation_pb2.GenerateRequest(
-        chat=generation_pb2.Chat(
-            messages=[
-                generation_pb2.ChatMessage(
-                    role=generation_pb2.ROLE_SYSTEM, content=ev.SYSTEM_PROMPT
-                ),
-                generation_pb2.ChatMessage(role=generation_pb2.ROLE_USER, content=user),
-            ]
-        ),
-        max_tokens=max_tokens,
-        tier=_TIERS[tier],
-        sampling=generation_pb2.Sampling(stop=["\n"]),
-    )
+async def _generate_reserved(
+    ctx: RunContext, step: Step, request, tier: str, prompt_tokens: int
+) -> tuple[object, Amounts]:
+    """One generation inside a reservation: the final message and what it used."""
+    max_tokens = request.max_tokens
     reservation = await ctx.reserve(
         step,
         Amounts(
@@ -623,7 +628,6 @@ async def generate(ctx: RunContext, step: Step) -> Answer:
         ),
     )
     pieces: list[str] = []
-    final = None
     try:
         final = await _stream_generation(ctx, step, request, pieces)
     except BaseException as error:
@@ -642,7 +646,39 @@ async def generate(ctx: RunContext, step: Step) -> Answer:
     )
     reservation.settle(used)
     ctx.settle_later(step, reservation)
-    text = final.text or "".join(pieces)
+    if not final.text:
+        final.text = "".join(pieces)
+    return final, used
+
+
+def _chat(*turns: tuple[int, str]) -> generation_pb2.Chat:
+    return generation_pb2.Chat(
+        messages=[generation_pb2.ChatMessage(role=role, content=text) for role, text in turns]
+    )
+
+
+async def generate(ctx: RunContext, step: Step) -> Answer:
+    s = ctx.settings
+    synthesis = step.node.kind == Kind.SYNTHESIZE
+    evidence = _synthesis_evidence(ctx, step) if synthesis else _evidence_of(ctx, step.inputs)
+    if not evidence.items:
+        raise NoEvidence("retrieval found no passage visible to this caller for the question")
+    tier = str(step.node.params.get("tier") or s.tier)
+    system = SYNTHESIS_PROMPT if synthesis else ev.SYSTEM_PROMPT
+    user = ev.user_message(s.question, evidence)
+    prompt_tokens = ev.tokens_estimate(system + user) + 16  # + chat template
+    # The answer must fit the model's context beside the prompt (the estimate may be short
+    # of the real count: a quarter more is kept free).
+    room = await _context_window(ctx, tier) - int(prompt_tokens * 1.25) - 16
+    max_tokens = max(1, min(int(step.node.params.get("max_tokens") or s.answer_tokens), room))
+    request = generation_pb2.GenerateRequest(
+        chat=_chat((generation_pb2.ROLE_SYSTEM, system), (generation_pb2.ROLE_USER, user)),
+        max_tokens=max_tokens,
+        tier=_TIERS[tier],
+        sampling=generation_pb2.Sampling(stop=["\n"]),
+    )
+    final, used = await _generate_reserved(ctx, step, request, tier, prompt_tokens)
+    text = final.text
     return Answer(
         text=text.strip(),
         evidence=evidence,
@@ -654,6 +690,66 @@ async def generate(ctx: RunContext, step: Step) -> Answer:
         tier=final.tier,
         model_version=final.model_version,
     )
+
+
+async def plan_question(ctx: RunContext, step: Step) -> Planned:
+    """The planning call: the small model writes the lookups as JSON; a malformed reply is
+    asked for once more with what was wrong; twice malformed is a fallback, not an error."""
+    s = ctx.settings
+    turns = [(generation_pb2.ROLE_SYSTEM, PLANNER_PROMPT), (generation_pb2.ROLE_USER, s.question)]
+    problems: list[str] = []
+    for _ in range(2):
+        prompt_tokens = ev.tokens_estimate("".join(t for _, t in turns)) + 16 * len(turns)
+        request = generation_pb2.GenerateRequest(
+            chat=_chat(*turns), max_tokens=160, tier=_TIERS["small"]
+        )
+        final, _ = await _generate_reserved(ctx, step, request, "small", prompt_tokens)
+        try:
+            return Planned(parse_plan(final.text), tuple(problems))
+        except MalformedPlan as error:
+            problems.append(str(error))
+            turns += [
+                (generation_pb2.ROLE_ASSISTANT, final.text[:2000]),
+                (
+                    generation_pb2.ROLE_USER,
+                    f"That reply is not a valid plan ({error}). Reply with the JSON only.",
+                ),
+            ]
+    return Planned(None, tuple(problems))
+
+
+def _synthesis_evidence(ctx: RunContext, step: Step) -> ev.Evidence:
+    """Evidence for a synthesis: each lookup's best sentences for its own query (so every
+    part of the question gets room), merged and numbered anew. A required lookup that
+    found nothing ends the run INCOMPLETE: no part is answered by guessing."""
+    s = ctx.settings
+    rankings = _rankings(step.inputs)
+    for dep in step.node.depends_on:
+        node = step.plan_node(dep)
+        output = step.output_of(dep)
+        if (
+            not node.optional
+            and node.kind == Kind.RETRIEVE
+            and not (isinstance(output, Ranked) and output.passages)
+        ):
+            query = node.params.get("query", dep)
+            raise NoEvidence(f"no visible passage answers the required part {query!r}")
+    share = max(1, s.context_passages // max(len(rankings), 1) + 1)
+    items: list[ev.EvidenceItem] = []
+    tokens = 0
+    for ranking in rankings:
+        passages = [p for p in ranking.passages if all(p.id != i.passage.id for i in items)]
+        passages = passages[:share]
+        sentences = ev.candidate_sentences(passages)
+        chosen = ev.select(
+            ranking.query or s.question, passages, sentences, None, s.evidence_tokens
+        )
+        items += chosen.items
+        tokens += chosen.tokens
+    renumbered = tuple(
+        ev.EvidenceItem(f"[{n}]", item.passage, item.text) for n, item in enumerate(items, start=1)
+    )
+    return ev.Evidence(renumbered, tokens, 0)
 
 
 async def _context_window(ctx: RunContext, tier: str) -> int:
@@ -712,6 +808,7 @@ EXECUTORS = {
     Kind.SELECT_EVIDENCE: select_evidence,
     Kind.GENERATE: generate,
     Kind.SYNTHESIZE: generate,
+    Kind.PLAN: plan_question,
 }
 
 

@@ -1,0 +1,126 @@
+"""The agent plan with every service a real process: the router sends a joined question to
+it, the planner's lookups run concurrently (read off the timing report), a tight budget
+drops optional lookups with PARTIAL, a malformed plan falls back to the RAG plan. Where the
+model must say something on cue, a proxy in front of the real generation service says it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from support.generation_proxy import GenerationProxy, is_planning
+
+pytestmark = pytest.mark.integration
+
+TWO_PARTS = "Which river flows through Warsaw, and also who designed the University Library garden?"
+
+
+async def ask(address: str, question: str, **fields) -> orchestrator_pb2.AskResult:
+    request = orchestrator_pb2.AskRequest(
+        question=question, cache=orchestrator_pb2.CACHE_POLICY_BYPASS, **fields
+    )
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        messages = [
+            m
+            async for m in stub.Ask(
+                request, timeout=120, metadata=(("x-ragline-tenant", "default"),)
+            )
+        ]
+    return messages[-1].result
+
+
+def interval(node) -> tuple[float, float]:
+    return node.call_start.ToNanoseconds() / 1e9, node.call_end.ToNanoseconds() / 1e9
+
+
+def lookups(result) -> list:
+    return [n for n in result.timing.nodes if n.kind == orchestrator_pb2.NODE_KIND_RETRIEVE]
+
+
+@pytest.fixture
+async def proxied(rag_stack):
+    """An orchestrator whose generation calls go through a scriptable proxy."""
+    proxies = []
+
+    async def make(script):
+        proxy = GenerationProxy(rag_stack.generation.address, script)
+        await proxy.start()
+        proxies.append(proxy)
+        orchestrator = await asyncio.to_thread(
+            rag_stack.orchestrator, generation_addr=proxy.address
+        )
+        return proxy, orchestrator
+
+    yield make
+    for proxy in proxies:
+        await proxy.stop()
+
+
+def plan_of(*subqueries: tuple[str, bool]) -> str:
+    return json.dumps(
+        {"subqueries": [{"query": q, "required": required} for q, required in subqueries]}
+    )
+
+
+async def test_the_router_sends_a_joined_question_to_the_agent_and_lookups_run_together(
+    proxied,
+):
+    plan = plan_of(("river through Warsaw", True), ("University Library garden designer", True))
+    proxy, orchestrator = await proxied(lambda r: plan if is_planning(r) else None)
+    result = await ask(orchestrator.address, TWO_PARTS)
+    assert result.route == "agent", result.route_detail
+    assert list(result.subqueries) == ["river through Warsaw", "University Library garden designer"]
+    first, second = lookups(result)
+    # Concurrent, as measured: each lookup started before the other ended.
+    (a_start, a_end), (b_start, b_end) = interval(first), interval(second)
+    assert a_start < b_end and b_start < a_end
+    assert [n.depends_on for n in (first, second)] == [["plan"], ["plan"]]
+    synthesis = next(n for n in result.timing.nodes if n.node_id == "synthesize")
+    assert synthesis.state == orchestrator_pb2.NODE_STATE_SUCCEEDED
+    # The synthesis answered from the real model, with evidence for both parts.
+    assert len(proxy.forwarded) == 1 and len(proxy.scripted) == 1
+    titles = {e.title for e in result.evidence}
+    assert "Warsaw" in titles
+    assert any("Bajerska" in e.snippet for e in result.evidence), result.evidence
+    assert result.status.state != common_pb2.ANSWER_STATE_INCOMPLETE, result.status
+
+
+async def test_a_tight_budget_drops_the_optional_lookup_and_the_answer_is_partial(proxied):
+    plan = plan_of(("river through Warsaw", True), ("University Library garden designer", False))
+    _, orchestrator = await proxied(lambda r: plan if is_planning(r) else None)
+    # Enough for the planning call, one lookup and the synthesis; not for the second lookup.
+    budget = common_pb2.BudgetAmounts(input_tokens=1200, output_tokens=400, calls=3)
+    result = await ask(orchestrator.address, TWO_PARTS, budget=budget, allow_degrade=True)
+    assert result.route == "agent"
+    assert [n.node_id for n in lookups(result)] == ["lookup1"]
+    assert any(d.startswith("lookup_dropped_budget") for d in result.degraded), result.degraded
+    assert result.status.state == common_pb2.ANSWER_STATE_PARTIAL, result.status
+    for amount in ("input_tokens", "output_tokens", "calls"):
+        assert getattr(result.budget.used, amount) <= getattr(budget, amount)
+    # Without leave to degrade nothing is dropped in advance: the budget refuses a call and
+    # the answer is INCOMPLETE, never a guess.
+    strict = await ask(orchestrator.address, TWO_PARTS, budget=budget)
+    assert not any(d.startswith("lookup_dropped") for d in strict.degraded)
+    assert strict.status.state == common_pb2.ANSWER_STATE_INCOMPLETE, strict.status
+
+
+async def test_a_malformed_plan_is_asked_for_again_then_the_rag_plan_answers(proxied):
+    proxy, orchestrator = await proxied(
+        lambda r: "Sure! First look up Warsaw." if is_planning(r) else None
+    )
+    result = await ask(
+        orchestrator.address,
+        "Which river flows through Warsaw?",
+        plan_choice=orchestrator_pb2.PLAN_CHOICE_AGENT,
+    )
+    assert len(proxy.scripted) == 2  # asked once more, with what was wrong
+    assert "not a valid plan" in proxy.scripted[1].chat.messages[-1].content
+    assert result.route == "rag_fallback"
+    assert "answered with the RAG plan" in result.status.detail
+    assert {"plan", "embed", "bm25", "generate"} <= {n.node_id for n in result.timing.nodes}
+    assert "vistula" in result.answer.lower()

@@ -1,0 +1,113 @@
+"""The agent plan's pure decisions: the router's rule, the planner's schema, what the
+budget affords, the graph."""
+
+from __future__ import annotations
+
+import pytest
+
+from ragline.budget import Amounts
+from ragline_services.orchestrator.agent import (
+    AgentPlan,
+    Costs,
+    MalformedPlan,
+    SubQuery,
+    affordable,
+    agent_plan,
+    needs_several_lookups,
+    parse_plan,
+    with_planning,
+)
+from ragline_services.orchestrator.plan import Kind, Node
+
+
+@pytest.mark.parametrize(
+    "question,several",
+    [
+        ("Which river flows through Warsaw?", False),
+        ("Who founded the university and when?", False),
+        ("Which river flows through Warsaw, and also who designed the library garden?", True),
+        ("When was the library founded? And who designed its garden?", True),
+        ("Where is Normandy and who led the Normans?", True),
+        ("What is salt and pepper?", False),
+    ],
+)
+def test_the_router_sends_joined_questions_to_the_agent(question, several):
+    assert needs_several_lookups(question) is several
+
+
+def test_a_plan_in_a_fenced_reply_is_read_and_repeated_lookups_merged():
+    reply = (
+        "Here is the plan:\n```json\n"
+        '{"subqueries": [{"query": "river through Warsaw", "required": true},'
+        ' {"query": "River through  WARSAW"}, {"query": "library garden designer",'
+        ' "required": false}]}\n```'
+    )
+    plan = parse_plan(reply)
+    assert [(s.query, s.required) for s in plan.subqueries] == [
+        ("river through Warsaw", True),
+        ("library garden designer", False),
+    ]
+
+
+@pytest.mark.parametrize(
+    "reply,problem",
+    [
+        ("I think you should search for Warsaw.", "no JSON object"),
+        ('{"subqueries": [{"query": "Warsaw"', "no JSON object"),
+        ('{"subqueries": [{"query": "Warsaw",}]}', "does not parse"),
+        ('{"subqueries": []}', "subqueries"),
+        ('{"subqueries": [{"query": "ab"}]}', "subqueries.0.query"),
+        ('{"queries": ["Warsaw river"]}', "queries"),
+        (
+            '{"subqueries": [{"query": "a b c"}, {"query": "d e f"}, {"query": "g h i"},'
+            ' {"query": "j k l"}, {"query": "m n o"}]}',
+            "subqueries",
+        ),
+    ],
+)
+def test_a_malformed_plan_says_what_is_wrong(reply, problem):
+    with pytest.raises(MalformedPlan, match=problem):
+        parse_plan(reply)
+
+
+PLAN = AgentPlan(
+    subqueries=[
+        SubQuery(query="first part", required=True),
+        SubQuery(query="second part", required=False),
+        SubQuery(query="third part", required=False),
+    ]
+)
+COSTS = Costs(
+    subquery=Amounts(input_tokens=50, calls=1), synthesis=Amounts(input_tokens=500, calls=1)
+)
+
+
+def test_optional_lookups_are_dropped_last_first_when_the_budget_is_short():
+    kept, dropped = affordable(PLAN, Amounts(input_tokens=620, calls=10), COSTS, allow_degrade=True)
+    assert [s.query for s in kept] == ["first part", "second part"]
+    assert [s.query for s in dropped] == ["third part"]
+    kept, dropped = affordable(PLAN, Amounts(input_tokens=100, calls=10), COSTS, allow_degrade=True)
+    assert [s.query for s in kept] == ["first part"]  # a required lookup is never dropped here
+
+
+def test_nothing_is_dropped_without_leave_to_degrade_or_a_known_budget():
+    short = Amounts(input_tokens=100, calls=10)
+    assert affordable(PLAN, short, COSTS, allow_degrade=False)[1] == []
+    assert affordable(PLAN, None, COSTS, allow_degrade=True)[1] == []
+    assert (
+        affordable(PLAN, Amounts(input_tokens=10_000, calls=10), COSTS, allow_degrade=True)[1] == []
+    )
+
+
+def test_the_graph_runs_every_lookup_in_parallel_into_the_synthesis():
+    graph = agent_plan(PLAN.subqueries, allow_degrade=True, k=8)
+    lookups = [n for n in graph.nodes if n.kind == Kind.RETRIEVE]
+    assert [n.depends_on for n in lookups] == [(), (), ()]
+    assert [n.optional for n in lookups] == [False, True, True]
+    assert graph.answer_node.kind == Kind.SYNTHESIZE
+    assert graph.answer_node.depends_on == ("lookup1", "lookup2", "lookup3")
+    strict = agent_plan(PLAN.subqueries, allow_degrade=False, k=8)
+    assert not any(n.optional for n in strict.nodes)
+    whole = with_planning(Node("plan", Kind.PLAN), graph)
+    assert [n.depends_on for n in whole.nodes][:2] == [(), ("plan",)]
+    assert whole.node("synthesize").depends_on == ("lookup1", "lookup2", "lookup3")
