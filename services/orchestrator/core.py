@@ -112,6 +112,9 @@ class AskOutcome:
     route: str = "rag"
     route_detail: str = ""
     subqueries: list[str] = field(default_factory=list)
+    # Checkable signals that fired on the small answer, and whether the large tier answered.
+    signals: list[str] = field(default_factory=list)
+    escalated: bool = False
 
     @property
     def end_to_end_s(self) -> float:
@@ -432,6 +435,7 @@ class Orchestrator:
         outcome.dropped_citations = answer.cited.dropped
         outcome.model, outcome.tier = answer.model, answer.tier
         outcome.model_version, outcome.usage = answer.model_version, answer.usage
+        outcome.signals, outcome.escalated = list(answer.signals), answer.escalated
         outcome.prefill_tokens_saved = answer.cached_input_tokens
         if answer.finish_reason == "deadline":
             outcome.state, outcome.reason = PARTIAL, "deadline"

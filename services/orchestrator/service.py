@@ -76,6 +76,9 @@ class OrchestratorConfig(ServiceConfig):
     small_output_price: int = Field(0, ge=0)
     large_input_price: int = Field(0, ge=0)
     large_output_price: int = Field(0, ge=0)
+    # Escalate a small answer to the large tier on a checkable signal (routing.py), when
+    # the request does not pin a tier and the generation service serves a large tier.
+    escalation: bool = True
     # The answer, retrieval and tool-result caches (orchestrator/caches.py): Redis shared
     # by the replicas when set (redis://host:port/db), else in-process.
     cache: bool = True

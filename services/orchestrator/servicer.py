@@ -95,6 +95,7 @@ def settings_of(request: orchestrator_pb2.AskRequest, config) -> Settings:
         embed_sentences=config.embed_sentences,
         answer_tokens=request.max_tokens or config.answer_tokens,
         tier=_TIERS[request.tier],
+        escalate=config.escalation and request.tier == common_pb2.MODEL_TIER_UNSPECIFIED,
         allow_degrade=request.allow_degrade,
         prices={
             "small": (config.small_input_price, config.small_output_price),
@@ -331,6 +332,8 @@ def _result(outcome: AskOutcome, run_id: str) -> orchestrator_pb2.AskResult:
         route=outcome.route,
         route_detail=outcome.route_detail,
         subqueries=outcome.subqueries,
+        escalation_signals=outcome.signals,
+        escalated=outcome.escalated,
     )
     if outcome.ledger is not None:
         result.budget.CopyFrom(outcome.ledger)

@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 
 from ragline import deadlines
-from ragline.budget import Amounts, Reservation, TaskBudget
+from ragline.budget import Amounts, BudgetRefused, Reservation, TaskBudget
 from ragline.clients import ServiceClient
 from ragline.errors import FailedPrecondition, RaglineError
 from ragline.ranking import score_fusion
@@ -49,6 +49,7 @@ from ragline_services.orchestrator.caches import (
     stale_documents,
 )
 from ragline_services.orchestrator.plan import Kind
+from ragline_services.orchestrator.routing import escalation_signals
 from ragline_services.orchestrator.runner import Step
 
 log = structlog.get_logger("ragline.orchestrator")
@@ -123,6 +124,10 @@ class Answer:
     model: str
     tier: int
     model_version: str = ""
+    # Escalation signals that fired on the small answer, and whether the large tier then
+    # answered (the signals stay reported either way).
+    signals: tuple[str, ...] = ()
+    escalated: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,8 @@ class Settings:
     embed_sentences: int = 12
     answer_tokens: int = 64
     tier: str = "small"
+    # The tier was not pinned by the request: a checkable signal may escalate to large.
+    escalate: bool = False
     allow_degrade: bool = False
     # Cost in micros per 1,000 tokens (input, output), per tier.
     prices: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -678,6 +685,31 @@ async def generate(ctx: RunContext, step: Step) -> Answer:
         sampling=generation_pb2.Sampling(stop=["\n"]),
     )
     final, used = await _generate_reserved(ctx, step, request, tier, prompt_tokens)
+    answer = _answer_of(final, evidence, used)
+    parts = len(_rankings(step.inputs)) if synthesis else 1
+    signals = escalation_signals(
+        answer.text, evidence, answer.cited, answer.finish_reason, parts=parts
+    )
+    if not signals or tier != "small" or not s.escalate or "tier" in step.node.params:
+        return replace(answer, signals=tuple(signals))
+    if not await _tier_served(ctx, "large"):
+        return replace(answer, signals=(*signals, "escalation_unavailable: no large tier"))
+    # Escalation: the large tier, in a reservation of its own; the small answer stands
+    # (with its signals) when that does not fit the budget or the tier is not served.
+    request.tier = _TIERS["large"]
+    try:
+        final, more = await _generate_reserved(ctx, step, request, "large", prompt_tokens)
+    except BudgetRefused:
+        outcome = "escalation_unaffordable"
+    except grpc.aio.AioRpcError as error:
+        outcome = f"escalation_failed: {error.code().name}"
+    else:
+        large = _answer_of(final, evidence, used + more)
+        return replace(large, signals=tuple(signals), escalated=True)
+    return replace(answer, signals=(*signals, outcome))
+
+
+def _answer_of(final, evidence: ev.Evidence, used: Amounts) -> Answer:
     text = final.text
     return Answer(
         text=text.strip(),
@@ -750,6 +782,18 @@ def _synthesis_evidence(ctx: RunContext, step: Step) -> ev.Evidence:
         ev.EvidenceItem(f"[{n}]", item.passage, item.text) for n, item in enumerate(items, start=1)
     )
     return ev.Evidence(renumbered, tokens, 0)
+
+
+async def _tier_served(ctx: RunContext, tier: str) -> bool:
+    """Whether the generation service serves `tier` (asked once, then remembered)."""
+    if tier not in ctx.clients.context_windows:
+        try:
+            await _context_window(ctx, tier)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                return False  # unknown now: ask again next time
+            ctx.clients.context_windows[tier] = 0
+    return ctx.clients.context_windows[tier] > 0
 
 
 async def _context_window(ctx: RunContext, tier: str) -> int:

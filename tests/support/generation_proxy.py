@@ -16,9 +16,12 @@ Script = Callable[[generation_pb2.GenerateRequest], str | None]
 
 
 class GenerationProxy(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, upstream: str, script: Script) -> None:
+    def __init__(self, upstream: str, script: Script, *, large_as_small: bool = False) -> None:
+        """`large_as_small`: the upstream serves one tier; the proxy plays the large tier
+        with it (requests for large are forwarded as small)."""
         self.upstream = upstream
         self.script = script
+        self.large_as_small = large_as_small
         self.scripted: list[generation_pb2.GenerateRequest] = []
         self.forwarded: list[generation_pb2.GenerateRequest] = []
         self.port = free_ports(1)[0]
@@ -45,6 +48,7 @@ class GenerationProxy(generation_pb2_grpc.GenerationServiceServicer):
         text = self.script(request)
         if text is None:
             self.forwarded.append(request)
+            request = self._tier_mapped(request)
             metadata = tuple(
                 (m.key, m.value)
                 for m in context.invocation_metadata()
@@ -73,7 +77,15 @@ class GenerationProxy(generation_pb2_grpc.GenerationServiceServicer):
             for m in context.invocation_metadata()
             if m.key.startswith("x-ragline-")
         )
-        return await self._stub.CountTokens(request, timeout=10, metadata=metadata)
+        return await self._stub.CountTokens(
+            self._tier_mapped(request), timeout=10, metadata=metadata
+        )
+
+    def _tier_mapped(self, request):
+        if self.large_as_small and request.tier == common_pb2.MODEL_TIER_LARGE:
+            request = type(request).FromString(request.SerializeToString())
+            request.tier = common_pb2.MODEL_TIER_SMALL
+        return request
 
 
 def is_planning(request: generation_pb2.GenerateRequest) -> bool:

@@ -124,3 +124,52 @@ async def test_a_malformed_plan_is_asked_for_again_then_the_rag_plan_answers(pro
     assert "answered with the RAG plan" in result.status.detail
     assert {"plan", "embed", "bm25", "generate"} <= {n.node_id for n in result.timing.nodes}
     assert "vistula" in result.answer.lower()
+
+
+def small_answer(text: str):
+    """A script: the small tier's answers are `text` (the planner's too)."""
+
+    def script(request):
+        if request.tier == common_pb2.MODEL_TIER_SMALL and not is_planning(request):
+            return text
+        return None
+
+    return script
+
+
+async def test_a_citation_outside_the_evidence_escalates_and_the_reason_is_recorded(rag_stack):
+    proxy = GenerationProxy(
+        rag_stack.generation.address, small_answer("the Vistula [7]"), large_as_small=True
+    )
+    await proxy.start()
+    try:
+        orchestrator = await asyncio.to_thread(
+            rag_stack.orchestrator, generation_addr=proxy.address
+        )
+        result = await ask(orchestrator.address, "Which river flows through Warsaw?")
+        assert result.escalated, list(result.escalation_signals)
+        assert list(result.escalation_signals) == ["citation_not_in_evidence: [7]"]
+        assert proxy.forwarded[-1].tier == common_pb2.MODEL_TIER_LARGE  # the escalation
+        assert "vistula" in result.answer.lower() and "[7]" not in result.answer
+        # A pinned tier is never escalated.
+        pinned = await ask(
+            orchestrator.address,
+            "Which river flows through Warsaw?",
+            tier=common_pb2.MODEL_TIER_SMALL,
+        )
+        assert not pinned.escalated and pinned.answer == "the Vistula [7]"
+        assert list(pinned.dropped_citations) == ["[7]"]
+        # The escalation has its own reservation: when the budget cannot pay for it, the
+        # small answer stands with the signal and the reason.
+        four_calls = common_pb2.BudgetAmounts(input_tokens=100_000, output_tokens=2_000, calls=4)
+        tight = await ask(
+            orchestrator.address, "Which river flows through Warsaw?", budget=four_calls
+        )
+        assert not tight.escalated
+        assert list(tight.escalation_signals) == [
+            "citation_not_in_evidence: [7]",
+            "escalation_unaffordable",
+        ]
+        assert tight.budget.used.calls <= 4
+    finally:
+        await proxy.stop()
