@@ -666,7 +666,11 @@ def _chat(*turns: tuple[int, str]) -> generation_pb2.Chat:
 
 async def generate(ctx: RunContext, step: Step) -> Answer:
     s = ctx.settings
-    synthesis = step.node.kind == Kind.SYNTHESIZE
+    # A synthesis over lookups (the agent plan) picks evidence per lookup; over earlier
+    # answers or selected evidence (an explicit plan), it answers from their sources.
+    synthesis = step.node.kind == Kind.SYNTHESIZE and not any(
+        isinstance(item, Answer | ev.Evidence) for item in step.inputs
+    )
     evidence = _synthesis_evidence(ctx, step) if synthesis else _evidence_of(ctx, step.inputs)
     if not evidence.items:
         raise NoEvidence("retrieval found no passage visible to this caller for the question")
