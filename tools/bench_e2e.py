@@ -207,7 +207,8 @@ def percentiles(values: list[float]) -> str:
     if not values:
         return "-"
     p = np.percentile(values, [50, 95, 99])
-    return " / ".join(f"{v:.2f}" for v in p)
+    # milliseconds matter below 0.1 s (cache hits)
+    return " / ".join(f"{v:.3f}" if v < 0.1 else f"{v:.2f}" for v in p)
 
 
 def table(runs: list[Run]) -> str:
