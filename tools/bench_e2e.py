@@ -128,6 +128,12 @@ class Outcome:
     em: float = 0.0
     gold_in_prompt: bool = False
     answer_hit: bool = False
+    input_tokens: int = 0
+    output_tokens: int = 0
+    escalated: bool = False
+    route: str = ""
+    parts_answered: int = 0  # multi-part questions: parts whose gold answer is in the answer
+    parts_cited: int = 0  # ... and whose paragraph is cited
 
 
 @dataclass
@@ -136,6 +142,36 @@ class Run:
     concurrency: int
     outcomes: list[Outcome] = field(default_factory=list)
     wall_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class MultiPart:
+    """Two SQuAD questions on different paragraphs asked as one: "A, and also B?"."""
+
+    text: str
+    parts: tuple
+    answers: tuple[str, ...] = ()
+    passage_id: str = ""
+
+
+def multipart_questions(questions, count: int, seed: int) -> list[MultiPart]:
+    rng = random.Random(seed)
+    pairs = []
+    while len(pairs) < count:
+        first, second = rng.sample(questions, 2)
+        if first.passage_id == second.passage_id:
+            continue
+        a = first.text.strip().rstrip("?").strip()
+        b = second.text.strip()
+        b = b[0].lower() + b[1:] if b[:2] != b[:2].upper() else b
+        pairs.append(MultiPart(f"{a}, and also {b.rstrip('?')}?", (first, second)))
+    return pairs
+
+
+def part_f1(answer: str, gold: str) -> float:
+    """The best token F1 of `gold` against one `;`-separated part of the answer (or all)."""
+    pieces = [strip_markers(p) for p in answer.split(";")] + [strip_markers(answer)]
+    return max(token_f1(p, gold) for p in pieces)
 
 
 async def ask_one(client: ServiceClient, question, plan, deadline_s: float, cache: int) -> Outcome:
@@ -160,6 +196,16 @@ async def ask_one(client: ServiceClient, question, plan, deadline_s: float, cach
     outcome.state = common_pb2.AnswerState.Name(result.status.state).removeprefix("ANSWER_STATE_")
     outcome.ratio = result.timing.overhead_ratio
     outcome.answer_hit = result.cache.answer_hit
+    outcome.input_tokens = result.budget.used.input_tokens
+    outcome.output_tokens = result.budget.used.output_tokens
+    outcome.escalated = result.escalated
+    outcome.route = result.route
+    if isinstance(question, MultiPart):
+        cited = {c.document_id for c in result.citations}
+        for part in question.parts:
+            found = max((part_f1(result.answer, gold) for gold in part.answers), default=0.0)
+            outcome.parts_answered += found >= 0.5
+            outcome.parts_cited += found >= 0.5 and part.passage_id in cited
     answer = strip_markers(result.answer)
     outcome.f1 = max((token_f1(answer, gold) for gold in question.answers), default=0.0)
     outcome.em = max(
@@ -177,6 +223,7 @@ async def run_config(
     plan,
     deadline_s,
     cache: int = orchestrator_pb2.CACHE_POLICY_BYPASS,
+    **fields,
 ) -> Run:
     pool = ChannelPool()
     client = ServiceClient(
@@ -191,7 +238,7 @@ async def run_config(
     async def worker():
         while queue:
             question = queue.pop(0)
-            run.outcomes.append(await ask_one(client, question, plan, deadline_s, cache))
+            run.outcomes.append(await ask_one(client, question, plan, deadline_s, cache, fields))
 
     started = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -245,6 +292,44 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def cost_table(runs: list[Run]) -> str:
+    lines = [
+        "| configuration | EM | F1 | escalated | input tokens (mean) | output tokens (mean) "
+        "| complete p50 (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        n = max(len(run.outcomes), 1)
+        ok = [o for o in run.outcomes if o.ok]
+        lines.append(
+            f"| {run.name} | {sum(o.em for o in run.outcomes) / n:.3f} | "
+            f"{sum(o.f1 for o in run.outcomes) / n:.3f} | "
+            f"{sum(o.escalated for o in run.outcomes)} | "
+            f"{sum(o.input_tokens for o in ok) / max(len(ok), 1):.0f} | "
+            f"{sum(o.output_tokens for o in ok) / max(len(ok), 1):.0f} | "
+            f"{percentiles([o.complete_s for o in ok]).split(' / ')[0]} |"
+        )
+    return "\n".join(lines)
+
+
+def multipart_table(runs: list[Run]) -> str:
+    lines = [
+        "| configuration | asked | routed to the agent | both parts answered | "
+        "both answered and both paragraphs cited | one part answered | complete p50 (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        outs = run.outcomes
+        lines.append(
+            f"| {run.name} | {len(outs)} | {sum(o.route == 'agent' for o in outs)} | "
+            f"{sum(o.parts_answered == 2 for o in outs)} | "
+            f"{sum(o.parts_cited == 2 for o in outs)} | "
+            f"{sum(o.parts_answered == 1 for o in outs)} | "
+            f"{percentiles([o.complete_s for o in outs if o.ok]).split(' / ')[0]} |"
+        )
+    return "\n".join(lines)
+
+
 def plot(runs: list[Run], path: Path) -> None:
     import matplotlib
 
@@ -287,6 +372,19 @@ def main() -> int:
         help="also the answer cache: every question asked once (misses, stored), then again "
         "(hits), at c=1; the other configurations bypass the caches",
     )
+    parser.add_argument(
+        "--tiers",
+        action="store_true",
+        help="also small / routed / large at c=1 (needs a large tier: --env "
+        "RAGLINE_GENERATION_LARGE_MODEL=qwen2.5-coder-1.5b): quality and cost",
+    )
+    parser.add_argument(
+        "--multipart",
+        type=int,
+        default=0,
+        help="also N two-part questions (pairs of questions on different paragraphs), "
+        "routed (the agent plan) and with the RAG plan",
+    )
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--json", type=Path, help="write every outcome here")
     args = parser.parse_args()
@@ -318,6 +416,25 @@ def main() -> int:
                                            1, serial_plan(), args.deadline))
                 )  # fmt: skip
                 print(table(runs[-1:]).splitlines()[-1], file=sys.stderr)
+        extra: dict[str, list[Run]] = {"tiers": [], "multipart": []}
+        if args.tiers:
+            tiers = (("small (pinned)", common_pb2.MODEL_TIER_SMALL),
+                     ("routed (escalation on signals)", common_pb2.MODEL_TIER_UNSPECIFIED),
+                     ("large (pinned)", common_pb2.MODEL_TIER_LARGE))  # fmt: skip
+            for label, tier in tiers:
+                run = asyncio.run(run_config(label, addresses["orchestrator"], sample, 1,
+                                             None, args.deadline, tier=tier))  # fmt: skip
+                extra["tiers"].append(run)
+                print(cost_table([run]).splitlines()[-1], file=sys.stderr)
+        if args.multipart:
+            pairs = multipart_questions(questions, args.multipart, args.seed)
+            choices = (("multi-part, routed", orchestrator_pb2.PLAN_CHOICE_UNSPECIFIED),
+                       ("multi-part, RAG plan", orchestrator_pb2.PLAN_CHOICE_RAG))  # fmt: skip
+            for label, choice in choices:
+                run = asyncio.run(run_config(label, addresses["orchestrator"], pairs, 1, None,
+                                             args.deadline, plan_choice=choice))  # fmt: skip
+                extra["multipart"].append(run)
+                print(multipart_table([run]).splitlines()[-1], file=sys.stderr)
         if args.cache:
             use = orchestrator_pb2.CACHE_POLICY_UNSPECIFIED
             for label in ("first ask", "asked again"):
@@ -335,6 +452,10 @@ def main() -> int:
     print(f"{len(sample)} questions of {args.data.name} (seed {args.seed}), ", end="")
     print(f"deadline {args.deadline} s")
     print(table(runs))
+    if extra["tiers"]:
+        print("\nmodel routing: the same questions, c=1\n" + cost_table(extra["tiers"]))
+    if extra["multipart"]:
+        print("\nmulti-part questions\n" + multipart_table(extra["multipart"]))
     if args.plot:
         plot(runs, args.plot)
     if args.json:
