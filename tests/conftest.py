@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -398,13 +398,30 @@ class RagStack:
         return self.launcher.start("orchestrator", env=env)
 
 
+@pytest.fixture(scope="session")
+def rag_services(etcd, tmp_path_factory) -> Iterator[RagStack]:
+    """The services of a RagStack, started once for the session (each test module starts
+    its own orchestrators: see `rag_stack`)."""
+    yield from _launcher_scope(tmp_path_factory.mktemp("rag-services"), etcd, tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
-def rag_stack(etcd, module_launcher, tmp_path_factory) -> RagStack:
+def rag_stack(rag_services, module_launcher) -> RagStack:
+    """The session's services; orchestrators a test starts stop with its module."""
+    return replace(rag_services, launcher=module_launcher)
+
+
+def _launcher_scope(directory, etcd, tmp_path_factory) -> Iterator[RagStack]:
+    for launcher in _launcher(directory):
+        yield _start_rag_services(etcd, launcher, tmp_path_factory)
+
+
+def _start_rag_services(etcd, launcher, tmp_path_factory) -> RagStack:
     import asyncio
 
     from ragline_app.ingest import DEMO_CORPUS, Checkpoint, ingest
 
-    start = module_launcher.start
+    start = launcher.start
     embedding = start("embedding")
     retrieval = start(
         "retrieval",
@@ -427,7 +444,7 @@ def rag_stack(etcd, module_launcher, tmp_path_factory) -> RagStack:
                 "RAGLINE_GENERATION_MAX_QUEUE": "0",
             },
         ),
-        launcher=module_launcher,
+        launcher=launcher,
     )
     asyncio.run(
         ingest(
