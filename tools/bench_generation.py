@@ -167,6 +167,19 @@ async def prompt_of(stub, texts: list[str], tokens: int) -> str:
     return text[:chars]
 
 
+def answer_request(evidence: str, question: str):
+    """The orchestrator's answer prompt for `evidence` (a short answer, one line)."""
+    from ragline_services.orchestrator.evidence import SYSTEM_PROMPT
+
+    turns = [
+        (generation_pb2.ROLE_SYSTEM, SYSTEM_PROMPT),
+        (generation_pb2.ROLE_USER, f"Evidence:\n{evidence}\n\nQuestion: {question}"),
+    ]
+    request = chat_request(turns, 24)
+    request.sampling.stop.append("\n")
+    return turns, request
+
+
 def flash_rows(args, passages, logs: Path, base_env: dict, rows: list[str]) -> None:
     """Prefill tok/s with llama.cpp flash attention on vs off at 512 / 2k / 4k tokens."""
     sizes = [int(x) for x in args.prefill_sizes.split(",")]
@@ -226,7 +239,7 @@ def kv_type_rows(args, passages, questions, logs: Path, base_env: dict, rows: li
     """Per KV cache type: engine memory, decode tok/s and answer F1 with the gold paragraph
     buried in about `--long-tokens` tokens of other passages."""
     from ragline_app.evaluation import token_f1
-    from ragline_services.orchestrator.evidence import SYSTEM_PROMPT, strip_markers
+    from ragline_services.orchestrator.evidence import strip_markers
 
     cases = buried_cases(passages, questions, args.long_questions, distractors=40)
     results = {}
@@ -258,15 +271,7 @@ def kv_type_rows(args, passages, questions, logs: Path, base_env: dict, rows: li
                             half = len(evidence) // 2
                             evidence = evidence[:half] + "\n\n" + gold.text + evidence[half:]
                             evidence = evidence[: len(evidence) - len(gold.text)]
-                        turns = [
-                            (generation_pb2.ROLE_SYSTEM, SYSTEM_PROMPT),
-                            (
-                                generation_pb2.ROLE_USER,
-                                f"Evidence:\n{evidence}\n\nQuestion: {question.text}",
-                            ),
-                        ]
-                        request = chat_request(turns, 24)
-                        request.sampling.stop.append("\n")
+                        turns, request = answer_request(evidence, question.text)
                         tenant = uuid.uuid4().hex
                         final = (await run_one(stub, request, tenant=tenant))["final"]
                         answer = strip_markers(final.text).strip()
@@ -425,7 +430,7 @@ def weights_rows(args, passages, questions, logs: Path, base_env: dict, rows: li
     answer F1 with the gold paragraph as the evidence, prefill and decode tok/s."""
     from ragline.models import ModelStore
     from ragline_app.evaluation import token_f1
-    from ragline_services.orchestrator.evidence import SYSTEM_PROMPT, strip_markers
+    from ragline_services.orchestrator.evidence import strip_markers
 
     by_id = {p.id: p for p in passages}
     sample = questions[: args.weights_questions]
@@ -446,15 +451,7 @@ def weights_rows(args, passages, questions, logs: Path, base_env: dict, rows: li
                     stub = generation_pb2_grpc.GenerationServiceStub(channel)
                     for q in sample:
                         evidence = f"[1] {by_id[q.passage_id].text}"
-                        turns = [
-                            (generation_pb2.ROLE_SYSTEM, SYSTEM_PROMPT),
-                            (
-                                generation_pb2.ROLE_USER,
-                                f"Evidence:\n{evidence}\n\nQuestion: {q.text}",
-                            ),
-                        ]
-                        request = chat_request(turns, 24)
-                        request.sampling.stop.append("\n")
+                        _, request = answer_request(evidence, q.text)
                         final = (await run_one(stub, request, tenant=uuid.uuid4().hex))["final"]
                         answer = strip_markers(final.text).strip()
                         f1s.append(max(token_f1(answer, g) for g in q.answers))

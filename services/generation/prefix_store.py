@@ -34,7 +34,7 @@ import struct
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import structlog
@@ -101,7 +101,6 @@ class StoreOutcome:
     saved_tokens: int = 0
     restore_s: float = 0.0
     save_s: float = 0.0
-    notes: list[str] = field(default_factory=list)
 
 
 def _file_digest(path: Path) -> tuple[int, str]:
