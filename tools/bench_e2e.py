@@ -174,9 +174,11 @@ def part_f1(answer: str, gold: str) -> float:
     return max(token_f1(p, gold) for p in pieces)
 
 
-async def ask_one(client: ServiceClient, question, plan, deadline_s: float, cache: int) -> Outcome:
+async def ask_one(
+    client: ServiceClient, question, plan, deadline_s: float, cache: int, fields: dict
+) -> Outcome:
     outcome = Outcome()
-    request = orchestrator_pb2.AskRequest(question=question.text, cache=cache)
+    request = orchestrator_pb2.AskRequest(question=question.text, cache=cache, **fields)
     if plan is not None:
         request.plan.CopyFrom(plan)
     started = time.monotonic()
