@@ -131,6 +131,7 @@ class Outcome:
     input_tokens: int = 0
     output_tokens: int = 0
     escalated: bool = False
+    signals: tuple[str, ...] = ()
     route: str = ""
     parts_answered: int = 0  # multi-part questions: parts whose gold answer is in the answer
     parts_cited: int = 0  # ... and whose paragraph is cited
@@ -201,6 +202,7 @@ async def ask_one(
     outcome.input_tokens = result.budget.used.input_tokens
     outcome.output_tokens = result.budget.used.output_tokens
     outcome.escalated = result.escalated
+    outcome.signals = tuple(s.split(":")[0] for s in result.escalation_signals)
     outcome.route = result.route
     if isinstance(question, MultiPart):
         cited = {c.document_id for c in result.citations}
@@ -296,9 +298,9 @@ def table(runs: list[Run]) -> str:
 
 def cost_table(runs: list[Run]) -> str:
     lines = [
-        "| configuration | EM | F1 | escalated | input tokens (mean) | output tokens (mean) "
-        "| complete p50 (s) |",
-        "|---|---|---|---|---|---|---|",
+        "| configuration | EM | F1 | escalated | signals fired | input tokens (mean) "
+        "| output tokens (mean) | complete p50 (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         n = max(len(run.outcomes), 1)
@@ -307,6 +309,7 @@ def cost_table(runs: list[Run]) -> str:
             f"| {run.name} | {sum(o.em for o in run.outcomes) / n:.3f} | "
             f"{sum(o.f1 for o in run.outcomes) / n:.3f} | "
             f"{sum(o.escalated for o in run.outcomes)} | "
+            f"{dict(collections.Counter(x for o in run.outcomes for x in o.signals))} | "
             f"{sum(o.input_tokens for o in ok) / max(len(ok), 1):.0f} | "
             f"{sum(o.output_tokens for o in ok) / max(len(ok), 1):.0f} | "
             f"{percentiles([o.complete_s for o in ok]).split(' / ')[0]} |"

@@ -5,7 +5,8 @@ here; the escalating call is the generate step's (steps.py), with its own reserv
 Signals (each names what fired):
 - `citation_not_in_evidence`: the answer cites a marker the prompt did not hold;
 - `missing_field`: a required field of the answer's structure is absent: the citation of
-  a RAG answer, or a part of a synthesis (fewer `;`-separated parts than lookups);
+  a RAG answer (no marker, and no evidence passage holds the answer's words), or a part of
+  a synthesis (fewer `;`-separated parts than lookups);
 - `conflicting_evidence`: a one-part answer gives one number and a passage it cites does
   not hold it (two passages, two answers to the same slot);
 - `failed_validation`: the answer is empty, or was cut by its token limit.
@@ -38,7 +39,8 @@ def escalation_signals(
         signals.append(
             "failed_validation: " + ("empty answer" if not answer else "cut at its limit")
         )
-    if answer and not re.search(r"\[\d{1,3}\]", text):
+    if answer and not cited.citations and not cited.dropped:
+        # Neither a marker nor a passage holding the answer's words: ungrounded.
         signals.append("missing_field: citation")
     if parts > 1 and len([p for p in answer.split(";") if p.strip()]) < parts:
         signals.append(f"missing_field: {parts} parts asked, fewer answered")
