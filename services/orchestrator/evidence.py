@@ -215,5 +215,18 @@ def strip_markers(text: str) -> str:
     return _MARKER.sub("", text).strip()
 
 
+def cite_parts(answer: str, evidence: Evidence) -> Cited:
+    """Citations of a several-part answer ("X [1]; Y [2]"): each part cited on its own, so
+    a part without a marker still finds its own passage."""
+    citations: list[EvidenceItem] = []
+    dropped: list[str] = []
+    for part in answer.split(";"):
+        if part.strip():
+            found = cite(part, evidence)
+            citations += [c for c in found.citations if c not in citations]
+            dropped += [d for d in found.dropped if d not in dropped]
+    return Cited(citations, dropped)
+
+
 def is_refusal(answer: str) -> bool:
     return "not in the evidence" in answer.lower()

@@ -689,7 +689,7 @@ async def generate(ctx: RunContext, step: Step) -> Answer:
         sampling=generation_pb2.Sampling(stop=["\n"]),
     )
     final, used = await _generate_reserved(ctx, step, request, tier, prompt_tokens)
-    answer = _answer_of(final, evidence, used)
+    answer = _answer_of(final, evidence, used, parts=synthesis)
     parts = len(_rankings(step.inputs)) if synthesis else 1
     signals = escalation_signals(
         answer.text, evidence, answer.cited, answer.finish_reason, parts=parts
@@ -708,17 +708,17 @@ async def generate(ctx: RunContext, step: Step) -> Answer:
     except grpc.aio.AioRpcError as error:
         outcome = f"escalation_failed: {error.code().name}"
     else:
-        large = _answer_of(final, evidence, used + more)
+        large = _answer_of(final, evidence, used + more, parts=synthesis)
         return replace(large, signals=tuple(signals), escalated=True)
     return replace(answer, signals=(*signals, outcome))
 
 
-def _answer_of(final, evidence: ev.Evidence, used: Amounts) -> Answer:
+def _answer_of(final, evidence: ev.Evidence, used: Amounts, *, parts: bool = False) -> Answer:
     text = final.text
     return Answer(
         text=text.strip(),
         evidence=evidence,
-        cited=ev.cite(text, evidence),
+        cited=ev.cite_parts(text, evidence) if parts else ev.cite(text, evidence),
         finish_reason=_FINISH.get(final.finish_reason, "stop"),
         usage=used,
         cached_input_tokens=final.usage.cached_input_tokens,

@@ -111,3 +111,18 @@ def test_the_graph_runs_every_lookup_in_parallel_into_the_synthesis():
     whole = with_planning(Node("plan", Kind.PLAN), graph)
     assert [n.depends_on for n in whole.nodes][:2] == [(), ("plan",)]
     assert whole.node("synthesize").depends_on == ("lookup1", "lookup2", "lookup3")
+
+
+def test_each_part_of_a_several_part_answer_finds_its_own_passage():
+    from ragline_services.orchestrator import evidence as ev
+
+    items = tuple(
+        ev.EvidenceItem(f"[{n}]", ev.Passage(f"d{n}", "", text), text)
+        for n, text in enumerate(
+            ["Warsaw lies on the Vistula river.", "Irena Bajerska designed the garden."], start=1
+        )
+    )
+    found = ev.Evidence(items, 0, 0)
+    answer = "the Vistula river; Irena Bajerska"
+    assert [c.passage.id for c in ev.cite_parts(answer, found).citations] == ["d1", "d2"]
+    assert len(ev.cite(answer, found).citations) == 1  # one answer, one best passage
