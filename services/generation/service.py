@@ -70,8 +70,10 @@ class GenerationConfig(ServiceConfig):
     small_speculation: Literal["none", "ngram"] = "none"
     large_speculation: Literal["none", "ngram", "draft"] = "ngram"
     speculation_min_acceptance: float = Field(0.7, ge=0, le=1)
-    # llama.cpp flash attention: "auto" lets llama.cpp decide per device.
-    flash_attn: Literal["auto", "on", "off"] = "auto"
+    # llama.cpp flash attention: "model" takes the value measured for the model (the
+    # manifest's `flash_attn`; "auto" where none was measured); "auto" lets llama.cpp
+    # decide per device. A quantized V cache needs it on (or auto).
+    flash_attn: Literal["model", "auto", "on", "off"] = "model"
     # KV cache element types (a quantized V cache needs flash attention on or auto).
     cache_type_k: Literal["f16", "q8_0", "q4_0"] = "f16"
     cache_type_v: Literal["f16", "q8_0", "q4_0"] = "f16"
@@ -162,7 +164,7 @@ class GenerationService(Service):
                 threads=self._threads(),
                 speculation=speculation,
                 draft_model_path=draft_path,
-                flash_attn=cfg.flash_attn,
+                flash_attn=self._flash_attn(spec),
                 cache_type_k=cfg.cache_type_k,
                 cache_type_v=cfg.cache_type_v,
                 slot_save_dir=self._store_dir(),
@@ -190,13 +192,26 @@ class GenerationService(Service):
             context_window=context,
             on_fall_back=self._fall_back,
             # A draft model's own KV cache is not in a slot's saved state.
-            prefix_store=self._prefix_store(model_version) if speculation != "draft" else None,
+            prefix_store=(
+                self._prefix_store(model_version, engine.settings.flash_attn)
+                if speculation != "draft"
+                else None
+            ),
         )
+
+    def _flash_attn(self, spec) -> str:
+        cfg = self.config
+        if cfg.flash_attn != "model":
+            return cfg.flash_attn
+        measured = str(spec.extra.get("flash_attn", "auto"))
+        if measured == "off" and cfg.cache_type_v != "f16":
+            return "auto"  # a quantized V cache cannot run without it
+        return measured
 
     def _store_dir(self) -> Path:
         return self.config.kv_store_dir or (self.common.data_dir / "kv-store")
 
-    def _prefix_store(self, model_version: str) -> PrefixStore | None:
+    def _prefix_store(self, model_version: str, flash_attn: str) -> PrefixStore | None:
         cfg = self.config
         if not cfg.kv_store:
             return None
@@ -206,7 +221,7 @@ class GenerationService(Service):
         # an engine that wrote it the same way.
         identity = (
             f"{model_version}|llama.cpp {LLAMA_BUILD_TAG}|k={cfg.cache_type_k}"
-            f"|v={cfg.cache_type_v}|fa={cfg.flash_attn}"
+            f"|v={cfg.cache_type_v}|fa={flash_attn}"
         )
         settings = StoreSettings(
             directory=self._store_dir(),
