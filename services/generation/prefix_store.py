@@ -172,15 +172,17 @@ class PrefixStore:
             candidate.hot = seen >= self.settings.hot_after
 
     async def verified(self, entry: StoredPrefix) -> bool:
-        """The file is there, whole and unchanged; else the entry and file are discarded."""
+        """The file is there, whole and unchanged. A file that differs from the one saved is
+        discarded with its entry; a missing one is only a miss (the entry may name a file
+        on another replica's disk when replicas share an index but not a volume)."""
         path = self.settings.directory / entry.file
         try:
             size, digest = await asyncio.to_thread(_file_digest, path)
         except OSError:
-            size, digest = -1, ""
+            return False
         if size == entry.bytes and digest == entry.sha256:
             return True
-        await self.discard(entry, "the file is missing or differs from the one saved")
+        await self.discard(entry, "the file differs from the one saved")
         return False
 
     async def used(self, entry: StoredPrefix) -> None:

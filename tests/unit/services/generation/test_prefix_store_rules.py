@@ -78,7 +78,17 @@ async def test_an_entry_naming_another_tenant_is_ignored(tmp_path):
     assert bobs.stored is None
 
 
-async def test_a_changed_or_missing_file_is_discarded_not_used(tmp_path):
+async def test_a_missing_file_is_a_miss_that_keeps_the_entry(tmp_path):
+    store = make_store(tmp_path)
+    entry = await save(store, "ann", 200)
+    (store.settings.directory / entry.file).unlink()
+    assert not await store.verified(entry)
+    [candidate] = store.candidates("ann", TOKENS, [200])
+    await store.look_up("ann", [candidate])
+    assert candidate.stored is not None and store.counters.discarded == 0
+
+
+async def test_a_changed_file_is_discarded_not_used(tmp_path):
     store = make_store(tmp_path)
     entry = await save(store, "ann", 200)
     assert await store.verified(entry)
