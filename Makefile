@@ -49,7 +49,9 @@ clients/node/node_modules/.package-lock.json: clients/node/package.json clients/
 # Debian's redis-server for the tests of the shared cache backend (they start their own
 # on a free loopback port; nothing runs as a system service).
 redis-server:
-	@command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
+	@command -v redis-server >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
 test: lint triton-env llama-server node-client redis-server
 	$(BIN)/pytest
