@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from ragline.processes import terminate
+from ragline.processes import terminate, wait_listening
 
 
 def etcd_binary() -> str:
@@ -82,17 +80,11 @@ class EtcdServer:
         self.wait_ready(wait_s)
 
     def wait_ready(self, wait_s: float) -> None:
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"etcd exited with {self.process.returncode}:\n{tail}")
-            try:
-                with socket.create_connection((self.host, self.client_port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise RuntimeError(f"etcd did not listen on {self.endpoint} within {wait_s} s")
+        assert self.process is not None
+        wait_listening(
+            self.process, self.host, self.client_port, wait_s=wait_s, name="etcd",
+            log=self.log_path,
+        )  # fmt: skip
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
         if self.process is None:

@@ -8,12 +8,10 @@ in-process when embedded).
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 from pathlib import Path
 
-from ragline.processes import terminate
+from ragline.processes import terminate, wait_listening
 
 
 def redis_binary() -> str:
@@ -53,18 +51,10 @@ class RedisServer:
         self.process = subprocess.Popen(
             self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
         )
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                log = self.log_path
-                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}:\n{tail}")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.5):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not listen on {self.host}:{self.port} in {wait_s} s")
+        wait_listening(
+            self.process, self.host, self.port, wait_s=wait_s, name="redis-server",
+            log=self.log_path,
+        )  # fmt: skip
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process is not None:

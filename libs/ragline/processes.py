@@ -5,6 +5,8 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import time
+from pathlib import Path
 
 
 def terminate(process: subprocess.Popen, timeout_s: float) -> tuple[int, bool]:
@@ -33,3 +35,21 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def wait_listening(
+    process: subprocess.Popen, host: str, port: int, *, wait_s: float, name: str, log: Path
+) -> None:
+    """Returns once `process` accepts connections on host:port; RuntimeError (with the end
+    of its log) when it exits first or does not listen within `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"{name} exited with {process.returncode}:\n{tail}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{name} did not listen on {host}:{port} within {wait_s} s")
