@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ragline-installed
 
 TRITON_VENV := .venv-triton
-TRITON_STAMP := $(TRITON_VENV)/.ragline-installed
+# The stamp's number changes with the package list, so an older venv is topped up.
+TRITON_STAMP := $(TRITON_VENV)/.ragline-installed-2
 
 .PHONY: install triton-env llama-server node-client redis-server up test lint format clean
 
@@ -18,11 +19,12 @@ $(STAMP): pyproject.toml setup.py $(wildcard proto/ragline/v1/*.proto)
 	touch $@
 
 # The real tritonserver 2.51 (inside PyPI nvidia-pytriton) for the Triton integration tests;
-# its own venv because pytriton needs numpy<2.
+# its own venv because pytriton needs numpy<2. onnxruntime and tokenizers are what the
+# python-backend models of deploy/triton import.
 triton-env: $(TRITON_STAMP)
 $(TRITON_STAMP):
 	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
-	$(TRITON_VENV)/bin/python -m pip install --quiet "nvidia-pytriton==0.7.0" "numpy<2" onnxruntime
+	$(TRITON_VENV)/bin/python -m pip install --quiet "nvidia-pytriton==0.7.0" "numpy<2" onnxruntime tokenizers
 	touch $@
 
 # llama.cpp's llama-server for the generation service: built once (10-25 min on 2 cores)

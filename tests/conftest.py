@@ -556,3 +556,29 @@ def triton_generation(tmp_path_factory) -> Iterator:
     )
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def triton_text_models(tmp_path_factory):
+    """Triton serving the GPU ensemble's preprocessing and postprocessing models (python
+    backend; the engine between them needs a GPU) on a byte-level BPE tokenizer made here.
+    Yields (server, tokenizer directory)."""
+    import re
+
+    from support.tokenizers import byte_level_tokenizer
+
+    tokenizer_dir = byte_level_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+    source = tmp_path_factory.mktemp("repository")
+    for name in ("preprocessing", "postprocessing"):
+        shutil.copytree(REPO_ROOT / "deploy/triton/generation/gpu" / name, source / name)
+        config = source / name / "config.pbtxt"
+        config.write_text(
+            re.sub(
+                r'(key: "tokenizer_dir" value: \{ string_value: )"[^"]*"',
+                rf'\1"{tokenizer_dir}"',
+                config.read_text(),
+            )
+        )
+    server = start_triton(source, tmp_path_factory.mktemp("triton-text"))
+    yield server, tokenizer_dir
+    server.stop()

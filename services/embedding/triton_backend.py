@@ -12,6 +12,11 @@ from ragline import deadlines
 from ragline.errors import Unavailable
 from ragline_services.embedding.backends import normalise
 
+# What this backend sends (name -> KServe datatype) and reads: the contract of every
+# embedding repository in deploy/triton/embedding (tests/deploy checks that they agree).
+MODEL_INPUTS = {"input_ids": "INT64", "attention_mask": "INT64"}
+MODEL_OUTPUT = "sentence_embedding"
+
 
 class TritonBackend:
     name = "triton"
@@ -41,21 +46,21 @@ class TritonBackend:
 
         inputs = []
         for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask)):
-            tensor = self._triton.InferInput(name, list(array.shape), "INT64")
+            tensor = self._triton.InferInput(name, list(array.shape), MODEL_INPUTS[name])
             tensor.set_data_from_numpy(np.ascontiguousarray(array, dtype=np.int64))
             inputs.append(tensor)
         try:
             result = await self._client.infer(
                 self.model,
                 inputs,
-                outputs=[self._triton.InferRequestedOutput("sentence_embedding")],
+                outputs=[self._triton.InferRequestedOutput(MODEL_OUTPUT)],
                 client_timeout=deadlines.outbound_timeout("Triton", stage_budget_s=self._timeout_s),
             )
         except InferenceServerException as error:
             raise Unavailable(
                 f"Triton inference failed ({self.url}, {self.model}): {error}"
             ) from error
-        vectors = result.as_numpy("sentence_embedding")
+        vectors = result.as_numpy(MODEL_OUTPUT)
         if vectors is None or vectors.shape != (input_ids.shape[0], self.dim):
             raise Unavailable(
                 f"Triton model {self.model} returned shape "

@@ -1,8 +1,8 @@
 """Generation on Triton: a TensorRT-LLM ensemble streamed over KServe v2 `ModelStreamInfer`.
 
-Speaks the standard TensorRT-LLM ensemble tensors: `text_input` (BYTES), `max_tokens`
-(INT32), `stream` (BOOL) and the sampling inputs -> `text_output` (BYTES, one piece per
-streamed response). Token counts come from the repository's `preprocessing` model
+Speaks the TensorRT-LLM ensemble tensors of `ENSEMBLE_INPUTS` -> `text_output` (BYTES, the
+UTF-8 bytes of each streamed step, decoded here incrementally: a step may end inside a
+character). Token counts come from the repository's `preprocessing` model
 (`REQUEST_INPUT_LEN`). The request asks Triton for an empty final response
 (`triton_enable_empty_final_response`), so the end of every stream is explicit; cancelling
 the gRPC stream cancels the request on the server. tritonclient's aio streaming API cannot
@@ -11,6 +11,7 @@ set that parameter, so requests are built from its generated protobuf stubs dire
 
 from __future__ import annotations
 
+import codecs
 import struct
 from collections.abc import AsyncIterator
 
@@ -22,6 +23,20 @@ from ragline.errors import InvalidArgument, Unavailable
 from ragline_services.generation.engine import StreamEvent
 
 _CHATML_ROLES = ("system", "user", "assistant")
+
+# What this adapter sends, by tensor name and KServe datatype: the contract every ensemble
+# in deploy/triton/generation declares (tests/deploy checks that they agree).
+ENSEMBLE_INPUTS = {
+    "text_input": "BYTES",
+    "max_tokens": "UINT32",
+    "stream": "BOOL",
+    "temperature": "FP32",
+    "top_p": "FP32",
+    "top_k": "UINT32",
+}
+ENSEMBLE_OUTPUT = "text_output"
+PREPROCESSING_INPUTS = {"QUERY": "BYTES", "REQUEST_OUTPUT_LEN": "UINT32"}
+PREPROCESSING_COUNT_OUTPUT = "REQUEST_INPUT_LEN"
 
 
 def encode_bytes(items: list[bytes]) -> bytes:
@@ -87,8 +102,9 @@ class TritonGenerationEngine:
     async def close(self) -> None:
         await self._channel.close()
 
-    def _tensor(self, request, name: str, datatype: str, raw: bytes) -> None:
-        request.inputs.add(name=name, datatype=datatype, shape=[1, 1])
+    @staticmethod
+    def _tensor(request, contract: dict[str, str], name: str, raw: bytes) -> None:
+        request.inputs.add(name=name, datatype=contract[name], shape=[1, 1])
         request.raw_input_contents.append(raw)
 
     async def render_chat(self, messages: list[dict[str, str]]) -> str:
@@ -96,9 +112,11 @@ class TritonGenerationEngine:
 
     async def count_tokens(self, text: str) -> int:
         request = self._pb.ModelInferRequest(model_name=self.preprocessing_model)
-        self._tensor(request, "QUERY", "BYTES", encode_bytes([text.encode()]))
-        self._tensor(request, "REQUEST_OUTPUT_LEN", "INT32", np.array([1], np.int32).tobytes())
-        request.outputs.add(name="REQUEST_INPUT_LEN")
+        self._tensor(request, PREPROCESSING_INPUTS, "QUERY", encode_bytes([text.encode()]))
+        self._tensor(
+            request, PREPROCESSING_INPUTS, "REQUEST_OUTPUT_LEN", np.array([1], "<u4").tobytes()
+        )
+        request.outputs.add(name=PREPROCESSING_COUNT_OUTPUT)
         try:
             reply = await self._stub.ModelInfer(
                 request, timeout=deadlines.outbound_timeout("Triton", stage_budget_s=30.0)
@@ -114,22 +132,17 @@ class TritonGenerationEngine:
         self, prompt: str, *, slot: int, max_tokens: int, sampling: dict
     ) -> AsyncIterator[StreamEvent]:
         request = self._pb.ModelInferRequest(model_name=self.model, id=f"slot-{slot}")
-        self._tensor(request, "text_input", "BYTES", encode_bytes([prompt.encode()]))
-        self._tensor(request, "max_tokens", "INT32", np.array([max_tokens], np.int32).tobytes())
-        self._tensor(request, "stream", "BOOL", np.array([True], np.bool_).tobytes())
-        self._tensor(
-            request,
-            "temperature",
-            "FP32",
-            np.array([sampling.get("temperature", 0.0)], np.float32).tobytes(),
-        )
-        self._tensor(
-            request, "top_p", "FP32", np.array([sampling.get("top_p", 1.0)], np.float32).tobytes()
-        )
-        self._tensor(
-            request, "top_k", "INT32", np.array([sampling.get("top_k", 0) or 1], np.int32).tobytes()
-        )
-        request.outputs.add(name="text_output")
+        values = {
+            "text_input": encode_bytes([prompt.encode()]),
+            "max_tokens": np.array([max_tokens], "<u4").tobytes(),
+            "stream": np.array([True], np.bool_).tobytes(),
+            "temperature": np.array([sampling.get("temperature", 0.0)], "<f4").tobytes(),
+            "top_p": np.array([sampling.get("top_p", 1.0)], "<f4").tobytes(),
+            "top_k": np.array([sampling.get("top_k", 0) or 1], "<u4").tobytes(),
+        }
+        for name, raw in values.items():
+            self._tensor(request, ENSEMBLE_INPUTS, name, raw)
+        request.outputs.add(name=ENSEMBLE_OUTPUT)
         request.parameters["triton_enable_empty_final_response"].bool_param = True
 
         async def requests():
@@ -140,14 +153,15 @@ class TritonGenerationEngine:
             timeout=deadlines.outbound_timeout("Triton", stage_budget_s=self._timeout_s),
         )
         pieces: list[str] = []
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         try:
             async for response in call:
                 if response.error_message:
                     raise Unavailable(f"Triton generation failed: {response.error_message}")
                 infer = response.infer_response
                 for output, raw in zip(infer.outputs, infer.raw_output_contents, strict=False):
-                    if output.name == "text_output":
-                        text = b"".join(decode_bytes(raw)).decode(errors="replace")
+                    if output.name == ENSEMBLE_OUTPUT:
+                        text = utf8.decode(b"".join(decode_bytes(raw)))
                         if text:
                             pieces.append(text)
                             yield StreamEvent(text=text)
@@ -157,6 +171,10 @@ class TritonGenerationEngine:
             raise Unavailable(f"Triton stream failed: {error.details()}") from error
         finally:
             call.cancel()  # a no-op after the final response; stops generation otherwise
+        tail = utf8.decode(b"", final=True)  # a character the stream ended inside
+        if tail:
+            pieces.append(tail)
+            yield StreamEvent(text=tail)
         completion = await self.count_tokens("".join(pieces)) if pieces else 0
         yield StreamEvent(
             final=True,
