@@ -172,7 +172,12 @@ class ModelStore:
             stamp[file_name] = {"sha256": sha, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
             changed = True
         if changed:
-            stamp_path.write_text(json.dumps(stamp, indent=1))
+            try:
+                stamp_path.write_text(json.dumps(stamp, indent=1))
+            except OSError:
+                # A read-only store (the image's models): verified all the same; the stamp
+                # only saves the next start from hashing again.
+                pass
 
     def _missing_message(self, name: str) -> str:
         spec = self.spec(name)

@@ -1,0 +1,123 @@
+"""The Dockerfile every pod runs (no Docker engine here to build it): what it copies
+exists, the models it bakes in are the ones the services' defaults name, and the paths,
+user and entrypoint it sets are the ones the Helm chart relies on. Plus the model store's
+side of a read-only image: verifying prepared models writes nothing it needs."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+
+import pytest
+import yaml
+
+from ragline.models import ModelStore
+from support import REPO_ROOT
+
+pytestmark = pytest.mark.deploy
+
+DOCKERFILE = (REPO_ROOT / "Dockerfile").read_text()
+VALUES = yaml.safe_load((REPO_ROOT / "deploy/k8s/helm/ragline/values.yaml").read_text())
+SERVICES_TEMPLATE = (REPO_ROOT / "deploy/k8s/helm/ragline/templates/services.yaml").read_text()
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    joined = re.sub(r"\\\n", " ", text)
+    out = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def final_stage() -> list[tuple[str, str]]:
+    steps = instructions(DOCKERFILE)
+    last_from = max(i for i, (word, _) in enumerate(steps) if word == "FROM")
+    return steps[last_from:]
+
+
+def final_env() -> dict[str, str]:
+    env = {}
+    for word, rest in final_stage():
+        if word == "ENV":
+            for item in shlex.split(rest):
+                key, _, value = item.partition("=")
+                env[key] = value
+    return env
+
+
+def test_every_copied_path_exists_and_local_state_stays_out():
+    sources = [
+        shlex.split(rest)[:-1]
+        for word, rest in instructions(DOCKERFILE)
+        if word == "COPY" and "--from" not in rest
+    ]
+    assert sources
+    for paths in sources:
+        for path in paths:
+            assert (REPO_ROOT / path).exists(), path
+    ignored = (REPO_ROOT / ".dockerignore").read_text().split()
+    for path in (".git", ".venv", ".venv-triton", ".ragline", "libs/ragline/v1/*_pb2*.py"):
+        assert path in ignored
+
+
+def test_the_image_bakes_in_the_models_the_service_defaults_name():
+    from ragline_services.embedding.service import EmbeddingConfig
+    from ragline_services.generation.service import GenerationConfig
+    from ragline_services.rerank.service import RerankConfig
+
+    match = re.search(r'^ARG MODELS="([^"]*)"', DOCKERFILE, re.MULTILINE)
+    baked = set(match.group(1).split())
+    store = ModelStore()
+    for name in baked:
+        assert store.spec(name).downloadable, f"{name} is not prepared from a package"
+    rerank = RerankConfig()
+    defaults = {
+        EmbeddingConfig().model,
+        rerank.token_model,
+        rerank.cross_encoder_model,
+        GenerationConfig().small_model,
+    }
+    assert defaults - {""} <= baked
+
+
+def test_the_chart_reads_models_and_llama_server_where_the_image_puts_them():
+    env, config = final_env(), VALUES["config"]
+    assert config["RAGLINE_MODEL_DIR"] == env["RAGLINE_MODEL_DIR"]
+    assert config["RAGLINE_GENERATION_LLAMA_SERVER"] == env["RAGLINE_GENERATION_LLAMA_SERVER"]
+    assert env["RAGLINE_GENERATION_LLAMA_SERVER"] in DOCKERFILE.split("install -D -m 0755")[1]
+    # The pod's writable volumes are the cache, data and tmp mounts, nothing in the image.
+    assert config["RAGLINE_CACHE_DIR"] == "/cache" and config["RAGLINE_DATA_DIR"] == "/data"
+
+
+def test_user_and_entrypoint_match_the_pods():
+    stage = dict(final_stage())
+    assert f"runAsUser: {stage['USER']}" in SERVICES_TEMPLATE
+    assert stage["ENTRYPOINT"] == '["ragline"]'
+    assert 'args: ["serve", "{{ $name }}"]' in SERVICES_TEMPLATE
+
+
+def test_a_read_only_prepared_store_still_verifies(tmp_path, monkeypatch):
+    """Files copied into an image keep their hashes but may get new mtimes, which makes
+    the store hash again and try to rewrite its stamp: on a read-only root that write
+    fails, and verifying must not."""
+    source = ModelStore()
+    source.prepare("minilm-ce-l3-int8")
+    store = ModelStore(tmp_path / "models")
+    shutil.copytree(source.directory("minilm-ce-l3-int8"), store.directory("minilm-ce-l3-int8"))
+    for path in store.directory("minilm-ce-l3-int8").iterdir():
+        os.utime(path, ns=(1, 1))  # the stamp no longer matches: a re-hash and a rewrite
+    written = []
+
+    def read_only(self, *args, **kwargs):
+        written.append(self)
+        raise OSError(30, "Read-only file system", str(self))
+
+    monkeypatch.setattr(type(tmp_path), "write_text", read_only)
+    store.verify("minilm-ce-l3-int8")
+    assert written  # the write was tried and refused
