@@ -2,6 +2,10 @@
 
     .venv/bin/python tools/scale_corpus.py --data ../shared/data --embed   # once (cached)
     .venv/bin/python tools/bench_retrieval.py --size 100000 [--size 254741]
+    # before / after in one run: the service from another source tree as the baseline
+    .venv/bin/python tools/bench_retrieval.py --baseline /path/to/other/checkout ...
+    # without embedding the corpus (latency, not quality): clustered synthetic vectors
+    .venv/bin/python tools/bench_retrieval.py --vectors synthetic ...
 
 For each corpus size (a prefix of the scale corpus, with its real MiniLM vectors): starts a
 retrieval-service process on a fresh index, writes the passages (with their vectors) and
@@ -11,6 +15,12 @@ the measurement), reports per request p50/p99 at concurrency 1/8/32 for BM25, VE
 HYBRID, the recall@10 of the HNSW index against exact search over the same vectors, and the
 HYBRID p99 at concurrency 8 while a rebuild and a stream of writes run, against steady
 state. Failed requests are counted in every row.
+
+With `--baseline DIR` (another checkout, e.g. `git worktree add DIR main`) every measure is
+taken twice in the same run, first with the service started from DIR's code, then from
+this tree's, and printed side by side with their ratio. `--vectors synthetic` uses seeded
+clustered vectors (1,000 centres plus noise; queries are noisy copies of corpus vectors)
+instead of the embedded corpus: the same engine work per query, no quality meaning.
 """
 
 from __future__ import annotations
@@ -50,11 +60,40 @@ def query_vectors(questions: list[str], model: str) -> np.ndarray:
     return embed_texts(backend, tokenizer, questions)
 
 
+SOURCE_ENV: dict[str, str] = {}  # PYTHONPATH of the code under test (baseline runs)
+
+
+def source_path(checkout: Path) -> str:
+    """A PYTHONPATH folder whose packages are `checkout`'s (its stubs copied in if absent),
+    ahead of this tree's editable install."""
+    import shutil
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-source-"))
+    for package, relative in (("ragline", "libs/ragline"), ("ragline_services", "services"),
+                              ("ragline_app", "app")):  # fmt: skip
+        (folder / package).symlink_to(checkout.resolve() / relative)
+    stubs = Path(__file__).resolve().parents[1] / "libs/ragline/v1"
+    for stub in stubs.glob("*_pb2*.py"):
+        if not (checkout / "libs/ragline/v1" / stub.name).exists():
+            shutil.copy(stub, checkout / "libs/ragline/v1" / stub.name)
+    return str(folder)
+
+
 def start_service(index_dir: Path, env_extra: dict) -> tuple[subprocess.Popen, str]:
     log = index_dir.parent / f"retrieval-{len(list(index_dir.parent.glob('*.log')))}.log"
     return spawn_service(
-        "retrieval", {"RAGLINE_RETRIEVAL_INDEX_DIR": str(index_dir), **env_extra}, log
+        "retrieval",
+        {"RAGLINE_RETRIEVAL_INDEX_DIR": str(index_dir), **SOURCE_ENV, **env_extra},
+        log,
     )
+
+
+def synthetic_vectors(count: int, dim: int = 384, seed: int = 5) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((1000, dim)).astype(np.float32)
+    vectors = centres[rng.integers(0, 1000, count)]
+    vectors += 0.35 * rng.standard_normal((count, dim)).astype(np.float32)
+    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
 
 
 async def ingest(address: str, docs: list[dict], vectors: np.ndarray, start: int = 0) -> float:
@@ -155,7 +194,8 @@ async def recall_at_10(address: str, docs, vectors: np.ndarray, q_vecs: np.ndarr
     return hits / (10 * len(q_vecs))
 
 
-def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[str]:
+def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[tuple]:
+    """(measure, formatted value, number a ratio compares) rows."""
     docs, vectors = docs_all[:size], vectors_all[:size]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-retrieval-") as tmp:
@@ -181,22 +221,23 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
             )
             build_s = asyncio.run(wait_built(address))
             rows.append(
-                f"| {size} | ingest (fsync per 500-doc batch) | {ingest_s:.0f} s "
-                f"({size / ingest_s:.0f} docs/s) |"
-            )
-            rows.append(f"| {size} | HNSW build (m=16, ef_construct=200) | ~{build_s:.0f} s |")
+                ("ingest (fsync per 500-doc batch)",
+                 f"{ingest_s:.0f} s ({size / ingest_s:.0f} docs/s)", ingest_s)
+            )  # fmt: skip
+            rows.append(("HNSW build (m=16, ef_construct=200)", f"~{build_s:.0f} s", build_s))
             steady = {}
             for mode in MODES:
                 for level in (int(x) for x in args.levels.split(",")):
                     r = asyncio.run(load(address, questions, q_vecs, mode, level, args.seconds))
                     steady[(mode, level)] = r
+                    value = f"{r['p50']:.2f} / {r['p99']:.2f} ms ({r['qps']:.0f} q/s, "
                     rows.append(
-                        f"| {size} | {mode} c={level} p50 / p99 | {r['p50']:.1f} / "
-                        f"{r['p99']:.1f} ms ({r['qps']:.0f} q/s, failed {r['failed']}) |"
+                        (f"{mode} c={level} p50 / p99", value + f"failed {r['failed']})", r["p50"])
                     )
+                    rows.append((f"{mode} c={level} queries/s", f"{r['qps']:.0f}", r["qps"]))
             recall = asyncio.run(recall_at_10(address, docs, vectors, q_vecs[: args.recall]))
             rows.append(
-                f"| {size} | HNSW recall@10 vs exact ({args.recall} queries) | {recall:.3f} |"
+                (f"HNSW recall@10 vs exact ({args.recall} queries)", f"{recall:.3f}", recall)
             )
 
             async def churn():
@@ -215,11 +256,13 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
 
             under = asyncio.run(churn())
             base = steady[("hybrid", 8)]
-            rows.append(
-                f"| {size} | hybrid c=8 p99 during writes + rebuild ({under['seconds']:.0f} s, "
-                f"until swapped in) vs steady | {under['p99']:.1f} vs {base['p99']:.1f} ms = "
-                f"{under['p99'] / base['p99']:.2f}x (failed {under['failed']}) |"
-            )
+            rows.append((
+                "hybrid c=8 p99 during writes + rebuild (until swapped in) vs steady",
+                f"{under['p99']:.1f} vs {base['p99']:.1f} ms = "
+                f"{under['p99'] / base['p99']:.2f}x ({under['seconds']:.0f} s, "
+                f"failed {under['failed']})",
+                under["p99"] / base["p99"],
+            ))  # fmt: skip
         finally:
             process.terminate()
             process.wait()
@@ -247,17 +290,41 @@ def main() -> int:
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--recall", type=int, default=300)
+    parser.add_argument("--vectors", choices=["embedded", "synthetic"], default="embedded")
+    parser.add_argument(
+        "--baseline", type=Path, help="another checkout: measured first, in the same run"
+    )
     args = parser.parse_args()
     docs = [json.loads(line) for line in (args.corpus / "corpus.jsonl").open()]
-    vectors = np.load(args.corpus / f"vectors-{args.model}-{args.tokens}.npy")
     _, qs = load_squad(args.data)
     questions = [q.text for q in qs[:1000]]
-    q_vecs = query_vectors(questions, args.model)
-    rows = []
+    if args.vectors == "synthetic":
+        vectors = synthetic_vectors(max(args.size or [100_000]))
+        rng = np.random.default_rng(9)
+        q_vecs = vectors[rng.integers(0, len(vectors), len(questions))]
+        q_vecs = q_vecs + 0.2 * rng.standard_normal(q_vecs.shape).astype(np.float32)
+    else:
+        vectors = np.load(args.corpus / f"vectors-{args.model}-{args.tokens}.npy")
+        q_vecs = query_vectors(questions, args.model)
+    variants = [("before", source_path(args.baseline))] if args.baseline else []
+    variants.append(("after" if args.baseline else "value", None))
+    table: dict[tuple[int, str], dict[str, tuple[str, float]]] = {}
     for size in args.size or [100_000]:
-        rows += run_size(size, docs, vectors, questions, q_vecs, args)
-    print("\n| passages | measure | value |\n|---|---|---|")
-    print("\n".join(rows))
+        for name, path in variants:
+            SOURCE_ENV.clear()
+            if path:
+                SOURCE_ENV["PYTHONPATH"] = path
+            for measure, value, number in run_size(size, docs, vectors, questions, q_vecs, args):
+                table.setdefault((size, measure), {})[name] = (value, number)
+    names = [name for name, _ in variants]
+    header = "| passages | measure | " + " | ".join(names)
+    print("\n" + header + (" | after / before |" if args.baseline else " |"))
+    print("|---" * (len(names) + 2 + bool(args.baseline)) + "|")
+    for (size, measure), cells in table.items():
+        line = f"| {size} | {measure} | " + " | ".join(cells.get(n, ("-", 0))[0] for n in names)
+        if args.baseline and "before" in cells and "after" in cells and cells["before"][1]:
+            line += f" | {cells['after'][1] / cells['before'][1]:.2f}x"
+        print(line + " |")
     return 0
 
 

@@ -6,13 +6,17 @@ orchestrator's plan (BM25 and vector search as separate nodes).
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Protocol
 
 
 class Candidate(Protocol):
-    """Anything with a key and a score (higher is better)."""
+    """Anything with a key (a document id, or any hashable that names it) and a score
+    (higher is better)."""
 
-    key: str
+    @property
+    def key(self) -> Hashable: ...
+
     score: float
 
 
@@ -21,10 +25,10 @@ RRF_K = 60
 
 def rrf(
     bm25: list[Candidate], vector: list[Candidate], vector_weight: float, k: int
-) -> list[tuple[str, float, dict[str, float]]]:
+) -> list[tuple[Hashable, float, dict[str, float]]]:
     """Weighted reciprocal-rank fusion: w/(60 + rank_vector) + (1 - w)/(60 + rank_bm25)."""
-    fused: dict[str, float] = {}
-    parts: dict[str, dict[str, float]] = {}
+    fused: dict[Hashable, float] = {}
+    parts: dict[Hashable, dict[str, float]] = {}
     for weight, name, ranked in (
         (1 - vector_weight, "bm25", bm25),
         (vector_weight, "vector", vector),
@@ -36,7 +40,7 @@ def rrf(
     return [(key, score, parts[key]) for key, score in ordered]
 
 
-def _normalised(ranked: list[Candidate]) -> dict[str, float]:
+def _normalised(ranked: list[Candidate]) -> dict[Hashable, float]:
     if not ranked:
         return {}
     scores = [c.score for c in ranked]
@@ -47,7 +51,7 @@ def _normalised(ranked: list[Candidate]) -> dict[str, float]:
 
 def score_fusion(
     bm25: list[Candidate], vector: list[Candidate], vector_weight: float, k: int
-) -> list[tuple[str, float, dict[str, float]]]:
+) -> list[tuple[Hashable, float, dict[str, float]]]:
     """Weighted sum of min-max normalised scores (a list's missing document scores 0)."""
     b, v = _normalised(bm25), _normalised(vector)
     raw = {c.key: {"bm25": c.score} for c in bm25}

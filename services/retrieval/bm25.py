@@ -6,10 +6,17 @@ tenant's scores, and the contract says a tenant is never a ranking signal. A ten
 is opened on first use and kept among the `max_open` most recently used; its writer exists
 only while a write is applied (tantivy's writer holds a lock file and a memory arena).
 Within a tenant, statistics are shared by all its documents, whatever their scopes.
+
+A search reads no stored document: hits come back as point ids from a fast field, and
+only the k a search finally returns are resolved (key, version, text when asked) by one
+query on those ids. Visibility filters are constant-score (they never move a score) term
+queries that tantivy intersects by skipping, not a term-set bitset built per query (which
+cost more than the text query itself at 254k documents).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import threading
@@ -20,13 +27,19 @@ from typing import Protocol
 
 from ragline_services.retrieval.documents import (
     Candidate,
+    ResolvedHit,
     StoredDocument,
     Visibility,
+    point_id,
     split_key,
 )
 from ragline_services.retrieval.stopwords import STOP_WORDS, without_stop_words
 
 _NOT_WORD = re.compile(r"[^\w]+", re.UNICODE)
+# Version of the on-disk layout; an index of another layout is set aside and rebuilt from
+# the write log. 1: one index per tenant. 2: adds the point-id and version fast fields.
+LAYOUT = 2
+LAYOUT_FILE = "layout.json"
 
 
 def sanitise(query: str) -> str:
@@ -46,11 +59,14 @@ class LexicalIndex(Protocol):
 
     def count_tenant(self, tenant: str) -> int: ...
 
-    def stored(self, keys: list[str]) -> dict[str, dict]:
-        """Title, text and version by key, for the keys that exist."""
+    def resolve(
+        self, visibility: Visibility, pids: list[int], with_text: bool = False
+    ) -> dict[int, ResolvedHit]:
+        """Key and version (and title + text when asked) of the documents among `pids`
+        that exist and that `visibility` may see."""
 
-    def visible_versions(self, visibility: Visibility, keys: list[str]) -> dict[str, int]:
-        """Version by key, for the keys that exist and that `visibility` may see."""
+    def existing(self, tenant: str, pids: list[int]) -> set[int]:
+        """Which of `pids` are documents of `tenant`, whatever their scopes."""
 
     def close(self) -> None: ...
 
@@ -58,11 +74,12 @@ class LexicalIndex(Protocol):
 def _schema(tantivy):
     builder = tantivy.SchemaBuilder()
     builder.add_text_field("key", stored=True, tokenizer_name="raw")
+    builder.add_integer_field("pid", stored=False, indexed=True, fast=True)
     builder.add_text_field("scope", stored=False, tokenizer_name="raw")
     builder.add_text_field("attr", stored=False, tokenizer_name="raw")
     builder.add_text_field("title", stored=True, tokenizer_name="en_stem")
     builder.add_text_field("text", stored=True, tokenizer_name="en_stem")
-    builder.add_integer_field("version", stored=True, indexed=False)
+    builder.add_integer_field("version", stored=True, indexed=False, fast=True)
     return builder.build()
 
 
@@ -85,8 +102,9 @@ class _TenantIndex:
             for doc in upserts:
                 writer.delete_documents_by_term("key", doc.key)
                 writer.add_document(tantivy.Document(
-                    key=doc.key, scope=list(doc.scopes), attr=doc.attribute_terms,
-                    title=doc.title, text=doc.text, version=doc.version,
+                    key=doc.key, pid=point_id(doc.key), scope=list(doc.scopes),
+                    attr=doc.attribute_terms, title=doc.title, text=doc.text,
+                    version=doc.version,
                 ))  # fmt: skip
             writer.commit()
             writer.wait_merging_threads()  # releases the writer (and its lock) now
@@ -94,59 +112,60 @@ class _TenantIndex:
             del writer
         self.index.reload()
 
-    def _filters(self, visibility: Visibility) -> list:
-        tantivy = self._tantivy
-        Occur, Query = tantivy.Occur, tantivy.Query
-        clauses = [
-            (Occur.Must, Query.term_set_query(self.schema, "scope", visibility.allowed_scopes)),
-        ]
+    def _filter(self, visibility: Visibility):
+        """Any of the allowed scopes, and every attribute: constant score 0, so it only
+        selects. Term queries (a union when several scopes), which tantivy intersects by
+        skipping; a term-set query would build a bitset of every match per query."""
+        Occur, Query = self._tantivy.Occur, self._tantivy.Query
+        scopes = [Query.term_query(self.schema, "scope", s) for s in visibility.allowed_scopes]
+        scope = (
+            scopes[0]
+            if len(scopes) == 1
+            else Query.boolean_query([(Occur.Should, q) for q in scopes])
+        )
+        clauses = [(Occur.Must, scope)]
         for term in visibility.attribute_terms:
             clauses.append((Occur.Must, Query.term_query(self.schema, "attr", term)))
-        return clauses
+        selected = scope if len(clauses) == 1 else Query.boolean_query(clauses)
+        return Query.const_score_query(selected, 0.0)
 
     def search(self, text: str, visibility: Visibility, k: int) -> list[Candidate]:
         tantivy = self._tantivy
         parsed = self.index.parse_query(text, ["title", "text"])
         combined = tantivy.Query.boolean_query(
-            [(tantivy.Occur.Must, parsed), *self._filters(visibility)]
+            [(tantivy.Occur.Must, parsed), (tantivy.Occur.Must, self._filter(visibility))]
         )
         searcher = self.index.searcher()
-        hits = searcher.search(combined, k).hits
-        return [Candidate(searcher.doc(address)["key"][0], score) for score, address in hits]
+        hits = searcher.search(combined, k, count=False).hits
+        pids = searcher.fast_field_values("pid", [address for _, address in hits])
+        return [Candidate(pid, score) for (score, _), pid in zip(hits, pids, strict=True)]
 
     def count(self, visibility: Visibility | None = None) -> int:
         searcher = self.index.searcher()
         if visibility is None:
             return searcher.num_docs
-        query = self._tantivy.Query.boolean_query(self._filters(visibility))
-        return searcher.search(query, 1, count=True).count
+        return searcher.search(self._filter(visibility), 1, count=True).count
 
-    def visible_versions(self, visibility: Visibility, keys: list[str]) -> dict[str, int]:
+    def resolve(
+        self, visibility: Visibility | None, pids: list[int], with_text: bool
+    ) -> dict[int, ResolvedHit]:
+        """Visibility None: every document of the tenant (deletes check existence)."""
         Occur, Query = self._tantivy.Occur, self._tantivy.Query
-        scope = Query.term_set_query(self.schema, "scope", visibility.allowed_scopes)
-        query = Query.boolean_query(
-            [(Occur.Must, Query.term_set_query(self.schema, "key", keys)), (Occur.Must, scope)]
-        )
+        clauses = [(Occur.Must, Query.term_set_query(self.schema, "pid", pids))]
+        if visibility is not None:
+            clauses.append((Occur.Must, self._filter(visibility)))
+        query = Query.boolean_query(clauses)
         searcher = self.index.searcher()
         out = {}
-        for _, address in searcher.search(query, len(keys)).hits:
+        for _, address in searcher.search(query, len(pids), count=False).hits:
             doc = searcher.doc(address)
-            out[doc["key"][0]] = doc["version"][0]
-        return out
-
-    def stored(self, keys: list[str]) -> dict[str, dict]:
-        tantivy = self._tantivy
-        searcher = self.index.searcher()
-        out = {}
-        for key in keys:
-            hits = searcher.search(tantivy.Query.term_query(self.schema, "key", key), 1).hits
-            if hits:
-                doc = searcher.doc(hits[0][1])
-                out[key] = {
-                    "title": doc["title"][0] if doc["title"] else "",
-                    "text": doc["text"][0],
-                    "version": doc["version"][0],
-                }
+            key = doc["key"][0]
+            out[point_id(key)] = ResolvedHit(
+                key=key,
+                version=doc["version"][0],
+                title=(doc["title"][0] if doc["title"] else "") if with_text else "",
+                text=doc["text"][0] if with_text else "",
+            )
         return out
 
 
@@ -169,8 +188,9 @@ class Bm25Index:
         self.heap_bytes = heap_bytes
         self.max_open = max_open
         self.stop_words = STOP_WORDS  # dropped from queries (tools compare other sets)
-        self.migrated_from_shared = self._set_aside_a_shared_index(directory)
+        self.migrated = self._set_aside_an_old_layout(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        (directory / LAYOUT_FILE).write_text(json.dumps({"layout": LAYOUT}))
         self._open: OrderedDict[str, _TenantIndex] = OrderedDict()
         self._counts: dict[str, int] = {}  # documents per tenant, for the totals
         self._lock = threading.Lock()  # the open-index table
@@ -178,12 +198,17 @@ class Bm25Index:
         self.opened = 0  # tenant indexes opened (first use or after eviction)
 
     @staticmethod
-    def _set_aside_a_shared_index(directory: Path) -> bool:
-        """An index of the earlier layout (all tenants in one) is moved aside; the caller
-        rebuilds from the write log. Returns whether it did."""
-        if not (directory / "meta.json").exists():
+    def _set_aside_an_old_layout(directory: Path) -> bool:
+        """An index of an earlier layout (all tenants in one, or without the fast fields)
+        is moved aside; the caller rebuilds from the write log. Returns whether it did."""
+        if not directory.exists() or not any(directory.iterdir()):
             return False
-        aside = directory.with_name(f"{directory.name}.shared-{time.strftime('%Y%m%dT%H%M%S')}")
+        marker = directory / LAYOUT_FILE
+        layout = json.loads(marker.read_text())["layout"] if marker.exists() else 1
+        if layout == LAYOUT and not (directory / "meta.json").exists():
+            return False
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        aside = directory.with_name(f"{directory.name}.layout{layout}-{stamp}")
         shutil.move(str(directory), aside)
         return True
 
@@ -242,22 +267,20 @@ class Bm25Index:
     def tenants(self) -> list[str]:
         return [p.name[2:] for p in self.directory.glob("t-*") if (p / "meta.json").exists()]
 
-    def stored(self, keys: list[str]) -> dict[str, dict]:
-        """Title, text and version of documents by key (for `include_text`)."""
-        by_tenant: dict[str, list[str]] = {}
-        for key in keys:
-            by_tenant.setdefault(split_key(key)[0], []).append(key)
-        out: dict[str, dict] = {}
-        for tenant, tenant_keys in by_tenant.items():
-            index = self._tenant(tenant, create=False)
-            if index is not None:
-                out.update(index.stored(tenant_keys))
-        return out
+    def resolve(
+        self, visibility: Visibility, pids: list[int], with_text: bool = False
+    ) -> dict[int, ResolvedHit]:
+        return self._resolve(visibility.tenant, visibility, pids, with_text)
 
-    def visible_versions(self, visibility: Visibility, keys: list[str]) -> dict[str, int]:
-        index = self._tenant(visibility.tenant, create=False)
-        mine = [k for k in keys if split_key(k)[0] == visibility.tenant]
-        return {} if index is None or not mine else index.visible_versions(visibility, mine)
+    def existing(self, tenant: str, pids: list[int]) -> set[int]:
+        """Which of `pids` are documents of `tenant`, whatever their scopes."""
+        return set(self._resolve(tenant, None, pids, False))
+
+    def _resolve(self, tenant, visibility, pids, with_text) -> dict[int, ResolvedHit]:
+        if not pids:
+            return {}
+        index = self._tenant(tenant, create=False)
+        return {} if index is None else index.resolve(visibility, pids, with_text)
 
     def close(self) -> None:
         with self._lock:

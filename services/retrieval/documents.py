@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +17,13 @@ KEY_SEPARATOR = "\x1f"
 def doc_key(tenant: str, doc_id: str) -> str:
     """Index-wide identity of a document: the tenant is part of every key."""
     return f"{tenant}{KEY_SEPARATOR}{doc_id}"
+
+
+def point_id(key: str) -> int:
+    """A stable 63-bit id for a document key: what the engines return for a hit (a
+    fast field in BM25, the point id in Qdrant), so a search reads no stored fields until
+    it knows the k it returns."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
 
 
 def passage_text(title: str, text: str) -> str:
@@ -93,5 +101,22 @@ class Visibility:
 
 @dataclass(frozen=True)
 class Candidate:
-    key: str
+    """A ranked document, by its point id (`point_id(key)`)."""
+
+    pid: int
     score: float
+
+    @property
+    def key(self) -> int:
+        """What fusion (ragline.ranking) merges the lists on."""
+        return self.pid
+
+
+@dataclass(frozen=True)
+class ResolvedHit:
+    """What a search returns about one of its final hits, read once the ranking is done."""
+
+    key: str
+    version: int
+    title: str = ""
+    text: str = ""

@@ -18,8 +18,8 @@ import argparse
 import os
 from pathlib import Path
 
-from ragline_services.retrieval.documents import StoredDocument
-from ragline_services.retrieval.vectors import HNSW_EF_CONSTRUCT, HNSW_M, point_id
+from ragline_services.retrieval.documents import StoredDocument, point_id
+from ragline_services.retrieval.vectors import HNSW_EF_CONSTRUCT, HNSW_M
 from ragline_services.retrieval.wal import WriteLog
 
 

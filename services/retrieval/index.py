@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from ragline_services.retrieval.documents import (
     doc_key,
     encode_vector,
     passage_text,
+    point_id,
     split_key,
 )
 from ragline_services.retrieval.vectors import VectorIndex
@@ -122,6 +124,8 @@ class IndexSettings:
     # Held out on new_wiki (tuned on SQuAD dev): score fusion 0.900 nDCG@10, RRF 0.883.
     default_fusion: str = "score"
     bm25_max_open_tenants: int = 256
+    # Threads that run searches (one hop per search), apart from writes and builds.
+    query_threads: int = 2
 
 
 APPLY_RETRY_FIRST_S, APPLY_RETRY_MAX_S = 0.05, 5.0
@@ -142,8 +146,8 @@ class RetrievalIndex:
         self._state_path = directory / "state.json"
         state = json.loads(self._state_path.read_text()) if self._state_path.exists() else {}
         self.bm25_seq = int(state.get("bm25_seq", 0))
-        if bm25.migrated_from_shared:
-            # The shared index of the earlier layout was set aside: rebuild from the log.
+        if bm25.migrated:
+            # An index of an earlier layout was set aside: rebuild from the log.
             log.warning("retrieval.bm25_rebuilding_per_tenant", from_seq=self.bm25_seq)
             self.bm25_seq = 0
         self.applied_seq = 0
@@ -154,6 +158,10 @@ class RetrievalIndex:
         self._apply_turn = asyncio.Condition()
         self._writes: set[asyncio.Task] = set()
         self.last_build_finished: float | None = None
+        # Searches run here, one hop each; never queued behind writes or builds.
+        self._query_pool = ThreadPoolExecutor(
+            max_workers=settings.query_threads, thread_name_prefix="retrieval-search"
+        )
 
     # -- start: replay the log ------------------------------------------------------------
 
@@ -243,8 +251,8 @@ class RetrievalIndex:
 
     async def delete(self, tenant: str, ids: list[str]) -> WriteResult:
         keys = [doc_key(tenant, i) for i in dict.fromkeys(ids)]
-        existing = await asyncio.to_thread(self.bm25.stored, keys)
-        present = [k for k in keys if k in existing]
+        existing = await asyncio.to_thread(self.bm25.existing, tenant, [point_id(k) for k in keys])
+        present = [k for k in keys if point_id(k) in existing]
         if not present:
             tseq = self.tenant_applied.get(tenant, 0)
             return WriteResult(self.applied_seq, [], 0, len(keys), tenant_seq=tseq)
@@ -333,65 +341,70 @@ class RetrievalIndex:
                     raise
                 stages.append(("embed", time.perf_counter() - started))
 
-        async def timed(name: str, fn, *args):
+        loop = asyncio.get_running_loop()
+        ordered, resolved = await loop.run_in_executor(
+            self._query_pool, self._search_sync, visibility, query, mode, vector,
+            candidates, ef, stages,
+        )  # fmt: skip
+        hits = []
+        for pid, score, parts in ordered:
+            found = resolved.get(pid)
+            if found is None:
+                continue  # deleted between the engines' reads
+            hits.append(SearchHit(
+                id=split_key(found.key)[1], score=score, version=found.version, scores=parts,
+                title=found.title, text=found.text,
+            ))  # fmt: skip
+        version = self.tenant_applied.get(visibility.tenant, 0)
+        return SearchResult(hits, mode, mode != query.mode, reason, version, stages)
+
+    def _search_sync(self, visibility, query, mode, vector, candidates, ef, stages):
+        """The whole search in one worker thread: the engines return point ids, and only
+        the k ranked first are resolved to keys, versions (and text when asked)."""
+        s = self.settings
+
+        def timed(name: str, fn, *args):
             started = time.perf_counter()
-            result = await asyncio.to_thread(fn, *args)
+            result = fn(*args)
             stages.append((name, time.perf_counter() - started))
             return result
 
         if mode == BM25:
-            ranked = await timed("bm25", self.bm25.search, query.text, visibility, query.k)
-            ordered = [(c.key, c.score, {"bm25": c.score}) for c in ranked]
+            ranked = timed("bm25", self.bm25.search, query.text, visibility, query.k)
+            ordered = [(c.pid, c.score, {"bm25": c.score}) for c in ranked]
         elif mode == VECTOR:
-            ranked = await timed("vector", self.vectors.search, vector, visibility, query.k, ef)
-            ordered = [(c.key, c.score, {"vector": c.score}) for c in ranked]
+            ranked = timed("vector", self.vectors.search, vector, visibility, query.k, ef)
+            ordered = [(c.pid, c.score, {"vector": c.score}) for c in ranked]
         elif mode == PREFILTER:
-            pool = await timed("bm25", self.bm25.search, query.text, visibility, candidates)
-            bm25_scores = {c.key: c.score for c in pool}
+            pool = timed("bm25", self.bm25.search, query.text, visibility, candidates)
+            bm25_scores = {c.pid: c.score for c in pool}
+            only = [c.pid for c in pool]
             ranked = (
-                await timed(
-                    "vector",
-                    self.vectors.search,
-                    vector,
-                    visibility,
-                    query.k,
-                    ef,
-                    [c.key for c in pool],
-                )
+                timed("vector", self.vectors.search, vector, visibility, query.k, ef, only)
                 if pool
                 else []
             )
             ordered = [
-                (c.key, c.score, {"vector": c.score, "bm25": bm25_scores[c.key]}) for c in ranked
+                (c.pid, c.score, {"vector": c.score, "bm25": bm25_scores[c.pid]}) for c in ranked
             ]
         else:  # HYBRID
-            bm25_list, vector_list = await asyncio.gather(
-                timed("bm25", self.bm25.search, query.text, visibility, candidates),
-                timed("vector", self.vectors.search, vector, visibility, candidates, ef),
-            )
+            bm25_list = timed("bm25", self.bm25.search, query.text, visibility, candidates)
+            vector_list = timed("vector", self.vectors.search, vector, visibility, candidates, ef)
             started = time.perf_counter()
             if (query.fusion or s.default_fusion) == "score":
                 fuse, weight = score_fusion, query.vector_weight or s.default_score_weight
             else:
                 fuse, weight = rrf, query.vector_weight or s.default_vector_weight
             ordered = [
-                (key, fused, {**parts, "fused": fused})
-                for key, fused, parts in fuse(bm25_list, vector_list, weight, query.k)
+                (pid, fused, {**parts, "fused": fused})
+                for pid, fused, parts in fuse(bm25_list, vector_list, weight, query.k)
             ]
             stages.append(("fusion", time.perf_counter() - started))
-        stored = await asyncio.to_thread(self.bm25.stored, [key for key, _, _ in ordered])
-        hits = []
-        for key, score, parts in ordered:
-            info = stored.get(key)
-            if info is None:
-                continue  # deleted between the engines' reads
-            hits.append(SearchHit(
-                id=split_key(key)[1], score=score, version=info["version"], scores=parts,
-                title=info["title"] if query.include_text else "",
-                text=info["text"] if query.include_text else "",
-            ))  # fmt: skip
-        version = self.tenant_applied.get(visibility.tenant, 0)
-        return SearchResult(hits, mode, mode != query.mode, reason, version, stages)
+        resolved = timed(
+            "resolve", self.bm25.resolve, visibility, [pid for pid, _, _ in ordered],
+            query.include_text,
+        )  # fmt: skip
+        return ordered, resolved
 
     async def document_versions(
         self, visibility: Visibility, ids: list[str]
@@ -399,9 +412,9 @@ class RetrievalIndex:
         """The current version of each of `ids` that exists and `visibility` may see (absent
         otherwise: a hidden document and a deleted one look the same), and the tenant's
         index version. What a cache checks an entry against, cheaper than a search."""
-        keys = [doc_key(visibility.tenant, i) for i in ids]
-        found = await asyncio.to_thread(self.bm25.visible_versions, visibility, keys)
-        versions = {split_key(key)[1]: version for key, version in found.items()}
+        pids = [point_id(doc_key(visibility.tenant, i)) for i in dict.fromkeys(ids)]
+        found = await asyncio.to_thread(self.bm25.resolve, visibility, pids)
+        versions = {split_key(hit.key)[1]: hit.version for hit in found.values()}
         return versions, self.tenant_applied.get(visibility.tenant, 0)
 
     # -- state ------------------------------------------------------------------------------
@@ -445,6 +458,7 @@ class RetrievalIndex:
         return True
 
     def close(self) -> None:
+        self._query_pool.shutdown(wait=True)
         self.wal.close()
         self.bm25.close()
         self.vectors.close()

@@ -18,13 +18,13 @@ import numpy as np
 from ragline import deadlines
 from ragline.errors import DeadlineExceeded, Unavailable
 from ragline.files import atomic_write_text
-from ragline_services.retrieval.documents import Candidate, StoredDocument, Visibility
-from ragline_services.retrieval.vectors import (
-    HNSW_EF_CONSTRUCT,
-    HNSW_M,
-    VectorIndexStatus,
+from ragline_services.retrieval.documents import (
+    Candidate,
+    StoredDocument,
+    Visibility,
     point_id,
 )
+from ragline_services.retrieval.vectors import HNSW_EF_CONSTRUCT, HNSW_M, VectorIndexStatus
 
 _FILTER_FIELDS = ("tenant", "scope", "attr", "key")
 
@@ -127,7 +127,7 @@ class QdrantServerIndex:
         visibility: Visibility,
         k: int,
         hnsw_ef: int,
-        only_keys: list[str] | None = None,
+        only_pids: list[int] | None = None,
     ) -> list[Candidate]:
         q = self._q
 
@@ -143,18 +143,20 @@ class QdrantServerIndex:
 
         must = [keyword("tenant", visibility.tenant), any_of("scope", visibility.allowed_scopes)]
         must += [keyword("attr", term) for term in visibility.attribute_terms]
-        if only_keys is not None:
-            must.append(any_of("key", only_keys))
+        if only_pids is not None:
+            must.append(
+                q.Condition(has_id=q.HasIdCondition(has_id=[q.PointId(num=p) for p in only_pids]))
+            )
         reply = self._call(self._points.Query, q.QueryPoints(
             collection_name=self.collection,
             query=q.Query(nearest=q.VectorInput(dense=q.DenseVector(
                 data=[float(x) for x in vector]))),
             filter=q.Filter(must=must),
             limit=k,
-            with_payload=q.WithPayloadSelector(enable=True),
-            params=q.SearchParams(hnsw_ef=hnsw_ef, exact=only_keys is not None),
+            with_payload=q.WithPayloadSelector(enable=False),
+            params=q.SearchParams(hnsw_ef=hnsw_ef, exact=only_pids is not None),
         ))  # fmt: skip
-        return [Candidate(p.payload["key"].string_value, p.score) for p in reply.result]
+        return [Candidate(p.id.num, p.score) for p in reply.result]
 
     def ready(self) -> bool:
         """The collection exists (ensured at start); Qdrant indexes in the background."""

@@ -48,6 +48,8 @@ class RetrievalConfig(ServiceConfig):
     default_fusion: Literal["rrf", "score"] = "score"
     # BM25 indexes (one per tenant) kept open, most recently used first.
     bm25_max_open_tenants: int = Field(256, ge=1)
+    # Worker threads for searches (one hop each), apart from writes and HNSW builds.
+    query_threads: int = Field(2, ge=1)
     default_vector_weight: float = Field(0.2, gt=0, lt=1)
     default_score_weight: float = Field(0.4, gt=0, lt=1)
     default_candidates: int = Field(100, ge=1)
@@ -122,6 +124,7 @@ class RetrievalService(Service):
             default_score_weight=cfg.default_score_weight,
             default_fusion=cfg.default_fusion,
             bm25_max_open_tenants=cfg.bm25_max_open_tenants,
+            query_threads=cfg.query_threads,
         )
         index = RetrievalIndex(directory, vectors, settings, self.embed)
         replayed = index.replay()

@@ -18,7 +18,6 @@ cosine distance and the same HNSW settings (m=16, ef_construct=200).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
@@ -35,6 +34,7 @@ from ragline_services.retrieval.documents import (
     Candidate,
     StoredDocument,
     Visibility,
+    point_id,
     split_key,
 )
 
@@ -46,11 +46,6 @@ def _unit(vector) -> np.ndarray:
     """A float32 copy scaled to length 1 (cosine = dot product); the input is not changed."""
     vector = np.asarray(vector, dtype=np.float32)
     return vector / max(float(np.linalg.norm(vector)), 1e-12)
-
-
-def point_id(key: str) -> int:
-    """A stable 63-bit point id for a document key (the key is also kept in the payload)."""
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
 
 
 @dataclass(frozen=True)
@@ -75,8 +70,10 @@ class VectorIndex(Protocol):
         visibility: Visibility,
         k: int,
         hnsw_ef: int,
-        only_keys: list[str] | None = None,
-    ) -> list[Candidate]: ...
+        only_pids: list[int] | None = None,
+    ) -> list[Candidate]:
+        """Nearest documents by point id (no payload read); `only_pids` restricts the
+        search to those documents, exactly."""
 
     def ready(self) -> bool:
         """Whether vector search can answer now (a flag: no I/O, called on every search)."""
@@ -107,9 +104,9 @@ class _TenantDelta:
     """One tenant's delta as arrays: built once after a write, not on every query (the
     per-query scan of the whole delta was the query path's cost while writes streamed in)."""
 
-    keys: list[str]  # entries with a vector
-    rows: dict[str, int]
-    matrix: np.ndarray  # their normalised vectors, one row per key
+    pids: list[int]  # point ids of the entries with a vector
+    rows: dict[int, int]
+    matrix: np.ndarray  # their normalised vectors, one row per entry
     scopes: list[frozenset[str]]
     attrs: list[frozenset[str]]
     # Point ids of every delta key of the tenant, deletions included: the shard's copy of
@@ -117,15 +114,15 @@ class _TenantDelta:
     shadow_ids: set[int]
 
     def search(
-        self, vector: np.ndarray, visibility: Visibility, k: int, only: list[str] | None
+        self, vector: np.ndarray, visibility: Visibility, k: int, only: list[int] | None
     ) -> list[Candidate]:
-        if not self.keys:
+        if not self.pids:
             return []
         if only is None:
-            rows = np.arange(len(self.keys))
+            rows = np.arange(len(self.pids))
             scores = self.matrix @ vector
         else:
-            rows = np.asarray([self.rows[key] for key in only if key in self.rows], dtype=int)
+            rows = np.asarray([self.rows[pid] for pid in only if pid in self.rows], dtype=int)
             if not rows.size:
                 return []
             scores = self.matrix[rows] @ vector
@@ -136,7 +133,7 @@ class _TenantDelta:
             row = rows[i]
             if self.scopes[row].isdisjoint(allowed) or not wanted <= self.attrs[row]:
                 continue
-            found.append(Candidate(self.keys[row], float(scores[i])))
+            found.append(Candidate(self.pids[row], float(scores[i])))
             if len(found) == k:
                 break
         return found
@@ -150,8 +147,8 @@ def _tenant_deltas(delta: dict[str, _DeltaEntry], dim: int) -> dict[str, _Tenant
     for tenant, items in grouped.items():
         live = [(key, entry) for key, entry in items if entry.vector is not None]
         out[tenant] = _TenantDelta(
-            keys=[key for key, _ in live],
-            rows={key: row for row, (key, _) in enumerate(live)},
+            pids=[entry.point_id for _, entry in live],
+            rows={entry.point_id: row for row, (_, entry) in enumerate(live)},
             matrix=(
                 np.stack([entry.vector for _, entry in live])
                 if live
@@ -296,7 +293,7 @@ class EdgeVectorIndex:
         visibility: Visibility,
         k: int,
         hnsw_ef: int,
-        only_keys: list[str] | None = None,
+        only_pids: list[int] | None = None,
     ) -> list[Candidate]:
         vector = _unit(vector)
         with self._lock:
@@ -308,10 +305,10 @@ class EdgeVectorIndex:
             delta = self._by_tenant.get(visibility.tenant)
         # Both are immutable snapshots taken together: search them outside the lock.
         try:
-            found = delta.search(vector, visibility, k, only_keys) if delta is not None else []
+            found = delta.search(vector, visibility, k, only_pids) if delta is not None else []
             if shard is not None:
                 found += self._shard_search(
-                    shard, vector, visibility, k, hnsw_ef, only_keys,
+                    shard, vector, visibility, k, hnsw_ef, only_pids,
                     exclude=delta.shadow_ids if delta is not None else set(),
                 )  # fmt: skip
         finally:
@@ -326,7 +323,7 @@ class EdgeVectorIndex:
         return found[:k]
 
     @staticmethod
-    def _shard_search(shard, vector, visibility, limit, hnsw_ef, only_keys, exclude):
+    def _shard_search(shard, vector, visibility, limit, hnsw_ef, only_pids, exclude):
         import qdrant_edge as qe
 
         must = [
@@ -335,16 +332,16 @@ class EdgeVectorIndex:
         ]
         for term in visibility.attribute_terms:
             must.append(qe.FieldCondition(key="attr", match=qe.MatchValue(term)))
-        if only_keys is not None:
-            must.append(qe.FieldCondition(key="key", match=qe.MatchAny(list(only_keys))))
+        if only_pids is not None:
+            must.append(qe.HasIdCondition(set(only_pids)))
         request = qe.QueryRequest(
             limit=limit,
             query=qe.Query.Nearest(vector.tolist()),
             filter=qe.Filter(must=must, must_not=[qe.HasIdCondition(exclude)] if exclude else None),
-            with_payload=True,
-            params=qe.SearchParams(hnsw_ef=hnsw_ef, exact=only_keys is not None),
+            with_payload=False,
+            params=qe.SearchParams(hnsw_ef=hnsw_ef, exact=only_pids is not None),
         )
-        return [Candidate(p.payload["key"], float(p.score)) for p in shard.query(request)]
+        return [Candidate(int(p.id), float(p.score)) for p in shard.query(request)]
 
     def status(self) -> VectorIndexStatus:
         with self._lock:

@@ -20,7 +20,9 @@ def _python(value: q.Value):
     return getattr(value, kind)
 
 
-def _matches(payload: dict, condition: q.Condition) -> bool:
+def _matches(pid: int, payload: dict, condition: q.Condition) -> bool:
+    if condition.WhichOneof("condition_one_of") == "has_id":
+        return pid in {p.num for p in condition.has_id.has_id}
     field = condition.field
     have = payload.get(field.key)
     values = set(have) if isinstance(have, list) else {have}
@@ -100,12 +102,13 @@ class FakeQdrant(q.CollectionsServicer, q.PointsServicer):
         scored = []
         with self.lock:
             for point_id, (vector, payload) in collection["points"].items():
-                if all(_matches(payload, c) for c in request.filter.must):
+                if all(_matches(point_id, payload, c) for c in request.filter.must):
                     scored.append((float(vector @ query), point_id, payload))
         scored.sort(key=lambda item: -item[0])
         return q.QueryResponse(result=[
             q.ScoredPoint(id=q.PointId(num=pid), score=score,
-                          payload={"key": q.Value(string_value=payload["key"])})
+                          payload={"key": q.Value(string_value=payload["key"])}
+                          if request.with_payload.enable else {})
             for score, pid, payload in scored[: request.limit]
         ])  # fmt: skip
 

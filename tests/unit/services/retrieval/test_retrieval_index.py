@@ -5,13 +5,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+import shutil
 import threading
 
 import numpy as np
 import pytest
 
 from ragline.errors import InvalidArgument
-from ragline_services.retrieval.documents import Visibility, encode_vector, split_key
+from ragline_services.retrieval.documents import (
+    Visibility,
+    doc_key,
+    encode_vector,
+    point_id,
+)
 from ragline_services.retrieval.index import (
     BM25,
     HYBRID,
@@ -263,7 +269,7 @@ def test_a_swapped_out_shard_closes_only_after_its_last_search(tmp_path):
     vectors._release_retired()
     assert not first_dir.exists() and not vectors._retired
     hits = vectors.search(toy_vector("Oslo Norway"), ACME, 1, 64)
-    assert [split_key(h.key)[1] for h in hits] == ["oslo"]
+    assert [h.pid for h in hits] == [point_id(doc_key("acme", "oslo"))]
     vectors.close()
 
 
@@ -324,9 +330,32 @@ async def test_an_index_of_the_shared_layout_is_set_aside_and_rebuilt_per_tenant
     shared.mkdir()
     tantivy.Index(builder.build(), path=str(shared))
     reopened = open_index(tmp_path)
-    assert list(tmp_path.glob("bm25.shared-*"))
+    assert list(tmp_path.glob("bm25.layout1-*"))
     found = await reopened.search(ACME, SearchQuery("Vistula", 5, BM25))
     assert [h.id for h in found.hits] == ["warsaw"]
+
+
+async def test_a_per_tenant_index_without_the_fast_fields_is_rebuilt_from_the_log(tmp_path):
+    """Layout 1 (per tenant, no point-id fast field) cannot answer a search that reads
+    ids only: it is set aside and rebuilt, every document back with its version."""
+    import tantivy
+
+    index = open_index(tmp_path)
+    await index.upsert("acme", DOCS)
+    before = {
+        h.id: h.version for h in (await index.search(ACME, SearchQuery("Warsaw", 10, BM25))).hits
+    }
+    index.close()
+    (tmp_path / "bm25" / "layout.json").unlink()  # what layout 1 left: no marker, ...
+    tenant_dir = next((tmp_path / "bm25").glob("t-*"))
+    shutil.rmtree(tenant_dir)
+    builder = tantivy.SchemaBuilder()  # ... and the schema without pid
+    builder.add_text_field("key", stored=True, tokenizer_name="raw")
+    tantivy.Index(builder.build(), path=str(tenant_dir.mkdir() or tenant_dir))
+    reopened = open_index(tmp_path)
+    assert list(tmp_path.glob("bm25.layout1-*"))
+    after = await reopened.search(ACME, SearchQuery("Warsaw", 10, BM25))
+    assert {h.id: h.version for h in after.hits} == before
 
 
 async def test_a_tenant_sees_its_own_write_numbers_and_no_global_counters(tmp_path):
