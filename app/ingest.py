@@ -3,8 +3,9 @@
 Reads SQuAD JSON (every paragraph becomes a document) or JSONL (`{id, title, text, tenant,
 acl, attributes}` per line), checks every record, embeds the good ones through the embedding
 service in batches and upserts them with their vectors. Bad records are reported (line and
-reason) and skipped; the good ones still go in. Progress is checkpointed after every
-acknowledged batch, so an interrupted run resumes where it stopped.
+reason) and skipped; the good ones still go in. Up to three batches are in flight at once
+(one embedded while the one before it is written and prepared); progress is checkpointed
+in order, after every acknowledged batch, so an interrupted run resumes where it stopped.
 
 When a rerank service is given, every acknowledged batch is also sent to its `Prepare`, so
 that the documents' token vectors exist before the first question about them. That is an
@@ -13,7 +14,9 @@ optimisation, never a condition: when rerank does not answer, ingest says so onc
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,6 +143,7 @@ async def ingest(
     default_tenant: str,
     batch_size: int = 64,
     checkpoint: Checkpoint,
+    window: int = 3,
     progress=None,
     rerank_addr: str | None = None,
     notice=None,
@@ -209,13 +213,29 @@ async def ingest(
                 continue
             yield item
 
+    # Up to `window` batches in flight: while one is embedded, the one before it is
+    # written and its token vectors prepared (different services, different cores). They
+    # are awaited in order, so the checkpoint only ever covers acknowledged batches.
+    in_flight: deque[tuple[asyncio.Task, list[Record], bool]] = deque()
+
+    async def settle_oldest() -> None:
+        task, records, drained = in_flight.popleft()
+        await task
+        if drained:  # everything up to this batch's last record is acknowledged
+            checkpoint.save(records[-1].number)
+
     try:
         for records, drained in tenant_batches(good_records(), batch_size):
-            await flush(records)
-            if drained:  # everything up to this batch's last record is acknowledged
-                checkpoint.save(records[-1].number)
+            in_flight.append((asyncio.ensure_future(flush(records)), records, drained))
+            if len(in_flight) >= window:
+                await settle_oldest()
+        while in_flight:
+            await settle_oldest()
         checkpoint.save(last_number)
     finally:
+        for task, _, _ in in_flight:
+            task.cancel()
+        await asyncio.gather(*(task for task, _, _ in in_flight), return_exceptions=True)
         await pool.close()
     return written, bad
 

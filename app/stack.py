@@ -86,6 +86,25 @@ def health_status_sync(address: str, timeout_s: float = 0.5) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
+def source_pythonpath(checkout: Path) -> str:
+    """A PYTHONPATH folder whose ragline packages are `checkout`'s (another clone or
+    worktree; its generated stubs copied from this tree where it has none), so a benchmark
+    can start the services of that code beside this tree's in one run."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="ragline-source-"))
+    for package, relative in (("ragline", "libs/ragline"), ("ragline_services", "services"),
+                              ("ragline_app", "app")):  # fmt: skip
+        (folder / package).symlink_to(checkout.resolve() / relative)
+    stubs = Path(__file__).resolve().parents[1] / "libs" / "ragline" / "v1"
+    for stub in stubs.glob("*_pb2*.py"):
+        target = checkout / "libs" / "ragline" / "v1" / stub.name
+        if not target.exists():
+            shutil.copy(stub, target)
+    return str(folder)
+
+
 def spawn_service(
     name: str, env_extra: dict[str, str], log_path: Path, *, wait_s: float = 600.0
 ) -> tuple[subprocess.Popen, str]:

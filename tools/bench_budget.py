@@ -6,7 +6,12 @@ For each concurrency level it spreads the workers over up to 4 client processes;
 loops Reserve -> Settle. Two task layouts: every worker on one shared task (contention:
 guarded transactions conflict and retry) and one task per worker (no contention). Reports
 reserve+settle pairs per second, the latency of a pair (p50/p99 over every pair, failed
-ones included) and the conflict-retry rate: extra ledger transactions per call.
+ones included), the conflict-retry rate (extra ledger transactions per call) and, with
+several replicas, each replica's share of the pairs (its clients are a fair share of the
+workers, so a share far below 1/replicas means it starves).
+
+`--baseline DIR` (another checkout) runs every row twice in one run, first with the
+budget service from DIR's code, then from this tree's, for before / after ratios.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import grpc
 
 from ragline.v1 import budget_pb2, budget_pb2_grpc, common_pb2
 from ragline_app.etcd_server import EtcdServer
-from ragline_app.stack import free_ports, spawn_service
+from ragline_app.stack import free_ports, source_pythonpath, spawn_service
 
 LIMITS = common_pb2.BudgetAmounts(input_tokens=10**12, output_tokens=10**12, calls=10**12)
 
@@ -136,6 +141,9 @@ def run_level(addresses, workers: int, seconds: float, shared: bool) -> dict:
     ]
     results = [json.loads(child.communicate()[0]) for child in children]
     wall = time.monotonic() - started
+    by_replica = [0] * len(addresses)
+    for i, result in enumerate(results):
+        by_replica[i % len(addresses)] += len(result["latencies"])
     latencies = [x for r in results for x in r["latencies"]]
     attempts = [x for r in results for x in r["attempts"]]
     calls = max(len(attempts), 1)
@@ -150,6 +158,7 @@ def run_level(addresses, workers: int, seconds: float, shared: bool) -> dict:
         "conflict_retries_per_call": (sum(attempts) - len(attempts)) / calls,
         "failures": sum(sum(r["failures"].values()) for r in results),
         "failure_kinds": sorted({k for r in results for k in r["failures"]}),
+        "replica_shares": [n / max(sum(by_replica), 1) for n in by_replica],
         "wall_s": wall,
     }
 
@@ -167,6 +176,7 @@ def main() -> int:
         help="etcd without fsync (as in the tests); default keeps fsync on",
     )
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--baseline", type=Path, help="another checkout, measured first")
     # internal: one client process
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
@@ -179,6 +189,35 @@ def main() -> int:
         asyncio.run(run_worker_process(args))
         return 0
 
+    variants = [("before", source_pythonpath(args.baseline))] if args.baseline else []
+    variants.append(("after" if args.baseline else "", None))
+    rows = []
+    for name, pythonpath in variants:
+        for row in run_variant(args, pythonpath):
+            rows.append({"variant": name, **row})
+    print(
+        f"budget ledger, {args.replicas} service replica(s), etcd fsync "
+        f"{'off' if args.unsafe_no_fsync else 'on'}, {args.seconds:.0f} s per row"
+    )
+    print(
+        "| code | workers (processes) | layout | reserve+settle pairs/s | p50 ms | p99 ms "
+        "| p99 / p50 | conflict retries per call | replica shares | failed |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        shares = " / ".join(f"{share:.0%}" for share in row["replica_shares"])
+        print(
+            f"| {row['variant'] or 'this tree'} | {row['workers']} ({row['processes']}) | "
+            f"{row['layout']} | {row['pairs_per_s']:.0f} | {row['p50_ms']:.1f} | "
+            f"{row['p99_ms']:.1f} | {row['p99_ms'] / max(row['p50_ms'], 1e-9):.1f} | "
+            f"{row['conflict_retries_per_call']:.2f} | {shares} | {row['failures']} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def run_variant(args, pythonpath: str | None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bench-budget-") as tmp:
         tmp_path = Path(tmp)
         client_port, peer_port = free_ports(2)
@@ -189,6 +228,8 @@ def main() -> int:
         services = []
         try:
             env = {"RAGLINE_BUDGET_ETCD_ENDPOINTS": etcd.endpoint, "RAGLINE_LOG_LEVEL": "warning"}
+            if pythonpath:
+                env["PYTHONPATH"] = pythonpath
             addresses = []
             for replica in range(args.replicas):
                 process, address = spawn_service(
@@ -201,30 +242,12 @@ def main() -> int:
                 for shared in (True, False):
                     rows.append(run_level(addresses, level, args.seconds, shared))
                     print(json.dumps(rows[-1]), file=sys.stderr)
+            return rows
         finally:
             for service in services:
                 service.terminate()
                 service.wait()
             etcd.stop()
-
-    print(
-        f"budget ledger, {args.replicas} service replica(s), etcd fsync "
-        f"{'off' if args.unsafe_no_fsync else 'on'}, {args.seconds:.0f} s per row"
-    )
-    print(
-        "| workers (processes) | layout | reserve+settle pairs/s | p50 ms | p99 ms "
-        "| conflict retries per call | failed |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(
-            f"| {row['workers']} ({row['processes']}) | {row['layout']} | "
-            f"{row['pairs_per_s']:.0f} | {row['p50_ms']:.1f} | {row['p99_ms']:.1f} | "
-            f"{row['conflict_retries_per_call']:.2f} | {row['failures']} |"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

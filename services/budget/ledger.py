@@ -4,11 +4,19 @@ Every change is one etcd transaction guarded on the mod revisions of the task re
 of the reservation record, so two workers that both read "1000 left" can never both get
 600: the second transaction fails its guard and is decided again on the fresh values the
 failed transaction returned (one round trip per attempt). Correctness comes from the guard
-alone, across any number of budget-service replicas. Two things only make it faster: a
-per-task lock cuts conflicts between workers of this process, and a cache of the records
-this process last saw lets a write go out without reading first. A cached view is only
-ever used to attempt a write; an answer that is not a committed write (a refusal, a
-replay) is always decided on values read fresh from etcd.
+alone, across any number of budget-service replicas. Three things only make it faster:
+- group commit: the reserves, settles and cancels of one task that arrive at this process
+  while its previous transaction is in flight are decided one after another on the same
+  records and written together in one guarded transaction (at most `MAX_BATCH`); each
+  decision sees the ones before it, and every answer waits for the commit (a refusal that
+  rests on an earlier decision of the batch holds only once that decision is written);
+- a cache of the records this process last saw lets a write go out without reading first.
+  A cached view is only ever used to attempt a write; an answer that is not a committed
+  write (a refusal, a replay) is always decided on values read fresh from etcd;
+- turns between replicas: a replica whose transactions on a task conflicted `turn_after`
+  times in a row claims the task's turn key; the others, seeing a fresh claim by another
+  replica, hold their writes until the claimant's next commit releases it (or the claim
+  is `turn_ttl_s` old), so no replica starves while another keeps winning.
 
 Rules a caller can rely on:
 - The same reservation id with the same amounts and stage answers like the first call
@@ -26,6 +34,7 @@ Rules a caller can rely on:
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import re
 import time
@@ -57,6 +66,10 @@ from ragline_services.budget.store import LedgerStore, Versioned
 
 _ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _CACHE_ENTRIES = 20_000
+# Operations per transaction: etcd refuses more than 128 operations in one (its default
+# --max-txn-ops); a batch writes each reservation plus the task and the turn key.
+MAX_BATCH = 60
+_REFUSALS = (NotFound, ResourceExhausted, AlreadyExists, FailedPrecondition, DeadlineExceeded)
 
 
 @dataclass(frozen=True)
@@ -79,6 +92,37 @@ class Write:
 @dataclass(frozen=True)
 class Unchanged:
     """A decision that needs no write (an idempotent replay)."""
+
+
+@dataclass(eq=False)
+class _Pending:
+    """One operation waiting for the task's next group commit."""
+
+    res_key: bytes
+    decide: Decision
+    absent_likely: bool
+    future: asyncio.Future
+
+
+@dataclass(frozen=True)
+class TurnClaim:
+    """Who holds a task's turn, since when (a replica's id; empty: nobody)."""
+
+    holder: str
+    since_ns: int
+
+    def dumps(self) -> bytes:
+        return f"{self.holder}|{self.since_ns}".encode()
+
+    @classmethod
+    def loads(cls, raw: bytes | None) -> TurnClaim:
+        holder, _, since = (raw or b"|0").decode().partition("|")
+        return cls(holder, int(since or 0))
+
+
+def must_wait_for_turn(claim: TurnClaim, me: str, now_ns: int, ttl_ns: int) -> bool:
+    """Whether `me` must hold its writes: another replica claimed the turn recently."""
+    return bool(claim.holder) and claim.holder != me and now_ns - claim.since_ns < ttl_ns
 
 
 # decide(task, reservation or None, now_ns) -> Write | Unchanged, or raises a refusal.
@@ -203,6 +247,9 @@ class TaskLedger:
         expiry_grace_s: float = 300.0,
         max_attempts: int = 1000,
         clock_ns=time.time_ns,
+        replica_id: str = "",
+        turn_after: int = 3,
+        turn_ttl_s: float = 0.05,
     ) -> None:
         self._store = store
         self._prefix = key_prefix.rstrip("/")
@@ -213,7 +260,14 @@ class TaskLedger:
             weakref.WeakValueDictionary()
         )
         self._seen: OrderedDict[bytes, Versioned | None] = OrderedDict()
+        self._waiting: dict[bytes, list[_Pending]] = {}  # task key -> next batch
+        self.replica_id = replica_id or f"{os.getpid()}-{random.getrandbits(32):08x}"
+        self._turn_after = turn_after
+        self._turn_ttl_ns = int(turn_ttl_s * 1e9)
         self.conflicts = 0
+        self.commits = 0  # transactions written by group commits
+        self.turns_claimed = 0
+        self.turn_waits = 0
 
     def now_ns(self) -> int:
         return self._now_ns()
@@ -225,6 +279,9 @@ class TaskLedger:
 
     def _task_key(self, tenant: str, task_id: str) -> bytes:
         return self._task_prefix(tenant, task_id) + b"task"
+
+    def _turn_key(self, task_key: bytes) -> bytes:
+        return task_key[: -len(b"task")] + b"turn"
 
     def _reservation_key(self, tenant: str, task_id: str, reservation_id: str) -> bytes:
         return self._task_prefix(tenant, task_id) + f"r/{reservation_id}".encode()
@@ -245,16 +302,12 @@ class TaskLedger:
     def _forget_task(self, task_key: bytes) -> None:
         self._seen.pop(task_key, None)
 
-    @staticmethod
-    def _task_or_not_found(found: Versioned | None, task_id: str) -> TaskRecord:
+    def _task_or_not_found(self, found: Versioned | None, task_id: str) -> TaskRecord:
         if found is None:
-            raise NotFound(
-                f"task {task_id} does not exist for this tenant (never opened, or expired "
-                "after its deadline + grace)"
-            )
+            raise self._not_found(task_id)
         return TaskRecord.loads(found.value)
 
-    # -- the guarded update loop ------------------------------------------------------------
+    # -- the guarded update loop, one group commit at a time per task ---------------------
 
     async def _update(
         self,
@@ -266,67 +319,168 @@ class TaskLedger:
         reservation_absent_likely: bool = False,
     ) -> Outcome:
         task_key = self._task_key(tenant, task_id)
-        res_key = self._reservation_key(tenant, task_id, reservation_id)
-        keys = [task_key, res_key]
-        async with self._lock(task_key):
-            cached = task_key in self._seen and (res_key in self._seen or reservation_absent_likely)
-            if cached:
-                snapshot = [self._seen[task_key], self._seen.get(res_key)]
-            else:
-                snapshot = await self._store.read(keys)
-            for attempt in range(1, self._max_attempts + 1):
-                task_row, res_row = snapshot
+        pending = _Pending(
+            self._reservation_key(tenant, task_id, reservation_id),
+            decide,
+            reservation_absent_likely,
+            asyncio.get_running_loop().create_future(),
+        )
+        waiting = self._waiting.setdefault(task_key, [])
+        waiting.append(pending)
+        try:
+            async with self._lock(task_key):
+                # Whoever holds the lock commits everything queued so far, this one's too.
+                while not pending.future.done():
+                    batch = waiting[:MAX_BATCH]
+                    del waiting[: len(batch)]
+                    # Shielded: the others of the batch must get their answer even if this
+                    # caller goes away (its own write may still land, as with any call).
+                    await asyncio.shield(
+                        asyncio.ensure_future(self._commit(task_id, task_key, batch))
+                    )
+        except asyncio.CancelledError:
+            if pending in waiting:
+                waiting.remove(pending)  # never taken into a batch: nothing written
+            raise
+        finally:
+            if not waiting and self._waiting.get(task_key) is waiting:
+                del self._waiting[task_key]
+        return pending.future.result()
+
+    async def _commit(self, task_id: str, task_key: bytes, batch: list[_Pending]) -> None:
+        try:
+            await self._commit_batch(task_id, task_key, batch)
+        except BaseException as error:  # the store failed: every answer of the batch says so
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(error)
+            if not isinstance(error, Exception):
+                raise
+
+    async def _commit_batch(self, task_id: str, task_key: bytes, batch: list[_Pending]) -> None:
+        turn_key = self._turn_key(task_key)
+        res_keys = list(dict.fromkeys(p.res_key for p in batch))
+        keys = [task_key, turn_key, *res_keys]
+        cached = task_key in self._seen and all(
+            p.res_key in self._seen or p.absent_likely for p in batch
+        )
+        rows = [self._seen.get(k) for k in keys] if cached else await self._store.read(keys)
+        losses = 0  # conflicts in a row
+        for attempt in range(1, self._max_attempts + 1):
+            current = dict(zip(keys, rows, strict=True))
+            task_row = current[task_key]
+            if task_row is None:
+                if cached:
+                    rows, cached = await self._store.read(keys), False
+                    continue
+                self._forget_task(task_key)
+                for pending in batch:
+                    pending.future.set_exception(self._not_found(task_id))
+                return
+            claim = TurnClaim.loads(current[turn_key].value if current[turn_key] else None)
+            now = self._now_ns()
+            if must_wait_for_turn(claim, self.replica_id, now, self._turn_ttl_ns):
+                # Another replica kept losing to us and claimed the turn: let it write.
+                self.turn_waits += 1
+                await asyncio.sleep(min(self._turn_ttl_ns / 1e9 / 10, 0.005))
+                rows, cached = await self._store.read(keys), False
+                continue
+            task = TaskRecord.loads(task_row.value)
+            records = {
+                k: ReservationRecord.loads(current[k].value) if current[k] else None
+                for k in res_keys
+            }
+            answers: list[tuple] = []  # per pending: ("write"|"replay", task, res) or ("error", e)
+            changed: dict[bytes, ReservationRecord] = {}
+            for pending in batch:
                 try:
-                    task = self._task_or_not_found(task_row, task_id)
-                    reservation = ReservationRecord.loads(res_row.value) if res_row else None
-                    decision = decide(task, reservation, self._now_ns())
-                except (
-                    NotFound,
-                    ResourceExhausted,
-                    AlreadyExists,
-                    FailedPrecondition,
-                    DeadlineExceeded,
-                ):
-                    if not cached:
-                        if task_row is None:
-                            self._forget_task(task_key)
-                        raise
-                    # A refusal must rest on fresh values, never on this process's cache.
-                    snapshot, cached = await self._store.read(keys), False
+                    decision = pending.decide(task, records[pending.res_key], now)
+                except _REFUSALS as error:
+                    answers.append(("error", error))
                     continue
                 if isinstance(decision, Unchanged):
-                    if cached:
-                        snapshot, cached = await self._store.read(keys), False
-                        continue
-                    self._remember(task_key, task_row)
-                    self._remember(res_key, res_row)
-                    return Outcome(
-                        task, task_row.mod_revision, reservation, replayed=True, attempts=attempt
-                    )
-                new_task = decision.task.dumps()
-                new_reservation = decision.reservation.dumps()
-                revision, fresh = await self._store.write_if_unchanged(
-                    {
-                        task_key: task_row.mod_revision,
-                        res_key: res_row.mod_revision if res_row else 0,
-                    },
-                    {task_key: new_task, res_key: new_reservation},
-                    task.lease_id,
-                    reread=keys,
+                    answers.append(("replay", task, records[pending.res_key]))
+                    continue
+                task = decision.task
+                records[pending.res_key] = changed[pending.res_key] = decision.reservation
+                answers.append(("write", task, decision.reservation))
+            if cached and any(answer[0] != "write" for answer in answers):
+                # A refusal or a replay must rest on fresh values, never on this cache.
+                rows, cached = await self._store.read(keys), False
+                continue
+            revision = task_row.mod_revision
+            if changed:
+                puts = {task_key: task.dumps(), **{k: r.dumps() for k, r in changed.items()}}
+                if claim.holder:
+                    puts[turn_key] = TurnClaim("", 0).dumps()  # release ours, or a stale one
+                expected = {k: current[k].mod_revision if current[k] else 0 for k in puts}
+                # Guarded on the turn key too: a claim by another replica fails this write.
+                expected[turn_key] = current[turn_key].mod_revision if current[turn_key] else 0
+                written, fresh = await self._store.write_if_unchanged(
+                    expected, puts, task.lease_id, reread=keys
                 )
-                if revision is not None:
-                    self._remember(task_key, Versioned(new_task, revision))
-                    self._remember(res_key, Versioned(new_reservation, revision))
-                    return Outcome(decision.task, revision, decision.reservation, attempts=attempt)
-                self.conflicts += 1
-                snapshot, cached = fresh, False
-                if attempt >= 2:
-                    # Another replica keeps winning: a random pause desynchronises the two
-                    # write streams so this one gets through (bounded by the deadline).
-                    await asyncio.sleep(random.uniform(0, min(0.0005 * 2**attempt, 0.02)))
-        raise Aborted(
+                if written is None:
+                    self.conflicts += 1
+                    losses += 1
+                    rows, cached = fresh, False
+                    if losses >= self._turn_after:
+                        rows = await self._claim_turn(keys, rows, task.lease_id)
+                        losses = 0
+                    elif attempt >= 2:
+                        await asyncio.sleep(random.uniform(0, min(0.0002 * 2**attempt, 0.005)))
+                    continue
+                revision = written
+                self.commits += 1
+                for key, value in puts.items():
+                    self._remember(key, Versioned(value, written))
+            for key in keys:
+                if key not in changed and key not in (task_key, turn_key):
+                    self._remember(key, current[key])
+            if not changed:
+                self._remember(task_key, task_row)
+                self._remember(turn_key, current[turn_key])
+            for pending, answer in zip(batch, answers, strict=True):
+                if answer[0] == "error":
+                    pending.future.set_exception(answer[1])
+                else:
+                    kind, task_then, reservation = answer
+                    pending.future.set_result(Outcome(
+                        task_then, revision, reservation, replayed=kind == "replay",
+                        attempts=attempt,
+                    ))  # fmt: skip
+            return
+        error = Aborted(
             f"task {task_id}: the ledger changed under {self._max_attempts} consecutive "
             "attempts; retry with the same id"
+        )
+        for pending in batch:
+            pending.future.set_exception(error)
+
+    async def _claim_turn(self, keys: list[bytes], rows: list, lease_id: int) -> list:
+        """Claims the task's turn (a write of the turn key alone, which conflicts with no
+        task write but fails every other replica's next one); returns the rows to decide
+        on next."""
+        turn_key, turn_row = keys[1], rows[1]
+        claim = TurnClaim.loads(turn_row.value if turn_row else None)
+        if must_wait_for_turn(claim, self.replica_id, self._now_ns(), self._turn_ttl_ns):
+            return rows  # another replica holds it: the loop waits for its release
+        mine = TurnClaim(self.replica_id, self._now_ns()).dumps()
+        written, fresh = await self._store.write_if_unchanged(
+            {turn_key: turn_row.mod_revision if turn_row else 0},
+            {turn_key: mine},
+            lease_id,
+            reread=keys,
+        )
+        if written is None:
+            return fresh
+        self.turns_claimed += 1
+        return [rows[0], Versioned(mine, written), *rows[2:]]
+
+    @staticmethod
+    def _not_found(task_id: str) -> NotFound:
+        return NotFound(
+            f"task {task_id} does not exist for this tenant (never opened, or expired "
+            "after its deadline + grace)"
         )
 
     # -- operations -------------------------------------------------------------------------
