@@ -524,11 +524,12 @@ class TaskLedger:
         if not include_reservations:
             found = (await self._store.read([task_key]))[0]
             return self._task_or_not_found(found, task_id), found.mod_revision, []
-        rows = await self._store.read_prefix(self._task_prefix(tenant, task_id))
+        prefix = self._task_prefix(tenant, task_id)
+        rows = await self._store.read_prefix(prefix)
         found = next((v for k, v in rows if k == task_key), None)
         task = self._task_or_not_found(found, task_id)
         reservations = sorted(
-            (ReservationRecord.loads(v.value) for k, v in rows if k != task_key),
+            (ReservationRecord.loads(v.value) for k, v in rows if k.startswith(prefix + b"r/")),
             key=lambda r: (r.created_ns, r.reservation_id),
         )
         return task, found.mod_revision, reservations

@@ -112,6 +112,8 @@ async def test_a_replica_that_keeps_losing_claims_the_turn_and_releases_it():
     assert loser.turns_claimed == 1 and outcome.reservation.reservation_id == "r"
     turn = next(v for k, v in store.data.items() if k.endswith(b"/turn"))
     assert TurnClaim.loads(turn.value).holder == ""  # released by the write that won
+    _, _, reservations = await loser.get("acme", "t", include_reservations=True)
+    assert [r.reservation_id for r in reservations] == ["r"]  # the turn key is no reservation
 
 
 @pytest.mark.parametrize("stale", [False, True])
