@@ -25,6 +25,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Protocol
 
+from ragline.files import atomic_write_text
 from ragline_services.retrieval.documents import (
     Candidate,
     ResolvedHit,
@@ -190,7 +191,7 @@ class Bm25Index:
         self.stop_words = STOP_WORDS  # dropped from queries (tools compare other sets)
         self.migrated = self._set_aside_an_old_layout(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / LAYOUT_FILE).write_text(json.dumps({"layout": LAYOUT}))
+        atomic_write_text(directory / LAYOUT_FILE, json.dumps({"layout": LAYOUT}))
         self._open: OrderedDict[str, _TenantIndex] = OrderedDict()
         self._counts: dict[str, int] = {}  # documents per tenant, for the totals
         self._lock = threading.Lock()  # the open-index table
