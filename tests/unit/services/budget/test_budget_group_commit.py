@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from ragline.budget import Amounts
-from ragline.errors import ResourceExhausted
+from ragline.errors import ResourceExhausted, Unavailable
 from ragline_services.budget.ledger import TaskLedger, TurnClaim, must_wait_for_turn
 from support.memory_ledger import Clock, MemoryStore
 
@@ -136,3 +136,33 @@ async def test_another_replica_holds_its_writes_while_a_fresh_claim_stands(stale
     outcome = await asyncio.wait_for(reserve, 1)
     assert outcome.reservation.reservation_id == "w"
     assert TurnClaim.loads(store.data[turn_key].value).holder == ""
+
+
+class FailingStore(CountingStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    async def write_if_unchanged(self, expected, puts, lease_id, reread=()):
+        if self.down:
+            await asyncio.sleep(0.002)
+            raise Unavailable("etcd unreachable (test)")
+        return await super().write_if_unchanged(expected, puts, lease_id, reread)
+
+
+async def test_a_store_failure_reaches_every_operation_of_the_batch_and_charges_nothing():
+    store = FailingStore()
+    ledger = TaskLedger(store, clock_ns=Clock())
+    await ledger.open_task("acme", "t", Amounts(calls=10), 0, 60)
+    store.down = True
+    results = await asyncio.gather(
+        *(ledger.reserve("acme", "t", f"r{i}", Amounts(calls=1), "") for i in range(6)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, Unavailable) for r in results)
+    store.down = False
+    assert (await ledger.get("acme", "t"))[0].reserved == Amounts()  # nothing was granted
+    retried = await asyncio.gather(
+        *(ledger.reserve("acme", "t", f"r{i}", Amounts(calls=1), "") for i in range(6))
+    )
+    assert len(retried) == 6 and (await ledger.get("acme", "t"))[0].reserved == Amounts(calls=6)
