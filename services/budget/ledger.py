@@ -433,12 +433,11 @@ class TaskLedger:
                 self.commits += 1
                 for key, value in puts.items():
                     self._remember(key, Versioned(value, written))
+            # What this commit did not write is cached as read, the turn key included: a
+            # cache without it would fail the guard of every later write once.
             for key in keys:
-                if key not in changed and key not in (task_key, turn_key):
+                if not changed or key not in puts:
                     self._remember(key, current[key])
-            if not changed:
-                self._remember(task_key, task_row)
-                self._remember(turn_key, current[turn_key])
             for pending, answer in zip(batch, answers, strict=True):
                 if answer[0] == "error":
                     pending.future.set_exception(answer[1])

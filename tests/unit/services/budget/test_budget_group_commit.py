@@ -166,3 +166,25 @@ async def test_a_store_failure_reaches_every_operation_of_the_batch_and_charges_
         *(ledger.reserve("acme", "t", f"r{i}", Amounts(calls=1), "") for i in range(6))
     )
     assert len(retried) == 6 and (await ledger.get("acme", "t"))[0].reserved == Amounts(calls=6)
+
+
+async def test_a_released_turn_costs_no_conflict_on_later_writes():
+    """The turn key stays behind, released, after a claim: every replica must keep its
+    current version in its cache, or each later write from the cache would fail its guard
+    on the turn key once."""
+    store, clock = MemoryStore(), Clock()
+    holder = TaskLedger(store, clock_ns=clock, replica_id="b")
+    other = TaskLedger(store, clock_ns=clock, replica_id="a")
+    await holder.open_task("acme", "t", Amounts(calls=10), 0, 60)
+    store.lost_writes = 3
+    await holder.reserve("acme", "t", "claimed", Amounts(calls=1), "")  # claims, releases
+    await other.reserve("acme", "t", "first", Amounts(calls=1), "")  # learns the turn key
+    before = (holder.conflicts, other.conflicts)
+    for i in range(3):
+        await holder.reserve("acme", "t", f"h{i}", Amounts(calls=1), "")
+        await holder.settle("acme", "t", f"h{i}", Amounts(calls=1), False)
+    for i in range(3):
+        await other.reserve("acme", "t", f"o{i}", Amounts(calls=1), "")
+    # One conflict each at most: the first write after the other replica's writes. (Without
+    # the turn key in the cache: one per write, 3 and 6.)
+    assert holder.conflicts <= before[0] + 1 and other.conflicts <= before[1] + 1
