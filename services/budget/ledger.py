@@ -120,6 +120,11 @@ class TurnClaim:
         return cls(holder, int(since or 0))
 
 
+def _revision(row: Versioned | None) -> int:
+    """A row's mod revision as a write guard expects it (0: the key must be absent)."""
+    return row.mod_revision if row else 0
+
+
 def must_wait_for_turn(claim: TurnClaim, me: str, now_ns: int, ttl_ns: int) -> bool:
     """Whether `me` must hold its writes: another replica claimed the turn recently."""
     return bool(claim.holder) and claim.holder != me and now_ns - claim.since_ns < ttl_ns
@@ -350,7 +355,8 @@ class TaskLedger:
     async def _commit(self, task_id: str, task_key: bytes, batch: list[_Pending]) -> None:
         try:
             await self._commit_batch(task_id, task_key, batch)
-        except BaseException as error:  # the store failed: every answer of the batch says so
+        except BaseException as error:  # no task, no write in time, or the store failed:
+            # every unanswered operation of the batch gets the same answer
             for pending in batch:
                 if not pending.future.done():
                     pending.future.set_exception(error)
@@ -374,9 +380,7 @@ class TaskLedger:
                     rows, cached = await self._store.read(keys), False
                     continue
                 self._forget_task(task_key)
-                for pending in batch:
-                    pending.future.set_exception(self._not_found(task_id))
-                return
+                raise self._not_found(task_id)
             claim = TurnClaim.loads(current[turn_key].value if current[turn_key] else None)
             now = self._now_ns()
             if must_wait_for_turn(claim, self.replica_id, now, self._turn_ttl_ns):
@@ -413,9 +417,8 @@ class TaskLedger:
                 puts = {task_key: task.dumps(), **{k: r.dumps() for k, r in changed.items()}}
                 if claim.holder:
                     puts[turn_key] = TurnClaim("", 0).dumps()  # release ours, or a stale one
-                expected = {k: current[k].mod_revision if current[k] else 0 for k in puts}
                 # Guarded on the turn key too: a claim by another replica fails this write.
-                expected[turn_key] = current[turn_key].mod_revision if current[turn_key] else 0
+                expected = {k: _revision(current[k]) for k in (*puts, turn_key)}
                 written, fresh = await self._store.write_if_unchanged(
                     expected, puts, task.lease_id, reread=keys
                 )
@@ -448,12 +451,10 @@ class TaskLedger:
                         attempts=attempt,
                     ))  # fmt: skip
             return
-        error = Aborted(
+        raise Aborted(
             f"task {task_id}: the ledger changed under {self._max_attempts} consecutive "
             "attempts; retry with the same id"
         )
-        for pending in batch:
-            pending.future.set_exception(error)
 
     async def _claim_turn(self, keys: list[bytes], rows: list, lease_id: int) -> list:
         """Claims the task's turn (a write of the turn key alone, which conflicts with no
@@ -465,7 +466,7 @@ class TaskLedger:
             return rows  # another replica holds it: the loop waits for its release
         mine = TurnClaim(self.replica_id, self._now_ns()).dumps()
         written, fresh = await self._store.write_if_unchanged(
-            {turn_key: turn_row.mod_revision if turn_row else 0},
+            {turn_key: _revision(turn_row)},
             {turn_key: mine},
             lease_id,
             reread=keys,

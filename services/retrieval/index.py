@@ -251,8 +251,9 @@ class RetrievalIndex:
 
     async def delete(self, tenant: str, ids: list[str]) -> WriteResult:
         keys = [doc_key(tenant, i) for i in dict.fromkeys(ids)]
-        existing = await asyncio.to_thread(self.bm25.existing, tenant, [point_id(k) for k in keys])
-        present = [k for k in keys if point_id(k) in existing]
+        pids = [point_id(k) for k in keys]
+        existing = await asyncio.to_thread(self.bm25.existing, tenant, pids)
+        present = [k for k, pid in zip(keys, pids, strict=True) if pid in existing]
         if not present:
             tseq = self.tenant_applied.get(tenant, 0)
             return WriteResult(self.applied_seq, [], 0, len(keys), tenant_seq=tseq)
