@@ -25,6 +25,13 @@ from support.orchestrator import ask, generation_slot_free, ledger, who
 pytestmark = pytest.mark.integration
 
 WARSAW = "Which river flows through Warsaw?"
+# Greedy decoding makes an answer's length a fact of the question: SmolLM2 answers WARSAW
+# in ~13 tokens (~1 s in all here, so a 1.2 s deadline could miss it) and this in ~130
+# (~2.7 s): a deadline test with it cuts the answer mid-stream on any machine.
+LONG_ANSWER = (
+    "Describe Warsaw in detail: its river, its history, its buildings, its parks, "
+    "its wildlife and its people."
+)
 
 
 def result_of(messages) -> orchestrator_pb2.AskResult:
@@ -106,7 +113,12 @@ async def test_a_deadline_shorter_than_the_plan_ends_in_time_and_leaves_nothing_
     orchestrator = rag_stack.orchestrator(small=True)
     for deadline_s in (0.25, 1.2):
         task_id = f"deadline-{uuid.uuid4().hex[:8]}"
-        request = orchestrator_pb2.AskRequest(question=WARSAW, task_id=task_id, max_tokens=2000)
+        request = orchestrator_pb2.AskRequest(
+            question=LONG_ANSWER,
+            task_id=task_id,
+            max_tokens=2000,
+            cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
+        )
         started = time.monotonic()
         try:
             result = result_of(await ask(orchestrator.address, request, deadline_s=deadline_s))
