@@ -8,7 +8,7 @@ TRITON_VENV := .venv-triton
 # The stamp's number changes with the package list, so an older venv is topped up.
 TRITON_STAMP := $(TRITON_VENV)/.ragline-installed-2
 
-.PHONY: install triton-env llama-server node-client redis-server up test lint format clean
+.PHONY: install triton-env llama-server node-client redis-server models up test lint format clean
 
 # Re-installing regenerates the protobuf/gRPC stubs (setup.py runs grpcio-tools).
 install: $(STAMP)
@@ -33,7 +33,12 @@ llama-server: install
 	$(BIN)/python tools/build_llama_server.py --jobs $$(nproc)
 
 # UP_ARGS: extra `ragline up` options (for example --base-port 0).
-up: install llama-server
+# The models the services' settings name, prepared ahead (downloads, and the derived
+# static int8 graph: ~1 min once per machine) so that no service starts by making one.
+models: install
+	$(BIN)/ragline models prepare
+
+up: install llama-server models
 	$(BIN)/ragline up $(UP_ARGS)
 
 lint: install
@@ -55,7 +60,7 @@ redis-server:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
-test: lint triton-env llama-server node-client redis-server
+test: lint triton-env llama-server node-client redis-server models
 	$(BIN)/pytest
 
 format: install

@@ -56,7 +56,13 @@ class BuildPyWithStubs(build_py):
 setup(
     packages=find_packages(),
     package_data={
-        "ragline": ["py.typed", "v1/*.pyi", "models/manifest.toml", "models/bundled/*/*"],
+        "ragline": [
+            "py.typed",
+            "v1/*.pyi",
+            "models/manifest.toml",
+            "models/bundled/*/*",
+            "models/calibration/*",
+        ],
         "ragline_app": ["data/*.json", "data/*.md"],
     },
     cmdclass={"build_py": BuildPyWithStubs},

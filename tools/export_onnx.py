@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from ragline.models import ModelStore
+from ragline.models.quantization import quantize_static_qdq
 from ragline.models.store import sha256_of
 from ragline_app.datasets import load_squad
-from ragline_app.quantization import quantize_static_qdq
 from ragline_services.embedding.reference import build_torch_model
 
 SOURCE = "all-minilm-l6-v2"
@@ -196,7 +196,7 @@ def main() -> int:
             calibration_feeds(store, calibration),
             op_types=("MatMul",),
             weights_only_matmuls=True,
-            exclude_after="Gelu",
+            keep_fp32_after_gelu=True,
         )
         report["calibration"] = f"{source.name}: {len(calibration)} texts (seed 17)"
         results = {}

@@ -35,10 +35,10 @@ import numpy as np
 
 from ragline.batching import pad_pairs
 from ragline.models import ModelStore
+from ragline.models.quantization import quantize_static_qdq
 from ragline.models.store import sha256_of
 from ragline.tokenization import Tokenizer
 from ragline_app.datasets import load_squad
-from ragline_app.quantization import quantize_static_qdq
 
 SOURCE = "all-minilm-l6-v2"
 REPO = Path(__file__).resolve().parents[1]

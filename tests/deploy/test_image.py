@@ -75,7 +75,7 @@ def test_the_image_bakes_in_the_models_the_service_defaults_name():
     baked = set(match.group(1).split())
     store = ModelStore()
     for name in baked:
-        assert store.spec(name).downloadable, f"{name} is not prepared from a package"
+        assert store.spec(name).preparable, f"{name} is not prepared from a package"
     rerank = RerankConfig()
     defaults = {
         EmbeddingConfig().model,

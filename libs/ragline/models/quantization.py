@@ -16,19 +16,34 @@ from pathlib import Path
 import numpy as np
 
 
-def matmuls_after(model_path: Path, producer_op: str) -> list[str]:
-    """Names of the MatMul nodes whose first input an `producer_op` node computes (for
-    example the feed-forward output projections after Gelu, whose inputs have the outlier
-    activations that one int8 scale per tensor cannot hold)."""
+def matmuls_after_gelu(model_path: Path) -> list[str]:
+    """Names of the MatMul nodes whose first input is a GELU's output: the feed-forward
+    output projections, whose inputs have the outlier activations that one int8 scale per
+    tensor cannot hold. GELU is a `Gelu` node (torch's exporter) or its erf form
+    `x * 0.5 * (1 + erf(x / sqrt 2))` ending in a Mul (other exporters, folded graphs)."""
     import onnx
 
     graph = onnx.load(str(model_path)).graph
-    producers = {output: node.op_type for node in graph.node for output in node.output}
-    return [
-        node.name
+    producers = {output: node for node in graph.node for output in node.output}
+
+    def is_gelu(node, depth: int = 0) -> bool:
+        if node is None or depth > 3:
+            return False
+        if node.op_type in ("Gelu", "Erf"):
+            return True
+        if node.op_type not in ("Mul", "Add"):
+            return False
+        return any(is_gelu(producers.get(name), depth + 1) for name in node.input)
+
+    found = [
+        node
         for node in graph.node
-        if node.op_type == "MatMul" and producers.get(node.input[0]) == producer_op
+        if node.op_type == "MatMul" and is_gelu(producers.get(node.input[0]))
     ]
+    if any(not node.name for node in found):
+        # The quantizer excludes nodes by name: an empty one would exclude every unnamed node.
+        raise ValueError(f"{model_path}: MatMul nodes after GELU have no names to exclude")
+    return [node.name for node in found]
 
 
 def quantize_static_qdq(
@@ -38,12 +53,12 @@ def quantize_static_qdq(
     op_types: tuple[str, ...] = ("MatMul", "Gemm", "Gather"),
     *,
     weights_only_matmuls: bool = False,
-    exclude_after: str = "",
+    keep_fp32_after_gelu: bool = False,
 ) -> None:
     """Writes `int8` from `fp32`; `calibration` yields input feeds (name -> array). Gather
     is quantized by default: the word embeddings are most of a BERT's weights.
     `weights_only_matmuls` leaves activation x activation products (attention) in fp32;
-    `exclude_after` leaves the MatMuls fed by that op type in fp32."""
+    `keep_fp32_after_gelu` leaves the MatMuls fed by a GELU in fp32."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -62,7 +77,7 @@ def quantize_static_qdq(
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared.onnx"
         quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
-        excluded = matmuls_after(prepared, exclude_after) if exclude_after else []
+        excluded = matmuls_after_gelu(prepared) if keep_fp32_after_gelu else []
         quantize_static(
             str(prepared),
             str(int8),
