@@ -1,7 +1,7 @@
 """Rerank latency per cascade stage, through gRPC, at 20 and 100 candidates.
 
     .venv/bin/python tools/bench_rerank.py [--data ../shared/data/squaddev_v1.1.json] \\
-        [--queries 100] [--candidates 20,100] [--concurrency 1,8]
+        [--queries 100] [--candidates 20,100] [--concurrency 1,8] [--baseline DIR]
 
 Starts the rerank service (its defaults: the embedding model's token vectors for late
 interaction, ragline's cross-encoder) and asks SQuAD questions over candidate lists of
@@ -11,6 +11,8 @@ with the candidates' token vectors cached (warm: the usual case, since a retriev
 repeats documents) and on first sight (cold: computed now), the whole call p50/p95, and
 queries/s at each concurrency (pairs batched across requests). Stage 1 alone is measured
 with the cross-encoder turned off (a second service, RAGLINE_RERANK_CROSS_ENCODER_MODEL="").
+`--baseline DIR` (another checkout, with its own defaults) runs every row twice in one run,
+that code's services first, so before and after share the machine's state.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 
 from ragline.v1 import rerank_pb2, rerank_pb2_grpc
 from ragline_app.datasets import load_squad
-from ragline_app.stack import spawn_service
+from ragline_app.stack import source_pythonpath, spawn_service
 
 REPO = Path(__file__).resolve().parents[1]
 ACME = (("x-ragline-tenant", "bench"),)
@@ -93,43 +95,52 @@ def main() -> int:
     parser.add_argument("--candidates", default="20,100")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--baseline", type=Path, help="another checkout, measured first")
     args = parser.parse_args()
     passages, questions = load_squad(args.data)
     logs = REPO / ".ragline" / "bench"
-    full, full_addr = spawn_service("rerank", {}, logs / "bench-rerank.log")
-    stage1, stage1_addr = spawn_service(
-        "rerank", {"RAGLINE_RERANK_CROSS_ENCODER_MODEL": ""}, logs / "bench-rerank-stage1.log"
+    variants = (
+        [("before", {"PYTHONPATH": source_pythonpath(args.baseline)})] if args.baseline else []
     )
+    variants.append(("after" if args.baseline else "this tree", {}))
     rows = []
-    try:
-        for size in (int(s) for s in args.candidates.split(",")):
-            requests = requests_for(passages, questions, size, args.queries, args.seed + size)
-            for name, address in (("stage 1", stage1_addr), ("stage 1+2", full_addr)):
-                cold_stages, cold_totals, _ = asyncio.run(run(address, requests, 1))
-                warm_stages, warm_totals, _ = asyncio.run(run(address, requests, 1))
-                rates = {
-                    c: asyncio.run(run(address, requests, c))[2]
-                    for c in (int(x) for x in args.concurrency.split(","))
-                }
-                rows.append(
-                    f"| {size} | {name} | {p(warm_stages.get('late_interaction'))} | "
-                    f"{p(warm_stages.get('cross_encoder'))} | {p(warm_totals)} | "
-                    f"{p(cold_stages.get('late_interaction'))} | {p(cold_totals)} | "
-                    + " / ".join(f"{r:.1f}" for r in rates.values())
-                    + " |"
-                )
-                print(rows[-1], file=sys.stderr)
-    finally:
-        for process in (full, stage1):
-            process.terminate()
-            process.wait(timeout=30)
+    for variant, env in variants:
+        full, full_addr = spawn_service("rerank", env, logs / f"bench-rerank-{variant}.log")
+        stage1, stage1_addr = spawn_service(
+            "rerank",
+            {**env, "RAGLINE_RERANK_CROSS_ENCODER_MODEL": ""},
+            logs / f"bench-rerank-stage1-{variant}.log",
+        )
+        try:
+            for size in (int(s) for s in args.candidates.split(",")):
+                requests = requests_for(passages, questions, size, args.queries, args.seed + size)
+                for name, address in (("stage 1", stage1_addr), ("stage 1+2", full_addr)):
+                    cold_stages, cold_totals, _ = asyncio.run(run(address, requests, 1))
+                    warm_stages, warm_totals, _ = asyncio.run(run(address, requests, 1))
+                    rates = {
+                        c: asyncio.run(run(address, requests, c))[2]
+                        for c in (int(x) for x in args.concurrency.split(","))
+                    }
+                    rows.append(
+                        f"| {variant} | {size} | {name} | "
+                        f"{p(warm_stages.get('late_interaction'))} | "
+                        f"{p(warm_stages.get('cross_encoder'))} | {p(warm_totals)} | "
+                        f"{p(cold_stages.get('late_interaction'))} | {p(cold_totals)} | "
+                        + " / ".join(f"{r:.1f}" for r in rates.values())
+                        + " |"
+                    )
+                    print(rows[-1], file=sys.stderr)
+        finally:
+            for process in (full, stage1):
+                process.terminate()
+                process.wait(timeout=30)
     print(f"{args.queries} questions of {args.data.name}; ms p50 / p95; server stage timings")
     levels = args.concurrency.replace(",", "/")
     print(
-        "| candidates | cascade | late interaction (warm) | cross-encoder | call (warm) | "
+        "| code | candidates | cascade | late interaction (warm) | cross-encoder | call (warm) | "
         f"late interaction (cold) | call (cold) | queries/s at c={levels} |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
 

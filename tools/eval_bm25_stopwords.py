@@ -5,7 +5,7 @@
 
 Indexes every paragraph of each SQuAD-format file into the service's BM25 index (one
 tenant), asks every `--every`-th question three ways (all words; Lucene's 33 English stop
-words dropped; the service's list, services/retrieval/stopwords.py, dropped) and reports
+words dropped; the service's list, libs/ragline/stopwords.py, dropped) and reports
 quality and the Tantivy search time per query (p50 / p95). `--noisy-titles` also runs a copy
 whose titles are replaced by long URL-like strings full of stop words (news sites' slugs),
 the case where stop words in short title fields mislead BM25.
@@ -20,11 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from ragline.stopwords import STOP_WORDS
 from ragline_app.datasets import load_squad
 from ragline_app.evaluation import ranking_metrics
 from ragline_services.retrieval.bm25 import Bm25Index
 from ragline_services.retrieval.documents import StoredDocument, Visibility, doc_key
-from ragline_services.retrieval.stopwords import STOP_WORDS
 
 LUCENE = frozenset(
     "a an and are as at be but by for if in into is it no not of on or such that the their "

@@ -104,6 +104,15 @@ async def evaluate(path: Path, args) -> list[tuple[str, dict]]:
         texts = {p.id: f"{p.title}. {p.text}" for p in passages}
         rows = []
         rerankers = {r: await _reranker(r == "stage1+2") for r in reranks}
+        if rerankers:
+            from ragline_services.rerank.service import RerankConfig
+
+            rerank = RerankConfig()
+            print(
+                f"rerank: token model {rerank.token_model} ({rerank.token_dim}-d), "
+                f"cross-encoder {rerank.cross_encoder_model or '-'} over "
+                f"{rerank.cross_encoder_candidates} of {args.late_interaction_k}"
+            )
         for mode, weight in runs:
             rankings, scores = [], []
             for q, vector in zip(questions, q_vecs, strict=True):

@@ -39,6 +39,10 @@ class Tokenizer:
         self._long_pairs.no_padding()
         self._long_pairs.enable_truncation(max_length=max_tokens, strategy="longest_first")
 
+    def vocabulary(self) -> dict[str, int]:
+        """Token string -> id (special tokens included)."""
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
     def encode_pairs(self, pairs: list[tuple[str, str]]) -> list[TokenizedText]:
         """[CLS] first [SEP] second [SEP], with segment ids, cut to max_tokens."""
         try:

@@ -26,7 +26,7 @@ from ragline import deadlines
 from ragline.batching import MicroBatcher
 from ragline.errors import DeadlineExceeded, InvalidArgument
 from ragline.tokenization import Tokenizer
-from ragline_services.rerank.models import dequantize, maxsim, quantize
+from ragline_services.rerank.models import dequantize, maxsim_many, quantize
 
 LATE_INTERACTION, CROSS_ENCODER = "late_interaction", "cross_encoder"
 
@@ -166,6 +166,7 @@ class Reranker:
         cross_encoder_weight: float = 0.3,
         cross_encoder_candidates: int = 10,
         deadline_margin_s: float = 0.005,
+        skip_query_tokens: frozenset[int] = frozenset(),
     ) -> None:
         self.token_tokenizer = token_tokenizer
         self.token_batcher = token_batcher
@@ -176,6 +177,7 @@ class Reranker:
         self.cross_encoder_weight = cross_encoder_weight
         self.cross_encoder_candidates = cross_encoder_candidates
         self.deadline_margin_s = deadline_margin_s
+        self.skip_query_tokens = skip_query_tokens
         self.costs = {LATE_INTERACTION: StageCost(), CROSS_ENCODER: StageCost()}
 
     async def rerank(self, request: RerankInput) -> RerankOutput:
@@ -251,14 +253,25 @@ class Reranker:
         offset = 1 if query is not None else 0
         for position, index in enumerate(missing, start=offset):
             found[documents[index].id] = self.cache.put(keys[index], batch.rows[position])
-        return (batch.rows[0] if query is not None else None), found, len(missing)
+        if query is None:
+            return None, found, len(missing)
+        return self._query_rows(batch.rows[0], tokenized[0]), found, len(missing)
+
+    def _query_rows(self, rows: np.ndarray, tokenized) -> np.ndarray:
+        """The query's token vectors without the tokens MaxSim should not average over
+        (`skip_query_tokens`: stop words, punctuation), unless that would leave none."""
+        if not self.skip_query_tokens:
+            return rows
+        ids = tokenized.ids[1 : 1 + len(rows)]  # rows leave [CLS] and [SEP] out
+        keep = np.array([int(i) not in self.skip_query_tokens for i in ids], dtype=bool)
+        return rows[keep] if keep.any() else rows
 
     async def _late_interaction(self, request: RerankInput, output: RerankOutput):
         started = time.perf_counter()
         query, documents, _ = await self._token_vectors(
             request.tenant, request.candidates, request.query, output
         )
-        late = np.array([maxsim(query, documents[c.id]) for c in request.candidates])
+        late = maxsim_many(query, [documents[c.id] for c in request.candidates])
         first = np.array([c.first_stage_score for c in request.candidates])
         weight = self.late_interaction_weight
         blended = weight * _minmax(late) + (1 - weight) * _minmax(first)

@@ -15,6 +15,7 @@ from ragline.config import ServiceConfig
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
+from ragline.stopwords import STOP_WORDS
 from ragline.tokenization import Tokenizer
 from ragline.v1 import rerank_pb2, rerank_pb2_grpc
 from ragline_services.rerank.cascade import Reranker, TokenCache
@@ -33,13 +34,18 @@ class RerankConfig(ServiceConfig):
     # Token vectors are stored projected to this many components, int8.
     token_dim: int = Field(128, ge=8, le=4096)
     token_cache_mb: int = Field(256, ge=1)
+    # MaxSim averages over the query's tokens except stop words and punctuation (measured:
+    # hybrid + stage 1 on SQuAD dev 0.924 -> 0.927 nDCG@10).
+    query_skip_stop_words: bool = True
     # Weight of MaxSim against the candidate's incoming score in stage 1 (0..1).
     late_interaction_weight: float = Field(0.7, ge=0, le=1)
     # Weight of the cross-encoder's score against stage 1's in stage 2 (0..1).
     cross_encoder_weight: float = Field(0.3, ge=0, le=1)
     # Stage 2: a cross-encoder of the manifest ("" turns stage 2 off).
     cross_encoder_model: str = "minilm-ce-l3-int8"
-    cross_encoder_candidates: int = Field(10, ge=1, le=1000)
+    # Stage-1 survivors the cross-encoder reads. Measured on SQuAD dev (1,000 questions):
+    # 5 and 10 give the same nDCG@10 (0.921), and 5 pairs cost half (~36 ms on one thread).
+    cross_encoder_candidates: int = Field(5, ge=1, le=1000)
     model_dir: Path | None = None
     prepare_models: bool = True
     intra_op_threads: int = Field(1, ge=1)
@@ -51,6 +57,16 @@ class RerankConfig(ServiceConfig):
     max_queue_texts: int = Field(4096, ge=1)
     # One tenant's share of the queue (0: half of it).
     max_queue_texts_per_tenant: int = Field(0, ge=0)
+
+
+def skipped_query_tokens(tokenizer: Tokenizer) -> frozenset[int]:
+    """Ids of the tokens late interaction leaves out of a query: stop words, and tokens
+    without a letter or digit (punctuation, special tokens)."""
+    return frozenset(
+        token_id
+        for token, token_id in tokenizer.vocabulary().items()
+        if token.lower() in STOP_WORDS or not any(c.isalnum() for c in token)
+    )
 
 
 @dataclass
@@ -118,6 +134,9 @@ async def build_reranker(cfg: RerankConfig, store: ModelStore) -> Built:
         )
         pair_batcher = await batcher(cross.run)
     reranker = Reranker(
+        skip_query_tokens=skipped_query_tokens(token_tokenizer)
+        if cfg.query_skip_stop_words
+        else frozenset(),
         token_tokenizer=token_tokenizer,
         token_batcher=await batcher(encoder.run),
         pair_tokenizer=pair_tokenizer,

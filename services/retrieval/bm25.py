@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ragline.files import atomic_write_text
+from ragline.stopwords import STOP_WORDS, without_stop_words
 from ragline_services.retrieval.documents import (
     Candidate,
     ResolvedHit,
@@ -34,7 +35,6 @@ from ragline_services.retrieval.documents import (
     point_id,
     split_key,
 )
-from ragline_services.retrieval.stopwords import STOP_WORDS, without_stop_words
 
 _NOT_WORD = re.compile(r"[^\w]+", re.UNICODE)
 # Version of the on-disk layout; an index of another layout is set aside and rebuilt from

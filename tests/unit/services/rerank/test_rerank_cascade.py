@@ -20,7 +20,8 @@ from ragline_services.rerank.cascade import (
     RerankInput,
     TokenCache,
 )
-from ragline_services.rerank.models import projection, quantize
+from ragline_services.rerank.models import maxsim, maxsim_many, projection, quantize
+from ragline_services.rerank.service import skipped_query_tokens
 
 
 def word_id(word: str) -> int:
@@ -207,3 +208,38 @@ async def test_late_interaction_only_runs_stage_one_and_reports_nothing_skipped(
     )
     assert out.stages_run == [LATE_INTERACTION] and not out.skipped
     assert models.pairs == 0 and len(out.results) == 2
+
+
+def test_maxsim_over_many_documents_equals_one_document_at_a_time():
+    rng = np.random.default_rng(3)
+    query = rng.normal(size=(7, 16)).astype(np.float32)
+    documents = [rng.normal(size=(n, 16)).astype(np.float32) for n in (1, 30, 0, 5, 112)]
+    together = maxsim_many(query, documents)
+    alone = [maxsim(query, d) for d in documents]
+    np.testing.assert_allclose(together, alone, rtol=1e-5, atol=1e-6)
+    assert together[2] == 0.0  # a document without tokens matches nothing
+    assert not maxsim_many(query[:0], documents).any()
+
+
+async def test_late_interaction_leaves_the_skipped_query_tokens_out():
+    # "the the river": counting "the", the passage of "the"s matches 2 of 3 query tokens and
+    # wins; without it only "river" counts and the river passage wins.
+    candidates = [Candidate("stop", "the the the"), Candidate("river", "river banks")]
+    request = RerankInput("acme", "the the river", candidates, top_k=2, late_interaction_only=True)
+    counted = await make(Models(), late_interaction_weight=1.0)
+    skipping = await make(
+        Models(), late_interaction_weight=1.0, skip_query_tokens=frozenset({word_id("the")})
+    )
+    assert [r.id for r in (await counted.rerank(request)).results] == ["stop", "river"]
+    assert [r.id for r in (await skipping.rerank(request)).results] == ["river", "stop"]
+    # A query of skipped tokens only is scored on all of them.
+    only = RerankInput("acme", "the", candidates, top_k=2, late_interaction_only=True)
+    assert (await skipping.rerank(only)).results[0].id == "stop"
+
+
+def test_the_skipped_query_tokens_are_stop_words_and_punctuation():
+    class Vocabulary:
+        def vocabulary(self):
+            return {"the": 1, "river": 2, "?": 3, "[CLS]": 4, "##s": 5, "what": 6, "1990": 7}
+
+    assert skipped_query_tokens(Vocabulary()) == {1, 3, 6}

@@ -1,4 +1,5 @@
-"""English stop words dropped from BM25 queries (never from documents).
+"""English stop words dropped from BM25 queries (never from documents), and from the query
+tokens that rerank's late interaction averages over.
 
 Lucene's default English set plus question words, pronouns and auxiliaries: questions are
 full of them ("what", "which", "the", "of"), they match nearly every document (so block
@@ -6,6 +7,8 @@ pruning cannot skip anything), and inside short title fields BM25 weighs them hi
 Measured by tools/eval_bm25_stopwords.py (a third of the questions): SQuAD dev nDCG@10
 0.860 -> 0.869, new_wiki 0.875 -> 0.878, BM25 search p50 about 20 % faster at 2k passages
 (Lucene's 33 words alone: 0.859 / 0.874). A query of stop words only is searched as it is.
+In MaxSim (a stop word's best match says little about a passage): hybrid + stage 1 on SQuAD
+dev 0.924 -> 0.927 nDCG@10 (tools/eval_retrieval.py, 1,000 questions).
 """
 
 from __future__ import annotations
