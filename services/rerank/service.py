@@ -37,7 +37,10 @@ class RerankConfig(ServiceConfig):
     # MaxSim averages over the query's tokens except stop words and punctuation (measured:
     # hybrid + stage 1 on SQuAD dev 0.924 -> 0.927 nDCG@10).
     query_skip_stop_words: bool = True
-    # Weight of MaxSim against the candidate's incoming score in stage 1 (0..1).
+    # Weight of MaxSim against the candidate's incoming score in stage 1 (0..1). Swept on
+    # SQuAD dev samples apart from the judged one: 800 questions, 0.5 / 0.7 / 0.85 -> nDCG@10
+    # 0.915 / 0.922 / 0.921; with stop words left out of the query, 1,000 questions (seed 5),
+    # 0.5 / 0.6 / 0.7 / 0.8 -> 0.925 / 0.926 / 0.924 / 0.923 (flat: 0.7 kept).
     late_interaction_weight: float = Field(0.7, ge=0, le=1)
     # Weight of the cross-encoder's score against stage 1's in stage 2 (0..1).
     cross_encoder_weight: float = Field(0.3, ge=0, le=1)
