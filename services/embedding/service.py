@@ -36,8 +36,11 @@ class EmbeddingConfig(ServiceConfig):
     # ONNX Runtime threads per model run (1 is best on small shared machines).
     intra_op_threads: int = Field(1, ge=1)
     # Micro-batching: texts per model run, longest wait for a batch to fill, queue bound.
+    # No wait by default: what arrives while a batch runs forms the next one (measured,
+    # tools/bench_embedding.py, 1 ms -> 0: c=1 84 -> 95 requests/s, c=32 175 -> 191, mean
+    # batch at c=32 20.0 -> 21.1).
     max_batch_texts: int = Field(32, ge=1)
-    max_wait_ms: float = Field(1.0, ge=0)
+    max_wait_ms: float = Field(0.0, ge=0)
     max_queue_texts: int = Field(2048, ge=1)
     # One tenant's share of the queue (0: half of it), so no tenant can fill it for all.
     max_queue_texts_per_tenant: int = Field(0, ge=0)
