@@ -164,7 +164,7 @@ class Reranker:
         cache: TokenCache,
         late_interaction_weight: float = 0.7,
         cross_encoder_weight: float = 0.3,
-        cross_encoder_candidates: int = 10,
+        cross_encoder_candidates: int = 5,
         deadline_margin_s: float = 0.005,
         skip_query_tokens: frozenset[int] = frozenset(),
     ) -> None:
