@@ -50,7 +50,9 @@ class RerankConfig(ServiceConfig):
     # 5 and 10 give the same nDCG@10 (0.921), and 5 pairs cost half (~36 ms on one thread).
     cross_encoder_candidates: int = Field(5, ge=1, le=1000)
     # Tokens of one (query, passage) pair (0: the model's own limit); the passage is cut.
-    cross_encoder_max_tokens: int = Field(0, ge=0, le=512)
+    # Measured on SQuAD dev (1,000 questions, hybrid + stage 1+2): 128 -> 0.924, 96 ->
+    # 0.925 nDCG@10, and 5 pairs take ~27 ms instead of ~36 on one thread.
+    cross_encoder_max_tokens: int = Field(96, ge=0, le=512)
     model_dir: Path | None = None
     prepare_models: bool = True
     intra_op_threads: int = Field(1, ge=1)

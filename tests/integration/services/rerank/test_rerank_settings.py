@@ -10,7 +10,7 @@ from ragline_services.rerank.service import RerankConfig, build_reranker
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize(("asked", "kept"), [(64, 64), (0, 128), (512, 128)])
+@pytest.mark.parametrize(("asked", "kept"), [(64, 64), (96, 96), (0, 128), (512, 128)])
 async def test_cross_encoder_pairs_are_cut_to_the_setting_never_past_the_model(asked, kept):
     store = ModelStore()
     built = await build_reranker(
