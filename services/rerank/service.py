@@ -56,9 +56,10 @@ class RerankConfig(ServiceConfig):
     model_dir: Path | None = None
     prepare_models: bool = True
     intra_op_threads: int = Field(1, ge=1)
-    # ONNX Runtime threads of the cross-encoder's runs (0: intra_op_threads). Stage 2 is one
-    # request's longest step: with cores to spare, 2 threads cut 5 pairs from ~36 to ~28 ms
-    # (measured in process); on a machine shared with generation, 1 leaves its cores alone.
+    # ONNX Runtime threads of the cross-encoder's runs (0: intra_op_threads), for a rerank
+    # with cores to itself. In process 2 threads cut 5 pairs from ~27 to ~17 ms, but through
+    # the service on 2 cores they made it worse (whole call p50 56 -> 86 ms: they contend
+    # with stage 1 and the server's threads), hence 0.
     cross_encoder_threads: int = Field(0, ge=0)
     max_batch_texts: int = Field(32, ge=1)
     # How long a batch waits for more work once the model is free. 0: work that arrives
