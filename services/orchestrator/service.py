@@ -48,8 +48,8 @@ class OrchestratorConfig(ServiceConfig):
     rerank_candidates: int = Field(30, ge=1, le=1000)
     late_interaction_k: int = Field(20, ge=1, le=1000)
     # The cross-encoder stage of rerank in the default plan. Off: measured on SQuAD dev it
-    # takes from late interaction after hybrid search (nDCG@10 0.921 vs 0.927) and costs
-    # ~40 ms per question on 2 cores (tools/eval_retrieval.py, tools/bench_rerank.py).
+    # takes from late interaction after hybrid search (nDCG@10 0.925 vs 0.927) and costs
+    # ~45 ms per question on 2 cores (tools/eval_retrieval.py, tools/bench_rerank.py).
     rerank_cross_encoder: bool = False
     context_passages: int = Field(4, ge=1, le=50)
     evidence_tokens: int = Field(120, ge=16, le=32768)
