@@ -93,16 +93,10 @@ class TokenEncoder:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-def maxsim(query: np.ndarray, document: np.ndarray) -> float:
-    """Late interaction: each query token's best match in the document, averaged."""
-    if not len(query) or not len(document):
-        return 0.0
-    return float((query @ document.T).max(axis=1).mean())
-
-
 def maxsim_many(query: np.ndarray, documents: list[np.ndarray]) -> np.ndarray:
-    """`maxsim` of the query against each document, as one product over every document's
-    tokens (one call into BLAS instead of one per candidate)."""
+    """Late interaction (MaxSim) of the query against each document: each query token's
+    best match in the document, averaged; 0 for a document without tokens. One product
+    over every document's tokens (one call into BLAS instead of one per candidate)."""
     scores = np.zeros(len(documents), dtype=np.float32)
     present = [i for i, d in enumerate(documents) if len(d)]
     if not len(query) or not present:

@@ -29,7 +29,7 @@ class RerankConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("rerank")
     # Stage 1: an embedding model of the manifest with per-token outputs. The default is
     # the static int8 graph: batch invariant, and it encodes a query in ~3.4 ms where the
-    # weights-only int8 graph takes ~4.5 (tools/bench_rerank.py).
+    # weights-only int8 graph takes ~4.5 (in process, 200 SQuAD questions, one thread).
     token_model: str = "minilm-l6-int8-qdq"
     # Token vectors are stored projected to this many components, int8.
     token_dim: int = Field(128, ge=8, le=4096)
@@ -47,7 +47,7 @@ class RerankConfig(ServiceConfig):
     # Stage 2: a cross-encoder of the manifest ("" turns stage 2 off).
     cross_encoder_model: str = "minilm-ce-l3-int8"
     # Stage-1 survivors the cross-encoder reads. Measured on SQuAD dev (1,000 questions):
-    # 5 and 10 give the same nDCG@10 (0.921), and 5 pairs cost half (~36 ms on one thread).
+    # 5 and 10 give the same nDCG@10 (0.921), and 5 pairs cost half (~36 ms at 128 tokens).
     cross_encoder_candidates: int = Field(5, ge=1, le=1000)
     # Tokens of one (query, passage) pair (0: the model's own limit); the passage is cut.
     # Measured on SQuAD dev (1,000 questions, hybrid + stage 1+2): 128 -> 0.924, 96 ->

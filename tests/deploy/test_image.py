@@ -67,22 +67,14 @@ def test_every_copied_path_exists_and_local_state_stays_out():
 
 
 def test_the_image_bakes_in_the_models_the_service_defaults_name():
-    from ragline_services.embedding.service import EmbeddingConfig
-    from ragline_services.generation.service import GenerationConfig
-    from ragline_services.rerank.service import RerankConfig
+    from ragline_app.cli import default_models
 
     match = re.search(r'^ARG MODELS="([^"]*)"', DOCKERFILE, re.MULTILINE)
     baked = set(match.group(1).split())
     store = ModelStore()
     for name in baked:
         assert store.spec(name).preparable, f"{name} is not prepared from a package"
-    rerank = RerankConfig()
-    defaults = {
-        EmbeddingConfig().model,
-        rerank.token_model,
-        rerank.cross_encoder_model,
-        GenerationConfig().small_model,
-    }
+    defaults = set(default_models())
     assert defaults - {""} <= baked
 
 
