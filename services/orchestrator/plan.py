@@ -21,6 +21,7 @@ class Kind(enum.Enum):
     SYNTHESIZE = "synthesize"
     FUSE = "fuse"
     SELECT_EVIDENCE = "select_evidence"
+    RERANK_QUERY = "rerank_query"
 
 
 # Parameters each kind accepts, and how each is read (the value of a params map is text).
@@ -32,6 +33,7 @@ PARAMS: dict[Kind, dict[str, type]] = {
     Kind.RETRIEVE: {"k": _INT, "query": _TEXT, "mode": _TEXT},
     Kind.FUSE: {"k": _INT, "fusion": _TEXT, "vector_weight": _FLOAT},
     Kind.RERANK: {"top_k": _INT, "late_interaction_k": _INT},
+    Kind.RERANK_QUERY: {},  # the question: what the rerank step sends
     Kind.SELECT_EVIDENCE: {"passages": _INT, "max_tokens": _INT},
     Kind.GENERATE: {"max_tokens": _INT, "tier": _TEXT},
     Kind.SYNTHESIZE: {"max_tokens": _INT, "tier": _TEXT},
@@ -118,8 +120,18 @@ def topological(plan: Plan) -> list[str]:
     return order
 
 
+def rerank_nodes(candidates: str) -> list[Node]:
+    """The rerank step over `candidates`, and the encoding of its query that runs beside
+    the retrieval (the rerank waits for it only if it is still under way)."""
+    return [
+        Node("rerank_query", Kind.RERANK_QUERY),
+        Node("rerank", Kind.RERANK, (candidates, "rerank_query"), optional=True),
+    ]
+
+
 def default_rag_plan(*, rerank: bool = True) -> Plan:
-    """embed || bm25 -> vector search -> fuse -> rerank (optional) -> evidence -> generate."""
+    """embed || bm25 || rerank query -> vector search -> fuse -> rerank (optional) ->
+    evidence -> generate."""
     nodes = [
         Node("embed", Kind.EMBED),
         Node("bm25", Kind.BM25),
@@ -128,7 +140,7 @@ def default_rag_plan(*, rerank: bool = True) -> Plan:
     ]
     ranked = "fuse"
     if rerank:
-        nodes.append(Node("rerank", Kind.RERANK, ("fuse",), optional=True))
+        nodes += rerank_nodes("fuse")
         ranked = "rerank"
     nodes += [
         Node("evidence", Kind.SELECT_EVIDENCE, (ranked, "embed")),

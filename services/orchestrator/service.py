@@ -128,6 +128,7 @@ class OrchestratorService(Service):
                 Kind.VECTOR_SEARCH: cfg.search_budget_s,
                 Kind.RETRIEVE: cfg.search_budget_s,
                 Kind.RERANK: cfg.rerank_budget_s,
+                Kind.RERANK_QUERY: cfg.rerank_budget_s,
                 Kind.SELECT_EVIDENCE: cfg.evidence_budget_s,
             },
             default_limits=Amounts(

@@ -44,6 +44,7 @@ _KINDS = {
     orchestrator_pb2.NODE_KIND_SYNTHESIZE: plans.Kind.SYNTHESIZE,
     orchestrator_pb2.NODE_KIND_FUSE: plans.Kind.FUSE,
     orchestrator_pb2.NODE_KIND_SELECT_EVIDENCE: plans.Kind.SELECT_EVIDENCE,
+    orchestrator_pb2.NODE_KIND_RERANK_QUERY: plans.Kind.RERANK_QUERY,
 }
 _KIND_ENUM = {kind: number for number, kind in _KINDS.items()}
 _NODE_STATES = {
@@ -163,7 +164,7 @@ def default_plan(mode: str, rerank: bool) -> plans.Plan:
     nodes = [first]
     ranked = "retrieve"
     if rerank:
-        nodes.append(plans.Node("rerank", plans.Kind.RERANK, ("retrieve",), optional=True))
+        nodes += plans.rerank_nodes("retrieve")
         ranked = "rerank"
     nodes += [
         plans.Node("evidence", plans.Kind.SELECT_EVIDENCE, (ranked,)),

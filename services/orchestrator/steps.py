@@ -50,7 +50,7 @@ from ragline_services.orchestrator.caches import (
 )
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.routing import escalation_signals
-from ragline_services.orchestrator.runner import Step
+from ragline_services.orchestrator.runner import Step, describe
 
 log = structlog.get_logger("ragline.orchestrator")
 
@@ -552,6 +552,27 @@ async def rerank(ctx: RunContext, step: Step) -> Ranked:
     return Ranked(out, "reranked")
 
 
+async def rerank_query(ctx: RunContext, step: Step) -> None:
+    """Has rerank encode the question while retrieval runs (Prepare with the query), so
+    that the rerank step only scores its candidates. Only ever a saving: when it cannot
+    run (the service, the budget, the time), the rerank step encodes the question itself,
+    and the answer is not degraded for it."""
+    text = ctx.settings.question
+    estimate = Amounts(input_tokens=ev.tokens_estimate(text) + 2, calls=1)
+    try:
+        await ctx.model_call(
+            step,
+            "rerank",
+            "Prepare",
+            rerank_pb2.PrepareRequest(query=text),
+            estimate,
+            lambda r: Amounts(input_tokens=r.usage.input_tokens, calls=1),
+        )
+    except (grpc.aio.AioRpcError, RaglineError) as error:
+        step.record.note = f"not prepared ({describe(error)}): the rerank step encodes it"
+        log.info("orchestrator.rerank_query_not_prepared", error=describe(error))
+
+
 def _flag(value: str | None, default: bool) -> bool:
     """A plan node's boolean parameter (params are strings)."""
     return default if value is None else value.strip().lower() in ("true", "1", "yes")
@@ -853,6 +874,7 @@ EXECUTORS = {
     Kind.RETRIEVE: retrieve,
     Kind.FUSE: fuse,
     Kind.RERANK: rerank,
+    Kind.RERANK_QUERY: rerank_query,
     Kind.SELECT_EVIDENCE: select_evidence,
     Kind.GENERATE: generate,
     Kind.SYNTHESIZE: generate,

@@ -7,6 +7,11 @@ Candidate token vectors are computed once per (tenant, id, text) and kept in a b
 cache, stored reduced (projected, int8). Stage 2 (cross-encoder) reads the query with each
 of the best `cross_encoder_candidates` survivors and keeps the best `top_k`.
 
+A query can be encoded ahead of its candidates (`prepare` with a query: the orchestrator
+sends the question while retrieval runs), so that stage 1 is only the scoring when the
+candidates come; a rerank that finds its query still being encoded waits for that work
+instead of doing it twice.
+
 Each stage's cost is estimated from its recent measured latency; when the time left cannot
 afford stage 2 and the request allows it, stage 2 is skipped and the response says so;
 when it does not allow it, the call fails DEADLINE_EXCEEDED at once instead of running
@@ -15,12 +20,15 @@ into the deadline. Both models batch work across concurrent requests.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+from cachetools import TTLCache
 
 from ragline import deadlines
 from ragline.batching import MicroBatcher
@@ -106,6 +114,42 @@ class TokenCache:
         return dequantize(*entry)
 
 
+@dataclass(frozen=True)
+class EncodedQuery:
+    rows: np.ndarray  # the token vectors MaxSim averages over
+    tokens: int  # what encoding it read (charged to whoever encoded it)
+
+
+class QueryCache:
+    """Queries encoded ahead of their rerank, by (tenant, query digest): the encoding's
+    task, done or under way. Short-lived and bounded: a plan reranks within a second or
+    two of preparing its question, and a query prepared but never reranked must not stay.
+    The tenant is part of every key, as in TokenCache."""
+
+    def __init__(self, max_entries: int = 1024, ttl_s: float = 30.0) -> None:
+        self._entries: TTLCache[tuple[str, str], asyncio.Future[EncodedQuery]] = TTLCache(
+            maxsize=max_entries, ttl=ttl_s, timer=time.monotonic
+        )
+
+    @staticmethod
+    def key(tenant: str, query: str) -> tuple[str, str]:
+        return tenant, hashlib.blake2b(query.encode(), digest_size=16).hexdigest()
+
+    def get(self, key) -> asyncio.Future[EncodedQuery] | None:
+        return self._entries.get(key)
+
+    def put(self, key, encoding: asyncio.Future[EncodedQuery]) -> None:
+        self._entries[key] = encoding
+
+    def forget(self, key, encoding: asyncio.Future[EncodedQuery]) -> None:
+        if self._entries.get(key) is encoding:
+            with contextlib.suppress(KeyError):
+                del self._entries[key]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 def _nbytes(entry: tuple[np.ndarray, np.ndarray]) -> int:
     rows, scales = entry
     return rows.nbytes + scales.nbytes
@@ -138,6 +182,8 @@ def _minmax(values: np.ndarray) -> np.ndarray:
 class PrepareOutput:
     prepared: int = 0
     already_prepared: int = 0
+    query_prepared: bool = False
+    query_already_prepared: bool = False
     input_tokens: int = 0
     queue_wait_s: float = 0.0
 
@@ -162,6 +208,7 @@ class Reranker:
         pair_tokenizer: Tokenizer | None,
         pair_batcher: MicroBatcher | None,
         cache: TokenCache,
+        queries: QueryCache | None = None,
         late_interaction_weight: float = 0.7,
         cross_encoder_weight: float = 0.3,
         cross_encoder_candidates: int = 5,
@@ -173,6 +220,8 @@ class Reranker:
         self.pair_tokenizer = pair_tokenizer
         self.pair_batcher = pair_batcher
         self.cache = cache
+        self.queries = queries if queries is not None else QueryCache()
+        self._encodings: set[asyncio.Future] = set()
         self.late_interaction_weight = late_interaction_weight
         self.cross_encoder_weight = cross_encoder_weight
         self.cross_encoder_candidates = cross_encoder_candidates
@@ -222,14 +271,56 @@ class Reranker:
             return f"deadline: about {needed:.0f} ms needed, {remains:.0f} ms left"
         return None
 
-    async def prepare(self, tenant: str, documents: list[Candidate]) -> PrepareOutput:
-        """Encodes and keeps the token vectors of the documents not kept already."""
+    async def prepare(
+        self, tenant: str, documents: list[Candidate], query: str = ""
+    ) -> PrepareOutput:
+        """Encodes and keeps the token vectors of the documents not kept already, and of
+        `query` for the rerank that will follow."""
+        if not documents and not query:
+            raise InvalidArgument(
+                "documents", "is empty and no query was given; send documents, a query or both"
+            )
         _check_ids(documents, "documents")
         output = PrepareOutput()
-        _, _, missing = await self._token_vectors(tenant, documents, None, output)
-        output.prepared = missing
-        output.already_prepared = len(documents) - missing
+        if query:
+            key = QueryCache.key(tenant, query)
+            output.query_already_prepared = self.queries.get(key) is not None
+            encoded = await self._prepared_query(tenant, query)
+            if encoded is not None:
+                output.query_prepared = True
+                if not output.query_already_prepared:
+                    output.input_tokens += encoded.tokens
+        if documents:
+            _, _, missing = await self._token_vectors(tenant, documents, None, output)
+            output.prepared = missing
+            output.already_prepared = len(documents) - missing
         return output
+
+    async def _prepared_query(self, tenant: str, query: str) -> EncodedQuery | None:
+        """The query's encoding, started now unless one is kept or under way (None: it
+        failed; the caller then encodes the query itself). The encoding is a task of its
+        own: a caller that gives up (cancel, deadline) leaves it to finish for the next."""
+        key = QueryCache.key(tenant, query)
+        encoding = self.queries.get(key)
+        if encoding is None:
+            encoding = asyncio.ensure_future(
+                self._encode_query(tenant, query, deadlines.current_deadline())
+            )
+            self._encodings.add(encoding)
+            encoding.add_done_callback(self._encodings.discard)
+            self.queries.put(key, encoding)
+        try:
+            return await asyncio.shield(encoding)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a failed encoding is retried by whoever needs the query
+            self.queries.forget(key, encoding)
+            return None
+
+    async def _encode_query(self, tenant: str, query: str, deadline: float | None) -> EncodedQuery:
+        tokenized = self.token_tokenizer.encode([query], refuse_over_limit=False)
+        batch = await self.token_batcher.submit(tokenized, deadline, tenant)
+        return EncodedQuery(self._query_rows(batch.rows[0], tokenized[0]), tokenized[0].length)
 
     async def _token_vectors(self, tenant, documents, query, output):
         """(query vectors or None, vectors by document id as kept, number of documents
@@ -268,9 +359,17 @@ class Reranker:
 
     async def _late_interaction(self, request: RerankInput, output: RerankOutput):
         started = time.perf_counter()
+        prepared = None
+        if self.queries.get(QueryCache.key(request.tenant, request.query)) is not None:
+            prepared = await self._prepared_query(request.tenant, request.query)
         query, documents, _ = await self._token_vectors(
-            request.tenant, request.candidates, request.query, output
+            request.tenant,
+            request.candidates,
+            None if prepared is not None else request.query,
+            output,
         )
+        if prepared is not None:
+            query = prepared.rows
         late = maxsim_many(query, [documents[c.id] for c in request.candidates])
         first = np.array([c.first_stage_score for c in request.candidates])
         weight = self.late_interaction_weight

@@ -56,11 +56,15 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
 
     async def Prepare(self, request, context):
         output = await self.reranker.value.prepare(
-            current_caller().tenant, [Candidate(d.id, d.text) for d in request.documents]
+            current_caller().tenant,
+            [Candidate(d.id, d.text) for d in request.documents],
+            request.query,
         )
         return rerank_pb2.PrepareResponse(
             prepared=output.prepared,
             already_prepared=output.already_prepared,
+            query_prepared=output.query_prepared,
+            query_already_prepared=output.query_already_prepared,
             usage=common_pb2.Usage(input_tokens=output.input_tokens),
             timing=_finished_clock(output.queue_wait_s, []).to_proto(),
         )

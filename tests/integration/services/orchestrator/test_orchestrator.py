@@ -94,6 +94,11 @@ async def test_the_rerank_cascade_orders_the_evidence_when_the_service_answers(r
     assert nodes["evidence"].call_start.ToNanoseconds() >= nodes["rerank"].call_end.ToNanoseconds()
     assert nodes["rerank"].server.HasField("total")
     assert "rerank_unavailable" not in result.degraded
+    # The question was encoded for rerank while retrieval ran, not after it.
+    prepared = nodes["rerank_query"]
+    assert prepared.state == orchestrator_pb2.NODE_STATE_SUCCEEDED and not prepared.error
+    assert prepared.call_start.ToNanoseconds() < nodes["vector"].call_end.ToNanoseconds()
+    assert prepared.kind == orchestrator_pb2.NODE_KIND_RERANK_QUERY
     assert result.evidence[0].title == "Warsaw", result.evidence
 
 

@@ -167,3 +167,30 @@ async def test_prepared_documents_cost_a_query_only_their_scoring(rerank_pair):
     )
     assert cold.usage.input_tokens > pairs + first.usage.input_tokens // 2
     assert [r.id for r in cold.results] == [r.id for r in reply.results]
+
+
+async def test_a_query_prepared_ahead_is_used_by_its_rerank(rerank_pair):
+    service, _ = rerank_pair
+    pool = candidates(20)
+    hooli = (("x-ragline-tenant", "hooli"),)  # a tenant no other test of this module uses
+    question = "When were the Normans in Normandy?"
+    request = rerank_pb2.RerankRequest(
+        query=question, candidates=pool, top_k=5, late_interaction_only=True
+    )
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        stub = rerank_pb2_grpc.RerankServiceStub(channel)
+        documents = [rerank_pb2.PrepareDocument(id=c.id, text=c.text) for c in pool]
+        await stub.Prepare(
+            rerank_pb2.PrepareRequest(documents=documents), timeout=60, metadata=hooli
+        )
+        cold = await stub.Rerank(request, timeout=60, metadata=hooli)  # encodes the query
+        ahead = await stub.Prepare(
+            rerank_pb2.PrepareRequest(query=question), timeout=60, metadata=hooli
+        )
+        warm = await stub.Rerank(request, timeout=60, metadata=hooli)
+    assert ahead.query_prepared and not ahead.query_already_prepared
+    assert ahead.usage.input_tokens > 0 and (ahead.prepared, ahead.already_prepared) == (0, 0)
+    # The rerank read nothing: the query was ready and the documents kept.
+    assert cold.usage.input_tokens == ahead.usage.input_tokens
+    assert warm.usage.input_tokens == 0
+    assert [(r.id, r.score) for r in warm.results] == [(r.id, r.score) for r in cold.results]

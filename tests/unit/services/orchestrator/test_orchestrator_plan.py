@@ -31,6 +31,10 @@ def test_the_default_plan_runs_embedding_and_bm25_side_by_side():
     assert plan.node("vector").depends_on == ("embed",)
     assert plan.node("fuse").depends_on == ("bm25", "vector")
     assert plan.node("rerank").optional
+    # The rerank's query is encoded beside the retrieval, not after it.
+    assert plan.node("rerank_query").depends_on == ()
+    assert plan.node("rerank").depends_on == ("fuse", "rerank_query")
+    assert "rerank_query" in order[:3]
     assert plan.answer_node.id == "generate"
     assert [n.id for n in default_rag_plan(rerank=False).nodes if n.kind == Kind.RERANK] == []
 

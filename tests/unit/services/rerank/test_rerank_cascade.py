@@ -16,6 +16,7 @@ from ragline_services.rerank.cascade import (
     CROSS_ENCODER,
     LATE_INTERACTION,
     Candidate,
+    QueryCache,
     Reranker,
     RerankInput,
     TokenCache,
@@ -49,12 +50,18 @@ class Models:
     """Token vectors: one axis per word (so MaxSim counts shared words); cross-encoder: the
     number of query words in the passage, plus a bonus for the word 'gold'."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.0, token_delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
+        self.token_delay_s = token_delay_s
         self.token_texts = 0
         self.pairs = 0
+        self.fail_tokens = False
 
     async def tokens(self, texts):
+        if self.fail_tokens:
+            raise RuntimeError("the token model failed")
+        if self.token_delay_s:
+            await asyncio.sleep(self.token_delay_s)
         self.token_texts += len(texts)
         out = []
         for text in texts:
@@ -162,6 +169,80 @@ async def test_prepared_documents_are_not_encoded_again_by_a_query():
     assert models.token_texts == 1  # the query only
     await reranker.rerank(RerankInput("globex", "river", CANDIDATES))
     assert models.token_texts == 2 + len(CANDIDATES)  # another tenant prepared nothing
+
+
+QUESTION = "which river flows through warsaw"
+
+
+async def test_a_prepared_query_is_not_encoded_again_and_ranks_the_same():
+    models = Models()
+    reranker = await make(models)
+    await reranker.prepare("acme", CANDIDATES)
+    unprepared = await reranker.rerank(RerankInput("acme", QUESTION, CANDIDATES, top_k=4))
+    prepared = await reranker.prepare("acme", [], QUESTION)
+    assert prepared.query_prepared and not prepared.query_already_prepared
+    assert prepared.input_tokens == len(QUESTION.split()) + 2
+    again = await reranker.prepare("acme", [], QUESTION)
+    assert again.query_already_prepared and again.input_tokens == 0
+    models.token_texts = 0
+    out = await reranker.rerank(RerankInput("acme", QUESTION, CANDIDATES, top_k=4))
+    assert models.token_texts == 0  # the query was ready, the candidates kept
+    assert out.input_tokens == unprepared.input_tokens - prepared.input_tokens
+    assert [(r.id, r.scores) for r in out.results] == [(r.id, r.scores) for r in unprepared.results]
+
+
+async def test_another_tenants_prepared_query_is_never_used():
+    models = Models()
+    reranker = await make(models)
+    await reranker.prepare("acme", CANDIDATES, QUESTION)
+    models.token_texts = 0
+    await reranker.rerank(RerankInput("globex", QUESTION, CANDIDATES))
+    assert models.token_texts == 1 + len(CANDIDATES)
+
+
+async def test_a_rerank_waits_for_its_query_still_being_encoded_instead_of_encoding_it_again():
+    models = Models(token_delay_s=0.2)
+    reranker = await make(models)
+    await reranker.prepare("acme", CANDIDATES)
+    models.token_texts = 0
+    preparing = asyncio.create_task(reranker.prepare("acme", [], QUESTION))
+    await asyncio.sleep(0.05)  # the query's encoding is under way
+    preparing.cancel()  # the caller that started it goes away; the encoding goes on
+    out = await reranker.rerank(RerankInput("acme", QUESTION, CANDIDATES, top_k=2))
+    assert models.token_texts == 1  # encoded once, for both
+    assert out.results[0].id == "gold"
+    with pytest.raises(asyncio.CancelledError):
+        await preparing
+
+
+async def test_a_failed_preparation_leaves_the_rerank_to_encode_its_query():
+    models = Models()
+    reranker = await make(models)
+    await reranker.prepare("acme", CANDIDATES)
+    models.fail_tokens = True
+    failed = await reranker.prepare("acme", [], QUESTION)
+    assert not failed.query_prepared
+    models.fail_tokens = False
+    models.token_texts = 0
+    out = await reranker.rerank(RerankInput("acme", QUESTION, CANDIDATES, top_k=2))
+    assert models.token_texts == 1 and out.results[0].id == "gold"
+
+
+async def test_a_prepared_query_expires():
+    models = Models()
+    reranker = await make(models, queries=QueryCache(ttl_s=0.05))
+    await reranker.prepare("acme", CANDIDATES, QUESTION)
+    await asyncio.sleep(0.1)
+    models.token_texts = 0
+    await reranker.rerank(RerankInput("acme", QUESTION, CANDIDATES))
+    assert models.token_texts == 1
+
+
+async def test_a_prepare_with_neither_documents_nor_query_is_refused_naming_the_field():
+    reranker = await make(Models())
+    with pytest.raises(InvalidArgument) as caught:
+        await reranker.prepare("acme", [], "")
+    assert caught.value.field == "documents"
 
 
 async def test_a_cache_smaller_than_one_request_still_ranks_like_a_large_one():
