@@ -4,6 +4,13 @@ A write is: validated, embedded if it has no vectors, appended to the write log 
 then it is acknowledged), applied to the BM25 index (commit) and to the vector delta, in
 log order. So a write is searchable when its call returns, and a restart replays the log
 past what each index had applied. No gRPC here.
+
+The index records which embedding model made the vectors it embedded itself
+(`vector_model.json`), and never mixes two: once the embedding service answers with
+another model, writes that need embedding are refused (FAILED_PRECONDITION,
+EMBEDDING_MODEL_CHANGED) and searches that would embed the query fall back to BM25
+(`embedding_model_changed`), until the model the index was made with serves again or the
+index is made anew with the new one. Vectors a caller sends are the caller's business.
 """
 
 from __future__ import annotations
@@ -19,7 +26,13 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from ragline.errors import DeadlineExceeded, InvalidArgument, RaglineError, Unavailable
+from ragline.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    RaglineError,
+    Unavailable,
+)
 from ragline.files import atomic_write_text
 from ragline.ranking import rrf, score_fusion
 from ragline_services.retrieval.bm25 import Bm25Index, LexicalIndex
@@ -39,8 +52,17 @@ log = structlog.get_logger("ragline.retrieval")
 
 BM25, VECTOR, HYBRID, PREFILTER = "bm25", "vector", "hybrid", "prefilter"
 
+
+@dataclass(frozen=True)
+class Embedded:
+    vectors: np.ndarray  # one row per text
+    model_version: str  # of the model that made them ("": unknown)
+
+
 # (texts, input kind "query" | "passage") -> vectors; raises Unavailable when it can't.
-Embed = Callable[[list[str], str], Awaitable[np.ndarray]]
+Embed = Callable[[list[str], str], Awaitable[Embedded]]
+
+EMBEDDING_MODEL_CHANGED = "embedding_model_changed"
 
 
 @dataclass(frozen=True)
@@ -113,7 +135,6 @@ class IndexStatus:
 @dataclass
 class IndexSettings:
     dim: int
-    embedding_model_version: str = ""
     default_candidates: int = 100
     default_hnsw_ef: int = 128
     # HYBRID weight of the vector list (BM25 gets the rest). Tuned on SQuAD dev with
@@ -144,6 +165,14 @@ class RetrievalIndex:
         self.vectors = vectors
         self._embed = embed
         self._state_path = directory / "state.json"
+        # The embedding model of the vectors this index made ("": none made yet, or an
+        # index from before the record: the first model seen is taken as its own).
+        self._vector_model_path = directory / "vector_model.json"
+        self.vector_model = (
+            json.loads(self._vector_model_path.read_text()).get("model_version", "")
+            if self._vector_model_path.exists()
+            else ""
+        )
         state = json.loads(self._state_path.read_text()) if self._state_path.exists() else {}
         self.bm25_seq = int(state.get("bm25_seq", 0))
         if bm25.migrated:
@@ -236,7 +265,8 @@ class RetrievalIndex:
                 [passage_text(documents[i].title, documents[i].text) for i in missing],
                 "passage",
             )
-            vectors = {i: embedded[n] for n, i in enumerate(missing)}
+            await self._check_vector_model(embedded.model_version, writing=True)
+            vectors = {i: embedded.vectors[n] for n, i in enumerate(missing)}
         # The log assigns the version; documents carry it once the sequence is known.
         records = [
             {"tenant": tenant, "id": d.id, "title": d.title, "text": d.text,
@@ -248,6 +278,36 @@ class RetrievalIndex:
             {"op": "write", "tenant": tenant, "upserts": records, "deletes": []}
         )
         return WriteResult(seq, [tseq] * len(records), tenant_seq=tseq)
+
+    async def _check_vector_model(self, model_version: str, *, writing: bool) -> bool:
+        """Whether vectors of `model_version` belong with this index's. The first model
+        that embeds for the index becomes its own (recorded before its vectors are logged);
+        a later other one is refused for writes and is False for queries."""
+        if not model_version or model_version == self.vector_model:
+            return True
+        if not self.vector_model:
+            self.vector_model = model_version  # set at once: a concurrent write sees it
+            record = json.dumps({"model_version": model_version})
+            await asyncio.to_thread(atomic_write_text, self._vector_model_path, record)
+            log.info("retrieval.vector_model_recorded", model_version=model_version)
+            return True
+        log.error(
+            "retrieval.embedding_model_changed",
+            index_model=self.vector_model,
+            service_model=model_version,
+            writing=writing,
+        )
+        if not writing:
+            return False
+        raise FailedPrecondition(
+            f"this index's vectors were made by embedding model {self.vector_model}, but the "
+            f"embedding service now runs {model_version}; mixing the two would rank without a "
+            "word of warning. Serve the index's model again (RAGLINE_EMBEDDING_MODEL), or make "
+            "the index anew for the new model (a fresh RAGLINE_RETRIEVAL_INDEX_DIR, then "
+            "ingest again), or send the vectors yourself",
+            reason="EMBEDDING_MODEL_CHANGED",
+            metadata={"index_model": self.vector_model, "service_model": model_version},
+        )
 
     async def delete(self, tenant: str, ids: list[str]) -> WriteResult:
         keys = [doc_key(tenant, i) for i in dict.fromkeys(ids)]
@@ -334,12 +394,17 @@ class RetrievalIndex:
             else:
                 started = time.perf_counter()
                 try:
-                    vector = (await self._embed([query.text], "query"))[0]
+                    embedded = await self._embed([query.text], "query")
                 except (Unavailable, DeadlineExceeded) as error:
                     log.warning("retrieval.embed_failed", error=str(error))
                     mode, reason = BM25, "embedding_unavailable"
                 except RaglineError:
                     raise
+                else:
+                    if await self._check_vector_model(embedded.model_version, writing=False):
+                        vector = embedded.vectors[0]
+                    else:
+                        mode, reason = BM25, EMBEDDING_MODEL_CHANGED
                 stages.append(("embed", time.perf_counter() - started))
 
         loop = asyncio.get_running_loop()

@@ -19,7 +19,7 @@ from ragline.errors import DeadlineExceeded, Unavailable
 from ragline.retry import DEFAULT_POLICY
 from ragline.server import Periodic, Service, ServiceSpec
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
-from ragline_services.retrieval.index import IndexSettings, RetrievalIndex
+from ragline_services.retrieval.index import Embedded, IndexSettings, RetrievalIndex
 from ragline_services.retrieval.servicer import RetrievalServicer
 from ragline_services.retrieval.vectors import EdgeVectorIndex
 
@@ -64,17 +64,21 @@ class RetrievalService(Service):
         self.index: RetrievalIndex | None = None
         self.embedding_version = ""
         self._embedder = connect("embedding", embedding_pb2_grpc.EmbeddingServiceStub, common)
-        self._servicer = RetrievalServicer(lambda: self.embedding_version)
+        # The model of the index's vectors once it has made some, else the one serving.
+        self._servicer = RetrievalServicer(
+            lambda: (self.index.vector_model if self.index else "") or self.embedding_version
+        )
         self._builder = Periodic(config.build_check_s, self._maybe_build, "hnsw-builder")
 
     def register(self, server: grpc.aio.Server) -> None:
         retrieval_pb2_grpc.add_RetrievalServiceServicer_to_server(self._servicer, server)
 
-    async def embed(self, texts: list[str], kind: str) -> np.ndarray:
+    async def embed(self, texts: list[str], kind: str) -> Embedded:
         input_type = (
             embedding_pb2.INPUT_TYPE_QUERY if kind == "query" else embedding_pb2.INPUT_TYPE_PASSAGE
         )
         rows = []
+        versions: set[str] = set()
         for start in range(0, len(texts), _EMBED_BATCH):
             request = embedding_pb2.EmbedRequest(
                 texts=texts[start : start + _EMBED_BATCH],
@@ -92,8 +96,13 @@ class RetrievalService(Service):
                     f"embedding service: {error.code().name}: {error.details()}"
                 ) from error
             self.embedding_version = reply.model_version
+            versions.add(reply.model_version)
             rows.extend(list(e.values) for e in reply.embeddings)
-        return np.asarray(rows, dtype=np.float32)
+        if len(versions) > 1:  # a model changed between two batches of one write
+            raise Unavailable(
+                f"the embedding service changed models during one call ({sorted(versions)})"
+            )
+        return Embedded(np.asarray(rows, dtype=np.float32), versions.pop() if versions else "")
 
     def _open_index(self) -> RetrievalIndex:
         """Opens the indexes and replays the write log (disk and network: in a thread)."""

@@ -15,7 +15,7 @@ import pytest
 from ragline.processes import free_ports
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
 from ragline_app.datasets import load_squad
-from support import SQUAD_SAMPLE
+from support import SQUAD_SAMPLE, error_info
 from support.retrieval import MODES, Client, who
 
 pytestmark = pytest.mark.integration
@@ -312,6 +312,36 @@ async def test_bad_documents_write_nothing(launcher, embedding_service, tmp_path
         assert caught.value.details().startswith(field)
     after = await client.status("acme")
     assert after.log_sequence == before.log_sequence and after.tenant_documents == 0
+    await client.close()
+
+
+async def test_an_index_refuses_vectors_of_another_embedding_model(
+    launcher, embedding_service, tmp_path
+):
+    index_dir = tmp_path / "index"
+    first = start_retrieval(launcher, embedding_service, index_dir)
+    client = Client(first.address)
+    docs, questions = squad_docs(10)
+    await client.upsert("acme", docs)
+    made_by = (await client.status("acme")).embedding_model_version
+    await client.close()
+    first.stop()
+    # The embedding service now runs another model; the index's vectors are the old one's.
+    other = launcher.start("embedding", env={"RAGLINE_EMBEDDING_MODEL": "minilm-l6-int8-qdq"})
+    service = start_retrieval(launcher, other, index_dir)
+    client = Client(service.address)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.upsert("acme", [{"id": "new", "title": "New", "text": "A new passage."}])
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    reason, _, metadata = error_info(caught.value)
+    assert reason == "EMBEDDING_MODEL_CHANGED" and metadata["index_model"] == made_by
+    assert metadata["service_model"].startswith("minilm-l6-int8-qdq@")
+    result = await client.search("acme", questions[0].text, "hybrid")
+    assert result.fell_back and result.fallback_reason == "embedding_model_changed"
+    assert result.mode_used == retrieval_pb2.SEARCH_MODE_BM25
+    assert result.hits[0].id == questions[0].passage_id
+    status = await client.status("acme")
+    assert status.embedding_model_version == made_by and status.tenant_documents == 10
     await client.close()
 
 

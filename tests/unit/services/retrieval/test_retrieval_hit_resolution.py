@@ -15,6 +15,7 @@ from ragline_services.retrieval.index import (
     BM25,
     HYBRID,
     DocumentInput,
+    Embedded,
     IndexSettings,
     RetrievalIndex,
     SearchQuery,
@@ -24,12 +25,12 @@ from ragline_services.retrieval.vectors import EdgeVectorIndex
 DIM = 32
 
 
-async def toy_embed(texts: list[str], kind: str) -> np.ndarray:
+async def toy_embed(texts: list[str], kind: str) -> Embedded:
     out = np.zeros((len(texts), DIM), dtype=np.float32)
     for row, text in enumerate(texts):
         for word in re.findall(r"\w+", text.lower()):
             out[row, int(hashlib.md5(word.encode()).hexdigest(), 16) % DIM] += 1.0
-    return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9)
+    return Embedded(out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9), "toy-1")
 
 
 RIVERS = [

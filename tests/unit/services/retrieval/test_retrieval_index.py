@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from ragline.errors import InvalidArgument
+from ragline.errors import FailedPrecondition, InvalidArgument
 from ragline_services.retrieval.documents import (
     Visibility,
     doc_key,
@@ -24,6 +24,7 @@ from ragline_services.retrieval.index import (
     PREFILTER,
     VECTOR,
     DocumentInput,
+    Embedded,
     IndexSettings,
     RetrievalIndex,
     SearchQuery,
@@ -41,11 +42,11 @@ def toy_vector(text: str) -> np.ndarray:
     return vector / max(np.linalg.norm(vector), 1e-9)
 
 
-async def toy_embed(texts: list[str], kind: str) -> np.ndarray:
-    return np.stack([toy_vector(t) for t in texts])
+async def toy_embed(texts: list[str], kind: str) -> Embedded:
+    return Embedded(np.stack([toy_vector(t) for t in texts]), "toy-1")
 
 
-def open_index(path, exact_limit=20_000, rebuild_after=2_000) -> RetrievalIndex:
+def open_index(path, exact_limit=20_000, rebuild_after=2_000, embed=toy_embed) -> RetrievalIndex:
     vectors = EdgeVectorIndex(
         path / "vectors",
         DIM,
@@ -53,7 +54,7 @@ def open_index(path, exact_limit=20_000, rebuild_after=2_000) -> RetrievalIndex:
         exact_limit=exact_limit,
         rebuild_after=rebuild_after,
     )
-    index = RetrievalIndex(path, vectors, IndexSettings(dim=DIM), toy_embed)
+    index = RetrievalIndex(path, vectors, IndexSettings(dim=DIM), embed)
     index.replay()
     return index
 
@@ -82,6 +83,58 @@ async def test_writes_are_searchable_at_once_in_every_mode(tmp_path, mode):
     assert ids(found)[0] == "warsaw"
     assert found.mode_used == mode and not found.fell_back
     assert found.hits[0].version == 1
+
+
+def embed_by(model_version: str):
+    async def embed(texts: list[str], kind: str) -> Embedded:
+        return Embedded((await toy_embed(texts, kind)).vectors, model_version)
+
+    return embed
+
+
+async def test_the_index_keeps_the_embedding_model_of_its_vectors_and_never_mixes_another(
+    tmp_path,
+):
+    first = open_index(tmp_path, embed=embed_by("minilm-a"))
+    await first.upsert("acme", DOCS)
+    assert first.vector_model == "minilm-a"
+    first.close()
+    index = open_index(tmp_path, embed=embed_by("minilm-b"))  # the service changed models
+    assert index.vector_model == "minilm-a"  # recorded with the index, across the restart
+    logged = index.wal.last_seq
+    with pytest.raises(FailedPrecondition) as caught:
+        await index.upsert("acme", [DocumentInput("rome", "Rome", "Rome is on the Tiber.")])
+    assert caught.value.reason == "EMBEDDING_MODEL_CHANGED"
+    assert "minilm-a" in caught.value.message and "minilm-b" in caught.value.message
+    assert index.wal.last_seq == logged  # refused before anything was logged
+    # A query the index would embed with the other model is answered by BM25, and says so.
+    found = await index.search(ACME, SearchQuery("capital of Poland Vistula", 2, HYBRID))
+    assert (found.mode_used, found.fell_back, found.fallback_reason) == (
+        BM25, True, "embedding_model_changed",
+    )  # fmt: skip
+    assert ids(found)[0] == "warsaw"
+    # Vectors the caller brings are the caller's business.
+    rome = DocumentInput("rome", "Rome", "Rome is on the Tiber.", vector=tuple(toy_vector("Rome")))
+    await index.upsert("acme", [rome])
+    query = SearchQuery("", 1, VECTOR, vector=tuple(toy_vector("Rome")))
+    assert ids(await index.search(ACME, query)) == ["rome"]
+    index.close()
+    # The index's own model serving again: everything works as before.
+    again = open_index(tmp_path, embed=embed_by("minilm-a"))
+    await again.upsert("acme", [DocumentInput("oslo", "Oslo", "Oslo is in Norway.")])
+    assert (await again.search(ACME, SearchQuery("Oslo Norway", 1, HYBRID))).mode_used == HYBRID
+
+
+async def test_an_index_from_before_the_record_takes_the_first_model_it_sees(tmp_path):
+    index = open_index(tmp_path, embed=embed_by("minilm-a"))
+    await index.upsert("acme", DOCS)
+    index.close()
+    (tmp_path / "vector_model.json").unlink()
+    older = open_index(tmp_path, embed=embed_by("minilm-b"))
+    assert older.vector_model == ""
+    found = await older.search(ACME, SearchQuery("capital of Poland Vistula", 2, HYBRID))
+    assert found.mode_used == HYBRID and older.vector_model == "minilm-b"
+    assert (tmp_path / "vector_model.json").exists()
 
 
 async def test_tenants_never_see_each_other(tmp_path):
