@@ -183,6 +183,7 @@ async def ingest(
                     acl=record.acl,
                     attributes=record.attributes,
                     vector=embedding.values,
+                    vector_model_version=vectors.model_version,
                 )
             retrieval = ServiceClient(
                 retrieval_pb2_grpc.RetrievalServiceStub,

@@ -69,6 +69,9 @@ class LexicalIndex(Protocol):
     def existing(self, tenant: str, pids: list[int]) -> set[int]:
         """Which of `pids` are documents of `tenant`, whatever their scopes."""
 
+    def versions(self, tenant: str, pids: list[int]) -> dict[int, int]:
+        """The current version of each of `pids` that is a document of `tenant`."""
+
     def close(self) -> None: ...
 
 
@@ -276,6 +279,10 @@ class Bm25Index:
     def existing(self, tenant: str, pids: list[int]) -> set[int]:
         """Which of `pids` are documents of `tenant`, whatever their scopes."""
         return set(self._resolve(tenant, None, pids, False))
+
+    def versions(self, tenant: str, pids: list[int]) -> dict[int, int]:
+        """The current version of each of `pids` that is a document of `tenant`."""
+        return {pid: hit.version for pid, hit in self._resolve(tenant, None, pids, False).items()}
 
     def _resolve(self, tenant, visibility, pids, with_text) -> dict[int, ResolvedHit]:
         if not pids:

@@ -5,17 +5,17 @@ then it is acknowledged), applied to the BM25 index (commit) and to the vector d
 log order. So a write is searchable when its call returns, and a restart replays the log
 past what each index had applied. No gRPC here.
 
-The index records which embedding model made the vectors it embedded itself
-(`vector_model.json`), and never mixes two: once the embedding service answers with
-another model, writes that need embedding are refused (FAILED_PRECONDITION,
-EMBEDDING_MODEL_CHANGED) and searches that would embed the query fall back to BM25
-(`embedding_model_changed`), until the model the index was made with serves again or the
-index is made anew with the new one. Vectors a caller sends are the caller's business.
+The index records which embedding model made the vectors it embedded itself, and
+never compares two models' vectors: when the embedding service answers with another
+model, the index re-embeds its documents with it in the background (or, with
+re-embedding off, refuses such writes); see `reembed.py`. Vectors a caller sends are the
+caller's business.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -45,6 +45,12 @@ from ragline_services.retrieval.documents import (
     point_id,
     split_key,
 )
+from ragline_services.retrieval.reembed import (
+    CALLER_VECTOR,
+    VectorModel,
+    WriteTurns,
+    stale_documents,
+)
 from ragline_services.retrieval.vectors import VectorIndex
 from ragline_services.retrieval.wal import WriteLog, tenant_seq
 
@@ -63,6 +69,8 @@ class Embedded:
 Embed = Callable[[list[str], str], Awaitable[Embedded]]
 
 EMBEDDING_MODEL_CHANGED = "embedding_model_changed"
+REEMBEDDING = "vector_index_reembedding"
+_REEMBED_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,7 @@ class DocumentInput:
     acl: tuple[str, ...] = ()
     attributes: dict[str, str] = field(default_factory=dict)
     vector: tuple[float, ...] = ()
+    vector_model: str = ""  # the embedding model of `vector` ("": the caller's own)
 
 
 @dataclass(frozen=True)
@@ -130,6 +139,8 @@ class IndexStatus:
     last_build_finished: float | None  # unix time
     dim: int
     apply_error: str = ""
+    reembedding_to: str = ""
+    reembed_remaining: int = 0
 
 
 @dataclass
@@ -147,6 +158,9 @@ class IndexSettings:
     bm25_max_open_tenants: int = 256
     # Threads that run searches (one hop per search), apart from writes and builds.
     query_threads: int = 2
+    # When the embedding service runs another model than the index's vectors came from:
+    # re-embed every document with it in the background (False: refuse such writes).
+    reembed_on_model_change: bool = True
 
 
 APPLY_RETRY_FIRST_S, APPLY_RETRY_MAX_S = 0.05, 5.0
@@ -168,11 +182,11 @@ class RetrievalIndex:
         # The embedding model of the vectors this index made ("": none made yet, or an
         # index from before the record: the first model seen is taken as its own).
         self._vector_model_path = directory / "vector_model.json"
-        self.vector_model = (
-            json.loads(self._vector_model_path.read_text()).get("model_version", "")
-            if self._vector_model_path.exists()
-            else ""
-        )
+        self.vector_model = VectorModel.load(self._vector_model_path)
+        self._turns = WriteTurns()
+        self._reembedder: asyncio.Future | None = None
+        self._reembed_batch: asyncio.Future | None = None
+        self.reembed_remaining = 0  # documents the running re-embed has still to write
         state = json.loads(self._state_path.read_text()) if self._state_path.exists() else {}
         self.bm25_seq = int(state.get("bm25_seq", 0))
         if bm25.migrated:
@@ -254,8 +268,11 @@ class RetrievalIndex:
                     f"documents[{index}].id", f"{doc.id!r} appears twice in one request"
                 )
             seen.add(doc.id)
+        for named in sorted({d.vector_model for d in documents if d.vector and d.vector_model}):
+            await self._check_named_vectors(named)
         missing = [i for i, d in enumerate(documents) if not d.vector]
         vectors: dict[int, tuple[float, ...]] = {}
+        model = CALLER_VECTOR
         if missing:
             if self._embed is None:
                 raise InvalidArgument(
@@ -267,11 +284,14 @@ class RetrievalIndex:
             )
             await self._check_vector_model(embedded.model_version, writing=True)
             vectors = {i: embedded.vectors[n] for n, i in enumerate(missing)}
-        # The log assigns the version; documents carry it once the sequence is known.
+            model = embedded.model_version
+        # The log assigns the version; documents carry it once the sequence is known. Each
+        # names the model of its vector (for a later re-embed; CALLER_VECTOR: the caller's).
         records = [
             {"tenant": tenant, "id": d.id, "title": d.title, "text": d.text,
              "acl": list(d.acl), "attributes": dict(d.attributes),
-             "vector": encode_vector(d.vector if d.vector else vectors[i]), "version": 0}
+             "vector": encode_vector(d.vector if d.vector else vectors[i]), "version": 0,
+             "model": (d.vector_model or CALLER_VECTOR) if d.vector else model}
             for i, d in enumerate(documents)
         ]  # fmt: skip
         seq, tseq = await self._write(
@@ -280,34 +300,168 @@ class RetrievalIndex:
         return WriteResult(seq, [tseq] * len(records), tenant_seq=tseq)
 
     async def _check_vector_model(self, model_version: str, *, writing: bool) -> bool:
-        """Whether vectors of `model_version` belong with this index's. The first model
-        that embeds for the index becomes its own (recorded before its vectors are logged);
-        a later other one is refused for writes and is False for queries."""
-        if not model_version or model_version == self.vector_model:
+        """Whether vectors of `model_version` may go into (writing) or be compared with
+        (querying) this index's. The first model that embeds for the index becomes its
+        own, recorded before its vectors are logged. Another one starts a re-embed with
+        it as the target (writes by the target are accepted, queries wait for the end);
+        with re-embedding off, such a write is refused and a query gets False."""
+        current = self.vector_model
+        if not model_version:
             return True
-        if not self.vector_model:
-            self.vector_model = model_version  # set at once: a concurrent write sees it
-            record = json.dumps({"model_version": model_version})
-            await asyncio.to_thread(atomic_write_text, self._vector_model_path, record)
+        if not current.model_version:
+            self.vector_model = VectorModel(model_version)  # at once: a concurrent write sees it
+            await asyncio.to_thread(self.vector_model.save, self._vector_model_path)
             log.info("retrieval.vector_model_recorded", model_version=model_version)
             return True
+        target = current.reembedding_to or current.model_version
+        if model_version == target:
+            return writing or not current.reembedding_to
+        if self.settings.reembed_on_model_change:
+            await self._start_reembed(model_version)
+            return writing
         log.error(
             "retrieval.embedding_model_changed",
-            index_model=self.vector_model,
+            index_model=current.model_version,
             service_model=model_version,
             writing=writing,
         )
         if not writing:
             return False
         raise FailedPrecondition(
-            f"this index's vectors were made by embedding model {self.vector_model}, but the "
-            f"embedding service now runs {model_version}; mixing the two would rank without a "
-            "word of warning. Serve the index's model again (RAGLINE_EMBEDDING_MODEL), or make "
-            "the index anew for the new model (a fresh RAGLINE_RETRIEVAL_INDEX_DIR, then "
-            "ingest again), or send the vectors yourself",
+            f"this index's vectors were made by embedding model {current.model_version}, but "
+            f"the embedding service now runs {model_version}, and re-embedding is off "
+            "(RAGLINE_RETRIEVAL_REEMBED_ON_MODEL_CHANGE): mixing the two would rank without a "
+            "word of warning. Serve the index's model again (RAGLINE_EMBEDDING_MODEL), turn "
+            "re-embedding on, or send the vectors yourself",
             reason="EMBEDDING_MODEL_CHANGED",
-            metadata={"index_model": self.vector_model, "service_model": model_version},
+            metadata={"index_model": current.model_version, "service_model": model_version},
         )
+
+    async def _check_named_vectors(self, model_version: str) -> None:
+        """Vectors a caller made with a named model (`ragline ingest` embeds itself) go
+        in when they are of the index's model, or of the one the embedding service runs
+        now (asked here: the index may not have heard of a change yet, and then moves to
+        it); any other model is refused."""
+        current = self.vector_model
+        if model_version == (current.reembedding_to or current.model_version):
+            return
+        serving = ""
+        if self._embed is not None:
+            with contextlib.suppress(Unavailable, DeadlineExceeded):
+                serving = await self.probe_model()
+        # Unverifiable (no embedding service to ask) only for an index of no model yet.
+        if serving == model_version or (not serving and not self.vector_model.model_version):
+            await self._check_vector_model(model_version, writing=True)
+            return
+        index_model = current.reembedding_to or current.model_version
+        raise FailedPrecondition(
+            f"documents[].vector_model_version is {model_version}, but this index's vectors "
+            f"are of {index_model} and the embedding service runs {serving or '(unreachable)'}"
+            ": send vectors of the index's model, or none",
+            reason="EMBEDDING_MODEL_CHANGED",
+            metadata={"index_model": index_model, "service_model": serving,
+                      "vector_model": model_version},
+        )  # fmt: skip
+
+    async def probe_model(self) -> str:
+        """The model the embedding service runs now, held to the index's like any reply
+        (so a change is noticed at start, before the first write or query)."""
+        assert self._embed is not None
+        embedded = await self._embed(["model probe"], "query")
+        await self._check_vector_model(embedded.model_version, writing=False)
+        return embedded.model_version
+
+    # -- moving to another embedding model (reembed.py) -------------------------------------
+
+    async def resume_reembed(self) -> None:
+        """Goes on with a re-embed a restart interrupted (called once the loop runs)."""
+        if self.vector_model.reembedding_to and self._reembedder is None:
+            self._launch_reembed(self.vector_model.reembedding_to)
+
+    async def _start_reembed(self, target: str) -> None:
+        self.vector_model = VectorModel(self.vector_model.model_version, target)
+        await asyncio.to_thread(self.vector_model.save, self._vector_model_path)
+        log.warning(
+            "retrieval.reembed_started",
+            index_model=self.vector_model.model_version,
+            target=target,
+        )
+        self._launch_reembed(target)
+
+    def _launch_reembed(self, target: str) -> None:
+        if self._reembedder is not None:
+            self._reembedder.cancel()  # its target is not the index's any more
+        self._reembedder = asyncio.ensure_future(self._reembed(target))
+
+    async def _reembed(self, target: str) -> None:
+        delay = 1.0
+        while True:
+            try:
+                if not await self._reembed_pass(target):
+                    return  # another model took over; its own re-embed runs
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the embedding service, a disk: try again later
+                log.warning("retrieval.reembed_retry", error=str(error), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 60.0)
+        if self.vector_model.reembedding_to == target:
+            self.vector_model = VectorModel(target)
+            await asyncio.to_thread(self.vector_model.save, self._vector_model_path)
+            self._reembedder = None
+            log.warning("retrieval.reembed_finished", model_version=target)
+
+    async def _reembed_pass(self, target: str) -> bool:
+        """Rewrites every live document whose vector another model made; False when the
+        embedding service stopped answering with `target` on the way."""
+        work = await asyncio.to_thread(stale_documents, self.wal.path, target)
+        self.reembed_remaining = sum(len(stale) for stale in work.values())
+        for tenant, stale in work.items():
+            for start in range(0, len(stale), _REEMBED_BATCH):
+                batch = stale[start : start + _REEMBED_BATCH]
+                texts = [passage_text(s.item["title"], s.item["text"]) for s in batch]
+                embedded = await self._embed(texts, "passage")
+                if embedded.model_version != target:
+                    await self._check_vector_model(embedded.model_version, writing=True)
+                    return False
+                # Its own task: once the versions are checked, the write must land before
+                # any caller's, even if this re-embed is cancelled meanwhile.
+                self._reembed_batch = asyncio.ensure_future(
+                    self._rewrite(tenant, batch, embedded.vectors, target)
+                )
+                await asyncio.shield(self._reembed_batch)
+                self.reembed_remaining -= len(batch)
+        return True
+
+    async def _rewrite(self, tenant: str, batch, vectors: np.ndarray, target: str) -> None:
+        async with self._turns.exclusive():
+            # No other write is in flight: a document a caller rewrote or deleted since the
+            # log was read has another version now, and is left as it is.
+            current = await asyncio.to_thread(
+                self.bm25.versions, tenant, [point_id(s.key) for s in batch]
+            )
+            records = [
+                {**s.item, "vector": encode_vector(vectors[n]), "model": target, "version": 0}
+                for n, s in enumerate(batch)
+                if current.get(point_id(s.key)) == s.version
+            ]
+            if records:
+                await self._write(
+                    {"op": "write", "tenant": tenant, "upserts": records, "deletes": []},
+                    turn=False,
+                )
+
+    async def stop_reembed(self) -> None:
+        """Stops a running re-embed (it resumes at the next start) once its batch in
+        flight, if any, is written."""
+        if self._reembedder is not None:
+            self._reembedder.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reembedder
+        if self._reembed_batch is not None:
+            with contextlib.suppress(Exception):
+                await self._reembed_batch
 
     async def delete(self, tenant: str, ids: list[str]) -> WriteResult:
         keys = [doc_key(tenant, i) for i in dict.fromkeys(ids)]
@@ -322,12 +476,17 @@ class RetrievalIndex:
         )
         return WriteResult(seq, [], len(present), len(keys) - len(present), tenant_seq=tseq)
 
-    async def _write(self, record: dict) -> tuple[int, int]:
+    async def _write(self, record: dict, *, turn: bool = True) -> tuple[int, int]:
         """Log, then apply; returns (seq, tenant seq). Shielded: once a record may be in
         the log it is applied even if the caller goes away, or every later write would wait
-        for it forever."""
+        for it forever. A caller's write takes a shared turn (a re-embed batch waits for
+        it, reembed.py); the re-embed's own write runs in its exclusive one."""
 
         async def log_and_apply() -> tuple[int, int]:
+            async with self._turns.shared() if turn else contextlib.nullcontext():
+                return await logged_and_applied()
+
+        async def logged_and_applied() -> tuple[int, int]:
             seq, tseq = await self.wal.append_numbered(record)
             # A document's version is its write's number among the tenant's writes.
             upserts = [
@@ -403,6 +562,8 @@ class RetrievalIndex:
                 else:
                     if await self._check_vector_model(embedded.model_version, writing=False):
                         vector = embedded.vectors[0]
+                    elif self.vector_model.reembedding_to:
+                        mode, reason = BM25, REEMBEDDING
                     else:
                         mode, reason = BM25, EMBEDDING_MODEL_CHANGED
                 stages.append(("embed", time.perf_counter() - started))
@@ -505,6 +666,10 @@ class RetrievalIndex:
                 last_build_finished=self.last_build_finished,
                 dim=self.settings.dim,
                 apply_error=(self.apply_error or "") if operator else "",
+                reembedding_to=self.vector_model.reembedding_to,
+                reembed_remaining=self.reembed_remaining
+                if operator and self.vector_model.reembedding_to
+                else 0,
             )
 
         return await asyncio.to_thread(read)
@@ -524,6 +689,9 @@ class RetrievalIndex:
         return True
 
     def close(self) -> None:
+        """Closes the engines (after `stop_reembed` when a loop runs)."""
+        if self._reembedder is not None:
+            self._reembedder.cancel()  # resumed at the next start (vector_model.json)
         self._query_pool.shutdown(wait=True)
         self.wal.close()
         self.bm25.close()

@@ -54,6 +54,10 @@ class RetrievalConfig(ServiceConfig):
     default_score_weight: float = Field(0.4, gt=0, lt=1)
     default_candidates: int = Field(100, ge=1)
     default_hnsw_ef: int = Field(128, ge=1)
+    # When the embedding service runs another model than the index's vectors came from:
+    # re-embed every document with it in the background, searches answered by BM25 until
+    # it ends (false: refuse writes that need embedding, FAILED_PRECONDITION).
+    reembed_on_model_change: bool = True
 
 
 class RetrievalService(Service):
@@ -63,10 +67,14 @@ class RetrievalService(Service):
         super().__init__(config, common)
         self.index: RetrievalIndex | None = None
         self.embedding_version = ""
+        self._probe: asyncio.Future | None = None
         self._embedder = connect("embedding", embedding_pb2_grpc.EmbeddingServiceStub, common)
         # The model of the index's vectors once it has made some, else the one serving.
         self._servicer = RetrievalServicer(
-            lambda: (self.index.vector_model if self.index else "") or self.embedding_version
+            lambda: (
+                (self.index.vector_model.model_version if self.index else "")
+                or self.embedding_version
+            )
         )
         self._builder = Periodic(config.build_check_s, self._maybe_build, "hnsw-builder")
 
@@ -134,6 +142,7 @@ class RetrievalService(Service):
             default_fusion=cfg.default_fusion,
             bm25_max_open_tenants=cfg.bm25_max_open_tenants,
             query_threads=cfg.query_threads,
+            reembed_on_model_change=cfg.reembed_on_model_change,
         )
         index = RetrievalIndex(directory, vectors, settings, self.embed)
         replayed = index.replay()
@@ -143,7 +152,22 @@ class RetrievalService(Service):
     async def start(self) -> None:
         self.index = await asyncio.to_thread(self._open_index)
         self._servicer.index.set(self.index)
+        await self.index.resume_reembed()
+        self._probe = asyncio.ensure_future(self._probe_embedding_model())
         self._builder.start()
+
+    async def _probe_embedding_model(self) -> None:
+        """Asks the embedding service its model once it answers, so that a change of
+        model is noticed (and the re-embed started) at start, not at the first write."""
+        delay = 0.5
+        while True:
+            try:
+                await self.index.probe_model()
+                return
+            except (Unavailable, DeadlineExceeded) as error:
+                log.info("retrieval.embedding_probe_retry", error=str(error), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
 
     async def _maybe_build(self) -> None:
         # A failed build is logged by Periodic and leaves the current index serving.
@@ -151,7 +175,10 @@ class RetrievalService(Service):
 
     async def stop(self) -> None:
         await self._builder.stop()
+        if self._probe is not None:
+            self._probe.cancel()
         if self.index is not None:
+            await self.index.stop_reembed()
             self.index.close()
 
 

@@ -62,6 +62,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
                 acl=tuple(d.acl),
                 attributes=dict(d.attributes),
                 vector=tuple(d.vector),
+                vector_model=d.vector_model_version,
             )
             for d in request.documents
         ]
@@ -146,6 +147,8 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             rebuilding=status.rebuilding,
             embedding_model_version=self._embedding_version(),
             dim=status.dim,
+            reembedding_to=status.reembedding_to,
+            reembed_remaining=status.reembed_remaining,
         )
         if status.last_build_finished is not None:
             finished = timestamp_pb2.Timestamp()

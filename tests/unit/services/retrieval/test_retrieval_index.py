@@ -29,6 +29,7 @@ from ragline_services.retrieval.index import (
     RetrievalIndex,
     SearchQuery,
 )
+from ragline_services.retrieval.reembed import VectorModel, WriteTurns
 from ragline_services.retrieval.vectors import EdgeVectorIndex
 
 DIM = 64
@@ -85,22 +86,58 @@ async def test_writes_are_searchable_at_once_in_every_mode(tmp_path, mode):
     assert found.hits[0].version == 1
 
 
-def embed_by(model_version: str):
-    async def embed(texts: list[str], kind: str) -> Embedded:
-        return Embedded((await toy_embed(texts, kind)).vectors, model_version)
+class Embedder:
+    """The toy embedder as a named model; another name gives other vectors (rolled), so a
+    document re-embedded shows in the log. `hold` texts wait for `gate` (a slow batch)."""
 
-    return embed
+    def __init__(self, model_version: str) -> None:
+        self.model_version = model_version
+        self.hold: set[str] = set()
+        self.gate = asyncio.Event()
+        self.held = asyncio.Event()
+
+    async def __call__(self, texts: list[str], kind: str) -> Embedded:
+        if self.hold & set(texts):
+            self.held.set()
+            await self.gate.wait()
+        shift = sum(map(ord, self.model_version)) % DIM
+        return Embedded(np.roll((await toy_embed(texts, kind)).vectors, shift, axis=1),
+                        self.model_version)  # fmt: skip
 
 
-async def test_the_index_keeps_the_embedding_model_of_its_vectors_and_never_mixes_another(
-    tmp_path,
-):
-    first = open_index(tmp_path, embed=embed_by("minilm-a"))
+def logged_models(index: RetrievalIndex) -> dict[str, str]:
+    """The model each live document's last logged vector came from."""
+    last: dict[str, str] = {}
+    for record in index.wal.replay():
+        for key in record.get("deletes", ()):
+            last.pop(key, None)
+        for item in record.get("upserts", ()):
+            last[item["id"]] = item.get("model")
+    return last
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Waits for a state of the index that has no event of its own to wait on."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+
+def refusing(path, embed) -> RetrievalIndex:
+    vectors = EdgeVectorIndex(path / "vectors", DIM, path / "write.log")
+    settings = IndexSettings(dim=DIM, reembed_on_model_change=False)
+    index = RetrievalIndex(path, vectors, settings, embed)
+    index.replay()
+    return index
+
+
+async def test_with_re_embedding_off_an_index_refuses_another_models_vectors(tmp_path):
+    first = open_index(tmp_path, embed=Embedder("minilm-a"))
     await first.upsert("acme", DOCS)
-    assert first.vector_model == "minilm-a"
+    assert first.vector_model.model_version == "minilm-a"
     first.close()
-    index = open_index(tmp_path, embed=embed_by("minilm-b"))  # the service changed models
-    assert index.vector_model == "minilm-a"  # recorded with the index, across the restart
+    index = refusing(tmp_path, Embedder("minilm-b"))  # the service changed models
+    assert index.vector_model.model_version == "minilm-a"  # kept with the index
     logged = index.wal.last_seq
     with pytest.raises(FailedPrecondition) as caught:
         await index.upsert("acme", [DocumentInput("rome", "Rome", "Rome is on the Tiber.")])
@@ -120,21 +157,141 @@ async def test_the_index_keeps_the_embedding_model_of_its_vectors_and_never_mixe
     assert ids(await index.search(ACME, query)) == ["rome"]
     index.close()
     # The index's own model serving again: everything works as before.
-    again = open_index(tmp_path, embed=embed_by("minilm-a"))
+    again = open_index(tmp_path, embed=Embedder("minilm-a"))
     await again.upsert("acme", [DocumentInput("oslo", "Oslo", "Oslo is in Norway.")])
     assert (await again.search(ACME, SearchQuery("Oslo Norway", 1, HYBRID))).mode_used == HYBRID
 
 
+async def test_another_model_re_embeds_the_index_and_bm25_answers_meanwhile(tmp_path):
+    first = open_index(tmp_path, embed=Embedder("minilm-a"))
+    await first.upsert("acme", DOCS)
+    await first.upsert("globex", DOCS[:1])
+    mine = DocumentInput("own", "Own", "A caller's own vector.", vector=tuple(toy_vector("own")))
+    await first.upsert("acme", [mine])
+    first.close()
+    embed = Embedder("minilm-b")
+    embed.hold = {"Warsaw. " + DOCS[0].text}  # the re-embed's first batch waits
+    index = open_index(tmp_path, embed=embed)
+    during = await index.search(ACME, SearchQuery("capital of Poland Vistula", 2, HYBRID))
+    assert (during.mode_used, during.fallback_reason) == (BM25, "vector_index_reembedding")
+    assert ids(during)[0] == "warsaw"
+    assert (await index.status("acme")).reembedding_to == "minilm-b"
+    # A write embedded by the new model is accepted while the index moves to it.
+    await index.upsert("acme", [DocumentInput("rome", "Rome", "Rome is on the Tiber.")])
+    embed.gate.set()
+    await until(lambda: not index.vector_model.reembedding_to)
+    assert index.vector_model == VectorModel("minilm-b")
+    models = logged_models(index)
+    assert models == {"warsaw": "minilm-b", "paris": "minilm-b", "salary": "minilm-b",
+                      "tesla": "minilm-b", "rome": "minilm-b", "own": ""}  # fmt: skip
+    after = await index.search(ACME, SearchQuery("capital of Poland Vistula", 2, HYBRID))
+    assert after.mode_used == HYBRID and ids(after)[0] == "warsaw"
+    assert after.hits[0].version > during.hits[0].version  # a re-embed is a write
+    hr = Visibility("acme", frozenset({"hr"}))  # ACLs came along
+    assert "salary" not in ids(await index.search(ACME, SearchQuery("salary bands", 5, VECTOR)))
+    assert "salary" in ids(await index.search(hr, SearchQuery("salary bands", 5, VECTOR)))
+    globex = await index.search(Visibility("globex"), SearchQuery("Warsaw", 5, VECTOR))
+    assert ids(globex) == ["warsaw"]
+    index.close()
+    assert VectorModel.load(tmp_path / "vector_model.json") == VectorModel("minilm-b")
+
+
+async def test_a_document_rewritten_during_the_re_embed_keeps_its_new_text(tmp_path):
+    first = open_index(tmp_path, embed=Embedder("minilm-a"))
+    await first.upsert("acme", DOCS[:2])
+    first.close()
+    embed = Embedder("minilm-b")
+    embed.hold = {"Warsaw. " + DOCS[0].text}
+    index = open_index(tmp_path, embed=embed)
+    await index.search(ACME, SearchQuery("Warsaw", 1, HYBRID))  # sees the new model
+    await until(embed.held.is_set)  # the re-embed has read the old text and waits
+    new = DocumentInput("warsaw", "Warsaw", "Warsaw now has a new text about the Vistula.")
+    await index.upsert("acme", [new])
+    await index.delete("acme", ["paris"])
+    embed.gate.set()
+    await until(lambda: not index.vector_model.reembedding_to)
+    found = await index.search(ACME, SearchQuery("Warsaw", 5, BM25, include_text=True))
+    assert [(h.id, h.text) for h in found.hits] == [("warsaw", new.text)]
+    index.close()
+
+
+async def test_a_re_embed_interrupted_by_a_restart_goes_on_at_the_next_start(tmp_path):
+    first = open_index(tmp_path, embed=Embedder("minilm-a"))
+    await first.upsert("acme", DOCS)
+    first.close()
+    stalled = Embedder("minilm-b")
+    stalled.hold = {"Warsaw. " + DOCS[0].text}
+    index = open_index(tmp_path, embed=stalled)
+    await index.search(ACME, SearchQuery("Warsaw", 1, HYBRID))
+    await until(stalled.held.is_set)
+    await index.stop_reembed()
+    index.close()
+    assert VectorModel.load(tmp_path / "vector_model.json").reembedding_to == "minilm-b"
+    again = open_index(tmp_path, embed=Embedder("minilm-b"))
+    await again.resume_reembed()
+    await until(lambda: not again.vector_model.reembedding_to)
+    assert set(logged_models(again).values()) == {"minilm-b"}
+    again.close()
+
+
+async def test_vectors_a_caller_names_are_held_to_the_index_model(tmp_path):
+    index = open_index(tmp_path, embed=Embedder("minilm-a"))
+    await index.upsert("acme", DOCS[:2])
+
+    def named(doc_id: str, model: str) -> DocumentInput:
+        vector = tuple(toy_vector(doc_id))
+        return DocumentInput(doc_id, doc_id, f"{doc_id} text", vector=vector, vector_model=model)
+
+    await index.upsert("acme", [named("same", "minilm-a")])
+    assert logged_models(index)["same"] == "minilm-a"  # re-embedded with the index later
+    with pytest.raises(FailedPrecondition) as caught:
+        await index.upsert("acme", [named("stray", "minilm-z")])  # nobody runs it here
+    assert caught.value.reason == "EMBEDDING_MODEL_CHANGED"
+    assert caught.value.metadata["service_model"] == "minilm-a"
+    index.close()
+    # The embedding service moved to b before the index heard of it: b's vectors go in
+    # (the index asks the service) and the index moves to b.
+    moved = open_index(tmp_path, embed=Embedder("minilm-b"))
+    await moved.upsert("acme", [named("fresh", "minilm-b")])
+    await until(lambda: moved.vector_model == VectorModel("minilm-b"))
+    assert set(logged_models(moved).values()) == {"minilm-b"}
+    moved.close()
+
+
 async def test_an_index_from_before_the_record_takes_the_first_model_it_sees(tmp_path):
-    index = open_index(tmp_path, embed=embed_by("minilm-a"))
+    index = open_index(tmp_path, embed=Embedder("minilm-a"))
     await index.upsert("acme", DOCS)
     index.close()
     (tmp_path / "vector_model.json").unlink()
-    older = open_index(tmp_path, embed=embed_by("minilm-b"))
-    assert older.vector_model == ""
+    older = open_index(tmp_path, embed=Embedder("minilm-b"))
+    assert older.vector_model == VectorModel()
     found = await older.search(ACME, SearchQuery("capital of Poland Vistula", 2, HYBRID))
-    assert found.mode_used == HYBRID and older.vector_model == "minilm-b"
+    assert found.mode_used == HYBRID and older.vector_model == VectorModel("minilm-b")
     assert (tmp_path / "vector_model.json").exists()
+
+
+async def test_a_re_embed_batch_waits_for_writes_in_flight_and_holds_new_ones():
+    turns, order = WriteTurns(), []
+
+    async def write(name: str, hold_s: float):
+        async with turns.shared():
+            order.append(f"{name} start")
+            await asyncio.sleep(hold_s)
+            order.append(f"{name} end")
+
+    async def batch():
+        async with turns.exclusive():
+            order.append("batch start")
+            await asyncio.sleep(0.05)
+            order.append("batch end")
+
+    first = asyncio.create_task(write("a", 0.05))
+    await asyncio.sleep(0.01)
+    exclusive = asyncio.create_task(batch())
+    await asyncio.sleep(0.01)
+    later = asyncio.create_task(write("b", 0))
+    await asyncio.gather(first, exclusive, later)
+    assert order == ["a start", "a end", "batch start", "batch end", "b start", "b end"]
 
 
 async def test_tenants_never_see_each_other(tmp_path):

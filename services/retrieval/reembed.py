@@ -1,0 +1,121 @@
+"""Which embedding model made an index's vectors, and moving an index to another model.
+
+An index never compares two models' vectors. `vector_model.json` names the model of its
+own vectors; when the embedding service answers with another one, either the index
+refuses (writes FAILED_PRECONDITION, queries BM25 only), or, with re-embedding on (the
+default), it takes the new model as its target and rewrites, in the background, every
+document whose vector an older model made: the same title, text, ACL and attributes
+with the new vector, logged as ordinary writes (so replay, the HNSW builder and the
+document versions need nothing new: a re-embedded document is at a new version). While
+that runs, writes embedded by the target are accepted and queries are answered by BM25
+(`vector_index_reembedding`); when it ends the target is the index's model.
+
+A document written by a caller after the re-embedder read it is never overwritten with
+the old text: each batch is checked against the documents' current versions and written
+while no other write is in flight (`WriteTurns`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ragline.files import atomic_write_text
+from ragline_services.retrieval.documents import doc_key
+from ragline_services.retrieval.wal import WriteLog, tenant_seq
+
+# What a logged document's "model" says when its vector came from the caller. A record
+# from before models were logged has no "model": its vector is taken as the index's own.
+CALLER_VECTOR = ""
+
+
+@dataclass(frozen=True)
+class VectorModel:
+    """The model of the index's vectors ("": none yet) and, while the index moves to
+    another one, that one."""
+
+    model_version: str = ""
+    reembedding_to: str = ""
+
+    @classmethod
+    def load(cls, path: Path) -> VectorModel:
+        if not path.exists():
+            return cls()
+        data = json.loads(path.read_text())
+        return cls(data.get("model_version", ""), data.get("reembedding_to", ""))
+
+    def save(self, path: Path) -> None:
+        atomic_write_text(path, json.dumps(asdict(self)))
+
+
+@dataclass(frozen=True)
+class Stale:
+    """A live document whose vector the target model did not make."""
+
+    key: str
+    version: int
+    item: dict  # the logged document
+
+
+def stale_documents(wal: Path, target: str) -> dict[str, list[Stale]]:
+    """Per tenant, the live documents of the log whose vector came from a model other than
+    `target` (caller vectors left alone). Reads the whole log: run it in a thread."""
+    live: dict[str, Stale] = {}
+    for record in WriteLog.read(wal):
+        for key in record.get("deletes", ()):
+            live.pop(key, None)
+        version = tenant_seq(record)
+        for item in record.get("upserts", ()):
+            key = doc_key(item["tenant"], item["id"])
+            live[key] = Stale(key, version, item)
+    out: dict[str, list[Stale]] = {}
+    for stale in live.values():
+        model = stale.item.get("model")
+        if model == target or model == CALLER_VECTOR:
+            continue
+        out.setdefault(stale.item["tenant"], []).append(stale)
+    return out
+
+
+class WriteTurns:
+    """Callers' writes run side by side (shared turns); a re-embed batch runs alone
+    (exclusive), so that the versions it checks cannot change before its write lands."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._exclusive)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._shared -= 1
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._exclusive)
+            self._exclusive = True  # new shared turns wait from here on
+            try:
+                await self._changed.wait_for(lambda: self._shared == 0)
+            except BaseException:
+                self._exclusive = False
+                self._changed.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._exclusive = False
+                self._changed.notify_all()
