@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,11 +115,22 @@ def main() -> int:
     )
     variants.append(("after" if args.baseline else "this tree", {}))
     rows = []
+    # A fresh token store per run: "cold" means first sight, not read back from an
+    # earlier run's disk.
+    scratch = Path(tempfile.mkdtemp(prefix="bench-rerank-"))
+    variants = [
+        (name, {**env, "RAGLINE_RERANK_TOKEN_STORE_DIR": str(scratch / name.replace(" ", "-"))})
+        for name, env in variants
+    ]
     for variant, env in variants:
         full, full_addr = spawn_service("rerank", env, logs / f"bench-rerank-{variant}.log")
         stage1, stage1_addr = spawn_service(
             "rerank",
-            {**env, "RAGLINE_RERANK_CROSS_ENCODER_MODEL": ""},
+            {
+                **env,
+                "RAGLINE_RERANK_CROSS_ENCODER_MODEL": "",
+                "RAGLINE_RERANK_TOKEN_STORE_DIR": env["RAGLINE_RERANK_TOKEN_STORE_DIR"] + "-1",
+            },
             logs / f"bench-rerank-stage1-{variant}.log",
         )
         try:

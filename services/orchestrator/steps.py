@@ -280,19 +280,24 @@ class RunContext:
         request,
         amounts: Amounts,
         usage: Callable[[object], Amounts],
+        *,
+        counts_as_call: bool = True,
     ):
+        """One model call inside a reservation. `counts_as_call=False`: work done ahead
+        for another step's call (its tokens are charged, the call is that step's)."""
         reservation = await self.reserve(step, amounts)
         try:
             reply = await self.call(step, service, method, request)
         except BaseException as error:
             if isinstance(error, grpc.aio.AioRpcError) and error.code() in _REFUSED_BEFORE_WORK:
-                reservation.settle(Amounts(calls=step.record.attempts or 1))
+                reservation.settle(Amounts(calls=(step.record.attempts or 1) * counts_as_call))
             self.settle_later(
                 step, reservation, failed=True, cancelled=isinstance(error, asyncio.CancelledError)
             )
             raise
         # Every attempt is a call charged, retries included.
-        reservation.settle(replace(usage(reply), calls=max(step.record.attempts, 1)))
+        calls = max(step.record.attempts, 1) if counts_as_call else 0
+        reservation.settle(replace(usage(reply), calls=calls))
         self.settle_later(step, reservation)
         return reply
 
@@ -558,7 +563,8 @@ async def rerank_query(ctx: RunContext, step: Step) -> None:
     run (the service, the budget, the time), the rerank step encodes the question itself,
     and the answer is not degraded for it."""
     text = ctx.settings.question
-    estimate = Amounts(input_tokens=ev.tokens_estimate(text) + 2, calls=1)
+    # The encoding is the rerank call's, done early: its tokens are charged, not a call.
+    estimate = Amounts(input_tokens=ev.tokens_estimate(text) + 2)
     try:
         await ctx.model_call(
             step,
@@ -566,7 +572,8 @@ async def rerank_query(ctx: RunContext, step: Step) -> None:
             "Prepare",
             rerank_pb2.PrepareRequest(query=text),
             estimate,
-            lambda r: Amounts(input_tokens=r.usage.input_tokens, calls=1),
+            lambda r: Amounts(input_tokens=r.usage.input_tokens),
+            counts_as_call=False,
         )
     except (grpc.aio.AioRpcError, RaglineError) as error:
         step.record.note = f"not prepared ({describe(error)}): the rerank step encodes it"

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 from cachetools import TTLCache
 
 from ragline import deadlines
@@ -35,6 +36,9 @@ from ragline.batching import MicroBatcher
 from ragline.errors import DeadlineExceeded, InvalidArgument
 from ragline.tokenization import Tokenizer
 from ragline_services.rerank.models import dequantize, maxsim_many, quantize
+from ragline_services.rerank.token_store import TokenStore
+
+log = structlog.get_logger("ragline.rerank")
 
 LATE_INTERACTION, CROSS_ENCODER = "late_interaction", "cross_encoder"
 
@@ -104,7 +108,10 @@ class TokenCache:
     def put(self, key, vectors: np.ndarray) -> np.ndarray:
         """Keeps `vectors` (int8) and returns them as kept, so that a hit and a miss rank
         alike (also when the entry is evicted at once by a bound smaller than one batch)."""
-        entry = quantize(vectors)
+        return self.put_entry(key, quantize(vectors))
+
+    def put_entry(self, key, entry: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """Keeps an entry already int8 (from the disk store); returns it as vectors."""
         if key in self._entries:
             self.bytes -= _nbytes(self._entries.pop(key))
         self._entries[key] = entry
@@ -208,6 +215,7 @@ class Reranker:
         pair_tokenizer: Tokenizer | None,
         pair_batcher: MicroBatcher | None,
         cache: TokenCache,
+        store: TokenStore | None = None,
         queries: QueryCache | None = None,
         late_interaction_weight: float = 0.7,
         cross_encoder_weight: float = 0.3,
@@ -220,6 +228,8 @@ class Reranker:
         self.pair_tokenizer = pair_tokenizer
         self.pair_batcher = pair_batcher
         self.cache = cache
+        self.store = store
+        self._persisting: set[asyncio.Future] = set()
         self.queries = queries if queries is not None else QueryCache()
         self._encodings: set[asyncio.Future] = set()
         self.late_interaction_weight = late_interaction_weight
@@ -291,7 +301,7 @@ class Reranker:
                 if not output.query_already_prepared:
                     output.input_tokens += encoded.tokens
         if documents:
-            _, _, missing = await self._token_vectors(tenant, documents, None, output)
+            _, _, missing = await self._token_vectors(tenant, documents, None, output, durable=True)
             output.prepared = missing
             output.already_prepared = len(documents) - missing
         return output
@@ -322,9 +332,10 @@ class Reranker:
         batch = await self.token_batcher.submit(tokenized, deadline, tenant)
         return EncodedQuery(self._query_rows(batch.rows[0], tokenized[0]), tokenized[0].length)
 
-    async def _token_vectors(self, tenant, documents, query, output):
+    async def _token_vectors(self, tenant, documents, query, output, *, durable=False):
         """(query vectors or None, vectors by document id as kept, number of documents
-        encoded now)."""
+        encoded now). What is encoded goes to the disk store too: before this returns when
+        `durable` (Prepare's answer means prepared), else behind the answer."""
         keys = [TokenCache.key(tenant, d) for d in documents]
         found: dict[str, np.ndarray] = {}
         missing: list[int] = []
@@ -334,6 +345,14 @@ class Reranker:
                 missing.append(index)
             else:
                 found[documents[index].id] = cached
+        if missing and self.store is not None:
+            stored = await self._stored(tenant, [keys[i] for i in missing])
+            for index in missing:
+                if keys[index] in stored:
+                    found[documents[index].id] = self.cache.put_entry(
+                        keys[index], stored[keys[index]]
+                    )
+            missing = [i for i in missing if keys[i] not in stored]
         texts = ([query] if query is not None else []) + [documents[i].text for i in missing]
         if not texts:
             return None, found, 0
@@ -342,11 +361,40 @@ class Reranker:
         output.queue_wait_s = batch.queue_wait_s
         output.input_tokens += sum(t.length for t in tokenized)
         offset = 1 if query is not None else 0
+        encoded = {}
         for position, index in enumerate(missing, start=offset):
-            found[documents[index].id] = self.cache.put(keys[index], batch.rows[position])
+            entry = encoded[keys[index]] = quantize(batch.rows[position])
+            found[documents[index].id] = self.cache.put_entry(keys[index], entry)
+        if encoded and self.store is not None:
+            if durable:
+                await self._persist(encoded)
+            else:
+                task = asyncio.ensure_future(self._persist(encoded))
+                self._persisting.add(task)
+                task.add_done_callback(self._persisting.discard)
         if query is None:
             return None, found, len(missing)
         return self._query_rows(batch.rows[0], tokenized[0]), found, len(missing)
+
+    async def _stored(self, tenant: str, keys) -> dict:
+        assert self.store is not None
+        try:
+            return await self.store.get_many(keys)
+        except Exception as error:  # a disk trouble is a miss, never a failed rerank
+            log.warning("rerank.token_store_read_failed", tenant=tenant, error=str(error))
+            return {}
+
+    async def _persist(self, entries: dict) -> None:
+        assert self.store is not None
+        try:
+            await self.store.put_many(entries)
+        except Exception as error:
+            log.warning("rerank.token_store_write_failed", entries=len(entries), error=str(error))
+
+    async def flush(self) -> None:
+        """Waits for the disk writes behind earlier answers (a clean stop loses none)."""
+        if self._persisting:
+            await asyncio.gather(*self._persisting, return_exceptions=True)
 
     def _query_rows(self, rows: np.ndarray, tokenized) -> np.ndarray:
         """The query's token vectors without the tokens MaxSim should not average over

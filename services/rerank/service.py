@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from ragline.stopwords import STOP_WORDS
 from ragline.tokenization import Tokenizer
 from ragline.v1 import rerank_pb2, rerank_pb2_grpc
 from ragline_services.rerank.cascade import Reranker, TokenCache
-from ragline_services.rerank.models import CrossEncoder, TokenEncoder
+from ragline_services.rerank.models import PROJECTION_SEED, CrossEncoder, TokenEncoder
 from ragline_services.rerank.servicer import RerankServicer
+from ragline_services.rerank.token_store import TokenStore, store_name
 
 log = structlog.get_logger("ragline.rerank")
 
@@ -34,6 +36,11 @@ class RerankConfig(ServiceConfig):
     # Token vectors are stored projected to this many components, int8.
     token_dim: int = Field(128, ge=8, le=4096)
     token_cache_mb: int = Field(256, ge=1)
+    # The token vectors on disk too, so that a restart does not encode again what Prepare
+    # (or earlier queries) encoded: bound in MiB (0: memory only) and folder (default:
+    # RAGLINE_DATA_DIR/rerank).
+    token_store_mb: int = Field(2048, ge=0)
+    token_store_dir: Path | None = None
     # MaxSim averages over the query's tokens except stop words and punctuation (measured:
     # hybrid + stage 1 on SQuAD dev 0.924 -> 0.927 nDCG@10).
     query_skip_stop_words: bool = True
@@ -94,7 +101,9 @@ class Built:
             model.close()
 
 
-async def build_reranker(cfg: RerankConfig, store: ModelStore) -> Built:
+async def build_reranker(
+    cfg: RerankConfig, store: ModelStore, token_store: TokenStore | None = None
+) -> Built:
     """The cascade from the manifest's models (the service and tools/eval_retrieval)."""
     batchers: list[MicroBatcher] = []
     models: list = []
@@ -155,6 +164,7 @@ async def build_reranker(cfg: RerankConfig, store: ModelStore) -> Built:
         pair_tokenizer=pair_tokenizer,
         pair_batcher=pair_batcher,
         cache=TokenCache(cfg.token_cache_mb * 1024 * 1024),
+        store=token_store,
         late_interaction_weight=cfg.late_interaction_weight,
         cross_encoder_weight=cfg.cross_encoder_weight,
         cross_encoder_candidates=cfg.cross_encoder_candidates,
@@ -169,6 +179,7 @@ class RerankService(Service):
         super().__init__(config, common)
         self._servicer = RerankServicer()
         self._built: Built | None = None
+        self._token_store: TokenStore | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         rerank_pb2_grpc.add_RerankServiceServicer_to_server(self._servicer, server)
@@ -181,13 +192,33 @@ class RerankService(Service):
                 await asyncio.to_thread(
                     store.prepare, name, log=lambda line: log.info("models.prepare", detail=line)
                 )
-        self._built = await build_reranker(cfg, store)
+        self._token_store = await self._open_token_store(store)
+        self._built = await build_reranker(cfg, store, self._token_store)
         self._servicer.reranker.set(self._built.reranker)
         log.info("rerank.ready", token_model=cfg.token_model, cross_encoder=cfg.cross_encoder_model)
 
+    async def _open_token_store(self, models: ModelStore) -> TokenStore | None:
+        cfg = self.config
+        if not cfg.token_store_mb:
+            return None
+        directory = cfg.token_store_dir or (self.common.data_dir / "rerank")
+        name = store_name(models.version(cfg.token_model), cfg.token_dim, PROJECTION_SEED)
+        token_store = TokenStore(directory / name, cfg.token_store_mb << 20)
+        try:
+            await token_store.open()
+        except (OSError, sqlite3.Error) as error:  # a read-only disk: memory only
+            log.warning("rerank.token_store_unavailable", path=str(directory), error=str(error))
+            await asyncio.to_thread(token_store.close)
+            return None
+        log.info("rerank.token_store", path=str(token_store.path), mb=token_store.bytes >> 20)
+        return token_store
+
     async def stop(self) -> None:
         if self._built is not None:
+            await self._built.reranker.flush()
             await self._built.close()
+        if self._token_store is not None:
+            await asyncio.to_thread(self._token_store.close)
 
 
 SPEC = ServiceSpec(

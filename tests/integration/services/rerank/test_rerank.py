@@ -194,3 +194,34 @@ async def test_a_query_prepared_ahead_is_used_by_its_rerank(rerank_pair):
     assert cold.usage.input_tokens == ahead.usage.input_tokens
     assert warm.usage.input_tokens == 0
     assert [(r.id, r.score) for r in warm.results] == [(r.id, r.score) for r in cold.results]
+
+
+async def test_prepared_token_vectors_survive_a_restart(launcher, tmp_path):
+    env = {"RAGLINE_RERANK_TOKEN_STORE_DIR": str(tmp_path / "tokens")}
+    pool = candidates(12)
+    documents = [rerank_pb2.PrepareDocument(id=c.id, text=c.text) for c in pool]
+    request = rerank_pb2.RerankRequest(
+        query="Who ruled the duchy of Normandy?", candidates=pool, late_interaction_only=True
+    )
+    first = launcher.start("rerank", env=env)
+    async with grpc.aio.insecure_channel(first.address) as channel:
+        stub = rerank_pb2_grpc.RerankServiceStub(channel)
+        prepared = await stub.Prepare(
+            rerank_pb2.PrepareRequest(documents=documents), timeout=60, metadata=ACME
+        )
+        before = await stub.Rerank(request, timeout=60, metadata=ACME)
+    first.stop()
+    second = launcher.start("rerank", env=env)
+    async with grpc.aio.insecure_channel(second.address) as channel:
+        stub = rerank_pb2_grpc.RerankServiceStub(channel)
+        after = await stub.Rerank(request, timeout=60, metadata=ACME)
+        again = await stub.Prepare(
+            rerank_pb2.PrepareRequest(documents=documents), timeout=60, metadata=ACME
+        )
+        other = await stub.Rerank(request, timeout=60, metadata=(("x-ragline-tenant", "umbrella"),))
+    assert prepared.prepared == len(pool)
+    # Only the query was encoded after the restart: the documents came from the disk.
+    assert after.usage.input_tokens == before.usage.input_tokens < prepared.usage.input_tokens
+    assert [(r.id, r.score) for r in after.results] == [(r.id, r.score) for r in before.results]
+    assert (again.prepared, again.already_prepared) == (0, len(pool))
+    assert other.usage.input_tokens > after.usage.input_tokens  # another tenant: encoded

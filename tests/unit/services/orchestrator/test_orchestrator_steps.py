@@ -20,8 +20,9 @@ class Context:
         self.failure = failure
         self.calls: list[tuple[str, str, object]] = []
 
-    async def model_call(self, step, service, method, request, amounts, usage):
+    async def model_call(self, step, service, method, request, amounts, usage, **options):
         self.calls.append((service, method, request))
+        self.options, self.amounts = options, amounts
         if self.failure is not None:
             raise self.failure
         return SimpleNamespace(usage=SimpleNamespace(input_tokens=9))
@@ -37,6 +38,8 @@ async def test_the_rerank_query_step_sends_the_question_to_prepare():
     [(service, method, request)] = ctx.calls
     assert (service, method, request.query) == ("rerank", "Prepare", ctx.settings.question)
     assert not request.documents and current.record.note == ""
+    # The rerank step's call, done early: tokens charged, no call of its own.
+    assert ctx.options == {"counts_as_call": False} and ctx.amounts.calls == 0
 
 
 @pytest.mark.parametrize(

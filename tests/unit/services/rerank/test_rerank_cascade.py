@@ -23,6 +23,7 @@ from ragline_services.rerank.cascade import (
 )
 from ragline_services.rerank.models import maxsim_many, projection, quantize
 from ragline_services.rerank.service import skipped_query_tokens
+from ragline_services.rerank.token_store import TokenStore
 
 
 def word_id(word: str) -> int:
@@ -325,3 +326,24 @@ def test_the_skipped_query_tokens_are_stop_words_and_punctuation():
             return {"the": 1, "river": 2, "?": 3, "[CLS]": 4, "##s": 5, "what": 6, "1990": 7}
 
     assert skipped_query_tokens(Vocabulary()) == {1, 3, 6}
+
+
+async def test_a_restarted_reranker_reads_prepared_vectors_from_disk(tmp_path):
+    store = TokenStore(tmp_path / "tokens-a.sqlite", max_bytes=1 << 24)
+    await store.open()
+    first = await make(Models(), store=store)
+    assert (await first.prepare("acme", CANDIDATES)).prepared == len(CANDIDATES)
+    question = RerankInput("acme", "which river flows through warsaw", CANDIDATES, top_k=4)
+    before = await first.rerank(question)
+    models = Models()
+    restarted = await make(models, store=store)  # a new process: its memory cache empty
+    again = await restarted.prepare("acme", CANDIDATES)
+    assert (again.prepared, again.already_prepared) == (0, len(CANDIDATES))
+    after = await restarted.rerank(question)
+    assert models.token_texts == 1  # the query alone
+    assert [(r.id, r.scores) for r in after.results] == [(r.id, r.scores) for r in before.results]
+    fresh = Candidate("new", "a passage nobody prepared", 0.0)
+    await restarted.rerank(RerankInput("acme", "passage", [fresh]))
+    await restarted.flush()  # what a rerank encoded reaches the disk behind its answer
+    assert await store.get_many([TokenCache.key("acme", fresh)])
+    store.close()

@@ -1,0 +1,57 @@
+"""The rerank token vectors on disk (real SQLite in a temp dir)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ragline_services.rerank.models import quantize
+from ragline_services.rerank.token_store import TokenStore, store_name
+
+
+def entry(tokens: int, seed: int):
+    return quantize(np.random.default_rng(seed).normal(size=(tokens, 16)).astype(np.float32))
+
+
+async def test_entries_come_back_as_written_and_only_by_their_own_key(tmp_path):
+    store = TokenStore(tmp_path / store_name("m@1", 16, 7), max_bytes=1 << 20)
+    await store.open()
+    written = entry(5, 1)
+    await store.put_many({("acme", "d1", "x"): written})
+    found = await store.get_many([("acme", "d1", "x"), ("globex", "d1", "x"), ("acme", "d1", "y")])
+    assert list(found) == [("acme", "d1", "x")]  # another tenant, another text: nothing
+    rows, scales = found[("acme", "d1", "x")]
+    assert np.array_equal(rows, written[0]) and np.array_equal(scales, written[1])
+    store.close()
+    again = TokenStore(tmp_path / store_name("m@1", 16, 7), max_bytes=1 << 20)
+    await again.open()  # across a restart
+    assert ("acme", "d1", "x") in await again.get_many([("acme", "d1", "x")])
+    assert again.bytes == written[0].nbytes + written[1].nbytes
+    again.close()
+
+
+async def test_the_bound_drops_the_least_recently_used_first(tmp_path):
+    one = entry(10, 0)
+    size = one[0].nbytes + one[1].nbytes
+    store = TokenStore(tmp_path / "tokens-a.sqlite", max_bytes=2 * size)
+    await store.open()
+    await store.put_many({("acme", "old", "x"): one})
+    await store.put_many({("acme", "mid", "x"): entry(10, 1)})
+    await store.put_many({("acme", "new", "x"): entry(10, 2)})
+    keys = [("acme", name, "x") for name in ("old", "mid", "new")]
+    assert set(await store.get_many(keys)) == {keys[1], keys[2]}
+    assert store.bytes == 2 * size
+    store.close()
+
+
+async def test_another_models_file_is_removed_and_a_damaged_one_set_aside(tmp_path):
+    other = tmp_path / store_name("m@1", 16, 7)
+    other.write_bytes(b"vectors of another model")
+    mine = tmp_path / store_name("m@2", 16, 7)
+    mine.write_bytes(b"this is not a database, nor was it ever")
+    store = TokenStore(mine, max_bytes=1 << 20)
+    await store.open()
+    assert not other.exists()
+    assert list(tmp_path.glob(f"{mine.name}.damaged-*"))
+    await store.put_many({("acme", "d", "x"): entry(3, 0)})
+    assert await store.get_many([("acme", "d", "x")])
+    store.close()
