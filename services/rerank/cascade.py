@@ -153,9 +153,6 @@ class QueryCache:
             with contextlib.suppress(KeyError):
                 del self._entries[key]
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
 
 def _nbytes(entry: tuple[np.ndarray, np.ndarray]) -> int:
     rows, scales = entry
@@ -294,8 +291,11 @@ class Reranker:
         output = PrepareOutput()
         if query:
             key = QueryCache.key(tenant, query)
-            output.query_already_prepared = self.queries.get(key) is not None
-            encoded = await self._prepared_query(tenant, query)
+            encoding = self.queries.get(key)
+            output.query_already_prepared = encoding is not None
+            if encoding is None:
+                encoding = self._start_query_encoding(key, tenant, query)
+            encoded = await self._encoded_query(key, encoding)
             if encoded is not None:
                 output.query_prepared = True
                 if not output.query_already_prepared:
@@ -306,19 +306,20 @@ class Reranker:
             output.already_prepared = len(documents) - missing
         return output
 
-    async def _prepared_query(self, tenant: str, query: str) -> EncodedQuery | None:
-        """The query's encoding, started now unless one is kept or under way (None: it
-        failed; the caller then encodes the query itself). The encoding is a task of its
-        own: a caller that gives up (cancel, deadline) leaves it to finish for the next."""
-        key = QueryCache.key(tenant, query)
-        encoding = self.queries.get(key)
-        if encoding is None:
-            encoding = asyncio.ensure_future(
-                self._encode_query(tenant, query, deadlines.current_deadline())
-            )
-            self._encodings.add(encoding)
-            encoding.add_done_callback(self._encodings.discard)
-            self.queries.put(key, encoding)
+    def _start_query_encoding(self, key, tenant: str, query: str) -> asyncio.Future:
+        """The query's encoding as a task of its own, kept: a caller that gives up (cancel,
+        deadline) leaves it to finish for the next."""
+        encoding = asyncio.ensure_future(
+            self._encode_query(tenant, query, deadlines.current_deadline())
+        )
+        self._encodings.add(encoding)
+        encoding.add_done_callback(self._encodings.discard)
+        self.queries.put(key, encoding)
+        return encoding
+
+    async def _encoded_query(self, key, encoding: asyncio.Future) -> EncodedQuery | None:
+        """What a kept encoding gave (None: it failed; the caller then encodes the query
+        itself, and the failure is forgotten)."""
         try:
             return await asyncio.shield(encoding)
         except asyncio.CancelledError:
@@ -348,10 +349,9 @@ class Reranker:
         if missing and self.store is not None:
             stored = await self._stored(tenant, [keys[i] for i in missing])
             for index in missing:
-                if keys[index] in stored:
-                    found[documents[index].id] = self.cache.put_entry(
-                        keys[index], stored[keys[index]]
-                    )
+                entry = stored.get(keys[index])
+                if entry is not None:
+                    found[documents[index].id] = self.cache.put_entry(keys[index], entry)
             missing = [i for i in missing if keys[i] not in stored]
         texts = ([query] if query is not None else []) + [documents[i].text for i in missing]
         if not texts:
@@ -407,9 +407,9 @@ class Reranker:
 
     async def _late_interaction(self, request: RerankInput, output: RerankOutput):
         started = time.perf_counter()
-        prepared = None
-        if self.queries.get(QueryCache.key(request.tenant, request.query)) is not None:
-            prepared = await self._prepared_query(request.tenant, request.query)
+        key = QueryCache.key(request.tenant, request.query)
+        encoding = self.queries.get(key)
+        prepared = None if encoding is None else await self._encoded_query(key, encoding)
         query, documents, _ = await self._token_vectors(
             request.tenant,
             request.candidates,

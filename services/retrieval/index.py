@@ -309,12 +309,10 @@ class RetrievalIndex:
         if not model_version:
             return True
         if not current.model_version:
-            self.vector_model = VectorModel(model_version)  # at once: a concurrent write sees it
-            await asyncio.to_thread(self.vector_model.save, self._vector_model_path)
+            await self._set_vector_model(VectorModel(model_version))
             log.info("retrieval.vector_model_recorded", model_version=model_version)
             return True
-        target = current.reembedding_to or current.model_version
-        if model_version == target:
+        if model_version == current.target:
             return writing or not current.reembedding_to
         if self.settings.reembed_on_model_change:
             await self._start_reembed(model_version)
@@ -343,7 +341,7 @@ class RetrievalIndex:
         now (asked here: the index may not have heard of a change yet, and then moves to
         it); any other model is refused."""
         current = self.vector_model
-        if model_version == (current.reembedding_to or current.model_version):
+        if model_version == current.target:
             return
         serving = ""
         if self._embed is not None:
@@ -353,7 +351,7 @@ class RetrievalIndex:
         if serving == model_version or (not serving and not self.vector_model.model_version):
             await self._check_vector_model(model_version, writing=True)
             return
-        index_model = current.reembedding_to or current.model_version
+        index_model = current.target
         raise FailedPrecondition(
             f"documents[].vector_model_version is {model_version}, but this index's vectors "
             f"are of {index_model} and the embedding service runs {serving or '(unreachable)'}"
@@ -378,9 +376,13 @@ class RetrievalIndex:
         if self.vector_model.reembedding_to and self._reembedder is None:
             self._launch_reembed(self.vector_model.reembedding_to)
 
+    async def _set_vector_model(self, model: VectorModel) -> None:
+        # Set before the save's await: a concurrent write or query already sees it.
+        self.vector_model = model
+        await asyncio.to_thread(model.save, self._vector_model_path)
+
     async def _start_reembed(self, target: str) -> None:
-        self.vector_model = VectorModel(self.vector_model.model_version, target)
-        await asyncio.to_thread(self.vector_model.save, self._vector_model_path)
+        await self._set_vector_model(VectorModel(self.vector_model.model_version, target))
         log.warning(
             "retrieval.reembed_started",
             index_model=self.vector_model.model_version,
@@ -407,8 +409,7 @@ class RetrievalIndex:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 60.0)
         if self.vector_model.reembedding_to == target:
-            self.vector_model = VectorModel(target)
-            await asyncio.to_thread(self.vector_model.save, self._vector_model_path)
+            await self._set_vector_model(VectorModel(target))
             self._reembedder = None
             log.warning("retrieval.reembed_finished", model_version=target)
 

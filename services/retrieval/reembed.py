@@ -41,6 +41,11 @@ class VectorModel:
     model_version: str = ""
     reembedding_to: str = ""
 
+    @property
+    def target(self) -> str:
+        """The model the index's vectors are, or are becoming, of."""
+        return self.reembedding_to or self.model_version
+
     @classmethod
     def load(cls, path: Path) -> VectorModel:
         if not path.exists():
