@@ -9,8 +9,9 @@ the same absolute value works with `asyncio.timeout_at`.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -81,6 +82,62 @@ def detached(timeout_s: float) -> Iterator[float]:
         yield _deadline.get()
     finally:
         _deadline.reset(token)
+
+
+class StreamDeadline:
+    """One timer for a stream read piece by piece, with the reader's own code (a
+    generator's `yield`) between the reads.
+
+    `asyncio.timeout_at` around each read arms and cancels a timer per piece; one around
+    the whole loop would cancel the reader's code, wherever it is, instead of the read.
+    This arms one timer for the stream, and when it fires interrupts only a read in
+    progress: that read (or the next one) raises TimeoutError. Another cancellation of
+    the task (the caller went away) stays a CancelledError.
+
+        with StreamDeadline(deadline) as timer:
+            while True:
+                item = await timer.read(stream)  # TimeoutError, StopAsyncIteration
+                yield item
+    """
+
+    def __init__(self, when: float | None) -> None:
+        self.when = when
+        self.expired = False
+        self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading = False
+        self._cancelled = False  # this timer's cancel is on its way to the read
+
+    def __enter__(self) -> StreamDeadline:
+        self._task = asyncio.current_task()
+        if self.when is not None:
+            self._timer = asyncio.get_running_loop().call_at(self.when, self._expire)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self._reading and self._task is not None:
+            self._cancelled = True
+            self._task.cancel()
+
+    async def read(self, stream: AsyncIterator):
+        if self.expired:
+            raise TimeoutError
+        self._reading = True
+        try:
+            return await anext(stream)
+        except asyncio.CancelledError:
+            # Ours only when no other cancellation was asked for meanwhile.
+            if self._cancelled and self._task is not None and self._task.uncancel() == 0:
+                self._cancelled = False
+                raise TimeoutError from None
+            raise
+        finally:
+            self._reading = False
 
 
 def set_deadline(deadline: float | None):

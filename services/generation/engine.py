@@ -44,7 +44,15 @@ class GenerationEngine(Protocol):
         """Drops whatever the engine caches for `slot` (before another tenant uses it)."""
 
     def stream(
-        self, prompt: str, *, slot: int, max_tokens: int, sampling: dict
+        self,
+        prompt: str,
+        *,
+        slot: int,
+        max_tokens: int,
+        sampling: dict,
+        prompt_ids: list[int] | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """Streams one completion in `slot`, ending with a final event. Closing the
-        iterator stops decoding at once."""
+        iterator stops decoding at once. `prompt_ids`: the prompt already tokenized by this
+        engine's `tokenize` (an engine that has one), so it is not tokenized again. An
+        event may carry several tokens: those that arrived in one read."""

@@ -121,7 +121,7 @@ class Rendered:
     tier: Tier
     prompt: str
     tokens: int
-    token_ids: list[int] | None = None  # when the tier has a prefix store
+    token_ids: list[int] | None = None  # when the engine tokenizes (llama-server)
     boundaries: list[int] = field(default_factory=list)  # candidate prefix lengths
 
 
@@ -158,9 +158,13 @@ class Generator:
         if not prompt.strip():
             field_name = "chat" if request.chat is not None else "prompt"
             raise InvalidArgument(field_name, "is empty; give the model something to continue")
-        if tier.prefix_store is None or not for_store:
+        tokenize = getattr(tier.engine, "tokenize", None)
+        if tokenize is None:  # an engine that only counts (Triton's preprocessing model)
             return Rendered(tier, prompt, await tier.engine.count_tokens(prompt))
-        token_ids = await tier.engine.tokenize(prompt)  # type: ignore[attr-defined]
+        # Tokenized once: the count and the prompt the engine runs are these ids.
+        token_ids = await tokenize(prompt)
+        if tier.prefix_store is None or not for_store:
+            return Rendered(tier, prompt, len(token_ids), token_ids)
         boundaries = [len(token_ids)]
         if request.chat is not None:
             boundaries += await self._chat_boundaries(tier, request.chat, token_ids)
@@ -230,31 +234,32 @@ class Generator:
             slot=lease.slot.index,
             max_tokens=request.max_tokens,
             sampling=request.sampling,
+            prompt_ids=rendered.token_ids,
         )
+        stop_at = None if deadline is None else deadline - DEADLINE_MARGIN_S
+        finish = "stop"
         try:
-            stop_at = None if deadline is None else deadline - DEADLINE_MARGIN_S
-            finish = "stop"
-            while True:
-                # The deadline guards each read from the engine, never a `yield` (a cancel
-                # scope open across a yield would fire in the caller's code).
-                try:
-                    async with asyncio.timeout_at(stop_at):
-                        event = await anext(stream)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError:
-                    finish = "deadline"
-                    break
-                if event.final:
-                    final = event
-                    finish = {"eos": "stop", "word": "stop", "limit": "length"}.get(
-                        event.stop_type, "stop"
-                    )
-                if event.text or event.token_ids:
-                    if first_token_at is None:
-                        first_token_at = time.monotonic()
-                    text_parts.append(event.text)
-                    yield Chunk(event.text, event.token_ids, first=len(text_parts) == 1)
+            # One timer for the whole stream: it interrupts a read from the engine, never
+            # the caller's code at a `yield`.
+            with deadlines.StreamDeadline(stop_at) as timer:
+                while True:
+                    try:
+                        event = await timer.read(stream)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        finish = "deadline"
+                        break
+                    if event.final:
+                        final = event
+                        finish = {"eos": "stop", "word": "stop", "limit": "length"}.get(
+                            event.stop_type, "stop"
+                        )
+                    if event.text or event.token_ids:
+                        if first_token_at is None:
+                            first_token_at = time.monotonic()
+                        text_parts.append(event.text)
+                        yield Chunk(event.text, event.token_ids, first=len(text_parts) == 1)
         finally:
             # Closing the engine stream stops decoding now (deadline, cancel or done).
             with contextlib.suppress(Exception):

@@ -218,12 +218,22 @@ class LlamaServerEngine:
         return int(reply.get("n_restored", 0))
 
     async def stream(
-        self, prompt: str, *, slot: int, max_tokens: int, sampling: dict
+        self,
+        prompt: str,
+        *,
+        slot: int,
+        max_tokens: int,
+        sampling: dict,
+        prompt_ids: list[int] | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        """Streams one completion in `slot`. Closing the generator closes the HTTP stream,
-        which makes llama-server stop decoding and free the slot."""
+        """Streams one completion in `slot`: one event per read from the socket, with every
+        token that arrived in it (a reader that falls behind gets fewer, larger events, not
+        a queue of one-token ones). Closing the generator closes the HTTP stream, which
+        makes llama-server stop decoding and free the slot."""
         body = {
-            "prompt": prompt,
+            # The ids `tokenize` made of `prompt` (same special-token rules as llama-server's
+            # own tokenization of text), so the engine does not tokenize it again.
+            "prompt": prompt if prompt_ids is None else prompt_ids,
             "id_slot": slot,
             "cache_prompt": True,
             "n_predict": max_tokens,
@@ -238,16 +248,24 @@ class LlamaServerEngine:
                     raise Unavailable(
                         f"llama-server /completion answered {reply.status_code}: {text[:300]}"
                     )
-                async for line in reply.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = json.loads(line[6:])
-                    if data.get("stop"):
-                        yield _final_event(data)
-                        return
-                    yield StreamEvent(
-                        text=data.get("content", ""), token_ids=list(data.get("tokens", ()))
-                    )
+                pending = ""
+                async for received in reply.aiter_text():
+                    *lines, pending = (pending + received).split("\n")
+                    texts: list[str] = []
+                    ids: list[int] = []
+                    for line in lines:
+                        if not line.startswith("data: "):
+                            continue
+                        data = json.loads(line[6:])
+                        if data.get("stop"):
+                            if texts or ids:
+                                yield StreamEvent(text="".join(texts), token_ids=ids)
+                            yield _final_event(data)
+                            return
+                        texts.append(data.get("content", ""))
+                        ids.extend(data.get("tokens", ()))
+                    if texts or ids:
+                        yield StreamEvent(text="".join(texts), token_ids=ids)
         except httpx.HTTPError as error:
             raise Unavailable(f"llama-server stream failed: {error}") from error
         except (ValueError, TypeError) as error:  # a line that is not the JSON it should be

@@ -129,7 +129,13 @@ class TritonGenerationEngine:
         """Nothing to erase: Triton keeps no per-slot cache that this service addresses."""
 
     async def stream(
-        self, prompt: str, *, slot: int, max_tokens: int, sampling: dict
+        self,
+        prompt: str,
+        *,
+        slot: int,
+        max_tokens: int,
+        sampling: dict,
+        prompt_ids: list[int] | None = None,
     ) -> AsyncIterator[StreamEvent]:
         request = self._pb.ModelInferRequest(model_name=self.model, id=f"slot-{slot}")
         values = {

@@ -80,3 +80,69 @@ def test_deadline_works_with_asyncio_timeout_at():
 
     with pytest.raises(TimeoutError):
         asyncio.run(run())
+
+
+async def _ticks(interval_s: float, count: int = 1000):
+    for index in range(count):
+        await asyncio.sleep(interval_s)
+        yield index
+
+
+async def test_stream_deadline_interrupts_a_read_in_progress():
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with deadlines.StreamDeadline(started + 0.05) as timer:
+        with pytest.raises(TimeoutError):
+            await timer.read(_ticks(10.0))
+    assert loop.time() - started < 1.0
+    assert asyncio.current_task().cancelling() == 0  # no cancellation left behind
+
+
+async def test_stream_deadline_never_cancels_the_readers_own_code():
+    loop = asyncio.get_running_loop()
+    stream = _ticks(0.001)
+    with deadlines.StreamDeadline(loop.time() + 0.05) as timer:
+        assert await timer.read(stream) == 0
+        await asyncio.sleep(0.1)  # the reader's own work outlives the deadline, untouched
+        assert timer.expired
+        with pytest.raises(TimeoutError):
+            await timer.read(stream)  # and the next read refuses at once
+
+
+async def test_stream_deadline_reads_every_item_in_time_and_disarms():
+    loop = asyncio.get_running_loop()
+    with deadlines.StreamDeadline(loop.time() + 0.2) as timer:
+        stream = _ticks(0.001, 5)
+        items = []
+        with pytest.raises(StopAsyncIteration):
+            while True:
+                items.append(await timer.read(stream))
+    assert items == [0, 1, 2, 3, 4]
+    await asyncio.sleep(0.3)  # left the block: the timer never fires afterwards
+    assert not timer.expired
+
+
+async def test_stream_deadline_leaves_another_cancellation_a_cancellation():
+    async def reader():
+        with deadlines.StreamDeadline(None) as timer:
+            await timer.read(_ticks(10.0))
+
+    task = asyncio.create_task(reader())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_stream_deadline_and_a_caller_cancel_together_stay_cancelled():
+    loop = asyncio.get_running_loop()
+
+    async def reader():
+        with deadlines.StreamDeadline(loop.time() + 0.05) as timer:
+            await timer.read(_ticks(10.0))
+
+    task = asyncio.create_task(reader())
+    await asyncio.sleep(0.01)
+    loop.call_at(loop.time() + 0.04, task.cancel)  # lands in the same tick as the timer
+    with pytest.raises(asyncio.CancelledError):
+        await task
