@@ -27,9 +27,9 @@ RUN python -m venv /opt/ragline/venv \
  && /opt/ragline/venv/bin/pip install --no-cache-dir .
 ENV RAGLINE_CACHE_DIR=/opt/ragline/cache \
     RAGLINE_MODEL_DIR=/opt/ragline/models
-# A portable build (GGML_NATIVE=OFF): the image runs on any x86-64 node. The tool prints
-# the binary's path last.
-RUN built="$(/opt/ragline/venv/bin/python tools/build_llama_server.py --jobs "$(nproc)" | tail -n 1)" \
+# A portable build (AVX2, GGML_NATIVE=OFF): the image runs on any x86-64 node, whatever
+# the CPU it was built on. The tool prints the binary's path last.
+RUN built="$(/opt/ragline/venv/bin/python tools/build_llama_server.py --cpu portable --jobs "$(nproc)" | tail -n 1)" \
  && install -D -m 0755 "$built" /opt/ragline/bin/llama-server \
  && rm -rf /opt/ragline/cache
 # The models the services' defaults name (embedding, rerank's token model, derived here

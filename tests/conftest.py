@@ -253,7 +253,7 @@ async def external_llama(tmp_path):
     from ragline_services.generation.llama_engine import (
         EngineSettings,
         LlamaServerEngine,
-        default_llama_cache,
+        find_llama_server,
     )
     from support.faulty_proxy import FaultyProxy
 
@@ -264,7 +264,7 @@ async def external_llama(tmp_path):
     engine = LlamaServerEngine(
         EngineSettings(
             store.file(model, store.spec(model).assembled or "model.gguf"),
-            default_llama_cache(common.cache_dir) / "llama-server",
+            find_llama_server(common.cache_dir),
             slots=1,
             context_per_slot=2048,
             threads=1,

@@ -31,7 +31,7 @@ import httpx
 
 from ragline.v1 import generation_pb2, generation_pb2_grpc
 from ragline_app.datasets import load_squad
-from ragline_app.stack import spawn_service
+from ragline_app.stack import source_pythonpath, spawn_service
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -218,6 +218,72 @@ def flash_rows(args, passages, logs: Path, base_env: dict, rows: list[str]) -> N
         rows.append(
             f"| prefill tok/s at {size} prompt tokens: flash attention on vs off | "
             f"{on:.0f} vs {off:.0f} | {on / off:.2f}x |"
+        )
+
+
+def cold_rows(args, passages, questions, logs: Path, base_env: dict, rows: list[str]) -> None:
+    """Cold TTFT of the orchestrator's answer prompt with ~600 tokens of evidence, per engine
+    configuration: the issue's default (1 thread per tier, the portable build), threads
+    from the cores, and this machine's build. All services run at once and take the
+    requests in turns, so the machine's noise falls on every configuration alike."""
+    from ragline.config import CommonConfig
+    from ragline_services.generation.llama_engine import PORTABLE, default_llama_cache
+
+    common = CommonConfig()
+    portable = default_llama_cache(common.cache_dir, PORTABLE) / "llama-server"
+    configs = [
+        ("1 thread, portable build", {"RAGLINE_GENERATION_THREADS": "1"}),
+        ("threads from cores, portable build", {}),
+        ("threads from cores, this machine's build (default)", None),
+    ]
+    if not portable.exists():
+        rows.append(f"| cold TTFT | no portable build at {portable}: rows skipped | |")
+        return
+    with contextlib.ExitStack() as stack:
+        addresses = []
+        for index, (_, extra) in enumerate(configs):
+            env = {
+                **base_env,
+                "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+                "RAGLINE_GENERATION_KV_STORE": "false",
+                **(extra or {}),
+            }
+            if extra is not None:
+                env["RAGLINE_GENERATION_LLAMA_SERVER"] = str(portable)
+            log_path = logs / f"bench-generation-cold-{index}.log"
+            addresses.append(stack.enter_context(generation_service(env, log_path)))
+
+        async def measure():
+            ttfts: list[list[float]] = [[] for _ in configs]
+            tokens: list[int] = []
+            async with contextlib.AsyncExitStack() as channels:
+                stubs = [
+                    generation_pb2_grpc.GenerationServiceStub(
+                        await channels.enter_async_context(grpc.aio.insecure_channel(a))
+                    )
+                    for a in addresses
+                ]
+                for round_ in range(args.rounds + 1):
+                    start = (round_ * 13) % (len(passages) - 12)
+                    texts = [f"[{i + 1}] {p.text}" for i, p in enumerate(passages[start:][:12])]
+                    evidence = await prompt_of(stubs[0], texts, args.cold_tokens)
+                    _, request = answer_request(evidence, questions[round_].text)
+                    for index, stub in enumerate(stubs):
+                        # A new tenant: the slot is erased, nothing of the prompt is cached.
+                        reply = await run_one(stub, request, tenant=uuid.uuid4().hex)
+                        if round_ == 0:
+                            continue  # warm-up: a fresh engine's first request allocates
+                        ttfts[index].append(reply["ttft_s"])
+                        tokens.append(reply["final"].usage.input_tokens)
+            return ttfts, tokens
+
+        ttfts, tokens = asyncio.run(measure())
+    base = statistics.median(ttfts[0])
+    for (label, _), values in zip(configs, ttfts, strict=True):
+        median = statistics.median(values)
+        rows.append(
+            f"| cold TTFT, answer prompt of {statistics.median(tokens):.0f} tokens: {label} | "
+            f"{median * 1000:.0f} ms (min {min(values) * 1000:.0f}) | {base / median:.2f}x |"
         )
 
 
@@ -468,8 +534,10 @@ def weights_rows(args, passages, questions, logs: Path, base_env: dict, rows: li
         )
 
 
-def base_rows(args, cases, logs: Path, base_env: dict, rows: list[str]) -> None:
-    """Rows 1-4 (overhead, prefix cache, speculation, batching)."""
+def base_rows(
+    args, cases, logs: Path, base_env: dict, rows: list[str], overhead_only: bool = False
+) -> None:
+    """Rows 1-4 (overhead, prefix cache, speculation, batching); 1-2 when overhead_only."""
     # 1-2 on one plain service with one slot (one request at a time).
     service_log = logs / "bench-generation-1.log"
     process, address = spawn_service(
@@ -565,6 +633,8 @@ def base_rows(args, cases, logs: Path, base_env: dict, rows: list[str]) -> None:
             f"{statistics.median(warm) / statistics.median(cold):.3f}x |"
         )
 
+        if overhead_only:
+            return
         plain = asyncio.run(answers(address, cases[: args.rounds], args.tokens))
     finally:
         process.terminate()
@@ -710,8 +780,10 @@ def main() -> int:
         "--parts",
         default="base",
         help="comma-separated: base (overhead, prefix cache, speculation, batching), "
+        "overhead (only the first two of base), "
         "flash (prefill with/without flash attention), kvtypes (KV cache types), "
-        "store (hot-prefix KV store), weights (each packaged quantization)",
+        "store (hot-prefix KV store), weights (each packaged quantization), "
+        "cold (cold TTFT per thread count and build)",
     )
     parser.add_argument("--prefill-sizes", default="512,2048,4096")
     parser.add_argument("--kv-types", default="f16,q8_0,q4_0")
@@ -722,7 +794,13 @@ def main() -> int:
         "--weights-models", default="smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b"
     )
     parser.add_argument("--weights-questions", type=int, default=30)
+    parser.add_argument("--cold-tokens", type=int, default=560, help="evidence tokens")
     parser.add_argument("--data", type=Path, default=REPO / "app/data/squad_dev_sample.json")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout: the overhead rows are measured first with its service",
+    )
     args = parser.parse_args()
     passages, questions = load_squad(args.data)
     by_passage = {}
@@ -744,8 +822,13 @@ def main() -> int:
     }
 
     parts = set(args.parts.split(","))
-    if "base" in parts:
-        base_rows(args, cases, logs, base_env, rows)
+    if "base" in parts or "overhead" in parts:
+        if args.baseline is not None:
+            before: list[str] = []
+            env = {**base_env, "PYTHONPATH": source_pythonpath(args.baseline)}
+            base_rows(args, cases, logs, env, before, overhead_only=True)
+            rows += [row.replace("| ", "| before: ", 1) for row in before]
+        base_rows(args, cases, logs, base_env, rows, overhead_only="base" not in parts)
     if "flash" in parts:
         flash_rows(args, passages, logs, base_env, rows)
     if "kvtypes" in parts:
@@ -754,6 +837,8 @@ def main() -> int:
         weights_rows(args, passages, questions, logs, base_env, rows)
     if "store" in parts:
         store_rows(args, passages, questions, logs, base_env, rows)
+    if "cold" in parts:
+        cold_rows(args, passages, questions, logs, base_env, rows)
     print(
         f"\ngeneration on llama-server, model {args.model}, {args.tokens} tokens, greedy, "
         f"{args.rounds} RAG prompts from {args.data.name}"

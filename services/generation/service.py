@@ -22,10 +22,9 @@ from ragline.v1 import generation_pb2, generation_pb2_grpc
 from ragline_services.generation.engine import GenerationEngine
 from ragline_services.generation.generator import LARGE, SMALL, Generator, Speculation, Tier
 from ragline_services.generation.llama_engine import (
-    LLAMA_BUILD_TAG,
     EngineSettings,
     LlamaServerEngine,
-    default_llama_cache,
+    find_llama_server,
 )
 from ragline_services.generation.memory import (
     MEMORY_FRACTION,
@@ -217,10 +216,12 @@ class GenerationService(Service):
             return None
         if self._cache is None:
             self._cache = open_cache(cfg.cache_url)
-        # Everything that changes a saved state's layout: a state is restored only into
-        # an engine that wrote it the same way.
+        # Everything that changes a saved state's layout or numbers: a state is restored
+        # only into an engine that wrote it the same way (the binary's folder names the
+        # llama.cpp build and the CPU kernels it was compiled with).
         identity = (
-            f"{model_version}|llama.cpp {LLAMA_BUILD_TAG}|k={cfg.cache_type_k}"
+            f"{model_version}|llama.cpp {self._llama_binary().parent.name}"
+            f"|k={cfg.cache_type_k}"
             f"|v={cfg.cache_type_v}|fa={flash_attn}"
         )
         settings = StoreSettings(
@@ -243,8 +244,9 @@ class GenerationService(Service):
         cfg = self.config
         if cfg.llama_server is not None:
             return cfg.llama_server
-        cache = cfg.llama_cache or default_llama_cache(self.common.cache_dir)
-        return cache / "llama-server"
+        if cfg.llama_cache is not None:
+            return cfg.llama_cache / "llama-server"
+        return find_llama_server(self.common.cache_dir)
 
     async def _fall_back(self, tier: Tier) -> None:
         """Restarts a tier's engine without speculation (llama-server fixes it per process).
