@@ -1,0 +1,96 @@
+"""The generator's side of a stream: the prompt is tokenized once and those ids are what the
+engine runs; several tokens of one engine event are one chunk; the deadline ends a stream
+that stalls, with finish reason deadline."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ragline import deadlines
+from ragline_services.generation.engine import StreamEvent
+from ragline_services.generation.generator import (
+    SMALL,
+    Chunk,
+    GenerationRequest,
+    Generator,
+    Speculation,
+    Summary,
+    Tier,
+)
+from ragline_services.generation.scheduler import SlotScheduler
+
+
+class ScriptedEngine:
+    """Counts tokenize calls and records what each stream was asked to run."""
+
+    context_window = 2048
+
+    def __init__(self, events: list[StreamEvent], stall_s: float = 0.0) -> None:
+        self.events = events
+        self.stall_s = stall_s
+        self.tokenized: list[str] = []
+        self.streams: list[dict] = []
+
+    async def tokenize(self, text: str) -> list[int]:
+        self.tokenized.append(text)
+        return [ord(c) for c in text]
+
+    async def count_tokens(self, text: str) -> int:
+        raise AssertionError("an engine that tokenizes is never asked only to count")
+
+    async def erase_slot(self, slot: int) -> None:
+        pass
+
+    async def stream(self, prompt, *, slot, max_tokens, sampling, prompt_ids=None):
+        self.streams.append({"prompt": prompt, "prompt_ids": prompt_ids})
+        for event in self.events:
+            yield event
+        await asyncio.sleep(self.stall_s)
+        yield StreamEvent(final=True, stop_type="eos", completion_tokens=3)
+
+
+def generator_on(engine: ScriptedEngine) -> Generator:
+    tier = Tier(
+        name=SMALL,
+        model="scripted",
+        model_version="v1",
+        engine=engine,
+        scheduler=SlotScheduler(1, 4, engine.erase_slot),
+        speculation=Speculation("none"),
+        context_window=engine.context_window,
+    )
+    return Generator({SMALL: tier})
+
+
+async def collect(generator: Generator, prompt: str) -> tuple[list[Chunk], Summary]:
+    request = GenerationRequest(tenant="ann", tier=SMALL, max_tokens=8, prompt=prompt)
+    chunks, summary = [], None
+    async for event in generator.generate(request):
+        if isinstance(event, Chunk):
+            chunks.append(event)
+        else:
+            summary = event
+    assert summary is not None
+    return chunks, summary
+
+
+async def test_the_prompt_is_tokenized_once_and_run_as_those_ids():
+    engine = ScriptedEngine([StreamEvent(text="Paris is", token_ids=[7, 8])])
+    chunks, summary = await collect(generator_on(engine), "Where?")
+    assert engine.tokenized == ["Where?"]
+    assert engine.streams == [{"prompt": "Where?", "prompt_ids": [ord(c) for c in "Where?"]}]
+    assert summary.prompt_tokens == len("Where?")
+    # two tokens of one engine event stay one chunk (one gRPC message)
+    assert [(c.text, c.token_ids, c.first) for c in chunks] == [("Paris is", [7, 8], True)]
+    assert summary.finish_reason == "stop"
+
+
+async def test_a_stalled_stream_ends_at_the_deadline_with_what_it_had():
+    engine = ScriptedEngine([StreamEvent(text="Par", token_ids=[7])], stall_s=30.0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with deadlines.deadline_scope(0.3):
+        chunks, summary = await collect(generator_on(engine), "Where?")
+    assert loop.time() - started < 2.0
+    assert summary.finish_reason == "deadline"
+    assert summary.text == "Par" and len(chunks) == 1
