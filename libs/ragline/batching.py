@@ -6,7 +6,9 @@ tenant in turn (round robin), waiting at most `max_wait_s` after the oldest one 
 to arrive. So a tenant that floods the batcher delays another tenant's request by about one
 of its own requests, never by its whole backlog. Requests whose caller went away or whose
 deadline passed are dropped before compute. Inside a batch the texts are sorted by token
-length and run in length buckets, each padded only to its own longest text. A full queue
+length and run in length buckets, each padded only to its own longest text. Up to
+`max_parallel_runs` batches run at once (a CPU model with one thread per run: one per
+core), so a bulk load keeps every core busy while a lone query still runs alone. A full queue
 (all tenants: `max_queue_texts`; one tenant: `max_queue_texts_per_tenant`, smaller, so one
 tenant cannot fill it for everyone) refuses at once with RESOURCE_EXHAUSTED and a retry
 delay instead of letting callers time out.
@@ -115,9 +117,15 @@ class MicroBatcher:
         max_queue_texts_per_tenant: int | None = None,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         name: str = "batcher",
+        max_parallel_runs: int = 1,
     ) -> None:
+        """`max_parallel_runs`: batches run at once (the model's runners: cores for a
+        one-thread-per-run CPU model); the next batch forms as soon as one is free."""
         self._run = run
         self.name = name
+        self.max_parallel_runs = max(1, max_parallel_runs)
+        self._runners = asyncio.Semaphore(self.max_parallel_runs)
+        self._running: set[asyncio.Task] = set()
         self.max_batch_texts = max_batch_texts
         self.max_wait_s = max_wait_s
         self.max_queue_texts = max_queue_texts
@@ -142,6 +150,9 @@ class MicroBatcher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for task in list(self._running):
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
         for queue in self._queues.values():
             for item in queue:
                 if not item.future.done():
@@ -195,10 +206,24 @@ class MicroBatcher:
             await self._wakeup.wait()
             self._wakeup.clear()
             while self._queues:
-                await self._gather()
-                batch = self._take()
+                # A batch forms only once a runner is free: what arrives meanwhile joins it.
+                await self._runners.acquire()
+                batch: list[_Item] = []
+                try:
+                    if self._queues:
+                        await self._gather()
+                        batch = self._take()
+                finally:
+                    if not batch:
+                        self._runners.release()
                 if batch:
-                    await self._run_batch(batch)
+                    task = asyncio.ensure_future(self._run_batch(batch))
+                    self._running.add(task)
+                    task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        self._runners.release()
 
     async def _gather(self) -> None:
         """Waits (at most max_wait after the oldest request) for the batch to fill."""
@@ -270,6 +295,13 @@ class MicroBatcher:
                 if not item.future.done():
                     item.future.set_exception(error)
             return
+        except asyncio.CancelledError:  # stopped mid-batch: no caller is left waiting
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(
+                        Unavailable(f"{self.name} is shutting down", reason="SHUTTING_DOWN")
+                    )
+            raise
         compute_s = time.monotonic() - started
         self.batches += 1
         self._texts_per_s = 0.8 * self._texts_per_s + 0.2 * (len(flat) / max(compute_s, 1e-6))

@@ -42,12 +42,15 @@ def normalise(vectors: np.ndarray) -> np.ndarray:
 
 
 class OnnxRuntimeBackend:
-    """ONNX Runtime on the CPU. One model run at a time on its own thread (the batcher
-    feeds it whole batches), so the event loop never blocks on inference."""
+    """ONNX Runtime on the CPU. Up to `parallel_runs` model runs at once, each on its own
+    thread (the batcher feeds them whole batches; one session serves concurrent runs), so
+    the event loop never blocks on inference."""
 
     name = "onnxruntime"
 
-    def __init__(self, model_path: Path, *, intra_op_threads: int = 1) -> None:
+    def __init__(
+        self, model_path: Path, *, intra_op_threads: int = 1, parallel_runs: int = 1
+    ) -> None:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -65,7 +68,10 @@ class OnnxRuntimeBackend:
         self._pool = self._output != "sentence_embedding"
         shape = self._session.get_outputs()[outputs.index(self._output)].shape
         self.dim = int(shape[-1])
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ort")
+        self.parallel_runs = max(1, parallel_runs)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            self.parallel_runs, thread_name_prefix="ort"
+        )
 
     async def check_ready(self) -> None:
         """In process: ready once the session is built."""

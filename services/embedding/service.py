@@ -12,6 +12,7 @@ from pydantic import Field
 
 from ragline.batching import MicroBatcher, pad
 from ragline.config import ServiceConfig
+from ragline.cores import usable_cores
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
@@ -35,6 +36,10 @@ class EmbeddingConfig(ServiceConfig):
     backend: Literal["onnxruntime", "triton"] = "onnxruntime"
     # ONNX Runtime threads per model run (1 is best on small shared machines).
     intra_op_threads: int = Field(1, ge=1)
+    # Model runs at once (batches in parallel, each on intra_op_threads): 0 = the cores this
+    # process may use divided by intra_op_threads. A lone query still runs alone; a bulk
+    # load (ingest) keeps every core busy instead of one.
+    parallel_runs: int = Field(0, ge=0)
     # Micro-batching: texts per model run, longest wait for a batch to fill, queue bound.
     # No wait by default: what arrives while a batch runs forms the next one (measured,
     # tools/bench_embedding.py, 1 ms -> 0: c=1 84 -> 95 requests/s, c=32 175 -> 191, mean
@@ -60,8 +65,16 @@ def build_backend(config: EmbeddingConfig, store: ModelStore) -> EmbeddingBacken
 
         return TritonBackend(config.triton_url, config.triton_model, spec.dim)
     return OnnxRuntimeBackend(
-        store.file(config.model, "model.onnx"), intra_op_threads=config.intra_op_threads
+        store.file(config.model, "model.onnx"),
+        intra_op_threads=config.intra_op_threads,
+        parallel_runs=parallel_runs(config),
     )
+
+
+def parallel_runs(config: EmbeddingConfig) -> int:
+    if config.parallel_runs:
+        return config.parallel_runs
+    return max(1, usable_cores() // config.intra_op_threads)
 
 
 class EmbeddingService(Service):
@@ -113,6 +126,8 @@ class EmbeddingService(Service):
             max_queue_texts=cfg.max_queue_texts,
             max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
             name="embedding",
+            # Triton schedules its own instances: one batch at a time from here is enough.
+            max_parallel_runs=parallel_runs(cfg) if cfg.backend == "onnxruntime" else 1,
         )
         await self.batcher.start()
         embedder = Embedder(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
@@ -14,6 +13,7 @@ from pydantic import Field
 
 from ragline.cache import CacheBackend, open_cache
 from ragline.config import ServiceConfig
+from ragline.cores import usable_cores
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.processes import free_ports
@@ -238,7 +238,7 @@ class GenerationService(Service):
         if cfg.threads:
             return cfg.threads
         tiers = 2 if cfg.large_model else 1
-        return max(1, len(os.sched_getaffinity(0)) // tiers)
+        return max(1, usable_cores() // tiers)
 
     def _llama_binary(self) -> Path:
         cfg = self.config

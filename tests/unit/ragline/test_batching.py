@@ -140,3 +140,47 @@ async def test_a_model_failure_fails_every_request_of_the_batch():
     )
     await batcher.stop()
     assert all(isinstance(r, RuntimeError) for r in results)
+
+
+class ConcurrencyModel(FakeModel):
+    """Records how many runs were in progress at once."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(delay_s)
+        self.running = 0
+        self.most_at_once = 0
+
+    async def __call__(self, texts) -> np.ndarray:
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            return await super().__call__(texts)
+        finally:
+            self.running -= 1
+
+
+@pytest.mark.parametrize("runners", [1, 2, 3])
+async def test_batches_run_in_parallel_up_to_the_runners_and_stay_correct(runners):
+    model = ConcurrencyModel(delay_s=0.05)
+    # One text per batch: each request forms a batch of its own.
+    batcher = MicroBatcher(model, max_batch_texts=1, max_wait_s=0, max_parallel_runs=runners)
+    await batcher.start()
+    requests = [[text(i, i + 1)] for i in range(1, 7)]
+    results = await asyncio.gather(*(batcher.submit(r, None) for r in requests))
+    await batcher.stop()
+    assert model.most_at_once == runners
+    for request, result in zip(requests, results, strict=True):
+        ids = request[0].ids
+        assert result.vectors.tolist() == [[float(ids.sum()), float(len(ids))]]
+
+
+async def test_a_stop_mid_batch_answers_unavailable():
+    from ragline.errors import Unavailable
+
+    batcher = MicroBatcher(FakeModel(delay_s=10), max_wait_s=0, max_parallel_runs=2)
+    await batcher.start()
+    pending = asyncio.ensure_future(batcher.submit([text(1)], None))
+    await asyncio.sleep(0.05)  # the batch is running
+    await batcher.stop()
+    with pytest.raises(Unavailable):
+        await pending

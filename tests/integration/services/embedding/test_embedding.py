@@ -275,8 +275,9 @@ async def test_a_flooding_tenant_neither_fills_the_queue_nor_starves_another(lau
     async with grpc.aio.insecure_channel(service.address) as channel:
         stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
         await embed(stub, "warm", 8)
-        # 48 texts at once: more than the tenant's share (32) can wait.
-        flood = [asyncio.create_task(embed(stub, "noisy", 8)) for _ in range(6)]
+        # 64 texts at once: more than the tenant's share (32) can wait, even with a batch
+        # of 8 running on each of two cores.
+        flood = [asyncio.create_task(embed(stub, "noisy", 8)) for _ in range(8)]
         await asyncio.sleep(0.05)
         quiet_wait = await embed(stub, "quiet", 8)  # room was left, and its turn comes
         outcomes = await asyncio.gather(*flood, return_exceptions=True)

@@ -1,0 +1,34 @@
+"""Core counts follow a container's CPU limit, not the node's cores."""
+
+from __future__ import annotations
+
+import os
+
+from ragline.cores import cpu_limit, usable_cores
+
+
+def test_no_cgroup_means_the_affinity(tmp_path):
+    assert cpu_limit(tmp_path) is None
+    assert usable_cores(tmp_path) == len(os.sched_getaffinity(0))
+
+
+def test_cgroup_v2_limit_caps_and_rounds_down(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cpu_limit(tmp_path) == 1.5
+    assert usable_cores(tmp_path) == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu_limit(tmp_path) is None
+
+
+def test_cgroup_v1_quota(tmp_path):
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_limit(tmp_path) is None
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    assert usable_cores(tmp_path) == 1  # half a core still runs one thread
+
+
+def test_a_limit_above_the_affinity_changes_nothing(tmp_path):
+    (tmp_path / "cpu.max").write_text("6400000 100000\n")
+    assert usable_cores(tmp_path) == len(os.sched_getaffinity(0))
