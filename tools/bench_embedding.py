@@ -168,6 +168,11 @@ def main() -> int:
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--skip-engines", action="store_true")
     parser.add_argument("--skip-service", action="store_true", help="part 1 only")
+    parser.add_argument(
+        "--parallel-runs",
+        default="0",
+        help="RAGLINE_EMBEDDING_PARALLEL_RUNS of the batched service, one row each: 1,0",
+    )
     args = parser.parse_args()
 
     _, questions = load_squad(args.texts)
@@ -191,7 +196,15 @@ def main() -> int:
         return 0
 
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
-    batched, batched_addr = spawn_service("embedding", {}, log_dir / "bench-embedding-batched.log")
+    runs = args.parallel_runs.split(",")
+    batched = [
+        spawn_service(
+            "embedding",
+            {"RAGLINE_EMBEDDING_PARALLEL_RUNS": value},
+            log_dir / f"bench-embedding-batched-{value}.log",
+        )
+        for value in runs
+    ]
     unbatched, unbatched_addr = spawn_service(
         "embedding",
         {"RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "1"},
@@ -200,21 +213,27 @@ def main() -> int:
     try:
         print(f"\nthrough gRPC, one question per request, {args.seconds:.0f} s per row")
         print(
-            "| concurrency | batched req/s | p50 ms | p99 ms | mean batch | unbatched req/s "
-            "| p50 ms | p99 ms | batched / unbatched |\n|---|---|---|---|---|---|---|---|---|"
+            "| concurrency | parallel runs | batched req/s | p50 ms | p99 ms | mean batch "
+            "| unbatched req/s | p50 ms | p99 ms | batched / unbatched |"
+            "\n|---|---|---|---|---|---|---|---|---|---|"
         )
         for level in (int(x) for x in args.levels.split(",")):
-            b = asyncio.run(drive(batched_addr, texts, level, args.seconds))
             u = asyncio.run(drive(unbatched_addr, texts, level, args.seconds))
-            print(
-                f"| {level} | {b['requests_per_s']:.0f} | {b['p50_ms']:.1f} | "
-                f"{b['p99_ms']:.1f} | {b['mean_batch']:.1f} | {u['requests_per_s']:.0f} | "
-                f"{u['p50_ms']:.1f} | {u['p99_ms']:.1f} | "
-                f"{b['requests_per_s'] / max(u['requests_per_s'], 1e-9):.2f}x |"
-                + (f" (failed: {b['failed']}/{u['failed']})" if b["failed"] or u["failed"] else "")
-            )
+            for value, (_, batched_addr) in zip(runs, batched, strict=True):
+                b = asyncio.run(drive(batched_addr, texts, level, args.seconds))
+                print(
+                    f"| {level} | {value} | {b['requests_per_s']:.0f} | {b['p50_ms']:.1f} | "
+                    f"{b['p99_ms']:.1f} | {b['mean_batch']:.1f} | {u['requests_per_s']:.0f} | "
+                    f"{u['p50_ms']:.1f} | {u['p99_ms']:.1f} | "
+                    f"{b['requests_per_s'] / max(u['requests_per_s'], 1e-9):.2f}x |"
+                    + (
+                        f" (failed: {b['failed']}/{u['failed']})"
+                        if b["failed"] or u["failed"]
+                        else ""
+                    )
+                )
     finally:
-        for process in (batched, unbatched):
+        for process in [p for p, _ in batched] + [unbatched]:
             process.terminate()
             process.wait()
     return 0
