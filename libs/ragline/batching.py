@@ -304,7 +304,9 @@ class MicroBatcher:
             raise
         compute_s = time.monotonic() - started
         self.batches += 1
-        self._texts_per_s = 0.8 * self._texts_per_s + 0.2 * (len(flat) / max(compute_s, 1e-6))
+        # The service's rate: this batch's, times the batches running beside it.
+        rate = len(flat) / max(compute_s, 1e-6) * max(1, len(self._running))
+        self._texts_per_s = 0.8 * self._texts_per_s + 0.2 * rate
         offset = 0
         for item in batch:
             count = len(item.texts)
