@@ -4,7 +4,6 @@ background HNSW builder."""
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -15,6 +14,7 @@ from pydantic import Field
 
 from ragline.clients import connect
 from ragline.config import ServiceConfig
+from ragline.cores import usable_cores
 from ragline.errors import DeadlineExceeded, Unavailable
 from ragline.retry import DEFAULT_POLICY
 from ragline.server import Periodic, Service, ServiceSpec
@@ -42,7 +42,7 @@ class RetrievalConfig(ServiceConfig):
     build_check_s: float = Field(2.0, gt=0)
     # The HNSW builder's threads (0: every core) and CPU niceness: a build is background
     # work and must not take the cores the queries need.
-    build_threads: int = Field(default_factory=lambda: max(1, (os.cpu_count() or 2) // 2), ge=0)
+    build_threads: int = Field(default_factory=lambda: max(1, usable_cores() // 2), ge=0)
     build_niceness: int = Field(19, ge=0, le=19)
     # HYBRID fusion when a search names none, and its weight of the vector list for each.
     default_fusion: Literal["rrf", "score"] = "score"
