@@ -4,7 +4,8 @@ Reads SQuAD JSON (every paragraph becomes a document) or JSONL (`{id, title, tex
 acl, attributes}` per line), checks every record, embeds the good ones through the embedding
 service in batches and upserts them with their vectors. Bad records are reported (line and
 reason) and skipped; the good ones still go in. Up to three batches are in flight at once
-(one embedded while the one before it is written and prepared); progress is checkpointed
+(one embedded, as several Embed calls that the service runs side by side, while the one
+before it is written and prepared); progress is checkpointed
 in order, after every acknowledged batch, so an interrupted run resumes where it stopped.
 
 When a rerank service is given, every acknowledged batch is also sent to its `Prepare`, so
@@ -31,6 +32,11 @@ from ragline_app.datasets import load_squad
 
 # Every batch (embed, then upsert, retries included) must finish within this.
 BATCH_TIMEOUT_S = 120.0
+
+# Texts per Embed call: a batch is embedded as several calls at once, so the embedding
+# service's runners stay busy while each of its model runs stays short (a question that
+# arrives meanwhile waits for one such run, not for a whole batch of passages).
+EMBED_CHUNK = 16
 
 
 @dataclass
@@ -167,24 +173,32 @@ async def ingest(
         nonlocal written
         with deadlines.deadline_scope(BATCH_TIMEOUT_S):
             texts = [passage_text(r.title, r.text) for r in records]
-            vectors = await embedder.unary(
-                "Embed",
-                embedding_pb2.EmbedRequest(
-                    texts=texts, input_type=embedding_pb2.INPUT_TYPE_PASSAGE
-                ),
-                retry=PATIENT_POLICY,
-            )
-            request = retrieval_pb2.UpsertRequest()
-            for record, embedding in zip(records, vectors.embeddings, strict=True):
-                request.documents.add(
-                    id=record.id,
-                    title=record.title,
-                    text=record.text,
-                    acl=record.acl,
-                    attributes=record.attributes,
-                    vector=embedding.values,
-                    vector_model_version=vectors.model_version,
+            replies = await asyncio.gather(*(
+                embedder.unary(
+                    "Embed",
+                    embedding_pb2.EmbedRequest(
+                        texts=texts[start : start + EMBED_CHUNK],
+                        input_type=embedding_pb2.INPUT_TYPE_PASSAGE,
+                        priority=embedding_pb2.PRIORITY_BULK,  # questions go first
+                    ),
+                    retry=PATIENT_POLICY,
                 )
+                for start in range(0, len(texts), EMBED_CHUNK)
+            ))  # fmt: skip
+            request = retrieval_pb2.UpsertRequest()
+            for number, reply in enumerate(replies):
+                chunk = records[number * EMBED_CHUNK : (number + 1) * EMBED_CHUNK]
+                for record, embedding in zip(chunk, reply.embeddings, strict=True):
+                    request.documents.add(
+                        id=record.id,
+                        title=record.title,
+                        text=record.text,
+                        acl=record.acl,
+                        attributes=record.attributes,
+                        vector=embedding.values,
+                        # each call's own: a rolling restart may change the model mid-batch
+                        vector_model_version=reply.model_version,
+                    )
             retrieval = ServiceClient(
                 retrieval_pb2_grpc.RetrievalServiceStub,
                 retrieval_addr,

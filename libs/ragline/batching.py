@@ -32,6 +32,8 @@ from ragline.tokenization import TokenizedText
 # knows nothing of tensor layouts (single texts, query-passage pairs, type ids).
 RunBatch = Callable[[Sequence[TokenizedText]], Awaitable[np.ndarray]]
 
+URGENT, BULK = 0, 1
+
 # Token-length bucket edges: texts of one bucket are padded to the bucket's longest text.
 DEFAULT_BUCKETS = (8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512)
 
@@ -131,8 +133,9 @@ class MicroBatcher:
         self.max_queue_texts = max_queue_texts
         self.max_queue_texts_per_tenant = max_queue_texts_per_tenant or max(max_queue_texts // 2, 1)
         self._buckets = buckets
-        # Waiting requests by tenant; the dict's order is the round-robin order.
-        self._queues: dict[str, deque[_Item]] = {}
+        # Waiting requests by (lane, tenant); the dict's order is the round-robin order.
+        # Lane URGENT (queries someone waits on) is served before lane BULK (passages).
+        self._queues: dict[tuple[int, str], deque[_Item]] = {}
         self._queued_by_tenant: dict[str, int] = {}
         self._queued_texts = 0
         self._wakeup = asyncio.Event()
@@ -181,15 +184,22 @@ class MicroBatcher:
         )
 
     async def submit(
-        self, texts: Sequence[TokenizedText], deadline: float | None, tenant: str = ""
+        self,
+        texts: Sequence[TokenizedText],
+        deadline: float | None,
+        tenant: str = "",
+        *,
+        urgent: bool = False,
     ) -> BatchResult:
+        """`urgent`: a request someone waits on (a query), run before bulk work (passages
+        of an ingest), in batches of its own lane."""
         mine = self._queued_by_tenant.get(tenant, 0)
         if mine + len(texts) > self.max_queue_texts_per_tenant:
             raise self._refuse(mine, self.max_queue_texts_per_tenant, "this tenant")
         if self._queued_texts + len(texts) > self.max_queue_texts:
             raise self._refuse(self._queued_texts, self.max_queue_texts, "all tenants")
         future = asyncio.get_running_loop().create_future()
-        self._queues.setdefault(tenant, deque()).append(
+        self._queues.setdefault((URGENT if urgent else BULK, tenant), deque()).append(
             _Item(texts, deadline, time.monotonic(), future, tenant)
         )
         self._queued_by_tenant[tenant] = mine + len(texts)
@@ -238,13 +248,21 @@ class MicroBatcher:
             except TimeoutError:
                 return
 
-    def _pop(self, tenant: str) -> _Item:
-        queue = self._queues[tenant]
+    def _next_key(self) -> tuple[int, str]:
+        """The first tenant in the round with urgent work, else the first one."""
+        for key in self._queues:
+            if key[0] == URGENT:
+                return key
+        return next(iter(self._queues))
+
+    def _pop(self, key: tuple[int, str]) -> _Item:
+        queue = self._queues[key]
         item = queue.popleft()
         # The tenant goes to the back of the round: the next batch starts with another.
-        del self._queues[tenant]
+        del self._queues[key]
         if queue:
-            self._queues[tenant] = queue
+            self._queues[key] = queue
+        tenant = key[1]
         self._queued_texts -= len(item.texts)
         left = self._queued_by_tenant[tenant] - len(item.texts)
         if left:
@@ -257,12 +275,15 @@ class MicroBatcher:
         batch: list[_Item] = []
         texts = 0
         now = time.monotonic()
+        lane = None
         while self._queues:
-            tenant = next(iter(self._queues))
-            head = self._queues[tenant][0]
+            key = self._next_key()
+            if lane is not None and key[0] != lane:
+                break  # urgent and bulk work never share a run (a query would wait for it)
+            head = self._queues[key][0]
             if batch and texts + len(head.texts) > self.max_batch_texts:
                 break
-            item = self._pop(tenant)
+            item = self._pop(key)
             if item.future.done():  # cancelled by its caller
                 self.dropped += 1
                 continue
@@ -277,6 +298,7 @@ class MicroBatcher:
                 continue
             batch.append(item)
             texts += len(item.texts)
+            lane = key[0]
         return batch
 
     async def _run_batch(self, batch: list[_Item]) -> None:

@@ -58,7 +58,9 @@ class Embedder:
         refuse_over_limit: bool = False,
         input_type: str = PASSAGE,
         tenant: str = "",
+        bulk: bool = False,
     ) -> EmbedResult:
+        """`bulk`: nobody waits on it (an ingest); it runs after interactive work."""
         if dim > self.dim:
             raise InvalidArgument(
                 "dim", f"is {dim}; model {self.model} has {self.dim} dimensions (0 means all)"
@@ -69,7 +71,9 @@ class Embedder:
         started = time.monotonic()
         tokens = self.tokenizer.encode(texts, refuse_over_limit=refuse_over_limit)
         tokenize_s = time.monotonic() - started
-        batch = await self.batcher.submit(tokens, deadlines.current_deadline(), tenant)
+        batch = await self.batcher.submit(
+            tokens, deadlines.current_deadline(), tenant, urgent=not bulk
+        )
         vectors = batch.vectors
         if dim and dim < self.dim:
             # Matryoshka-style truncation: keep the leading components, re-normalise.

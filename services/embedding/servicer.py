@@ -29,6 +29,7 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
             refuse_over_limit=request.truncation == embedding_pb2.TRUNCATION_NONE,
             input_type=_INPUT_TYPES[request.input_type],
             tenant=caller.tenant if caller is not None else "",
+            bulk=request.priority == embedding_pb2.PRIORITY_BULK,
         )
         clock = current_clock()
         clock.add_stage("tokenize", result.tokenize_s)

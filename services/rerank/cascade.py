@@ -330,7 +330,7 @@ class Reranker:
 
     async def _encode_query(self, tenant: str, query: str, deadline: float | None) -> EncodedQuery:
         tokenized = self.token_tokenizer.encode([query], refuse_over_limit=False)
-        batch = await self.token_batcher.submit(tokenized, deadline, tenant)
+        batch = await self.token_batcher.submit(tokenized, deadline, tenant, urgent=True)
         return EncodedQuery(self._query_rows(batch.rows[0], tokenized[0]), tokenized[0].length)
 
     async def _token_vectors(self, tenant, documents, query, output, *, durable=False):
@@ -357,7 +357,10 @@ class Reranker:
         if not texts:
             return None, found, 0
         tokenized = self.token_tokenizer.encode(texts, refuse_over_limit=False)
-        batch = await self.token_batcher.submit(tokenized, deadlines.current_deadline(), tenant)
+        # A rerank's candidates are someone's question; Prepare's documents are bulk work.
+        batch = await self.token_batcher.submit(
+            tokenized, deadlines.current_deadline(), tenant, urgent=not durable
+        )
         output.queue_wait_s = batch.queue_wait_s
         output.input_tokens += sum(t.length for t in tokenized)
         offset = 1 if query is not None else 0

@@ -422,7 +422,7 @@ class RetrievalIndex:
             for start in range(0, len(stale), _REEMBED_BATCH):
                 batch = stale[start : start + _REEMBED_BATCH]
                 texts = [passage_text(s.item["title"], s.item["text"]) for s in batch]
-                embedded = await self._embed(texts, "passage")
+                embedded = await self._embed(texts, "bulk")
                 if embedded.model_version != target:
                     await self._check_vector_model(embedded.model_version, writing=True)
                     return False

@@ -82,8 +82,13 @@ class RetrievalService(Service):
         retrieval_pb2_grpc.add_RetrievalServiceServicer_to_server(self._servicer, server)
 
     async def embed(self, texts: list[str], kind: str) -> Embedded:
+        """`kind`: "query", "passage" (a caller's write waits on it) or "bulk" (passages
+        nobody waits on: a re-embed; the embedding service runs them after the others)."""
         input_type = (
             embedding_pb2.INPUT_TYPE_QUERY if kind == "query" else embedding_pb2.INPUT_TYPE_PASSAGE
+        )
+        priority = (
+            embedding_pb2.PRIORITY_BULK if kind == "bulk" else embedding_pb2.PRIORITY_INTERACTIVE
         )
         rows = []
         versions: set[str] = set()
@@ -92,6 +97,7 @@ class RetrievalService(Service):
                 texts=texts[start : start + _EMBED_BATCH],
                 input_type=input_type,
                 dim=self.config.dim,
+                priority=priority,
             )
             try:
                 reply = await self._embedder.unary("Embed", request, retry=DEFAULT_POLICY)

@@ -184,3 +184,25 @@ async def test_a_stop_mid_batch_answers_unavailable():
     await batcher.stop()
     with pytest.raises(Unavailable):
         await pending
+
+
+async def test_urgent_work_runs_before_queued_bulk_work_and_never_with_it():
+    model = FakeModel(delay_s=0.05)
+    order: list[str] = []
+    batcher = MicroBatcher(model, max_batch_texts=8, max_wait_s=0)
+    await batcher.start()
+
+    async def submit(name, texts, urgent):
+        await batcher.submit(texts, None, "ann", urgent=urgent)
+        order.append(name)
+
+    running = asyncio.ensure_future(submit("bulk-1", [text(1)] * 4, False))
+    await asyncio.sleep(0.01)  # bulk-1 is running; the next two queue behind it
+    queued_bulk = asyncio.ensure_future(submit("bulk-2", [text(2)] * 2, False))
+    await asyncio.sleep(0.001)
+    query = asyncio.ensure_future(submit("query", [text(3)], True))
+    await asyncio.gather(running, queued_bulk, query)
+    await batcher.stop()
+    assert order == ["bulk-1", "query", "bulk-2"]  # the same tenant's query jumps the ingest
+    # every run held one kind of work: the query ran alone, not padded with passages
+    assert model.calls == [(4, 1), (1, 1), (2, 1)]

@@ -287,3 +287,38 @@ async def test_a_flooding_tenant_neither_fills_the_queue_nor_starves_another(lau
     assert all("this tenant" in e.details() for e in refused)
     # The quiet tenant waited about one noisy batch, not the whole flood.
     assert quiet_wait < max(noisy_waits) * 0.75, (quiet_wait, noisy_waits)
+
+
+async def test_a_query_runs_before_the_same_tenants_bulk_backlog(launcher):
+    service = launcher.start(
+        "embedding",
+        env={"RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "8", "RAGLINE_EMBEDDING_PARALLEL_RUNS": "1"},
+    )
+    long_text = "The Vistula flows through Warsaw and Krakow to the Baltic Sea. " * 20
+    metadata = (("x-ragline-tenant", "ann"), ("x-ragline-operator", "true"))
+
+    async def embed(stub, texts, priority):
+        reply = await stub.Embed(
+            embedding_pb2.EmbedRequest(texts=texts, priority=priority),
+            timeout=120,
+            metadata=metadata,
+        )
+        return reply.timing.queue_wait.ToNanoseconds() / 1e9, reply.batch_size
+
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+        await embed(stub, ["warm up"], embedding_pb2.PRIORITY_INTERACTIVE)
+        backlog = [
+            asyncio.create_task(embed(stub, [long_text] * 8, embedding_pb2.PRIORITY_BULK))
+            for _ in range(6)
+        ]
+        await asyncio.sleep(0.05)
+        query_wait, query_batch = await embed(
+            stub, ["Which river flows through Warsaw?"], embedding_pb2.PRIORITY_UNSPECIFIED
+        )
+        bulk = await asyncio.gather(*backlog)
+    bulk_waits = sorted(wait for wait, _ in bulk)
+    # It waited for the run in progress at most, not for the five bulk requests behind it,
+    # and ran alone (never padded with the passages).
+    assert query_wait < bulk_waits[-1] * 0.5, (query_wait, bulk_waits)
+    assert query_batch == 1
