@@ -36,7 +36,7 @@ BATCH_TIMEOUT_S = 120.0
 # Texts per Embed call: a batch is embedded as several calls at once, so the embedding
 # service's runners stay busy while each of its model runs stays short (a question that
 # arrives meanwhile waits for one such run, not for a whole batch of passages).
-EMBED_CHUNK = 16
+EMBED_CHUNK = 8
 
 
 @dataclass
