@@ -26,6 +26,7 @@ from ragline_services.retrieval.vectors import EdgeVectorIndex
 log = structlog.get_logger("ragline.retrieval")
 
 _EMBED_BATCH = 64
+_BULK_EMBED_BATCH = 8
 
 
 class RetrievalConfig(ServiceConfig):
@@ -92,9 +93,12 @@ class RetrievalService(Service):
         )
         rows = []
         versions: set[str] = set()
-        for start in range(0, len(texts), _EMBED_BATCH):
+        # Bulk work goes in short calls, one at a time: a question waits for one of them at
+        # most, and a re-embed leaves the other cores to the callers.
+        step = _BULK_EMBED_BATCH if kind == "bulk" else _EMBED_BATCH
+        for start in range(0, len(texts), step):
             request = embedding_pb2.EmbedRequest(
-                texts=texts[start : start + _EMBED_BATCH],
+                texts=texts[start : start + step],
                 input_type=input_type,
                 dim=self.config.dim,
                 priority=priority,
