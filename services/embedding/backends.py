@@ -18,6 +18,8 @@ import numpy as np
 class EmbeddingBackend(Protocol):
     name: str
     dim: int
+    # Model runs it takes at once: the batcher keeps that many batches in flight.
+    parallel_runs: int
 
     async def check_ready(self) -> None:
         """Raises Unavailable unless the backend can run the model now."""

@@ -126,8 +126,7 @@ class EmbeddingService(Service):
             max_queue_texts=cfg.max_queue_texts,
             max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
             name="embedding",
-            # Triton schedules its own instances: one batch at a time from here is enough.
-            max_parallel_runs=parallel_runs(cfg) if cfg.backend == "onnxruntime" else 1,
+            max_parallel_runs=backend.parallel_runs,
         )
         await self.batcher.start()
         embedder = Embedder(

@@ -20,6 +20,8 @@ MODEL_OUTPUT = "sentence_embedding"
 
 class TritonBackend:
     name = "triton"
+    # Triton schedules its own model instances: one batch at a time from here is enough.
+    parallel_runs = 1
 
     def __init__(self, url: str, model: str, dim: int, *, timeout_s: float = 10.0) -> None:
         from tritonclient.grpc import aio as triton_grpc
