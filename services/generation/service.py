@@ -192,7 +192,7 @@ class GenerationService(Service):
             on_fall_back=self._fall_back,
             # A draft model's own KV cache is not in a slot's saved state.
             prefix_store=(
-                self._prefix_store(model_version, engine.settings.flash_attn)
+                self._prefix_store(model_version, engine.settings)
                 if speculation != "draft"
                 else None
             ),
@@ -210,19 +210,18 @@ class GenerationService(Service):
     def _store_dir(self) -> Path:
         return self.config.kv_store_dir or (self.common.data_dir / "kv-store")
 
-    def _prefix_store(self, model_version: str, flash_attn: str) -> PrefixStore | None:
+    def _prefix_store(self, model_version: str, engine: EngineSettings) -> PrefixStore | None:
         cfg = self.config
         if not cfg.kv_store:
             return None
         if self._cache is None:
             self._cache = open_cache(cfg.cache_url)
-        # Everything that changes a saved state's layout or numbers: a state is restored
-        # only into an engine that wrote it the same way (the binary's folder names the
-        # llama.cpp build and the CPU kernels it was compiled with).
+        # Everything of the engine that changes a saved state's layout or numbers: a state
+        # is restored only into an engine that wrote it the same way (the binary's folder
+        # names the llama.cpp build and the CPU kernels it was compiled with).
         identity = (
-            f"{model_version}|llama.cpp {self._llama_binary().parent.name}"
-            f"|k={cfg.cache_type_k}"
-            f"|v={cfg.cache_type_v}|fa={flash_attn}"
+            f"{model_version}|llama.cpp {engine.binary.parent.name}"
+            f"|k={engine.cache_type_k}|v={engine.cache_type_v}|fa={engine.flash_attn}"
         )
         settings = StoreSettings(
             directory=self._store_dir(),
