@@ -17,8 +17,8 @@ request at concurrency 1/8/32. Reports requests/s and p50/p99 per request (faile
 are counted, not dropped), and the batched / unbatched throughput ratio.
 Part 3 (`--during-ingest`, alone): one question every 100 ms while an ingest's load runs
 (three 64-passage batches in flight): the questions' latency and passages/s, with one run
-at a time and 64-text calls of no priority (before) vs a run per core and 16- or 8-text
-bulk calls (8: what `ragline ingest` sends now).
+at a time and 64-text calls of no priority (before) vs a run per core and 16-text bulk
+calls or as many as `ragline ingest` sends now (EMBED_CHUNK).
 Models missing from the store are skipped (run tools/export_onnx.py for the exports).
 """
 
@@ -35,6 +35,7 @@ import numpy as np
 
 from ragline.models import ModelStore
 from ragline_app.datasets import load_squad
+from ragline_app.ingest import EMBED_CHUNK
 from ragline_app.stack import spawn_service
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,7 +247,8 @@ def ingest_rows(args, questions: list[str]) -> None:
         ("one run at a time, 64-text calls, no priority (before)", {
             "RAGLINE_EMBEDDING_PARALLEL_RUNS": "1"}, 64, False),
         ("a run per core, 16-text bulk calls", {}, 16, True),
-        ("a run per core, 8-text bulk calls (ragline ingest now)", {}, 8, True),
+        (f"a run per core, {EMBED_CHUNK}-text bulk calls (ragline ingest now)", {},
+         EMBED_CHUNK, True),
     ]  # fmt: skip
     print(f"\nquestions during an ingest load, {args.seconds:.0f} s per row")
     print("| configuration | question p50 / p95 / p99 ms | questions | passages/s |")
