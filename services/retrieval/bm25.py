@@ -8,10 +8,11 @@ only while a write is applied (tantivy's writer holds a lock file and a memory a
 Within a tenant, statistics are shared by all its documents, whatever their scopes.
 
 A search reads no stored document: hits come back as point ids from a fast field, and
-only the k a search finally returns are resolved (key, version, text when asked) by one
-query on those ids. Visibility filters are constant-score (they never move a score) term
-queries that tantivy intersects by skipping, not a term-set bitset built per query (which
-cost more than the text query itself at 254k documents).
+only the k a search finally returns are resolved to key and version by the key map
+(`keymap.py`, which also checks their visibility once more); text, when asked, is the
+only thing read from stored documents. Visibility filters are constant-score (they never
+move a score) term queries that tantivy intersects by skipping, not a term-set bitset built
+per query (which cost more than the text query itself at 254k documents).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Protocol
 
 from ragline.files import atomic_write_text
 from ragline.stopwords import STOP_WORDS, without_stop_words
+from ragline_services.retrieval import keymap
 from ragline_services.retrieval.documents import (
     Candidate,
     ResolvedHit,
@@ -39,7 +41,8 @@ from ragline_services.retrieval.documents import (
 _NOT_WORD = re.compile(r"[^\w]+", re.UNICODE)
 # Version of the on-disk layout; an index of another layout is set aside and rebuilt from
 # the write log. 1: one index per tenant. 2: adds the point-id and version fast fields.
-LAYOUT = 2
+# 3: adds the key map (keys.sqlite).
+LAYOUT = 3
 LAYOUT_FILE = "layout.json"
 
 
@@ -150,15 +153,10 @@ class _TenantIndex:
             return searcher.num_docs
         return searcher.search(self._filter(visibility), 1, count=True).count
 
-    def resolve(
-        self, visibility: Visibility | None, pids: list[int], with_text: bool
-    ) -> dict[int, ResolvedHit]:
-        """Visibility None: every document of the tenant (deletes check existence)."""
-        Occur, Query = self._tantivy.Occur, self._tantivy.Query
-        clauses = [(Occur.Must, Query.term_set_query(self.schema, "pid", pids))]
-        if visibility is not None:
-            clauses.append((Occur.Must, self._filter(visibility)))
-        query = Query.boolean_query(clauses)
+    def stored(self, pids: list[int]) -> dict[int, ResolvedHit]:
+        """Key, version, title and text of the documents among `pids`, from their stored
+        documents (what `include_text` needs; visibility is the caller's check)."""
+        query = self._tantivy.Query.term_set_query(self.schema, "pid", pids)
         searcher = self.index.searcher()
         out = {}
         for _, address in searcher.search(query, len(pids), count=False).hits:
@@ -167,8 +165,8 @@ class _TenantIndex:
             out[point_id(key)] = ResolvedHit(
                 key=key,
                 version=doc["version"][0],
-                title=(doc["title"][0] if doc["title"] else "") if with_text else "",
-                text=doc["text"][0] if with_text else "",
+                title=doc["title"][0] if doc["title"] else "",
+                text=doc["text"][0],
             )
         return out
 
@@ -194,6 +192,7 @@ class Bm25Index:
         self.stop_words = STOP_WORDS  # dropped from queries (tools compare other sets)
         self.migrated = self._set_aside_an_old_layout(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        self.keys = keymap.KeyMap(directory / keymap.FILE)
         atomic_write_text(directory / LAYOUT_FILE, json.dumps({"layout": LAYOUT}))
         self._open: OrderedDict[str, _TenantIndex] = OrderedDict()
         self._counts: dict[str, int] = {}  # documents per tenant, for the totals
@@ -203,13 +202,15 @@ class Bm25Index:
 
     @staticmethod
     def _set_aside_an_old_layout(directory: Path) -> bool:
-        """An index of an earlier layout (all tenants in one, or without the fast fields)
-        is moved aside; the caller rebuilds from the write log. Returns whether it did."""
+        """An index of an earlier layout (all tenants in one, without the fast fields or
+        the key map), or one whose key map is gone, is moved aside; the caller rebuilds
+        from the write log. Returns whether it did."""
         if not directory.exists() or not any(directory.iterdir()):
             return False
         marker = directory / LAYOUT_FILE
         layout = json.loads(marker.read_text())["layout"] if marker.exists() else 1
-        if layout == LAYOUT and not (directory / "meta.json").exists():
+        keys_lost = any(directory.glob("t-*/meta.json")) and not (directory / keymap.FILE).exists()
+        if layout == LAYOUT and not (directory / "meta.json").exists() and not keys_lost:
             return False
         stamp = time.strftime("%Y%m%dT%H%M%S")
         aside = directory.with_name(f"{directory.name}.layout{layout}-{stamp}")
@@ -246,6 +247,9 @@ class Bm25Index:
                 index = self._tenant(tenant, create=bool(tenant_upserts))
                 if index is None:
                     continue  # deletes for a tenant that never wrote: nothing to do
+                # The map first: it is what hides a hit, so a narrowed acl or a delete
+                # holds before any engine applies it (see keymap.py).
+                self.keys.apply(tenant, tenant_upserts, tenant_deletes)
                 index.apply(tenant_upserts, tenant_deletes)
                 self._counts[tenant] = index.count()
 
@@ -278,18 +282,30 @@ class Bm25Index:
 
     def existing(self, tenant: str, pids: list[int]) -> set[int]:
         """Which of `pids` are documents of `tenant`, whatever their scopes."""
-        return set(self._resolve(tenant, None, pids, False))
+        return set(self.keys.lookup(tenant, pids)) if pids else set()
 
     def versions(self, tenant: str, pids: list[int]) -> dict[int, int]:
         """The current version of each of `pids` that is a document of `tenant`."""
-        return {pid: hit.version for pid, hit in self._resolve(tenant, None, pids, False).items()}
+        return {pid: e.version for pid, e in self.keys.lookup(tenant, pids).items()} if pids else {}
 
     def _resolve(self, tenant, visibility, pids, with_text) -> dict[int, ResolvedHit]:
         if not pids:
             return {}
+        visible = {
+            pid: entry
+            for pid, entry in self.keys.lookup(tenant, pids).items()
+            if visibility is None or entry.visible_to(visibility)
+        }
+        if not with_text:
+            return {pid: ResolvedHit(e.key, e.version) for pid, e in visible.items()}
         index = self._tenant(tenant, create=False)
-        return {} if index is None else index.resolve(visibility, pids, with_text)
+        if index is None or not visible:
+            return {}
+        # Key, version and text together from the stored document (a consistent triple
+        # while an update is half applied); the map decided what may be seen.
+        return {pid: hit for pid, hit in index.stored(list(visible)).items() if pid in visible}
 
     def close(self) -> None:
         with self._lock:
             self._open.clear()
+        self.keys.close()

@@ -1,6 +1,7 @@
-"""Hit resolution: a search ranks on point ids alone and reads stored documents only for
-the k hits it returns; visibility filters select without moving a score; resolving never
-reveals a document the caller may not see."""
+"""Hit resolution: a search ranks on point ids alone, resolves the k hits it returns from
+the key map, and reads stored documents only for text it was asked for; visibility filters
+select without moving a score; resolving never reveals a document the caller may not see,
+even while an engine has not applied a narrowed acl or a delete yet."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def count_loads(index: RetrievalIndex, tenant: str) -> list:
     return loads
 
 
-def test_a_search_loads_only_the_documents_it_returns(tmp_path):
+def test_a_search_loads_stored_documents_only_for_the_text_it_returns(tmp_path):
     index = open_index(tmp_path)
     asyncio.run(index.upsert("acme", RIVERS))
     loads = count_loads(index, "acme")
@@ -86,8 +87,9 @@ def test_a_search_loads_only_the_documents_it_returns(tmp_path):
         loads.clear()
         query = SearchQuery("river flows through town", 5, mode, candidates=60)
         found = asyncio.run(index.search(Visibility("acme"), query))
-        assert len(found.hits) == 5
-        assert len(loads) == 5, mode  # not one per candidate (60 BM25 + 60 vector)
+        assert len(found.hits) == 5 and all(h.version == 1 for h in found.hits)
+        assert {h.id for h in found.hits} <= {d.id for d in RIVERS}
+        assert loads == [], mode  # keys and versions come from the key map
     loads.clear()
     query = SearchQuery("river", 3, BM25, include_text=True)
     hits = asyncio.run(index.search(Visibility("acme"), query)).hits
@@ -125,3 +127,37 @@ def test_resolving_never_reveals_a_hidden_document(tmp_path):
     )
     assert index.bm25.existing("acme", [pid]) == {pid}  # deletes see every scope
     index.close()
+
+
+def test_the_key_map_hides_what_an_engine_has_not_caught_up_with(tmp_path):
+    """The map is applied before the engines: a hit an engine still returns under an old
+    acl, or after a delete, is dropped by the map's check."""
+    index = open_index(tmp_path)
+    asyncio.run(index.upsert("acme", RIVERS[:3]))
+    query = SearchQuery("river flows through town", 5, BM25)
+    assert len(asyncio.run(index.search(Visibility("acme"), query)).hits) == 3
+    narrowed = next(iter(_stored(index, "acme", "r0")))
+    # Only the map knows: r0 is now for "hr" only, r1 is deleted (the engines still have both).
+    index.bm25.keys.apply("acme", [_with_acl(narrowed, ("hr",))], [doc_key("acme", "r1")])
+    hits = asyncio.run(index.search(Visibility("acme"), query)).hits
+    assert [h.id for h in hits] == ["r2"]
+    hr = asyncio.run(index.search(Visibility("acme", frozenset({"hr"})), query)).hits
+    assert sorted(h.id for h in hr) == ["r0", "r2"]
+    with_text = SearchQuery("river flows through town", 5, BM25, include_text=True)
+    assert [h.id for h in asyncio.run(index.search(Visibility("acme"), with_text)).hits] == ["r2"]
+    index.close()
+
+
+def _stored(index: RetrievalIndex, tenant: str, doc_id: str):
+    from ragline_services.retrieval.documents import StoredDocument
+
+    for record in index.wal.replay(after_seq=0):
+        for d in record.get("upserts", ()):
+            if d["tenant"] == tenant and d["id"] == doc_id:
+                yield StoredDocument.from_record({**d, "version": 1})
+
+
+def _with_acl(doc, acl):
+    import dataclasses
+
+    return dataclasses.replace(doc, acl=acl, version=doc.version + 1)

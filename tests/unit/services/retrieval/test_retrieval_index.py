@@ -623,3 +623,27 @@ async def test_stop_words_in_a_question_do_not_rank_short_noisy_titles_first(tmp
     assert ids(found)[0] == "warsaw"  # not the title full of the question's stop words
     only_stop_words = await index.search(ACME, SearchQuery("what is the", 3, BM25))
     assert ids(only_stop_words)  # searched as it is
+
+
+async def test_an_index_without_its_key_map_is_rebuilt_from_the_log(tmp_path):
+    """Layout 2 had no key map, and a layout-3 index whose map is gone cannot resolve a hit:
+    either is set aside and rebuilt, every document back with its version."""
+    index = open_index(tmp_path)
+    await index.upsert("acme", DOCS)
+    before = {
+        h.id: h.version for h in (await index.search(ACME, SearchQuery("Warsaw", 10, BM25))).hits
+    }
+    assert before
+    index.close()
+    (tmp_path / "bm25" / "keys.sqlite").unlink()
+    reopened = open_index(tmp_path)
+    assert list(tmp_path.glob("bm25.layout3-*"))
+    after = await reopened.search(ACME, SearchQuery("Warsaw", 10, BM25))
+    assert {h.id: h.version for h in after.hits} == before
+    reopened.close()
+    (tmp_path / "bm25" / "layout.json").write_text('{"layout": 2}')
+    again = open_index(tmp_path)
+    assert list(tmp_path.glob("bm25.layout2-*"))
+    found = await again.search(ACME, SearchQuery("Warsaw", 10, BM25))
+    assert {h.id: h.version for h in found.hits} == before
+    again.close()
