@@ -14,7 +14,9 @@ vectors computed in process and sent as `query_vector`, so the embedding service
 the measurement), reports per request p50/p99 at concurrency 1/8/32 for BM25, VECTOR and
 HYBRID, the recall@10 of the HNSW index against exact search over the same vectors, and the
 HYBRID p99 at concurrency 8 while a rebuild and a stream of writes run, against steady
-state. Failed requests are counted in every row.
+state. Failed requests are counted in every row. `--service-embeds` adds the recall stage as
+a client sees it: HYBRID at concurrency 1 with the query text only, the retrieval service
+embedding it through an embedding service started for the run (its default model).
 
 With `--baseline DIR` (another checkout, e.g. `git worktree add DIR main`) every measure is
 taken twice in the same run, first with the service started from DIR's code, then from
@@ -61,13 +63,14 @@ def query_vectors(questions: list[str], model: str) -> np.ndarray:
 
 
 SOURCE_ENV: dict[str, str] = {}  # PYTHONPATH of the code under test (baseline runs)
+SERVICE_ENV: dict[str, str] = {}  # for every retrieval service of the run
 
 
 def start_service(index_dir: Path, env_extra: dict) -> tuple[subprocess.Popen, str]:
     log = index_dir.parent / f"retrieval-{len(list(index_dir.parent.glob('*.log')))}.log"
     return spawn_service(
         "retrieval",
-        {"RAGLINE_RETRIEVAL_INDEX_DIR": str(index_dir), **SOURCE_ENV, **env_extra},
+        {"RAGLINE_RETRIEVAL_INDEX_DIR": str(index_dir), **SOURCE_ENV, **SERVICE_ENV, **env_extra},
         log,
     )
 
@@ -119,7 +122,14 @@ async def wait_built(address: str, timeout_s: float = 3600, after: float = 0.0) 
 
 
 async def load(
-    address: str, questions, q_vecs, mode: str, concurrency: int, seconds: float, until=None
+    address: str,
+    questions,
+    q_vecs,
+    mode: str,
+    concurrency: int,
+    seconds: float,
+    until=None,
+    send_vectors: bool = True,
 ) -> dict:
     """Closed-loop clients for `seconds`, or until the awaitable `until` completes."""
     latencies, failures = [], 0
@@ -138,7 +148,10 @@ async def load(
             while running():
                 i = (i + concurrency) % len(questions)
                 request = retrieval_pb2.SearchRequest(
-                    query=questions[i], k=10, mode=MODES[mode], query_vector=q_vecs[i].tolist()
+                    query=questions[i],
+                    k=10,
+                    mode=MODES[mode],
+                    query_vector=q_vecs[i].tolist() if send_vectors else [],
                 )
                 started = time.perf_counter()
                 try:
@@ -153,6 +166,7 @@ async def load(
         elapsed = time.monotonic() - began
     return {
         "p50": pct(latencies, 50),
+        "p95": pct(latencies, 95),
         "p99": pct(latencies, 99),
         "qps": len(latencies) / elapsed,
         "failed": failures,
@@ -219,6 +233,16 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                         (f"{mode} c={level} p50 / p99", value + f"failed {r['failed']})", r["p50"])
                     )
                     rows.append((f"{mode} c={level} queries/s", f"{r['qps']:.0f}", r["qps"]))
+            if args.service_embeds:
+                r = asyncio.run(
+                    load(address, questions, q_vecs, "hybrid", 1, args.seconds, send_vectors=False)
+                )
+                rows.append((
+                    "hybrid c=1, query text (the service embeds it) p50 / p95",
+                    f"{r['p50']:.2f} / {r['p95']:.2f} ms "
+                    f"({r['qps']:.0f} q/s, failed {r['failed']})",
+                    r["p95"],
+                ))  # fmt: skip
             recall = asyncio.run(recall_at_10(address, docs, vectors, q_vecs[: args.recall]))
             rows.append(
                 (f"HNSW recall@10 vs exact ({args.recall} queries)", f"{recall:.3f}", recall)
@@ -235,13 +259,16 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                     await wait_built(address, after=began)
 
                 return await load(
-                    address, questions, q_vecs, "hybrid", 8, 0, until=writes_then_rebuild()
-                )
+                    address, questions, q_vecs, "hybrid", churn_level, 0,
+                    until=writes_then_rebuild(),
+                )  # fmt: skip
 
+            levels = [int(x) for x in args.levels.split(",")]
+            churn_level = 8 if 8 in levels else levels[-1]
             under = asyncio.run(churn())
-            base = steady[("hybrid", 8)]
+            base = steady[("hybrid", churn_level)]
             rows.append((
-                "hybrid c=8 p99 during writes + rebuild (until swapped in) vs steady",
+                f"hybrid c={churn_level} p99 during writes + rebuild (until swapped in) vs steady",
                 f"{under['p99']:.1f} vs {base['p99']:.1f} ms = "
                 f"{under['p99'] / base['p99']:.2f}x ({under['seconds']:.0f} s, "
                 f"failed {under['failed']})",
@@ -278,6 +305,11 @@ def main() -> int:
     parser.add_argument(
         "--baseline", type=Path, help="another checkout: measured first, in the same run"
     )
+    parser.add_argument(
+        "--service-embeds",
+        action="store_true",
+        help="also measure HYBRID with query text only (an embedding service embeds it)",
+    )
     args = parser.parse_args()
     docs = [json.loads(line) for line in (args.corpus / "corpus.jsonl").open()]
     _, qs = load_squad(args.data)
@@ -290,6 +322,11 @@ def main() -> int:
     else:
         vectors = np.load(args.corpus / f"vectors-{args.model}-{args.tokens}.npy")
         q_vecs = query_vectors(questions, args.model)
+    embedder = None
+    if args.service_embeds:
+        log_dir = Path(tempfile.mkdtemp(prefix="bench-retrieval-embedding-"))
+        embedder, embedding_address = spawn_service("embedding", {}, log_dir / "embedding.log")
+        SERVICE_ENV["RAGLINE_EMBEDDING_ADDR"] = embedding_address
     variants = [("before", source_pythonpath(args.baseline))] if args.baseline else []
     variants.append(("after" if args.baseline else "value", None))
     table: dict[tuple[int, str], dict[str, tuple[str, float]]] = {}
@@ -300,6 +337,9 @@ def main() -> int:
                 SOURCE_ENV["PYTHONPATH"] = path
             for measure, value, number in run_size(size, docs, vectors, questions, q_vecs, args):
                 table.setdefault((size, measure), {})[name] = (value, number)
+    if embedder is not None:
+        embedder.terminate()
+        embedder.wait()
     names = [name for name, _ in variants]
     header = "| passages | measure | " + " | ".join(names)
     print("\n" + header + (" | after / before |" if args.baseline else " |"))

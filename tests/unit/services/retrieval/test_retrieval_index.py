@@ -647,3 +647,53 @@ async def test_an_index_without_its_key_map_is_rebuilt_from_the_log(tmp_path):
     found = await again.search(ACME, SearchQuery("Warsaw", 10, BM25))
     assert {h.id: h.version for h in found.hits} == before
     again.close()
+
+
+@pytest.mark.parametrize("mode", [HYBRID, PREFILTER])
+async def test_the_lexical_half_runs_while_the_query_is_embedded(tmp_path, mode):
+    """With query text only, BM25 starts before the embedding returns (the recall stage
+    costs the longer of the two, not their sum), and ranks as it would after it."""
+    embedding = asyncio.Event()
+    bm25_started_while_embedding: list[bool] = []
+
+    async def slow_embed(texts, kind):
+        if kind == "query":
+            await asyncio.sleep(0.3)
+            embedding.set()
+        return await toy_embed(texts, kind)
+
+    index = open_index(tmp_path, embed=slow_embed)
+    await index.upsert("acme", DOCS)
+    search = index.bm25.search
+
+    def watched(*args):
+        bm25_started_while_embedding.append(not embedding.is_set())
+        return search(*args)
+
+    index.bm25.search = watched
+    ahead = await index.search(ACME, SearchQuery("capital river", 2, mode))
+    assert bm25_started_while_embedding == [True]
+    given = await index.search(
+        ACME, SearchQuery("capital river", 2, mode, vector=tuple(toy_vector("capital river")))
+    )
+    assert [(h.id, h.score) for h in ahead.hits] == [(h.id, h.score) for h in given.hits]
+    assert {name for name, _ in ahead.stages} >= {"bm25", "embed"}
+    index.close()
+
+
+async def test_a_failed_embedding_falls_back_to_the_bm25_list_searched_ahead(tmp_path):
+    from ragline.errors import Unavailable
+
+    async def down(texts, kind):
+        if kind == "query":
+            raise Unavailable("embedding is down")
+        return await toy_embed(texts, kind)
+
+    index = open_index(tmp_path, embed=down)
+    await index.upsert("acme", DOCS)
+    found = await index.search(ACME, SearchQuery("capital river", 1, HYBRID))
+    plain = await index.search(ACME, SearchQuery("capital river", 1, BM25))
+    assert found.mode_used == BM25 and found.fallback_reason == "embedding_unavailable"
+    assert [(h.id, h.score) for h in found.hits] == [(h.id, h.score) for h in plain.hits]
+    assert len(found.hits) == 1
+    index.close()
