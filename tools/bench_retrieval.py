@@ -330,16 +330,20 @@ def main() -> int:
     variants = [("before", source_pythonpath(args.baseline))] if args.baseline else []
     variants.append(("after" if args.baseline else "value", None))
     table: dict[tuple[int, str], dict[str, tuple[str, float]]] = {}
-    for size in args.size or [100_000]:
-        for name, path in variants:
-            SOURCE_ENV.clear()
-            if path:
-                SOURCE_ENV["PYTHONPATH"] = path
-            for measure, value, number in run_size(size, docs, vectors, questions, q_vecs, args):
-                table.setdefault((size, measure), {})[name] = (value, number)
-    if embedder is not None:
-        embedder.terminate()
-        embedder.wait()
+    try:
+        for size in args.size or [100_000]:
+            for name, path in variants:
+                SOURCE_ENV.clear()
+                if path:
+                    SOURCE_ENV["PYTHONPATH"] = path
+                for measure, value, number in run_size(
+                    size, docs, vectors, questions, q_vecs, args
+                ):
+                    table.setdefault((size, measure), {})[name] = (value, number)
+    finally:
+        if embedder is not None:
+            embedder.terminate()
+            embedder.wait()
     names = [name for name, _ in variants]
     header = "| passages | measure | " + " | ".join(names)
     print("\n" + header + (" | after / before |" if args.baseline else " |"))
