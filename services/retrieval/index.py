@@ -546,21 +546,12 @@ class RetrievalIndex:
         candidates = max(query.candidates or s.default_candidates, query.k)
         ef = query.hnsw_ef or max(s.default_hnsw_ef, candidates)
         vector = None
-        loop = asyncio.get_running_loop()
-        lexical: asyncio.Future | None = None  # BM25's candidates, searched ahead
         if mode != BM25:
             if not self.vectors.ready():
                 mode, reason = BM25, "vector_index_not_ready"
             elif query.vector:
                 vector = np.asarray(query.vector, dtype=np.float32)
             else:
-                # The lexical half needs no vector: it runs while the query is embedded,
-                # so the recall stage costs the longer of the two, not their sum.
-                lexical = loop.run_in_executor(
-                    self._query_pool, self._bm25_timed, query.text, visibility, candidates,
-                    stages,
-                )  # fmt: skip
-                lexical.add_done_callback(_consume)
                 started = time.perf_counter()
                 try:
                     embedded = await self._embed([query.text], "query")
@@ -578,10 +569,10 @@ class RetrievalIndex:
                         mode, reason = BM25, EMBEDDING_MODEL_CHANGED
                 stages.append(("embed", time.perf_counter() - started))
 
-        ahead = None if lexical is None else await lexical
+        loop = asyncio.get_running_loop()
         ordered, resolved = await loop.run_in_executor(
             self._query_pool, self._search_sync, visibility, query, mode, vector,
-            candidates, ef, stages, ahead,
+            candidates, ef, stages,
         )  # fmt: skip
         hits = []
         for pid, score, parts in ordered:
@@ -595,16 +586,9 @@ class RetrievalIndex:
         version = self.tenant_applied.get(visibility.tenant, 0)
         return SearchResult(hits, mode, mode != query.mode, reason, version, stages)
 
-    def _bm25_timed(self, text: str, visibility: Visibility, k: int, stages: list):
-        started = time.perf_counter()
-        ranked = self.bm25.search(text, visibility, k)
-        stages.append(("bm25", time.perf_counter() - started))
-        return ranked
-
-    def _search_sync(self, visibility, query, mode, vector, candidates, ef, stages, ahead=None):
+    def _search_sync(self, visibility, query, mode, vector, candidates, ef, stages):
         """The whole search in one worker thread: the engines return point ids, and only
-        the k ranked first are resolved to keys, versions (and text when asked). `ahead`:
-        BM25's top `candidates`, when it was searched while the query was embedded."""
+        the k ranked first are resolved to keys, versions (and text when asked)."""
         s = self.settings
 
         def timed(name: str, fn, *args):
@@ -613,19 +597,14 @@ class RetrievalIndex:
             stages.append((name, time.perf_counter() - started))
             return result
 
-        def lexical(k: int):
-            if ahead is not None:
-                return ahead[:k]  # the top k of the top `candidates`: the same ranking
-            return self._bm25_timed(query.text, visibility, k, stages)
-
         if mode == BM25:
-            ranked = lexical(query.k)
+            ranked = timed("bm25", self.bm25.search, query.text, visibility, query.k)
             ordered = [(c.pid, c.score, {"bm25": c.score}) for c in ranked]
         elif mode == VECTOR:
             ranked = timed("vector", self.vectors.search, vector, visibility, query.k, ef)
             ordered = [(c.pid, c.score, {"vector": c.score}) for c in ranked]
         elif mode == PREFILTER:
-            pool = lexical(candidates)
+            pool = timed("bm25", self.bm25.search, query.text, visibility, candidates)
             bm25_scores = {c.pid: c.score for c in pool}
             only = [c.pid for c in pool]
             ranked = (
@@ -637,7 +616,7 @@ class RetrievalIndex:
                 (c.pid, c.score, {"vector": c.score, "bm25": bm25_scores[c.pid]}) for c in ranked
             ]
         else:  # HYBRID
-            bm25_list = lexical(candidates)
+            bm25_list = timed("bm25", self.bm25.search, query.text, visibility, candidates)
             vector_list = timed("vector", self.vectors.search, vector, visibility, candidates, ef)
             started = time.perf_counter()
             if (query.fusion or s.default_fusion) == "score":
@@ -718,9 +697,3 @@ class RetrievalIndex:
         self.wal.close()
         self.bm25.close()
         self.vectors.close()
-
-
-def _consume(future: asyncio.Future) -> None:
-    """A search ahead whose caller went away: its outcome is nobody's, and not an error."""
-    if not future.cancelled():
-        future.exception()
