@@ -224,8 +224,9 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
             )  # fmt: skip
             rows.append(("HNSW build (m=16, ef_construct=200)", f"~{build_s:.0f} s", build_s))
             steady = {}
+            levels = [int(x) for x in args.levels.split(",")]
             for mode in MODES:
-                for level in (int(x) for x in args.levels.split(",")):
+                for level in levels:
                     r = asyncio.run(load(address, questions, q_vecs, mode, level, args.seconds))
                     steady[(mode, level)] = r
                     value = f"{r['p50']:.2f} / {r['p99']:.2f} ms ({r['qps']:.0f} q/s, "
@@ -263,7 +264,6 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                     until=writes_then_rebuild(),
                 )  # fmt: skip
 
-            levels = [int(x) for x in args.levels.split(",")]
             churn_level = 8 if 8 in levels else levels[-1]
             if args.skip_churn:
                 return rows

@@ -278,32 +278,27 @@ class Bm25Index:
     def resolve(
         self, visibility: Visibility, pids: list[int], with_text: bool = False
     ) -> dict[int, ResolvedHit]:
-        return self._resolve(visibility.tenant, visibility, pids, with_text)
-
-    def existing(self, tenant: str, pids: list[int]) -> set[int]:
-        """Which of `pids` are documents of `tenant`, whatever their scopes."""
-        return set(self.keys.lookup(tenant, pids)) if pids else set()
-
-    def versions(self, tenant: str, pids: list[int]) -> dict[int, int]:
-        """The current version of each of `pids` that is a document of `tenant`."""
-        return {pid: e.version for pid, e in self.keys.lookup(tenant, pids).items()} if pids else {}
-
-    def _resolve(self, tenant, visibility, pids, with_text) -> dict[int, ResolvedHit]:
-        if not pids:
-            return {}
         visible = {
             pid: entry
-            for pid, entry in self.keys.lookup(tenant, pids).items()
-            if visibility is None or entry.visible_to(visibility)
+            for pid, entry in self.keys.lookup(visibility.tenant, pids).items()
+            if entry.visible_to(visibility)
         }
         if not with_text:
             return {pid: ResolvedHit(e.key, e.version) for pid, e in visible.items()}
-        index = self._tenant(tenant, create=False)
+        index = self._tenant(visibility.tenant, create=False)
         if index is None or not visible:
             return {}
         # Key, version and text together from the stored document (a consistent triple
         # while an update is half applied); the map decided what may be seen.
         return {pid: hit for pid, hit in index.stored(list(visible)).items() if pid in visible}
+
+    def existing(self, tenant: str, pids: list[int]) -> set[int]:
+        """Which of `pids` are documents of `tenant`, whatever their scopes."""
+        return set(self.keys.lookup(tenant, pids))
+
+    def versions(self, tenant: str, pids: list[int]) -> dict[int, int]:
+        """The current version of each of `pids` that is a document of `tenant`."""
+        return {pid: e.version for pid, e in self.keys.lookup(tenant, pids).items()}
 
     def close(self) -> None:
         with self._lock:

@@ -23,12 +23,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ragline_services.retrieval.documents import (
-    StoredDocument,
-    Visibility,
-    point_id,
-    split_key,
-)
+from ragline_services.retrieval.documents import StoredDocument, Visibility, point_id
 
 FILE = "keys.sqlite"
 _SEPARATOR = "\x1f"
@@ -112,8 +107,7 @@ class KeyMap:
                 f" WHERE tenant = ? AND pid IN ({marks})",
                 [tenant, *chunk],
             ):
-                if split_key(key)[0] == tenant:
-                    out[pid] = Entry(key, version, _split(scopes), _split(attributes))
+                out[pid] = Entry(key, version, _split(scopes), _split(attributes))
         return out
 
     def count(self, tenant: str) -> int:
