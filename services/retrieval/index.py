@@ -158,6 +158,9 @@ class IndexSettings:
     bm25_max_open_tenants: int = 256
     # Threads that run searches (one hop per search), apart from writes and builds.
     query_threads: int = 2
+    # HYBRID searches BM25 on a second thread while the vector half runs: Tantivy releases
+    # the GIL while it searches, qdrant-edge holds it (measured), so the two overlap.
+    parallel_hybrid: bool = True
     # When the embedding service runs another model than the index's vectors came from:
     # re-embed every document with it in the background (False: refuse such writes).
     reembed_on_model_change: bool = True
@@ -204,6 +207,11 @@ class RetrievalIndex:
         # Searches run here, one hop each; never queued behind writes or builds.
         self._query_pool = ThreadPoolExecutor(
             max_workers=settings.query_threads, thread_name_prefix="retrieval-search"
+        )
+        # HYBRID's BM25 half: a pool of its own, since a search waiting on a task queued in
+        # its own pool could wait behind the very searches that hold that pool's threads.
+        self._lexical_pool = ThreadPoolExecutor(
+            max_workers=settings.query_threads, thread_name_prefix="retrieval-bm25"
         )
 
     # -- start: replay the log ------------------------------------------------------------
@@ -616,8 +624,18 @@ class RetrievalIndex:
                 (c.pid, c.score, {"vector": c.score, "bm25": bm25_scores[c.pid]}) for c in ranked
             ]
         else:  # HYBRID
-            bm25_list = timed("bm25", self.bm25.search, query.text, visibility, candidates)
-            vector_list = timed("vector", self.vectors.search, vector, visibility, candidates, ef)
+            lexical = (query.text, visibility, candidates)
+            if s.parallel_hybrid:
+                pending = self._lexical_pool.submit(timed, "bm25", self.bm25.search, *lexical)
+                vector_list = timed(
+                    "vector", self.vectors.search, vector, visibility, candidates, ef
+                )
+                bm25_list = pending.result()
+            else:
+                bm25_list = timed("bm25", self.bm25.search, *lexical)
+                vector_list = timed(
+                    "vector", self.vectors.search, vector, visibility, candidates, ef
+                )
             started = time.perf_counter()
             if (query.fusion or s.default_fusion) == "score":
                 fuse, weight = score_fusion, query.vector_weight or s.default_score_weight
@@ -694,6 +712,7 @@ class RetrievalIndex:
         if self._reembedder is not None:
             self._reembedder.cancel()  # resumed at the next start (vector_model.json)
         self._query_pool.shutdown(wait=True)
+        self._lexical_pool.shutdown(wait=True)
         self.wal.close()
         self.bm25.close()
         self.vectors.close()

@@ -1,0 +1,65 @@
+"""HYBRID runs its two halves at once: BM25 on a thread of its own while the vector search
+runs (Tantivy releases the GIL while it searches), and the fused ranking is the one the
+halves give one after the other."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+from test_retrieval_hit_resolution import RIVERS, open_index
+
+from ragline_services.retrieval.documents import Visibility
+from ragline_services.retrieval.index import HYBRID, RetrievalIndex, SearchQuery
+
+
+def meet_inside(index: RetrievalIndex) -> threading.Barrier:
+    """Both engines' searches wait at one barrier: a HYBRID search that ran them one after
+    the other would break it (BrokenBarrierError) instead of answering."""
+    barrier = threading.Barrier(2, timeout=5)
+    bm25_search, vector_search = index.bm25.search, index.vectors.search
+
+    def bm25(*args):
+        barrier.wait()
+        return bm25_search(*args)
+
+    def vector(*args):
+        barrier.wait()
+        return vector_search(*args)
+
+    index.bm25.search, index.vectors.search = bm25, vector
+    return barrier
+
+
+def test_hybrid_searches_bm25_while_the_vector_half_runs(tmp_path):
+    index = open_index(tmp_path)
+    asyncio.run(index.upsert("acme", RIVERS))
+    query = SearchQuery("river flows through town 7", 5, HYBRID, candidates=60)
+    one_after_the_other = dataclasses.replace(index.settings, parallel_hybrid=False)
+    settings, index.settings = index.settings, one_after_the_other
+    expected = asyncio.run(index.search(Visibility("acme"), query))
+    index.settings = settings
+    meet_inside(index)
+    found = asyncio.run(index.search(Visibility("acme"), query))
+    assert found.mode_used == HYBRID and not found.fell_back
+    assert [(h.id, h.score) for h in found.hits] == [(h.id, h.score) for h in expected.hits]
+    assert {"bm25", "vector", "fusion", "resolve"} <= {name for name, _ in found.stages}
+    index.close()
+
+
+def test_many_concurrent_hybrid_searches_never_wait_on_each_other(tmp_path):
+    """More searches in flight than either pool has threads: the BM25 halves have a pool
+    of their own, so a search never waits for a thread held by a search waiting on it."""
+    index = open_index(tmp_path)
+    asyncio.run(index.upsert("acme", RIVERS))
+
+    async def many():
+        queries = [SearchQuery(f"river town {i}", 3, HYBRID) for i in range(24)]
+        return await asyncio.wait_for(
+            asyncio.gather(*(index.search(Visibility("acme"), q) for q in queries)), 30
+        )
+
+    results = asyncio.run(many())
+    assert all(len(r.hits) == 3 and r.mode_used == HYBRID for r in results)
+    index.close()
