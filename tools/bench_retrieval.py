@@ -14,7 +14,9 @@ vectors computed in process and sent as `query_vector`, so the embedding service
 the measurement), reports per request p50/p99 at concurrency 1/8/32 for BM25, VECTOR and
 HYBRID, the recall@10 of the HNSW index against exact search over the same vectors, and the
 HYBRID p99 at concurrency 8 while a rebuild and a stream of writes run, against steady
-state. Failed requests are counted in every row. `--service-embeds` adds the recall stage as
+state (`--churn-rate Q`: an open-loop load of Q queries/s instead, on a quiet index and then
+during the writes + rebuild; closed-loop clients on 2 cores leave the niced rebuild almost
+no CPU, so at 254k it ran past 20 minutes). Failed requests are counted in every row. `--service-embeds` adds the recall stage as
 a client sees it: HYBRID at concurrency 1 with the query text only, the retrieval service
 embedding it through an embedding service started for the run (its default model).
 
@@ -174,6 +176,47 @@ async def load(
     }
 
 
+async def load_open(
+    address: str, questions, q_vecs, mode: str, rate: float, seconds: float, until=None
+) -> dict:
+    """Open-loop clients: a request every 1/`rate` s whatever the answers do, for `seconds`
+    or until `until` completes; each latency counts from the request's planned start, so a
+    stall is charged to every request it delays (no coordinated omission)."""
+    latencies, failures, pending = [], 0, set()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        done = asyncio.ensure_future(until) if until is not None else None
+        began = time.perf_counter()
+
+        async def one(i: int, planned: float):
+            nonlocal failures
+            request = retrieval_pb2.SearchRequest(
+                query=questions[i], k=10, mode=MODES[mode], query_vector=q_vecs[i].tolist()
+            )
+            try:
+                await stub.Search(request, timeout=30, metadata=TENANT)
+            except grpc.aio.AioRpcError:
+                failures += 1
+            latencies.append(time.perf_counter() - planned)
+
+        sent = 0
+        while (not done.done()) if done is not None else time.perf_counter() - began < seconds:
+            planned = began + sent / rate
+            await asyncio.sleep(max(0.0, planned - time.perf_counter()))
+            task = asyncio.ensure_future(one(sent % len(questions), planned))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            sent += 1
+        await asyncio.gather(*pending)
+        if done is not None:
+            await done
+        elapsed = time.perf_counter() - began
+    return {
+        "p50": pct(latencies, 50), "p95": pct(latencies, 95), "p99": pct(latencies, 99),
+        "qps": len(latencies) / elapsed, "failed": failures, "seconds": elapsed,
+    }  # fmt: skip
+
+
 async def recall_at_10(address: str, docs, vectors: np.ndarray, q_vecs: np.ndarray) -> float:
     exact = np.argsort(-(q_vecs @ vectors.T), axis=1)[:, :10]
     hits = 0
@@ -259,6 +302,11 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                     await ingest(address, extra, vectors, 0)
                     await wait_built(address, after=began)
 
+                if args.churn_rate:
+                    return await load_open(
+                        address, questions, q_vecs, "hybrid", args.churn_rate, 0,
+                        until=writes_then_rebuild(),
+                    )  # fmt: skip
                 return await load(
                     address, questions, q_vecs, "hybrid", churn_level, 0,
                     until=writes_then_rebuild(),
@@ -267,10 +315,18 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
             churn_level = 8 if 8 in levels else levels[-1]
             if args.skip_churn:
                 return rows
-            under = asyncio.run(churn())
-            base = steady[("hybrid", churn_level)]
+            if args.churn_rate:
+                base = asyncio.run(
+                    load_open(address, questions, q_vecs, "hybrid", args.churn_rate, args.seconds)
+                )
+                under = asyncio.run(churn())
+                label = f"hybrid at {args.churn_rate:g} q/s (open loop)"
+            else:
+                under = asyncio.run(churn())
+                base = steady[("hybrid", churn_level)]
+                label = f"hybrid c={churn_level}"
             rows.append((
-                f"hybrid c={churn_level} p99 during writes + rebuild (until swapped in) vs steady",
+                f"{label} p99 during writes + rebuild (until swapped in) vs steady",
                 f"{under['p99']:.1f} vs {base['p99']:.1f} ms = "
                 f"{under['p99'] / base['p99']:.2f}x ({under['seconds']:.0f} s, "
                 f"failed {under['failed']})",
@@ -312,6 +368,13 @@ def main() -> int:
         action="store_true",
         help="leave out the p99 under writes + rebuild (at 254k the niced rebuild beside "
         "closed-loop queries takes half an hour or more on 2 cores)",
+    )
+    parser.add_argument(
+        "--churn-rate",
+        type=float,
+        default=0.0,
+        help="queries/s of an open-loop HYBRID load for the writes + rebuild phase, compared "
+        "with the same load on a quiet index (0: closed-loop clients, as the steady rows)",
     )
     parser.add_argument(
         "--service-embeds",

@@ -208,10 +208,10 @@ class RetrievalIndex:
         self._query_pool = ThreadPoolExecutor(
             max_workers=settings.query_threads, thread_name_prefix="retrieval-search"
         )
-        # HYBRID's BM25 half: a pool of its own, since a search waiting on a task queued in
-        # its own pool could wait behind the very searches that hold that pool's threads.
-        self._lexical_pool = ThreadPoolExecutor(
-            max_workers=settings.query_threads, thread_name_prefix="retrieval-bm25"
+        # HYBRID's second half: a pool of its own, since a search waiting on a task queued
+        # in its own pool could wait behind the very searches that hold that pool's threads.
+        self._half_pool = ThreadPoolExecutor(
+            max_workers=settings.query_threads, thread_name_prefix="retrieval-half"
         )
 
     # -- start: replay the log ------------------------------------------------------------
@@ -624,18 +624,18 @@ class RetrievalIndex:
                 (c.pid, c.score, {"vector": c.score, "bm25": bm25_scores[c.pid]}) for c in ranked
             ]
         else:  # HYBRID
-            lexical = (query.text, visibility, candidates)
+            semantic = (vector, visibility, candidates, ef)
             if s.parallel_hybrid:
-                pending = self._lexical_pool.submit(timed, "bm25", self.bm25.search, *lexical)
-                vector_list = timed(
-                    "vector", self.vectors.search, vector, visibility, candidates, ef
-                )
-                bm25_list = pending.result()
+                # The vector half goes to the other thread and BM25 runs here: qdrant-edge
+                # keeps the GIL for its whole search, so the other way round the BM25
+                # thread could not even start until the vector search had finished;
+                # this way the vector search runs while Tantivy searches without the GIL.
+                pending = self._half_pool.submit(timed, "vector", self.vectors.search, *semantic)
+                bm25_list = timed("bm25", self.bm25.search, query.text, visibility, candidates)
+                vector_list = pending.result()
             else:
-                bm25_list = timed("bm25", self.bm25.search, *lexical)
-                vector_list = timed(
-                    "vector", self.vectors.search, vector, visibility, candidates, ef
-                )
+                bm25_list = timed("bm25", self.bm25.search, query.text, visibility, candidates)
+                vector_list = timed("vector", self.vectors.search, *semantic)
             started = time.perf_counter()
             if (query.fusion or s.default_fusion) == "score":
                 fuse, weight = score_fusion, query.vector_weight or s.default_score_weight
@@ -712,7 +712,7 @@ class RetrievalIndex:
         if self._reembedder is not None:
             self._reembedder.cancel()  # resumed at the next start (vector_model.json)
         self._query_pool.shutdown(wait=True)
-        self._lexical_pool.shutdown(wait=True)
+        self._half_pool.shutdown(wait=True)
         self.wal.close()
         self.bm25.close()
         self.vectors.close()
