@@ -16,9 +16,10 @@ HYBRID, the recall@10 of the HNSW index against exact search over the same vecto
 HYBRID p99 at concurrency 8 while a rebuild and a stream of writes run, against steady
 state (`--churn-rate Q`: an open-loop load of Q queries/s instead, on a quiet index and then
 during the writes + rebuild; closed-loop clients on 2 cores leave the niced rebuild almost
-no CPU, so at 254k it ran past 20 minutes). Failed requests are counted in every row. `--service-embeds` adds the recall stage as
-a client sees it: HYBRID at concurrency 1 with the query text only, the retrieval service
-embedding it through an embedding service started for the run (its default model).
+no CPU, so at 254k it ran past 20 minutes). Failed requests are counted in every row.
+`--service-embeds` adds the recall stage as a client sees it: HYBRID at concurrency 1 with
+the query text only, the retrieval service embedding it through an embedding service
+started for the run (its default model).
 
 With `--baseline DIR` (another checkout, e.g. `git worktree add DIR main`) every measure is
 taken twice in the same run, first with the service started from DIR's code, then from

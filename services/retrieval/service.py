@@ -45,6 +45,9 @@ class RetrievalConfig(ServiceConfig):
     # work and must not take the cores the queries need.
     build_threads: int = Field(default_factory=lambda: max(1, usable_cores() // 2), ge=0)
     build_niceness: int = Field(19, ge=0, le=19)
+    # The embedded HNSW shard searched in a child process (qdrant-edge holds the GIL for
+    # the whole search, which stopped the service's other threads meanwhile).
+    vector_search_process: bool = True
     # HYBRID fusion when a search names none, and its weight of the vector list for each.
     default_fusion: Literal["rrf", "score"] = "score"
     # BM25 indexes (one per tenant) kept open, most recently used first.
@@ -145,6 +148,7 @@ class RetrievalService(Service):
                 rebuild_after=cfg.rebuild_after,
                 build_threads=cfg.build_threads,
                 build_niceness=cfg.build_niceness,
+                search_process=cfg.vector_search_process,
             )
         settings = IndexSettings(
             dim=cfg.dim,

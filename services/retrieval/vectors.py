@@ -37,6 +37,7 @@ from ragline_services.retrieval.documents import (
     point_id,
     split_key,
 )
+from ragline_services.retrieval.shard_process import LocalShard, ShardProcess, ShardQuery
 
 HNSW_M = 16
 HNSW_EF_CONSTRUCT = 200
@@ -172,8 +173,12 @@ class EdgeVectorIndex:
         rebuild_after: int = 2_000,
         build_threads: int = 1,
         build_niceness: int = 19,
+        search_process: bool = False,
     ) -> None:
         self.directory = directory
+        # The shard searched in a child process (shard_process.py: qdrant-edge holds the
+        # GIL while it searches), or in this one.
+        self._process = ShardProcess() if search_process else None
         self.build_threads = build_threads
         self.build_niceness = build_niceness
         self.dim = dim
@@ -203,12 +208,15 @@ class EdgeVectorIndex:
         if not manifest.exists():
             return
         current = json.loads(manifest.read_text())
-        import qdrant_edge as qe
-
         self._shard_dir = self.directory / current["dir"]
-        self._shard = qe.EdgeShard.load(str(self._shard_dir))
+        self._shard = self._open(self._shard_dir)
         self._shard_points = current["points"]
         self.built_seq = current["seq"]
+
+    def _open(self, path: Path):
+        if self._process is not None:
+            return self._process.load(str(path))
+        return LocalShard(str(path))
 
     def needs_build(self) -> bool:
         return not self.building and len(self._delta) >= (
@@ -233,9 +241,7 @@ class EdgeVectorIndex:
             if self._builder.returncode != 0:
                 raise RuntimeError(f"HNSW build failed ({self._builder.returncode}): {err[-2000:]}")
             points = int(out.strip().splitlines()[-1])
-            import qdrant_edge as qe
-
-            shard = qe.EdgeShard.load(str(target))
+            shard = self._open(target)
             with self._lock:
                 if self._shard is not None:
                     self._retired.append((self._shard, self._shard_dir))
@@ -324,24 +330,17 @@ class EdgeVectorIndex:
 
     @staticmethod
     def _shard_search(shard, vector, visibility, limit, hnsw_ef, only_pids, exclude):
-        import qdrant_edge as qe
-
-        must = [
-            qe.FieldCondition(key="tenant", match=qe.MatchValue(visibility.tenant)),
-            qe.FieldCondition(key="scope", match=qe.MatchAny(visibility.allowed_scopes)),
-        ]
-        for term in visibility.attribute_terms:
-            must.append(qe.FieldCondition(key="attr", match=qe.MatchValue(term)))
-        if only_pids is not None:
-            must.append(qe.HasIdCondition(set(only_pids)))
-        request = qe.QueryRequest(
+        query = ShardQuery(
+            vector=vector,
+            tenant=visibility.tenant,
+            scopes=tuple(visibility.allowed_scopes),
+            attribute_terms=tuple(visibility.attribute_terms),
             limit=limit,
-            query=qe.Query.Nearest(vector.tolist()),
-            filter=qe.Filter(must=must, must_not=[qe.HasIdCondition(exclude)] if exclude else None),
-            with_payload=False,
-            params=qe.SearchParams(hnsw_ef=hnsw_ef, exact=only_pids is not None),
+            hnsw_ef=hnsw_ef,
+            only_pids=tuple(only_pids) if only_pids is not None else None,
+            exclude=tuple(exclude),
         )
-        return [Candidate(int(p.id), float(p.score)) for p in shard.query(request)]
+        return [Candidate(pid, score) for pid, score in shard.query(query)]
 
     def status(self) -> VectorIndexStatus:
         with self._lock:
@@ -365,3 +364,5 @@ class EdgeVectorIndex:
         self._retired = []
         if self._shard is not None:
             self._shard.close()
+        if self._process is not None:
+            self._process.stop()

@@ -169,7 +169,24 @@ async def test_writes_are_searchable_before_the_rebuild_and_queries_run_during_i
         await asyncio.sleep(0.05)
     final = await client.status("acme", operator=True)
     assert final.vector_index_ready and final.total_documents >= 3000
+    # The built shard is searched by a child process of the service, gone with it.
+    assert shard_processes(service.process.pid)
     await client.close()
+    service.stop()
+    assert not shard_processes(service.process.pid)
+
+
+def shard_processes(parent: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == parent and b"retrieval.shard_process" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
 
 
 def test_kill_9_during_ingest_loses_no_acknowledged_document(launcher, embedding_service, tmp_path):

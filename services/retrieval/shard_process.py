@@ -1,0 +1,230 @@
+"""The HNSW shard searched in a process of its own, so that vector search runs beside the
+service's Python instead of inside its GIL.
+
+qdrant-edge keeps the GIL for the whole of a query (measured on 2 cores: two threads
+querying one shard, or two shards, answer fewer queries/s than one thread; two processes
+1.8x), so in the service's process every vector search stopped the gRPC handlers, BM25's
+Python and the other half of a HYBRID search. Here one child process owns the shard (a
+shard directory can be opened by one process only: its WAL is locked) and answers one
+query at a time over a pipe; the service's threads wait on the pipe without the GIL.
+
+The child is a fresh interpreter (`python -m ragline_services.retrieval.shard_process FD`,
+never a fork of a process that runs gRPC threads) on one end of a socket pair; it exits
+when the parent's end closes, and is restarted when it dies: the query that found it dead
+is asked again once, on the restarted child.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+import structlog
+
+log = structlog.get_logger("ragline.retrieval")
+
+
+@dataclass(frozen=True)
+class ShardQuery:
+    """One query of a shard in plain values (what crosses the pipe)."""
+
+    vector: np.ndarray  # unit length, float32
+    tenant: str
+    scopes: tuple[str, ...]
+    attribute_terms: tuple[str, ...]
+    limit: int
+    hnsw_ef: int
+    only_pids: tuple[int, ...] | None = None  # exact search among these
+    exclude: tuple[int, ...] = ()  # stale copies of documents the delta holds newer
+
+
+def query_shard(shard, query: ShardQuery) -> list[tuple[int, float]]:
+    """(point id, score) of the nearest points the query may see, best first."""
+    import qdrant_edge as qe
+
+    must = [
+        qe.FieldCondition(key="tenant", match=qe.MatchValue(query.tenant)),
+        qe.FieldCondition(key="scope", match=qe.MatchAny(list(query.scopes))),
+    ]
+    for term in query.attribute_terms:
+        must.append(qe.FieldCondition(key="attr", match=qe.MatchValue(term)))
+    if query.only_pids is not None:
+        must.append(qe.HasIdCondition(set(query.only_pids)))
+    must_not = [qe.HasIdCondition(set(query.exclude))] if query.exclude else None
+    request = qe.QueryRequest(
+        limit=query.limit,
+        query=qe.Query.Nearest(query.vector.tolist()),
+        filter=qe.Filter(must=must, must_not=must_not),
+        with_payload=False,
+        params=qe.SearchParams(hnsw_ef=query.hnsw_ef, exact=query.only_pids is not None),
+    )
+    return [(int(p.id), float(p.score)) for p in shard.query(request)]
+
+
+def _serve(connection) -> None:
+    """The child: loads, queries and closes shards as the parent asks, one at a time."""
+    import qdrant_edge as qe
+
+    shards: dict[str, object] = {}
+    while True:
+        try:
+            message = connection.recv()
+        except EOFError:
+            break  # the parent is gone
+        verb, path, payload = message
+        try:
+            if verb == "load":
+                if path not in shards:
+                    shards[path] = qe.EdgeShard.load(path)
+                reply = ("ok", None)
+            elif verb == "query":
+                reply = ("ok", query_shard(shards[path], payload))
+            elif verb == "close":
+                shard = shards.pop(path, None)
+                if shard is not None:
+                    shard.close()
+                reply = ("ok", None)
+            else:  # "stop"
+                break
+        except Exception as error:  # sent back: the parent raises it where it asked
+            reply = ("error", f"{type(error).__name__}: {error}")
+        connection.send(reply)
+    for shard in shards.values():
+        shard.close()
+
+
+class ShardProcess:
+    """The parent's side: one child, its shards by path, a query at a time."""
+
+    def __init__(self, *, reply_timeout_s: float = 60.0) -> None:
+        self.reply_timeout_s = reply_timeout_s
+        self._lock = threading.Lock()  # one request on the socket at a time
+        self._loaded: list[str] = []  # what a restarted child must load again
+        self._process: subprocess.Popen | None = None
+        self._connection: Connection | None = None
+        self.restarts = 0
+
+    def _running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def _start(self) -> None:
+        parent, child = socket.socketpair()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "ragline_services.retrieval.shard_process",
+                 str(child.fileno())],
+                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        finally:
+            child.close()
+        self._connection = Connection(parent.detach())
+        for path in self._loaded:
+            self._ask("load", path, None)
+
+    def _ask(self, verb: str, path: str, payload):
+        self._connection.send((verb, path, payload))
+        if not self._connection.poll(self.reply_timeout_s):
+            raise TimeoutError(f"the shard process gave no answer in {self.reply_timeout_s} s")
+        status, value = self._connection.recv()
+        if status == "error":
+            raise RuntimeError(f"shard process: {value}")
+        return value
+
+    def _request(self, verb: str, path: str, payload=None):
+        with self._lock:
+            for attempt in (1, 2):
+                if not self._running():
+                    if self._process is not None:
+                        self.restarts += 1
+                        log.warning(
+                            "retrieval.shard_process_restarted",
+                            exitcode=self._process.returncode,
+                        )
+                        self._kill()
+                    self._start()
+                try:
+                    return self._ask(verb, path, payload)
+                except (EOFError, OSError, TimeoutError):
+                    self._kill()  # dead or stuck: a fresh child answers the retry
+                    if attempt == 2:
+                        raise
+
+    def _kill(self) -> None:
+        if self._running():
+            self._process.kill()
+            self._process.wait(5)
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def load(self, path: str) -> RemoteShard:
+        with self._lock:
+            if path not in self._loaded:
+                self._loaded.append(path)
+        try:
+            self._request("load", path)
+        except BaseException:
+            with self._lock:
+                self._loaded.remove(path)
+            raise
+        return RemoteShard(self, path)
+
+    def query(self, path: str, query: ShardQuery) -> list[tuple[int, float]]:
+        return self._request("query", path, query)
+
+    def close_shard(self, path: str) -> None:
+        with self._lock:
+            if path in self._loaded:
+                self._loaded.remove(path)
+            running = self._running()
+        if running:
+            self._request("close", path)
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._running():
+                try:
+                    self._connection.send(("stop", "", None))
+                    self._process.wait(10)
+                except (OSError, EOFError, subprocess.TimeoutExpired):
+                    pass
+            self._kill()
+            self._process = None
+
+
+class RemoteShard:
+    """A shard loaded in the shard process: queried and closed like a local one."""
+
+    def __init__(self, owner: ShardProcess, path: str) -> None:
+        self._owner, self.path = owner, path
+
+    def query(self, query: ShardQuery) -> list[tuple[int, float]]:
+        return self._owner.query(self.path, query)
+
+    def close(self) -> None:
+        self._owner.close_shard(self.path)
+
+
+class LocalShard:
+    """A shard loaded in this process (the GIL is held while it searches)."""
+
+    def __init__(self, path: str) -> None:
+        import qdrant_edge as qe
+
+        self.path = path
+        self._shard = qe.EdgeShard.load(path)
+
+    def query(self, query: ShardQuery) -> list[tuple[int, float]]:
+        return query_shard(self._shard, query)
+
+    def close(self) -> None:
+        self._shard.close()
+
+
+if __name__ == "__main__":
+    _serve(Connection(int(sys.argv[1])))

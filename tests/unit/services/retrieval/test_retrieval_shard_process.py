@@ -1,0 +1,113 @@
+"""The HNSW shard searched in a child process: the same answers as in process (filters,
+the delta's shadows, exact search among ids), a dead child restarted under the search that
+found it dead, builds swapped in there, and nothing left running after close."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_retrieval_index import DIM, DOCS, toy_embed, toy_vector
+
+from ragline_services.retrieval.documents import Visibility, doc_key, point_id
+from ragline_services.retrieval.index import (
+    HYBRID,
+    PREFILTER,
+    VECTOR,
+    DocumentInput,
+    IndexSettings,
+    RetrievalIndex,
+    SearchQuery,
+)
+from ragline_services.retrieval.shard_process import RemoteShard, ShardProcess, ShardQuery
+from ragline_services.retrieval.vectors import EdgeVectorIndex
+
+MORE = [
+    DocumentInput(f"city{i}", f"City {i}", f"City {i} lies on river {i % 7} in region {i % 3}.",
+                  acl=("eng",) if i % 4 == 0 else (), attributes={"region": str(i % 3)})
+    for i in range(40)
+]  # fmt: skip
+
+
+def built_index(path, search_process: bool) -> tuple[RetrievalIndex, EdgeVectorIndex]:
+    vectors = EdgeVectorIndex(
+        path / "vectors", DIM, path / "write.log", search_process=search_process
+    )
+    index = RetrievalIndex(path, vectors, IndexSettings(dim=DIM), toy_embed)
+    index.replay()
+    asyncio.run(index.upsert("acme", DOCS + MORE))
+    vectors.build(index.applied_seq)
+    # After the build: newer versions and a delete live in the delta and shadow the shard.
+    asyncio.run(index.upsert("acme", [DocumentInput("city5", "City 5", "Moved to the coast.")]))
+    asyncio.run(index.delete("acme", ["city6"]))
+    return index, vectors
+
+
+QUERIES = [
+    (Visibility("acme"), SearchQuery("city on river 3", 8, VECTOR)),
+    (Visibility("acme", frozenset({"eng"})), SearchQuery("city river region", 10, HYBRID)),
+    (Visibility("acme", attributes=(("region", "1"),)), SearchQuery("river", 10, VECTOR)),
+    (Visibility("acme"), SearchQuery("city region 2", 5, PREFILTER)),
+    (Visibility("globex"), SearchQuery("city", 5, VECTOR)),
+]
+
+
+def answers(index: RetrievalIndex) -> list[tuple[int, list]]:
+    """Per query: how many hits, and the (score, ids, versions) of each score above the
+    lowest one returned (the toy vectors tie, and two shards may cut a tie differently)."""
+    out = []
+    for visibility, query in QUERIES:
+        hits = asyncio.run(index.search(visibility, query)).hits
+        scores = sorted({round(h.score, 5) for h in hits}, reverse=True)
+        groups = [
+            (score, sorted((h.id, h.version) for h in hits if round(h.score, 5) == score))
+            for score in scores[:-1]
+        ]
+        out.append((len(hits), groups))
+    return out
+
+
+def test_the_child_process_answers_as_the_shard_in_process(tmp_path):
+    local, _ = built_index(tmp_path / "local", search_process=False)
+    remote, vectors = built_index(tmp_path / "remote", search_process=True)
+    assert isinstance(vectors._shard, RemoteShard)
+    expected = answers(local)
+    assert expected[0][0] == 8 and expected[4] == (0, [])  # another tenant sees nothing
+    seen = {i for _, groups in expected for _, hits in groups for i, _ in hits}
+    assert seen and "city6" not in seen  # deleted after the build: the delta shadows it
+    assert answers(remote) == expected
+    local.close()
+    remote.close()
+
+
+def test_a_dead_child_is_restarted_under_the_search_that_found_it(tmp_path):
+    index, vectors = built_index(tmp_path, search_process=True)
+    before = answers(index)
+    process = vectors._process
+    process._process.kill()
+    process._process.wait(5)
+    assert answers(index) == before
+    assert process.restarts == 1
+    index.close()
+    assert process._process is None  # stopped, nothing left running
+
+
+def test_a_build_swaps_the_new_shard_into_the_child(tmp_path):
+    index, vectors = built_index(tmp_path, search_process=True)
+    first = vectors._shard_dir
+    asyncio.run(index.upsert("acme", [DocumentInput("oslo", "Oslo", "Oslo is in Norway.")]))
+    vectors.build(index.applied_seq)
+    assert vectors._shard_dir != first and not first.exists()  # closed there, then removed
+    assert vectors._process._loaded == [str(vectors._shard_dir)]
+    hits = vectors.search(toy_vector("Oslo Norway"), Visibility("acme"), 1, 64)
+    assert [h.pid for h in hits] == [point_id(doc_key("acme", "oslo"))]
+    index.close()
+
+
+def test_an_engine_error_in_the_child_is_raised_where_the_search_asked(tmp_path):
+    process = ShardProcess()
+    query = ShardQuery(toy_vector("x"), "acme", ("",), (), 5, 16)
+    with pytest.raises(RuntimeError, match="shard process"):
+        process.query(str(tmp_path / "never-loaded"), query)
+    assert process.restarts == 0  # an error is an answer: the child lives on
+    process.stop()
