@@ -219,7 +219,6 @@ class Reranker:
         cross_encoder_candidates: int = 5,
         deadline_margin_s: float = 0.005,
         skip_query_tokens: frozenset[int] = frozenset(),
-        query_token_weights: np.ndarray | None = None,
     ) -> None:
         self.token_tokenizer = token_tokenizer
         self.token_batcher = token_batcher
@@ -235,7 +234,6 @@ class Reranker:
         self.cross_encoder_candidates = cross_encoder_candidates
         self.deadline_margin_s = deadline_margin_s
         self.skip_query_tokens = skip_query_tokens
-        self.query_token_weights = query_token_weights
         self.costs = {LATE_INTERACTION: StageCost(), CROSS_ENCODER: StageCost()}
 
     async def rerank(self, request: RerankInput) -> RerankOutput:
@@ -402,20 +400,13 @@ class Reranker:
             await asyncio.gather(*self._persisting, return_exceptions=True)
 
     def _query_rows(self, rows: np.ndarray, tokenized) -> np.ndarray:
-        """The query's token vectors MaxSim averages over: without the tokens it should not
-        average over (`skip_query_tokens`: stop words, punctuation) unless that would leave
-        none, and each scaled by its token's weight (`query_token_weights`, by token id:
-        rare words count more) over the mean weight, so that MaxSim's plain mean of best
-        matches is the weighted mean."""
-        ids = np.asarray(tokenized.ids[1 : 1 + len(rows)], dtype=np.int64)  # no [CLS], [SEP]
-        if self.skip_query_tokens:
-            keep = np.array([int(i) not in self.skip_query_tokens for i in ids], dtype=bool)
-            if keep.any():
-                rows, ids = rows[keep], ids[keep]
-        if self.query_token_weights is None or not len(rows):
+        """The query's token vectors without the tokens MaxSim should not average over
+        (`skip_query_tokens`: stop words, punctuation), unless that would leave none."""
+        if not self.skip_query_tokens:
             return rows
-        weights = self.query_token_weights[ids]
-        return (rows * (weights / weights.mean())[:, None]).astype(np.float32)
+        ids = tokenized.ids[1 : 1 + len(rows)]  # rows leave [CLS] and [SEP] out
+        keep = np.array([int(i) not in self.skip_query_tokens for i in ids], dtype=bool)
+        return rows[keep] if keep.any() else rows
 
     async def _late_interaction(self, request: RerankInput, output: RerankOutput):
         started = time.perf_counter()

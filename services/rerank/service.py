@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import numpy as np
 import structlog
 from pydantic import Field
 
@@ -17,7 +15,6 @@ from ragline.batching import MicroBatcher
 from ragline.config import ServiceConfig
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
-from ragline.models.store import MANIFEST
 from ragline.server import Service, ServiceSpec
 from ragline.stopwords import STOP_WORDS
 from ragline.tokenization import Tokenizer
@@ -47,10 +44,6 @@ class RerankConfig(ServiceConfig):
     # MaxSim averages over the query's tokens except stop words and punctuation (measured:
     # hybrid + stage 1 on SQuAD dev 0.924 -> 0.927 nDCG@10).
     query_skip_stop_words: bool = True
-    # MaxSim's mean over the query's tokens weighted by idf ** this power (0: equal
-    # weights), the idf counted over Wikipedia lead paragraphs (calibration/token_df.json,
-    # tools/make_token_idf.py) with the late-interaction model's tokenizer.
-    query_idf_power: float = Field(0.0, ge=0, le=4)
     # Weight of MaxSim against the candidate's incoming score in stage 1 (0..1). Swept on
     # SQuAD dev samples apart from the judged one: 800 questions, 0.5 / 0.7 / 0.85 -> nDCG@10
     # 0.915 / 0.922 / 0.921; with stop words left out of the query, 1,000 questions (seed 5),
@@ -83,22 +76,6 @@ class RerankConfig(ServiceConfig):
     max_queue_texts: int = Field(4096, ge=1)
     # One tenant's share of the queue (0: half of it).
     max_queue_texts_per_tenant: int = Field(0, ge=0)
-
-
-def query_token_weights(tokenizer: Tokenizer, power: float, table: Path | None = None):
-    """idf ** `power` of every token id of `tokenizer` (BM25's idf over the table's
-    passages; a token the table never saw counts as the rarest), or None for power 0."""
-    if power == 0:
-        return None
-    table = table or MANIFEST.parent / "calibration/token_df.json"
-    counts = json.loads(table.read_text())
-    documents = counts["documents"]
-    df = np.zeros(max(tokenizer.vocabulary().values()) + 1, dtype=np.float64)
-    for token, count in counts["df"].items():
-        if int(token) < len(df):
-            df[int(token)] = count
-    idf = np.log1p((documents - df + 0.5) / (df + 0.5))
-    return (idf**power).astype(np.float32)
 
 
 def skipped_query_tokens(tokenizer: Tokenizer) -> frozenset[int]:
@@ -182,7 +159,6 @@ async def build_reranker(
         skip_query_tokens=skipped_query_tokens(token_tokenizer)
         if cfg.query_skip_stop_words
         else frozenset(),
-        query_token_weights=query_token_weights(token_tokenizer, cfg.query_idf_power),
         token_tokenizer=token_tokenizer,
         token_batcher=await batcher(encoder.run),
         pair_tokenizer=pair_tokenizer,

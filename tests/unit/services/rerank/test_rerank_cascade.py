@@ -22,7 +22,7 @@ from ragline_services.rerank.cascade import (
     TokenCache,
 )
 from ragline_services.rerank.models import maxsim_many, projection, quantize
-from ragline_services.rerank.service import query_token_weights, skipped_query_tokens
+from ragline_services.rerank.service import skipped_query_tokens
 from ragline_services.rerank.token_store import TokenStore
 
 
@@ -318,44 +318,6 @@ async def test_late_interaction_leaves_the_skipped_query_tokens_out():
     # A query of skipped tokens only is scored on all of them.
     only = RerankInput("acme", "the", candidates, top_k=2, late_interaction_only=True)
     assert (await skipping.rerank(only)).results[0].id == "stop"
-
-
-async def test_late_interaction_weighs_each_query_token_by_its_weight():
-    # "river bank": each passage holds one of the two words, a tie by plain MaxSim; the
-    # word weighted higher decides, whichever it is.
-    candidates = [Candidate("bank", "bank"), Candidate("river", "river")]
-    request = RerankInput("acme", "river bank", candidates, top_k=2, late_interaction_only=True)
-
-    async def ranked(weights: dict[str, float] | None):
-        table = None
-        if weights is not None:
-            table = np.ones(1002, dtype=np.float32)
-            for word, weight in weights.items():
-                table[word_id(word)] = weight
-        reranker = await make(Models(), late_interaction_weight=1.0, query_token_weights=table)
-        out = await reranker.rerank(request)
-        return [r.id for r in out.results], [r.scores[LATE_INTERACTION] for r in out.results]
-
-    plain, plain_scores = await ranked(None)
-    assert plain_scores[0] == plain_scores[1]  # the tie
-    assert (await ranked({"river": 3.0}))[0] == ["river", "bank"]
-    assert (await ranked({"bank": 3.0}))[0] == ["bank", "river"]
-    assert await ranked({"river": 2.0, "bank": 2.0}) == (plain, plain_scores)  # only ratios
-
-
-def test_query_token_weights_are_idf_from_the_table(tmp_path):
-    class Vocabulary:
-        def vocabulary(self):
-            return {"the": 0, "river": 1, "warsaw": 2, "zzz": 3}
-
-    table = tmp_path / "df.json"
-    table.write_text('{"documents": 100, "df": {"0": 99, "1": 10, "2": 1}}')
-    assert query_token_weights(Vocabulary(), 0.0, table) is None
-    weights = query_token_weights(Vocabulary(), 1.0, table)
-    assert weights.shape == (4,) and weights[0] < weights[1] < weights[2] < weights[3]
-    np.testing.assert_allclose(weights[1], np.log1p(90.5 / 10.5), rtol=1e-6)
-    halved = query_token_weights(Vocabulary(), 0.5, table)
-    np.testing.assert_allclose(halved, np.sqrt(weights), rtol=1e-6)
 
 
 def test_the_skipped_query_tokens_are_stop_words_and_punctuation():
