@@ -158,8 +158,9 @@ class IndexSettings:
     bm25_max_open_tenants: int = 256
     # Threads that run searches (one hop per search), apart from writes and builds.
     query_threads: int = 2
-    # HYBRID searches BM25 on a second thread while the vector half runs: Tantivy releases
-    # the GIL while it searches, qdrant-edge holds it (measured), so the two overlap.
+    # HYBRID runs its vector half on a second thread while BM25 runs on the first: Tantivy
+    # releases the GIL while it searches, and the vector half waits on its shard process
+    # (or holds the GIL, in process), so the two overlap.
     parallel_hybrid: bool = True
     # When the embedding service runs another model than the index's vectors came from:
     # re-embed every document with it in the background (False: refuse such writes).

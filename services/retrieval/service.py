@@ -54,8 +54,8 @@ class RetrievalConfig(ServiceConfig):
     bm25_max_open_tenants: int = Field(256, ge=1)
     # Worker threads for searches (one hop each), apart from writes and HNSW builds.
     query_threads: int = Field(2, ge=1)
-    # HYBRID's BM25 half on a thread of its own while the vector half runs (false: one
-    # after the other, which costs nothing extra where the service has a single core).
+    # HYBRID's vector half on a second thread while BM25 runs (false: one after the
+    # other, for a service with a single core).
     parallel_hybrid: bool = True
     default_vector_weight: float = Field(0.2, gt=0, lt=1)
     default_score_weight: float = Field(0.4, gt=0, lt=1)

@@ -4,14 +4,16 @@ service's Python instead of inside its GIL.
 qdrant-edge keeps the GIL for the whole of a query (measured on 2 cores: two threads
 querying one shard, or two shards, answer fewer queries/s than one thread; two processes
 1.8x), so in the service's process every vector search stopped the gRPC handlers, BM25's
-Python and the other half of a HYBRID search. Here one child process owns the shard (a
-shard directory can be opened by one process only: its WAL is locked) and answers one
-query at a time over a pipe; the service's threads wait on the pipe without the GIL.
+Python and the other half of a HYBRID search. Here each shard is owned by one child process
+(a shard directory opens in one process only: its WAL is locked) that answers one query at
+a time over a socket pair; the service's threads wait on the socket without the GIL. A new
+shard gets a new child, started and loaded off the query path while the old one still
+answers (loading a 100k-point shard takes ~0.26 s, and the in-process load held the GIL).
 
-The child is a fresh interpreter (`python -m ragline_services.retrieval.shard_process FD`,
-never a fork of a process that runs gRPC threads) on one end of a socket pair; it exits
-when the parent's end closes, and is restarted when it dies: the query that found it dead
-is asked again once, on the restarted child.
+The child is a fresh interpreter (`python -m ragline_services.retrieval.shard_process FD
+PATH`, never a fork of a process that runs gRPC threads); it exits when the parent's end of
+the socket closes, and is restarted when it dies: the query that found it dead is asked
+again once, on the restarted child.
 """
 
 from __future__ import annotations
@@ -66,48 +68,46 @@ def query_shard(shard, query: ShardQuery) -> list[tuple[int, float]]:
     return [(int(p.id), float(p.score)) for p in shard.query(request)]
 
 
-def _serve(connection) -> None:
-    """The child: loads, queries and closes shards as the parent asks, one at a time."""
+def _serve(connection: Connection, path: str) -> None:
+    """The child: loads the shard, then answers queries one at a time until told to stop
+    or the parent is gone."""
     import qdrant_edge as qe
 
-    shards: dict[str, object] = {}
-    while True:
-        try:
-            message = connection.recv()
-        except EOFError:
-            break  # the parent is gone
-        verb, path, payload = message
-        try:
-            if verb == "load":
-                if path not in shards:
-                    shards[path] = qe.EdgeShard.load(path)
-                reply = ("ok", None)
-            elif verb == "query":
-                reply = ("ok", query_shard(shards[path], payload))
-            elif verb == "close":
-                shard = shards.pop(path, None)
-                if shard is not None:
-                    shard.close()
-                reply = ("ok", None)
-            else:  # "stop"
+    try:
+        shard = qe.EdgeShard.load(path)
+    except Exception as error:
+        connection.send(("error", f"{type(error).__name__}: {error}"))
+        return
+    connection.send(("ok", None))
+    try:
+        while True:
+            try:
+                verb, payload = connection.recv()
+            except EOFError:
+                break  # the parent is gone
+            if verb == "stop":
                 break
-        except Exception as error:  # sent back: the parent raises it where it asked
-            reply = ("error", f"{type(error).__name__}: {error}")
-        connection.send(reply)
-    for shard in shards.values():
+            try:
+                reply = ("ok", query_shard(shard, payload))
+            except Exception as error:  # sent back: raised where the search asked
+                reply = ("error", f"{type(error).__name__}: {error}")
+            connection.send(reply)
+    finally:
         shard.close()
 
 
 class ShardProcess:
-    """The parent's side: one child, its shards by path, a query at a time."""
+    """The parent's side of one shard's child: queried and closed like a local shard."""
 
-    def __init__(self, *, reply_timeout_s: float = 60.0) -> None:
+    def __init__(self, path: str, *, reply_timeout_s: float = 60.0) -> None:
+        self.path = path
         self.reply_timeout_s = reply_timeout_s
         self._lock = threading.Lock()  # one request on the socket at a time
-        self._loaded: list[str] = []  # what a restarted child must load again
         self._process: subprocess.Popen | None = None
         self._connection: Connection | None = None
         self.restarts = 0
+        with self._lock:
+            self._start()
 
     def _running(self) -> bool:
         return self._process is not None and self._process.poll() is None
@@ -117,38 +117,43 @@ class ShardProcess:
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "ragline_services.retrieval.shard_process",
-                 str(child.fileno())],
+                 str(child.fileno()), self.path],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
             )  # fmt: skip
         finally:
             child.close()
         self._connection = Connection(parent.detach())
-        for path in self._loaded:
-            self._ask("load", path, None)
+        try:
+            self._reply(self.reply_timeout_s)  # loaded
+        except BaseException:
+            self._kill()
+            raise
 
-    def _ask(self, verb: str, path: str, payload):
-        self._connection.send((verb, path, payload))
-        if not self._connection.poll(self.reply_timeout_s):
-            raise TimeoutError(f"the shard process gave no answer in {self.reply_timeout_s} s")
+    def _reply(self, timeout_s: float):
+        if not self._connection.poll(timeout_s):
+            raise TimeoutError(f"the shard process gave no answer in {timeout_s} s")
         status, value = self._connection.recv()
         if status == "error":
-            raise RuntimeError(f"shard process: {value}")
+            raise RuntimeError(f"shard process ({self.path}): {value}")
         return value
 
-    def _request(self, verb: str, path: str, payload=None):
+    def query(self, query: ShardQuery) -> list[tuple[int, float]]:
         with self._lock:
             for attempt in (1, 2):
                 if not self._running():
-                    if self._process is not None:
-                        self.restarts += 1
-                        log.warning(
-                            "retrieval.shard_process_restarted",
-                            exitcode=self._process.returncode,
-                        )
-                        self._kill()
+                    if self._process is None:
+                        raise RuntimeError(f"the shard process of {self.path} was closed")
+                    self.restarts += 1
+                    log.warning(
+                        "retrieval.shard_process_restarted",
+                        path=self.path,
+                        exitcode=self._process.returncode,
+                    )
+                    self._kill()
                     self._start()
                 try:
-                    return self._ask(verb, path, payload)
+                    self._connection.send(("query", query))
+                    return self._reply(self.reply_timeout_s)
                 except (EOFError, OSError, TimeoutError):
                     self._kill()  # dead or stuck: a fresh child answers the retry
                     if attempt == 2:
@@ -162,52 +167,16 @@ class ShardProcess:
             self._connection.close()
             self._connection = None
 
-    def load(self, path: str) -> RemoteShard:
-        with self._lock:
-            if path not in self._loaded:
-                self._loaded.append(path)
-        try:
-            self._request("load", path)
-        except BaseException:
-            with self._lock:
-                self._loaded.remove(path)
-            raise
-        return RemoteShard(self, path)
-
-    def query(self, path: str, query: ShardQuery) -> list[tuple[int, float]]:
-        return self._request("query", path, query)
-
-    def close_shard(self, path: str) -> None:
-        with self._lock:
-            if path in self._loaded:
-                self._loaded.remove(path)
-            running = self._running()
-        if running:
-            self._request("close", path)
-
-    def stop(self) -> None:
+    def close(self) -> None:
         with self._lock:
             if self._running():
                 try:
-                    self._connection.send(("stop", "", None))
+                    self._connection.send(("stop", None))
                     self._process.wait(10)
                 except (OSError, EOFError, subprocess.TimeoutExpired):
                     pass
             self._kill()
             self._process = None
-
-
-class RemoteShard:
-    """A shard loaded in the shard process: queried and closed like a local one."""
-
-    def __init__(self, owner: ShardProcess, path: str) -> None:
-        self._owner, self.path = owner, path
-
-    def query(self, query: ShardQuery) -> list[tuple[int, float]]:
-        return self._owner.query(self.path, query)
-
-    def close(self) -> None:
-        self._owner.close_shard(self.path)
 
 
 class LocalShard:
@@ -227,4 +196,4 @@ class LocalShard:
 
 
 if __name__ == "__main__":
-    _serve(Connection(int(sys.argv[1])))
+    _serve(Connection(int(sys.argv[1])), sys.argv[2])

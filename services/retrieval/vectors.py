@@ -176,9 +176,9 @@ class EdgeVectorIndex:
         search_process: bool = False,
     ) -> None:
         self.directory = directory
-        # The shard searched in a child process (shard_process.py: qdrant-edge holds the
-        # GIL while it searches), or in this one.
-        self._process = ShardProcess() if search_process else None
+        # Each shard searched in a child process of its own (shard_process.py: qdrant-edge
+        # holds the GIL while it searches), or in this one.
+        self.search_process = search_process
         self.build_threads = build_threads
         self.build_niceness = build_niceness
         self.dim = dim
@@ -214,9 +214,7 @@ class EdgeVectorIndex:
         self.built_seq = current["seq"]
 
     def _open(self, path: Path):
-        if self._process is not None:
-            return self._process.load(str(path))
-        return LocalShard(str(path))
+        return ShardProcess(str(path)) if self.search_process else LocalShard(str(path))
 
     def needs_build(self) -> bool:
         return not self.building and len(self._delta) >= (
@@ -364,5 +362,3 @@ class EdgeVectorIndex:
         self._retired = []
         if self._shard is not None:
             self._shard.close()
-        if self._process is not None:
-            self._process.stop()

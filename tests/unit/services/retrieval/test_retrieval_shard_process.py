@@ -5,7 +5,9 @@ found it dead, builds swapped in there, and nothing left running after close."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import numpy as np
 import pytest
 from test_retrieval_index import DIM, DOCS, toy_embed, toy_vector
 
@@ -19,7 +21,7 @@ from ragline_services.retrieval.index import (
     RetrievalIndex,
     SearchQuery,
 )
-from ragline_services.retrieval.shard_process import RemoteShard, ShardProcess, ShardQuery
+from ragline_services.retrieval.shard_process import ShardProcess, ShardQuery
 from ragline_services.retrieval.vectors import EdgeVectorIndex
 
 MORE = [
@@ -70,7 +72,7 @@ def answers(index: RetrievalIndex) -> list[tuple[int, list]]:
 def test_the_child_process_answers_as_the_shard_in_process(tmp_path):
     local, _ = built_index(tmp_path / "local", search_process=False)
     remote, vectors = built_index(tmp_path / "remote", search_process=True)
-    assert isinstance(vectors._shard, RemoteShard)
+    assert isinstance(vectors._shard, ShardProcess)
     expected = answers(local)
     assert expected[0][0] == 8 and expected[4] == (0, [])  # another tenant sees nothing
     seen = {i for _, groups in expected for _, hits in groups for i, _ in hits}
@@ -83,31 +85,36 @@ def test_the_child_process_answers_as_the_shard_in_process(tmp_path):
 def test_a_dead_child_is_restarted_under_the_search_that_found_it(tmp_path):
     index, vectors = built_index(tmp_path, search_process=True)
     before = answers(index)
-    process = vectors._process
-    process._process.kill()
-    process._process.wait(5)
+    shard = vectors._shard
+    shard._process.kill()
+    shard._process.wait(5)
     assert answers(index) == before
-    assert process.restarts == 1
+    assert shard.restarts == 1
     index.close()
-    assert process._process is None  # stopped, nothing left running
+    assert shard._process is None  # stopped, nothing left running
 
 
-def test_a_build_swaps_the_new_shard_into_the_child(tmp_path):
+def test_a_build_loads_the_new_shard_in_a_new_child_and_stops_the_old_one(tmp_path):
     index, vectors = built_index(tmp_path, search_process=True)
-    first = vectors._shard_dir
+    first = vectors._shard
     asyncio.run(index.upsert("acme", [DocumentInput("oslo", "Oslo", "Oslo is in Norway.")]))
     vectors.build(index.applied_seq)
-    assert vectors._shard_dir != first and not first.exists()  # closed there, then removed
-    assert vectors._process._loaded == [str(vectors._shard_dir)]
+    assert isinstance(vectors._shard, ShardProcess) and vectors._shard is not first
+    assert vectors._shard.path == str(vectors._shard_dir)
+    assert first._process is None and not Path(first.path).exists()  # stopped, removed
     hits = vectors.search(toy_vector("Oslo Norway"), Visibility("acme"), 1, 64)
     assert [h.pid for h in hits] == [point_id(doc_key("acme", "oslo"))]
     index.close()
 
 
 def test_an_engine_error_in_the_child_is_raised_where_the_search_asked(tmp_path):
-    process = ShardProcess()
-    query = ShardQuery(toy_vector("x"), "acme", ("",), (), 5, 16)
     with pytest.raises(RuntimeError, match="shard process"):
-        process.query(str(tmp_path / "never-loaded"), query)
-    assert process.restarts == 0  # an error is an answer: the child lives on
-    process.stop()
+        ShardProcess(str(tmp_path / "no-shard-here"))
+    index, vectors = built_index(tmp_path / "index", search_process=True)
+    shard = vectors._shard
+    wrong = ShardQuery(np.ones(DIM + 3, dtype=np.float32), "acme", ("",), (), 5, 16)
+    with pytest.raises(RuntimeError, match="shard process"):
+        shard.query(wrong)
+    assert shard.restarts == 0  # an error is an answer: the child lives on
+    assert answers(index)[0][0] == 8
+    index.close()
