@@ -33,7 +33,7 @@ log = structlog.get_logger("ragline.retrieval")
 
 @dataclass(frozen=True)
 class ShardQuery:
-    """One query of a shard in plain values (what crosses the pipe)."""
+    """One query of a shard in plain values (what crosses the socket)."""
 
     vector: np.ndarray  # unit length, float32
     tenant: str
