@@ -167,6 +167,10 @@ async def load(
         if done is not None:
             await done
         elapsed = time.monotonic() - began
+    return summary(latencies, failures, elapsed)
+
+
+def summary(latencies: list[float], failures: int, elapsed: float) -> dict:
     return {
         "p50": pct(latencies, 50),
         "p95": pct(latencies, 95),
@@ -212,10 +216,7 @@ async def load_open(
         if done is not None:
             await done
         elapsed = time.perf_counter() - began
-    return {
-        "p50": pct(latencies, 50), "p95": pct(latencies, 95), "p99": pct(latencies, 99),
-        "qps": len(latencies) / elapsed, "failed": failures, "seconds": elapsed,
-    }  # fmt: skip
+    return summary(latencies, failures, elapsed)
 
 
 async def recall_at_10(address: str, docs, vectors: np.ndarray, q_vecs: np.ndarray) -> float:

@@ -625,18 +625,14 @@ class RetrievalIndex:
                 (c.pid, c.score, {"vector": c.score, "bm25": bm25_scores[c.pid]}) for c in ranked
             ]
         else:  # HYBRID
-            semantic = (vector, visibility, candidates, ef)
-            if s.parallel_hybrid:
-                # The vector half goes to the other thread and BM25 runs here: qdrant-edge
-                # keeps the GIL for its whole search, so the other way round the BM25
-                # thread could not even start until the vector search had finished;
-                # this way the vector search runs while Tantivy searches without the GIL.
-                pending = self._half_pool.submit(timed, "vector", self.vectors.search, *semantic)
-                bm25_list = timed("bm25", self.bm25.search, query.text, visibility, candidates)
-                vector_list = pending.result()
-            else:
-                bm25_list = timed("bm25", self.bm25.search, query.text, visibility, candidates)
-                vector_list = timed("vector", self.vectors.search, *semantic)
+            semantic = ("vector", self.vectors.search, vector, visibility, candidates, ef)
+            # The vector half goes to the other thread and BM25 runs here: qdrant-edge keeps
+            # the GIL for its whole search, so the other way round the BM25 thread could not
+            # even start until the vector search had finished; this way the vector search
+            # runs while Tantivy searches without the GIL.
+            pending = self._half_pool.submit(timed, *semantic) if s.parallel_hybrid else None
+            bm25_list = timed("bm25", self.bm25.search, query.text, visibility, candidates)
+            vector_list = pending.result() if pending is not None else timed(*semantic)
             started = time.perf_counter()
             if (query.fusion or s.default_fusion) == "score":
                 fuse, weight = score_fusion, query.vector_weight or s.default_score_weight
