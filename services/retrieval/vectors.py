@@ -41,6 +41,14 @@ from ragline_services.retrieval.shard_process import LocalShard, ShardProcess, S
 
 HNSW_M = 16
 HNSW_EF_CONSTRUCT = 200
+POINT_IDS_FILE = "point_ids.npy"  # in a built shard's directory: its point ids, sorted
+
+
+def load_point_ids(shard_dir: Path) -> np.ndarray | None:
+    """The point ids a built shard holds; None for one built before they were recorded
+    (then every delta key is excluded from its queries, as before)."""
+    path = shard_dir / POINT_IDS_FILE
+    return np.load(path) if path.exists() else None
 
 
 def _unit(vector) -> np.ndarray:
@@ -110,8 +118,9 @@ class _TenantDelta:
     matrix: np.ndarray  # their normalised vectors, one row per entry
     scopes: list[frozenset[str]]
     attrs: list[frozenset[str]]
-    # Point ids of every delta key of the tenant, deletions included: the shard's copy of
-    # these is stale, so the shard query excludes them inside the engine (no over-fetch).
+    # Point ids of the tenant's delta keys (deletions included) that the shard holds too:
+    # its copy is stale, so the shard query excludes them inside the engine (no over-fetch).
+    # A key new since the build is not in the shard and costs the query nothing.
     shadow_ids: set[int]
 
     def search(
@@ -140,7 +149,19 @@ class _TenantDelta:
         return found
 
 
-def _tenant_deltas(delta: dict[str, _DeltaEntry], dim: int) -> dict[str, _TenantDelta]:
+def _in_shard(pids: list[int], shard_pids: np.ndarray | None) -> set[int]:
+    """Those of `pids` the shard holds (`shard_pids` sorted; None: unknown, so all)."""
+    if shard_pids is None or not pids:
+        return set(pids)
+    wanted = np.asarray(pids, dtype=np.int64)
+    at = np.minimum(np.searchsorted(shard_pids, wanted), max(len(shard_pids) - 1, 0))
+    held = shard_pids[at] == wanted if len(shard_pids) else np.zeros(len(pids), dtype=bool)
+    return {pid for pid, found in zip(pids, held.tolist(), strict=True) if found}
+
+
+def _tenant_deltas(
+    delta: dict[str, _DeltaEntry], dim: int, shard_pids: np.ndarray | None
+) -> dict[str, _TenantDelta]:
     grouped: dict[str, list[tuple[str, _DeltaEntry]]] = {}
     for key, entry in delta.items():
         grouped.setdefault(entry.tenant, []).append((key, entry))
@@ -157,7 +178,7 @@ def _tenant_deltas(delta: dict[str, _DeltaEntry], dim: int) -> dict[str, _Tenant
             ),
             scopes=[entry.scopes for _, entry in live],
             attrs=[entry.attrs for _, entry in live],
-            shadow_ids={entry.point_id for _, entry in items},
+            shadow_ids=_in_shard([entry.point_id for _, entry in items], shard_pids),
         )
     return out
 
@@ -191,6 +212,7 @@ class EdgeVectorIndex:
         self._by_tenant: dict[str, _TenantDelta] | None = None  # derived from _delta
         self._shard = None
         self._shard_dir: Path | None = None
+        self._shard_pids: np.ndarray | None = None  # sorted; None: not recorded (old build)
         # Searches in flight per shard (by id): a swapped-out shard is closed and its files
         # removed only once the last search that took it has finished.
         self._readers: dict[int, int] = {}
@@ -210,6 +232,7 @@ class EdgeVectorIndex:
         current = json.loads(manifest.read_text())
         self._shard_dir = self.directory / current["dir"]
         self._shard = self._open(self._shard_dir)
+        self._shard_pids = load_point_ids(self._shard_dir)
         self._shard_points = current["points"]
         self.built_seq = current["seq"]
 
@@ -240,10 +263,12 @@ class EdgeVectorIndex:
                 raise RuntimeError(f"HNSW build failed ({self._builder.returncode}): {err[-2000:]}")
             points = int(out.strip().splitlines()[-1])
             shard = self._open(target)
+            shard_pids = load_point_ids(target)
             with self._lock:
                 if self._shard is not None:
                     self._retired.append((self._shard, self._shard_dir))
                 self._shard, self._shard_dir = shard, target
+                self._shard_pids = shard_pids
                 self._shard_points = points
                 self.built_seq = upto_seq
                 self._delta = {k: e for k, e in self._delta.items() if e.seq > upto_seq}
@@ -305,7 +330,7 @@ class EdgeVectorIndex:
             if shard is not None:
                 self._readers[id(shard)] = self._readers.get(id(shard), 0) + 1
             if self._by_tenant is None:
-                self._by_tenant = _tenant_deltas(self._delta, self.dim)
+                self._by_tenant = _tenant_deltas(self._delta, self.dim, self._shard_pids)
             delta = self._by_tenant.get(visibility.tenant)
         # Both are immutable snapshots taken together: search them outside the lock.
         try:

@@ -118,3 +118,43 @@ def test_an_engine_error_in_the_child_is_raised_where_the_search_asked(tmp_path)
     assert shard.restarts == 0  # an error is an answer: the child lives on
     assert answers(index)[0][0] == 8
     index.close()
+
+
+class RecordingShard:
+    """Wraps a shard to keep the queries it is sent."""
+
+    def __init__(self, shard) -> None:
+        self.shard, self.queries = shard, []
+
+    def query(self, query: ShardQuery):
+        self.queries.append(query)
+        return self.shard.query(query)
+
+    def close(self) -> None:
+        self.shard.close()
+
+
+def excluded_by_next_search(vectors: EdgeVectorIndex) -> set[int]:
+    recording = RecordingShard(vectors._shard)
+    vectors._shard = recording
+    vectors.search(toy_vector("city river"), Visibility("acme"), 5, 64)
+    vectors._shard = recording.shard
+    return set(recording.queries[-1].exclude)
+
+
+def test_the_shard_query_excludes_only_the_delta_keys_the_shard_holds(tmp_path):
+    index, vectors = built_index(tmp_path, search_process=False)
+    # city5 (updated) and city6 (deleted) are in the shard; oslo is new since the build.
+    asyncio.run(index.upsert("acme", [DocumentInput("oslo", "Oslo", "Oslo is in Norway.")]))
+    stale = {point_id(doc_key("acme", "city5")), point_id(doc_key("acme", "city6"))}
+    assert excluded_by_next_search(vectors) == stale
+    hits = vectors.search(toy_vector("Oslo Norway"), Visibility("acme"), 1, 64)
+    assert [h.pid for h in hits] == [point_id(doc_key("acme", "oslo"))]  # from the delta
+    index.close()
+    # A shard built before its ids were recorded: every delta key is excluded, as before.
+    (vectors._shard_dir / "point_ids.npy").unlink()
+    reopened = EdgeVectorIndex(tmp_path / "vectors", DIM, tmp_path / "write.log")
+    index = RetrievalIndex(tmp_path, reopened, IndexSettings(dim=DIM), toy_embed)
+    index.replay()
+    assert excluded_by_next_search(reopened) == stale | {point_id(doc_key("acme", "oslo"))}
+    index.close()
