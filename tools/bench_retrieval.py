@@ -182,11 +182,19 @@ def summary(latencies: list[float], failures: int, elapsed: float) -> dict:
 
 
 async def load_open(
-    address: str, questions, q_vecs, mode: str, rate: float, seconds: float, until=None
+    address: str,
+    questions,
+    q_vecs,
+    mode: str,
+    rate: float,
+    seconds: float,
+    until=None,
+    timeline: list | None = None,
 ) -> dict:
     """Open-loop clients: a request every 1/`rate` s whatever the answers do, for `seconds`
     or until `until` completes; each latency counts from the request's planned start, so a
-    stall is charged to every request it delays (no coordinated omission)."""
+    stall is charged to every request it delays (no coordinated omission). `timeline` gets
+    (planned start on perf_counter, latency) per request."""  # fmt: skip
     latencies, failures, pending = [], 0, set()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
@@ -203,6 +211,8 @@ async def load_open(
             except grpc.aio.AioRpcError:
                 failures += 1
             latencies.append(time.perf_counter() - planned)
+            if timeline is not None:
+                timeline.append((planned, latencies[-1]))
 
         sent = 0
         while (not done.done()) if done is not None else time.perf_counter() - began < seconds:
@@ -302,12 +312,13 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                     extra = [{**d, "id": f"churn:{i}"} for i, d in enumerate(docs[:3000])]
                     began = time.time()
                     await ingest(address, extra, vectors, 0)
+                    phases["writes acknowledged"] = time.perf_counter()
                     await wait_built(address, after=began)
 
                 if args.churn_rate:
                     return await load_open(
                         address, questions, q_vecs, "hybrid", args.churn_rate, 0,
-                        until=writes_then_rebuild(),
+                        until=writes_then_rebuild(), timeline=timeline,
                     )  # fmt: skip
                 return await load(
                     address, questions, q_vecs, "hybrid", churn_level, 0,
@@ -315,6 +326,7 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                 )  # fmt: skip
 
             churn_level = 8 if 8 in levels else levels[-1]
+            phases, timeline = {}, []
             if args.skip_churn:
                 return rows
             if args.churn_rate:
@@ -334,6 +346,17 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                 f"failed {under['failed']})",
                 under["p99"] / base["p99"],
             ))  # fmt: skip
+            if timeline:  # which part of the phase the tail comes from
+                split = phases["writes acknowledged"]
+                for name, part in (
+                    ("while the writes ran", [lat for at, lat in timeline if at < split]),
+                    ("then, while the rebuild ran", [lat for at, lat in timeline if at >= split]),
+                ):  # fmt: skip
+                    rows.append((
+                        f"{label} {name}: p50 / p99",
+                        f"{pct(part, 50):.1f} / {pct(part, 99):.1f} ms ({len(part)} queries)",
+                        pct(part, 99),
+                    ))  # fmt: skip
         finally:
             process.terminate()
             process.wait()

@@ -41,10 +41,13 @@ class RetrievalConfig(ServiceConfig):
     exact_limit: int = Field(20_000, ge=1)
     rebuild_after: int = Field(2_000, ge=1)
     build_check_s: float = Field(2.0, gt=0)
-    # The HNSW builder's threads (0: every core) and CPU niceness: a build is background
-    # work and must not take the cores the queries need.
+    # The HNSW builder's threads (0: every core), CPU niceness and Linux's idle class
+    # (SCHED_IDLE: a core runs it only when nothing else wants it; qdrant's build thread
+    # can raise its own niceness, not leave the class): a build is background work and
+    # must not take the cores the queries need.
     build_threads: int = Field(default_factory=lambda: max(1, usable_cores() // 2), ge=0)
     build_niceness: int = Field(19, ge=0, le=19)
+    build_idle: bool = True
     # The embedded HNSW shard searched in a child process (qdrant-edge holds the GIL for
     # the whole search, which stopped the service's other threads meanwhile).
     vector_search_process: bool = True
@@ -148,6 +151,7 @@ class RetrievalService(Service):
                 rebuild_after=cfg.rebuild_after,
                 build_threads=cfg.build_threads,
                 build_niceness=cfg.build_niceness,
+                build_idle=cfg.build_idle,
                 search_process=cfg.vector_search_process,
             )
         settings = IndexSettings(

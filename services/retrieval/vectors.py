@@ -194,6 +194,7 @@ class EdgeVectorIndex:
         rebuild_after: int = 2_000,
         build_threads: int = 1,
         build_niceness: int = 19,
+        build_idle: bool = True,
         search_process: bool = False,
     ) -> None:
         self.directory = directory
@@ -202,6 +203,7 @@ class EdgeVectorIndex:
         self.search_process = search_process
         self.build_threads = build_threads
         self.build_niceness = build_niceness
+        self.build_idle = build_idle
         self.dim = dim
         self.wal_path = wal_path
         self.exact_limit = exact_limit
@@ -255,7 +257,8 @@ class EdgeVectorIndex:
             self._builder = subprocess.Popen(
                 [sys.executable, "-m", "ragline_services.retrieval.hnsw_builder",
                  str(self.wal_path), str(upto_seq), str(target), str(self.dim),
-                 "--threads", str(self.build_threads), "--niceness", str(self.build_niceness)],
+                 "--threads", str(self.build_threads), "--niceness", str(self.build_niceness),
+                 *(["--idle"] if self.build_idle else [])],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
             out, err = self._builder.communicate()
