@@ -15,8 +15,10 @@ the measurement), reports per request p50/p99 at concurrency 1/8/32 for BM25, VE
 HYBRID, the recall@10 of the HNSW index against exact search over the same vectors, and the
 HYBRID p99 at concurrency 8 while a rebuild and a stream of writes run, against steady
 state (`--churn-rate Q`: an open-loop load of Q queries/s instead, on a quiet index and then
-during the writes + rebuild; closed-loop clients on 2 cores leave the niced rebuild almost
-no CPU, so at 254k it ran past 20 minutes). Failed requests are counted in every row.
+during the writes + rebuild, also split into the queries sent while the writes ran and
+those sent after, while the rebuild ran; closed-loop clients on 2 cores leave the
+low-priority rebuild almost no CPU, so at 254k it ran past 20 minutes). Failed requests are
+counted in every row.
 `--service-embeds` adds the recall stage as a client sees it: HYBRID at concurrency 1 with
 the query text only, the retrieval service embedding it through an embedding service
 started for the run (its default model).
