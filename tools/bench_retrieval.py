@@ -49,6 +49,7 @@ from ragline_app.datasets import load_squad
 from ragline_app.stack import source_pythonpath, spawn_service
 
 TENANT = (("x-ragline-tenant", "bench"),)
+OPERATOR = (*TENANT, ("x-ragline-operator", "true"))
 MODES = {
     "bm25": retrieval_pb2.SEARCH_MODE_BM25,
     "vector": retrieval_pb2.SEARCH_MODE_VECTOR,
@@ -112,8 +113,8 @@ async def wait_built(address: str, timeout_s: float = 3600, after: float = 0.0) 
         stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
         began = time.monotonic()
         while time.monotonic() - began < timeout_s:
-            status = await stub.IndexStatus(
-                retrieval_pb2.IndexStatusRequest(), timeout=30, metadata=TENANT
+            status = await stub.IndexStatus(  # as an operator: delta_documents is shown
+                retrieval_pb2.IndexStatusRequest(), timeout=30, metadata=OPERATOR
             )
             finished = status.last_build_finished.seconds + status.last_build_finished.nanos / 1e9
             if (
