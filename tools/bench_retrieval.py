@@ -197,7 +197,7 @@ async def load_open(
     """Open-loop clients: a request every 1/`rate` s whatever the answers do, for `seconds`
     or until `until` completes; each latency counts from the request's planned start, so a
     stall is charged to every request it delays (no coordinated omission). `timeline` gets
-    (planned start on perf_counter, latency) per request."""  # fmt: skip
+    (planned start on perf_counter, latency) per request."""
     latencies, failures, pending = [], 0, set()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)

@@ -151,12 +151,14 @@ class _TenantDelta:
 
 def _in_shard(pids: list[int], shard_pids: np.ndarray | None) -> set[int]:
     """Those of `pids` the shard holds (`shard_pids` sorted; None: unknown, so all)."""
-    if shard_pids is None or not pids:
+    if shard_pids is None:
         return set(pids)
+    if not pids or not len(shard_pids):
+        return set()
     wanted = np.asarray(pids, dtype=np.int64)
-    at = np.minimum(np.searchsorted(shard_pids, wanted), max(len(shard_pids) - 1, 0))
-    held = shard_pids[at] == wanted if len(shard_pids) else np.zeros(len(pids), dtype=bool)
-    return {pid for pid, found in zip(pids, held.tolist(), strict=True) if found}
+    at = np.searchsorted(shard_pids, wanted)  # past the end: clipped, then unequal
+    held = np.take(shard_pids, at, mode="clip") == wanted
+    return set(wanted[held].tolist())
 
 
 def _tenant_deltas(
