@@ -33,7 +33,11 @@ class RerankConfig(ServiceConfig):
     # the static int8 graph: batch invariant, and it encodes a query in ~3.4 ms where the
     # weights-only int8 graph takes ~4.5 (in process, 200 SQuAD questions, one thread).
     token_model: str = "minilm-l6-int8-qdq"
-    # Token vectors are stored projected to this many components, int8.
+    # Token vectors are stored projected to this many components, int8. Measured on all of
+    # SQuAD dev (10,565 questions, hybrid + stage 1 over the top 30): 128-d 0.924 nDCG@10,
+    # 384-d (no projection) 0.926; other 128-d projections in place of the seeded one: PCA
+    # of new_wiki token vectors 0.924, one trained for MaxSim on new_wiki 0.925. The 30
+    # candidates -> 50: 0.924.
     token_dim: int = Field(128, ge=8, le=4096)
     token_cache_mb: int = Field(256, ge=1)
     # The token vectors on disk too, so that a restart does not encode again what Prepare
