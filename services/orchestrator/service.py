@@ -45,6 +45,8 @@ class OrchestratorConfig(ServiceConfig):
     fusion: str = Field("score", pattern="^(rrf|score)$")
     vector_weight: float = Field(0.4, ge=0, le=1)
     rerank: bool = True
+    # More candidates do not rerank better: all of SQuAD dev, hybrid + stage 1, 30 -> 50
+    # gives 0.924 nDCG@10 either way, and stage 1's cost grows with them.
     rerank_candidates: int = Field(30, ge=1, le=1000)
     late_interaction_k: int = Field(20, ge=1, le=1000)
     # The cross-encoder stage of rerank in the default plan. Off: measured on SQuAD dev it

@@ -36,8 +36,7 @@ class RerankConfig(ServiceConfig):
     # Token vectors are stored projected to this many components, int8. Measured on all of
     # SQuAD dev (10,565 questions, hybrid + stage 1 over the top 30): 128-d 0.924 nDCG@10,
     # 384-d (no projection) 0.926; other 128-d projections in place of the seeded one: PCA
-    # of new_wiki token vectors 0.924, one trained for MaxSim on new_wiki 0.925. The 30
-    # candidates -> 50: 0.924.
+    # of new_wiki token vectors 0.924, one trained for MaxSim on new_wiki 0.925.
     token_dim: int = Field(128, ge=8, le=4096)
     token_cache_mb: int = Field(256, ge=1)
     # The token vectors on disk too, so that a restart does not encode again what Prepare
