@@ -12,6 +12,12 @@ workers, so a share far below 1/replicas means it starves).
 
 `--baseline DIR` (another checkout) runs every row twice in one run, first with the
 budget service from DIR's code, then from this tree's, for before / after ratios.
+
+`--clients unary,batched` (the default) measures each row with both clients in one run:
+`unary` sends every Reserve and Settle as its own call (what any gRPC client does);
+`batched` goes through the kit's `BudgetCallBatcher` (what `TaskBudget` uses), which sends
+the calls a client process makes at the same moment as one `Batch` call. The row shows the
+mean items per Batch call.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from pathlib import Path
 
 import grpc
 
+from ragline.budget_batch import BudgetCallBatcher
+from ragline.clients import ChannelPool, ServiceClient
+from ragline.identity import Caller
 from ragline.v1 import budget_pb2, budget_pb2_grpc, common_pb2
 from ragline_app.etcd_server import EtcdServer
 from ragline_app.stack import free_ports, source_pythonpath, spawn_service
@@ -54,8 +63,20 @@ async def run_worker_process(args) -> None:
     latencies: list[float] = []
     attempts: list[int] = []
     failures: dict[str, int] = {}
+    pool = ChannelPool()
+    client = ServiceClient(
+        budget_pb2_grpc.BudgetServiceStub, args.address, pool=pool, caller=Caller(args.tenant)
+    )
+    batcher = BudgetCallBatcher(client)
+
+    def call(method: str):
+        if args.client == "batched":
+            return lambda request, **_: batcher.call(method, request)
+        return getattr(stub, method)
+
     async with grpc.aio.insecure_channel(args.address) as channel:
         stub = budget_pb2_grpc.BudgetServiceStub(channel)
+        reserve, settle = call("Reserve"), call("Settle")
 
         async def worker(index: int) -> None:
             task_id = args.task or f"{args.prefix}-{index}"
@@ -68,7 +89,7 @@ async def run_worker_process(args) -> None:
                 rid = f"{args.prefix}-{index}-{n}"
                 started = time.perf_counter()
                 try:
-                    reserved = await stub.Reserve(
+                    reserved = await reserve(
                         budget_pb2.ReserveRequest(
                             task_id=task_id,
                             reservation_id=rid,
@@ -77,7 +98,7 @@ async def run_worker_process(args) -> None:
                         timeout=10,
                         metadata=metadata,
                     )
-                    settled = await stub.Settle(
+                    settled = await settle(
                         budget_pb2.SettleRequest(
                             task_id=task_id,
                             reservation_id=rid,
@@ -93,10 +114,13 @@ async def run_worker_process(args) -> None:
                 latencies.append(time.perf_counter() - started)
 
         await asyncio.gather(*(worker(i) for i in range(args.workers)))
-    print(json.dumps({"latencies": latencies, "attempts": attempts, "failures": failures}))
+    await pool.close()
+    result = {"latencies": latencies, "attempts": attempts, "failures": failures}
+    result.update(batches=batcher.batches_sent, batched_items=batcher.items_sent)
+    print(json.dumps(result))
 
 
-def run_level(addresses, workers: int, seconds: float, shared: bool) -> dict:
+def run_level(addresses, workers: int, seconds: float, shared: bool, client: str) -> dict:
     processes = min(workers, 4)
     per_process = [
         workers // processes + (1 if i < workers % processes else 0) for i in range(processes)
@@ -133,6 +157,8 @@ def run_level(addresses, workers: int, seconds: float, shared: bool) -> dict:
                 str(count),
                 "--seconds",
                 str(seconds),
+                "--client",
+                client,
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -147,7 +173,10 @@ def run_level(addresses, workers: int, seconds: float, shared: bool) -> dict:
     latencies = [x for r in results for x in r["latencies"]]
     attempts = [x for r in results for x in r["attempts"]]
     calls = max(len(attempts), 1)
+    batches = sum(r["batches"] for r in results)
     return {
+        "client": client,
+        "items_per_batch": sum(r["batched_items"] for r in results) / batches if batches else 0,
         "workers": workers,
         "processes": processes,
         "layout": "shared task" if shared else "task per worker",
@@ -175,6 +204,12 @@ def main() -> int:
         action="store_true",
         help="etcd without fsync (as in the tests); default keeps fsync on",
     )
+    parser.add_argument(
+        "--clients",
+        default="unary,batched",
+        help="which clients to measure each row with (unary: a call per request; batched: "
+        "the kit's BudgetCallBatcher)",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--baseline", type=Path, help="another checkout, measured first")
     # internal: one client process
@@ -184,6 +219,7 @@ def main() -> int:
     parser.add_argument("--task", default="", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--client", default="unary", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         asyncio.run(run_worker_process(args))
@@ -200,15 +236,20 @@ def main() -> int:
         f"{'off' if args.unsafe_no_fsync else 'on'}, {args.seconds:.0f} s per row"
     )
     print(
-        "| code | workers (processes) | layout | reserve+settle pairs/s | p50 ms | p99 ms "
-        "| p99 / p50 | conflict retries per call | replica shares | failed |"
+        "| code | client (items per Batch) | workers (processes) | layout "
+        "| reserve+settle pairs/s | p50 ms | p99 ms | p99 / p50 | conflict retries per call "
+        "| replica shares | failed |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         shares = " / ".join(f"{share:.0%}" for share in row["replica_shares"])
+        client = row["client"]
+        if row["items_per_batch"]:
+            client += f" ({row['items_per_batch']:.1f})"
         print(
-            f"| {row['variant'] or 'this tree'} | {row['workers']} ({row['processes']}) | "
-            f"{row['layout']} | {row['pairs_per_s']:.0f} | {row['p50_ms']:.1f} | "
+            f"| {row['variant'] or 'this tree'} | {client} | "
+            f"{row['workers']} ({row['processes']}) | {row['layout']} | "
+            f"{row['pairs_per_s']:.0f} | {row['p50_ms']:.1f} | "
             f"{row['p99_ms']:.1f} | {row['p99_ms'] / max(row['p50_ms'], 1e-9):.1f} | "
             f"{row['conflict_retries_per_call']:.2f} | {shares} | {row['failures']} |"
         )
@@ -240,8 +281,9 @@ def run_variant(args, pythonpath: str | None) -> list[dict]:
             rows = []
             for level in (int(x) for x in args.levels.split(",")):
                 for shared in (True, False):
-                    rows.append(run_level(addresses, level, args.seconds, shared))
-                    print(json.dumps(rows[-1]), file=sys.stderr)
+                    for client in args.clients.split(","):
+                        rows.append(run_level(addresses, level, args.seconds, shared, client))
+                        print(json.dumps(rows[-1]), file=sys.stderr)
             return rows
         finally:
             for service in services:

@@ -21,9 +21,10 @@ from dataclasses import dataclass, fields
 import grpc
 
 from ragline import deadlines
+from ragline.budget_batch import BATCHED_METHODS, batcher_for
 from ragline.clients import ServiceClient
 from ragline.errors import ResourceExhausted
-from ragline.retry import DEFAULT_POLICY, RetryPolicy
+from ragline.retry import DEFAULT_POLICY, RetryPolicy, call_with_retry
 
 AMOUNT_FIELDS = ("input_tokens", "output_tokens", "cost_micros", "calls")
 
@@ -183,12 +184,22 @@ class TaskBudget:
 
     Every call is idempotent by its reservation id, so the kit's retry rule applies: a
     lost response followed by a retry is answered as a replay, never charged twice.
+    Reserve, Settle and Cancel go through the client's `BudgetCallBatcher` (`batching`,
+    on by default): those the process makes at the same moment share one Batch call.
     """
 
-    def __init__(self, client: ServiceClient, task_id: str, *, retry: RetryPolicy = DEFAULT_POLICY):
+    def __init__(
+        self,
+        client: ServiceClient,
+        task_id: str,
+        *,
+        retry: RetryPolicy = DEFAULT_POLICY,
+        batching: bool = True,
+    ):
         self.client = client
         self.task_id = task_id
         self.retry = retry
+        self.batcher = batcher_for(client) if batching else None
 
     def reserve(
         self, amounts: Amounts, *, stage: str = "", reservation_id: str | None = None
@@ -196,4 +207,11 @@ class TaskBudget:
         return Reservation(self, reservation_id or uuid.uuid4().hex, amounts, stage)
 
     async def call(self, method: str, request):
-        return await self.client.unary(method, request, retry=self.retry)
+        if self.batcher is None or method not in BATCHED_METHODS:
+            return await self.client.unary(method, request, retry=self.retry)
+        return await call_with_retry(
+            lambda: self.batcher.call(method, request),
+            self.retry,
+            what=f"{self.client.service}.{method}",
+            margin_s=self.client.hop_margin_s,
+        )

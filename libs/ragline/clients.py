@@ -79,17 +79,23 @@ class ServiceClient:
         self._stub_cache: tuple[grpc.aio.Channel, object] | None = None
 
     @property
+    def hop_margin_s(self) -> float:
+        return self._hop_margin_s
+
+    @property
     def service(self) -> str:
         """The stub's service name, for messages (`EmbeddingService`)."""
         return self.stub_class.__name__.removesuffix("Stub")
 
-    def _stub(self):
+    def stub(self):
+        """The generated stub on this event loop's channel."""
         channel = self._pool.get(self.target)
         if self._stub_cache is None or self._stub_cache[0] is not channel:
             self._stub_cache = (channel, self.stub_class(channel))
         return self._stub_cache[1]
 
-    def _call_options(self, method: str, stage_budget_s: float | None):
+    def call_options(self, method: str, stage_budget_s: float | None = None):
+        """(timeout, metadata) of a call made now: the deadline rule and the identity."""
         timeout = deadlines.outbound_timeout(
             f"{self.service}.{method}", margin_s=self._hop_margin_s, stage_budget_s=stage_budget_s
         )
@@ -113,8 +119,8 @@ class ServiceClient:
         retry: RetryPolicy | None = None,
     ):
         async def attempt():
-            timeout, metadata = self._call_options(method, stage_budget_s)
-            return await getattr(self._stub(), method)(request, timeout=timeout, metadata=metadata)
+            timeout, metadata = self.call_options(method, stage_budget_s)
+            return await getattr(self.stub(), method)(request, timeout=timeout, metadata=metadata)
 
         if retry is None:
             return await attempt()
@@ -125,8 +131,8 @@ class ServiceClient:
     async def stream(
         self, method: str, request, *, stage_budget_s: float | None = None
     ) -> AsyncIterator:
-        timeout, metadata = self._call_options(method, stage_budget_s)
-        call = getattr(self._stub(), method)(request, timeout=timeout, metadata=metadata)
+        timeout, metadata = self.call_options(method, stage_budget_s)
+        call = getattr(self.stub(), method)(request, timeout=timeout, metadata=metadata)
         try:
             async for message in call:
                 yield message

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
+import structlog
 from google.protobuf import timestamp_pb2
 
 from ragline.budget import Amounts
+from ragline.errors import to_rpc_status
 from ragline.identity import current_caller
 from ragline.v1 import budget_pb2, budget_pb2_grpc
 from ragline_services.budget.ledger import Outcome, TaskLedger
@@ -18,6 +23,8 @@ from ragline_services.budget.records import (
     ReservationRecord,
     TaskRecord,
 )
+
+log = structlog.get_logger("ragline.budget")
 
 _TASK_STATES = {
     TASK_OPEN: budget_pb2.TASK_STATE_OPEN,
@@ -152,3 +159,25 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
         return budget_pb2.CloseTaskResponse(
             ledger=ledger_proto(task, revision, self.ledger.now_ns())
         )
+
+    async def Batch(self, request, context):
+        # Every item through its own handler, all at once: items of one task meet in the
+        # ledger's group commit in the order sent (each enqueues before its first await).
+        results = await asyncio.gather(*(self._batch_item(item, context) for item in request.items))
+        return budget_pb2.BatchResponse(results=results)
+
+    async def _batch_item(self, item, context) -> budget_pb2.BatchResult:
+        kind = item.WhichOneof("operation")
+        handler = {"reserve": self.Reserve, "settle": self.Settle, "cancel": self.Cancel}[kind]
+        try:
+            response = await handler(getattr(item, kind), context)
+        except Exception as error:
+            code, message, status = to_rpc_status(error)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("rpc.internal_error", method=f"Batch.{kind}")
+            return budget_pb2.BatchResult(
+                error=budget_pb2.ItemStatus(
+                    code=status.code, message=message, details=status.details
+                )
+            )
+        return budget_pb2.BatchResult(**{kind: response})

@@ -1,7 +1,8 @@
 """One process of the budget hammer: N concurrent workers reserving against one task.
 
 Run by tests/integration/test_budget.py (and usable by hand):
-    python budget_hammer.py ADDRESS TENANT TASK_ID WORKERS SECONDS SEED
+    python budget_hammer.py ADDRESS TENANT TASK_ID WORKERS SECONDS SEED [unary|batched]
+`batched` sends through the kit's BudgetCallBatcher (Batch calls) instead of a call each.
 Prints one JSON object: every grant's ledger view and the use this process settled.
 """
 
@@ -16,6 +17,9 @@ import time
 import grpc
 
 from ragline.budget import AMOUNT_FIELDS
+from ragline.budget_batch import BudgetCallBatcher
+from ragline.clients import ChannelPool, ServiceClient
+from ragline.identity import Caller
 from ragline.v1 import budget_pb2, budget_pb2_grpc, common_pb2
 
 
@@ -74,15 +78,31 @@ async def worker(stub, tenant, task_id, seconds, rng, prefix, results):
             results["used"][f] += getattr(actual, f)
 
 
-async def main(address, tenant, task_id, workers, seconds, seed):
+class BatchedStub:
+    """The stub's Reserve / Settle / Cancel, sent through a BudgetCallBatcher."""
+
+    def __init__(self, batcher: BudgetCallBatcher) -> None:
+        self.batcher = batcher
+
+    def __getattr__(self, method):
+        return lambda request, **_: self.batcher.call(method, request)
+
+
+async def main(address, tenant, task_id, workers, seconds, seed, client="unary"):
     results = {
         "grants": [],
         "refusals": {},
         "used": dict.fromkeys(AMOUNT_FIELDS, 0),
         "settle_attempts": [],
     }
+    pool = ChannelPool()
+    batcher = BudgetCallBatcher(
+        ServiceClient(budget_pb2_grpc.BudgetServiceStub, address, pool=pool, caller=Caller(tenant))
+    )
     async with grpc.aio.insecure_channel(address) as channel:
         stub = budget_pb2_grpc.BudgetServiceStub(channel)
+        if client == "batched":
+            stub = BatchedStub(batcher)
         await asyncio.gather(
             *(
                 worker(
@@ -97,9 +117,12 @@ async def main(address, tenant, task_id, workers, seconds, seed):
                 for i in range(workers)
             )
         )
+    await pool.close()
+    results["batches"], results["batched_items"] = batcher.batches_sent, batcher.items_sent
     print(json.dumps(results))
 
 
 if __name__ == "__main__":
     address, tenant, task_id, workers, seconds, seed = sys.argv[1:7]
-    asyncio.run(main(address, tenant, task_id, int(workers), float(seconds), int(seed)))
+    client = sys.argv[7] if len(sys.argv) > 7 else "unary"
+    asyncio.run(main(address, tenant, task_id, int(workers), float(seconds), int(seed), client))

@@ -10,8 +10,10 @@ import time
 
 import grpc
 import pytest
+from grpc_status import rpc_status
 
 from ragline.budget import AMOUNT_FIELDS, Amounts, BudgetRefused, TaskBudget
+from ragline.budget_batch import item_error
 from ragline.clients import ChannelPool, ServiceClient
 from ragline.identity import Caller
 from ragline.v1 import budget_pb2, budget_pb2_grpc, common_pb2
@@ -41,6 +43,8 @@ async def test_600_and_500_against_1000_exactly_one_is_granted(api):
 
 def test_64_workers_in_4_processes_never_overspend(budget, etcd, launcher):
     # Two budget-service replicas on the same etcd: only the etcd guard can keep them honest.
+    # One client process of each pair sends Batch calls (the kit's batcher), the other a
+    # call per request: both paths share the one ledger.
     replica = launcher.start("budget", env=budget_env(etcd))
     tenant, task = new_id("tenant"), new_id()
     limits = {"input_tokens": 3000, "output_tokens": 1500, "calls": 200}
@@ -62,6 +66,7 @@ def test_64_workers_in_4_processes_never_overspend(budget, etcd, launcher):
                 "16",
                 "4",
                 str(seed),
+                "batched" if seed % 2 else "unary",
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -76,6 +81,9 @@ def test_64_workers_in_4_processes_never_overspend(budget, etcd, launcher):
 
     grants = [g for r in reports for g in r["grants"]]
     assert len(grants) > 50, "the hammer made too few grants to prove anything"
+    batched = [r for r in reports if r["batches"]]
+    assert len(batched) == 2, "the batched hammers sent no Batch call"
+    assert sum(r["batched_items"] for r in batched) > sum(r["batches"] for r in batched)
     assert any(r["refusals"].get("RESOURCE_EXHAUSTED") for r in reports), "budget never ran out"
     for grant in grants:  # every intermediate view right after a grant
         for field in AMOUNT_FIELDS:
@@ -261,6 +269,74 @@ async def test_bad_input_names_the_field(api):
             budget_pb2.OpenTaskRequest(task_id="t"), timeout=10, metadata=api.metadata
         )
     assert "limits: is required" in caught.value.details()
+
+
+def _reserve_item(task, rid, **amounts):
+    return budget_pb2.BatchItem(
+        reserve=budget_pb2.ReserveRequest(
+            task_id=task, reservation_id=rid, amounts=common_pb2.BudgetAmounts(**amounts)
+        )
+    )
+
+
+async def test_batch_answers_each_item_as_its_own_call_would(api):
+    task = new_id()
+    await api.open(task, output_tokens=100, calls=10)
+    reply = await api.stub.Batch(
+        budget_pb2.BatchRequest(
+            items=[
+                _reserve_item(task, "a", output_tokens=60, calls=1),
+                _reserve_item(task, "b", output_tokens=60, calls=1),  # 40 left: refused
+                budget_pb2.BatchItem(
+                    settle=budget_pb2.SettleRequest(task_id=task, reservation_id="never")
+                ),
+                _reserve_item(task, "a", output_tokens=60, calls=1),  # a replay
+                _reserve_item(task, "bad/id", calls=1),
+            ]
+        ),
+        timeout=10,
+        metadata=api.metadata,
+    )
+    kinds = [r.WhichOneof("result") for r in reply.results]
+    assert kinds == ["reserve", "error", "error", "reserve", "error"]
+    assert reply.results[0].reserve.reservation.reservation_id == "a"
+    assert reply.results[3].reserve.replayed
+    codes = [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND]
+    codes.append(grpc.StatusCode.INVALID_ARGUMENT)
+    errors = [item_error(reply.results[i].error) for i in (1, 2, 4)]
+    assert [e.code() for e in errors] == codes
+    # The same refusal, asked as a call of its own: same code, message and details.
+    with pytest.raises(grpc.aio.AioRpcError) as direct:
+        await api.reserve(task, "b", output_tokens=60, calls=1)
+    assert errors[0].details() == direct.value.details()
+    assert rpc_status.from_call(errors[0]) == rpc_status.from_call(direct.value)
+    ledger = await api.ledger(task)
+    assert ledger.reserved.output_tokens == 60 and ledger.in_flight == 1
+
+
+async def test_batch_refuses_a_malformed_item_naming_it_and_keeps_tenants_apart(api, budget):
+    task = new_id()
+    await api.open(task, calls=10)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await api.stub.Batch(
+            budget_pb2.BatchRequest(
+                items=[_reserve_item(task, "ok", calls=1), _reserve_item("", "r", calls=1)]
+            ),
+            timeout=10,
+            metadata=api.metadata,
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[1].reserve.task_id" in caught.value.details()
+    assert (await api.ledger(task)).in_flight == 0  # nothing of the batch was applied
+    async with grpc.aio.insecure_channel(budget.address) as channel:
+        other = Api(channel, new_id("tenant"))
+        reply = await other.stub.Batch(
+            budget_pb2.BatchRequest(items=[_reserve_item(task, "theirs", calls=1)]),
+            timeout=10,
+            metadata=other.metadata,
+        )
+    assert item_error(reply.results[0].error).code() == grpc.StatusCode.NOT_FOUND
+    assert (await api.ledger(task)).in_flight == 0
 
 
 async def test_client_helper_settles_on_success_failure_and_cancellation(budget):
