@@ -219,7 +219,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from ragline_app.ingest import Checkpoint, ingest
+    from ragline_app.ingest import Checkpoint, IngestStats, ingest
     from ragline_app.stack import service_address
 
     common = CommonConfig()
@@ -247,6 +247,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         disable=args.quiet,
     ) as bar:
         task = bar.add_task(f"ingest {path.name}", total=None)
+        stats = IngestStats()
         try:
             written, bad = asyncio.run(ingest(
                 path, retrieval_addr=service_address("retrieval", common.data_dir),
@@ -259,6 +260,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
                 ),
                 token=args.token or None,
                 notice=lambda text: bar.console.print(f"ragline ingest: {text}"),
+                one_pass=not args.separate_passes, stats=stats,
             ))  # fmt: skip
         except grpc.aio.AioRpcError as error:
             print(
@@ -268,6 +270,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             )
             return 1
     print(f"ingested {written} documents from {path}")
+    if stats.embedded_by_rerank:
+        print(
+            f"{stats.embedded_by_rerank} of {stats.embedded_by_rerank + stats.embedded} passages "
+            "embedded in rerank's token pass (one model run each)"
+        )
     if bad:
         report = checkpoint.path.with_suffix(".errors.jsonl")
         report.write_text(
@@ -559,6 +566,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-rerank-prepare",
         action="store_true",
         help="do not send documents to rerank's Prepare (token vectors then come on first use)",
+    )
+    ingest.add_argument(
+        "--separate-passes",
+        action="store_true",
+        help="embed every passage through the embedding service even when rerank's token "
+        "pass runs the same model (two model runs per passage instead of one)",
     )
     ingest.set_defaults(func=cmd_ingest)
 

@@ -11,6 +11,13 @@ in order, after every acknowledged batch, so an interrupted run resumes where it
 When a rerank service is given, every acknowledged batch is also sent to its `Prepare`, so
 that the documents' token vectors exist before the first question about them. That is an
 optimisation, never a condition: when rerank does not answer, ingest says so once and goes on.
+
+One model run per passage: rerank's token model is an embedding model, and its run gives a
+passage's embedding as well as its token vectors. Once both services have answered a batch
+and name the same model version, the next batches are sent to `Prepare` first with
+`return_embeddings`, and the vectors it returns are what is written: the Embed call is
+skipped, halving the model work of an ingest. Any failure, or another model, falls back to
+Embed for the rest of the run.
 """
 
 from __future__ import annotations
@@ -33,10 +40,18 @@ from ragline_app.datasets import load_squad
 # Every batch (embed, then upsert, retries included) must finish within this.
 BATCH_TIMEOUT_S = 120.0
 
-# Texts per Embed call: a batch is embedded as several calls at once, so the embedding
+# Texts per Embed (and Prepare) call: a batch is embedded as several calls at once, so the
 # service's runners stay busy while each of its model runs stays short (a question that
 # arrives meanwhile waits for one such run, not for a whole batch of passages).
 EMBED_CHUNK = 8
+
+
+@dataclass
+class IngestStats:
+    """How the passages of a run were embedded."""
+
+    embedded: int = 0  # by the embedding service
+    embedded_by_rerank: int = 0  # taken from rerank's token pass (one model run each)
 
 
 @dataclass
@@ -154,10 +169,13 @@ async def ingest(
     rerank_addr: str | None = None,
     notice=None,
     token: str | None = None,
+    one_pass: bool = True,
+    stats: IngestStats | None = None,
 ) -> tuple[int, list[BadRecord]]:
     """Returns (documents written, bad records). `notice(text)` hears about rerank
     preparation being given up. `token`: a client token (authentication on); every record
-    must then belong to the token's tenant."""
+    must then belong to the token's tenant. `one_pass`: take passages' vectors from rerank's
+    token pass when it runs the embedding service's model; `stats` is filled as it goes."""
     from ragline.v1 import embedding_pb2, embedding_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
     from ragline_services.retrieval.documents import passage_text
 
@@ -167,38 +185,64 @@ async def ingest(
     )
     bad: list[BadRecord] = []
     written = 0
+    stats = stats if stats is not None else IngestStats()
     preparer = RerankPreparer(rerank_addr, pool, notice, token) if rerank_addr else None
+    embedding_version = ""  # the model version the embedding service last answered with
+
+    def rerank_embeds() -> bool:
+        return bool(
+            one_pass
+            and preparer is not None
+            and not preparer.given_up
+            and preparer.offers_embeddings
+            and embedding_version
+            and preparer.model_version == embedding_version
+        )
+
+    async def embed(texts: list[str]) -> list[tuple]:
+        """(vector, model version) per text, from the embedding service."""
+        nonlocal embedding_version
+        replies = await asyncio.gather(*(
+            embedder.unary(
+                "Embed",
+                embedding_pb2.EmbedRequest(
+                    texts=texts[start : start + EMBED_CHUNK],
+                    input_type=embedding_pb2.INPUT_TYPE_PASSAGE,
+                    priority=embedding_pb2.PRIORITY_BULK,  # questions go first
+                ),
+                retry=PATIENT_POLICY,
+            )
+            for start in range(0, len(texts), EMBED_CHUNK)
+        ))  # fmt: skip
+        embedding_version = replies[-1].model_version
+        stats.embedded += len(texts)
+        # each call's own version: a rolling restart may change the model mid-batch
+        return [(e.values, reply.model_version) for reply in replies for e in reply.embeddings]
 
     async def flush(records: list[Record]) -> None:
         nonlocal written
         with deadlines.deadline_scope(BATCH_TIMEOUT_S):
-            texts = [passage_text(r.title, r.text) for r in records]
-            replies = await asyncio.gather(*(
-                embedder.unary(
-                    "Embed",
-                    embedding_pb2.EmbedRequest(
-                        texts=texts[start : start + EMBED_CHUNK],
-                        input_type=embedding_pb2.INPUT_TYPE_PASSAGE,
-                        priority=embedding_pb2.PRIORITY_BULK,  # questions go first
-                    ),
-                    retry=PATIENT_POLICY,
-                )
-                for start in range(0, len(texts), EMBED_CHUNK)
-            ))  # fmt: skip
+            vectors = None
+            if rerank_embeds():
+                vectors = await preparer.prepare(records, embeddings=True)
+                if vectors is not None and any(v != embedding_version for _, v in vectors):
+                    vectors = None  # rerank now runs another model: written are Embed's
+                if vectors is not None:
+                    stats.embedded_by_rerank += len(records)
+            prepared = vectors is not None
+            if vectors is None:
+                vectors = await embed([passage_text(r.title, r.text) for r in records])
             request = retrieval_pb2.UpsertRequest()
-            for number, reply in enumerate(replies):
-                chunk = records[number * EMBED_CHUNK : (number + 1) * EMBED_CHUNK]
-                for record, embedding in zip(chunk, reply.embeddings, strict=True):
-                    request.documents.add(
-                        id=record.id,
-                        title=record.title,
-                        text=record.text,
-                        acl=record.acl,
-                        attributes=record.attributes,
-                        vector=embedding.values,
-                        # each call's own: a rolling restart may change the model mid-batch
-                        vector_model_version=reply.model_version,
-                    )
+            for record, (values, version) in zip(records, vectors, strict=True):
+                request.documents.add(
+                    id=record.id,
+                    title=record.title,
+                    text=record.text,
+                    acl=record.acl,
+                    attributes=record.attributes,
+                    vector=values,
+                    vector_model_version=version,
+                )
             retrieval = ServiceClient(
                 retrieval_pb2_grpc.RetrievalServiceStub,
                 retrieval_addr,
@@ -210,7 +254,7 @@ async def ingest(
             # the same documents.
             await retrieval.unary("Upsert", request, retry=PATIENT_POLICY)
         written += len(records)
-        if preparer is not None:
+        if preparer is not None and not prepared:
             await preparer.prepare(records)
 
     last_number = checkpoint.done
@@ -271,16 +315,20 @@ class RerankPreparer:
         self.notice = notice or (lambda text: None)
         self.prepared = 0
         self.given_up: str | None = None
+        self.model_version = ""  # the embedding model rerank's token vectors come from
+        self.offers_embeddings = True
 
-    async def prepare(self, records: list[Record]) -> None:
-        """`records`: one tenant's."""
+    async def prepare(self, records: list[Record], *, embeddings: bool = False):
+        """`records`: one tenant's, sent as EMBED_CHUNK-document calls at once (short model
+        runs, on every runner). With `embeddings`: (vector, model version) per record from
+        the same runs; None when rerank failed (then it is given up for the run)."""
         import grpc
 
         from ragline.v1 import rerank_pb2
         from ragline_services.retrieval.documents import passage_text
 
         if self.given_up:
-            return
+            return None
         client = ServiceClient(
             self.stub_class,
             self.address,
@@ -288,23 +336,34 @@ class RerankPreparer:
             caller=identity.Caller(records[0].tenant),
             token=self.token,
         )
-        request = rerank_pb2.PrepareRequest(
-            documents=[
-                rerank_pb2.PrepareDocument(id=r.id, text=passage_text(r.title, r.text))
-                for r in records
-            ]
-        )
+        documents = [
+            rerank_pb2.PrepareDocument(id=r.id, text=passage_text(r.title, r.text)) for r in records
+        ]
         try:
             with deadlines.deadline_scope(self.TIMEOUT_S):
-                reply = await client.unary("Prepare", request)
+                replies = await asyncio.gather(*(
+                    client.unary("Prepare", rerank_pb2.PrepareRequest(
+                        documents=documents[start : start + EMBED_CHUNK],
+                        return_embeddings=embeddings,
+                    ))
+                    for start in range(0, len(documents), EMBED_CHUNK)
+                ))  # fmt: skip
         except grpc.aio.AioRpcError as error:
+            if embeddings and error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self.offers_embeddings = False  # its model embeds passages otherwise
+                return None
             self.given_up = f"{error.code().name}: {error.details()}"
             self.notice(
                 f"rerank at {self.address} did not prepare token vectors ({self.given_up}); "
                 "they will be computed on the first question about each document"
             )
-            return
-        self.prepared += reply.prepared + reply.already_prepared
+            return None
+        self.prepared += sum(r.prepared + r.already_prepared for r in replies)
+        self.model_version = replies[-1].embedding_model_version
+        if not embeddings:
+            return None
+        vectors = [(e.values, r.embedding_model_version) for r in replies for e in r.embeddings]
+        return vectors if len(vectors) == len(records) else None
 
 
 async def prepare_rerank(

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ragline.pooling import mean_pool_normalise, normalise
+
 
 class EmbeddingBackend(Protocol):
     name: str
@@ -28,19 +30,6 @@ class EmbeddingBackend(Protocol):
         """[batch, tokens] int64 -> [batch, dim] float32, each row L2-normalised."""
 
     async def close(self) -> None: ...
-
-
-def mean_pool_normalise(hidden: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-    """Mean over the real tokens (as sentence-transformers does), then L2 norm."""
-    mask = attention_mask[..., None].astype(hidden.dtype)
-    summed = (hidden * mask).sum(axis=1)
-    counts = np.clip(mask.sum(axis=1), 1e-9, None)
-    return normalise(summed / counts)
-
-
-def normalise(vectors: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return (vectors / np.clip(norms, 1e-12, None)).astype(np.float32)
 
 
 class OnnxRuntimeBackend:

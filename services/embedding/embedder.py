@@ -10,8 +10,8 @@ import numpy as np
 from ragline import deadlines
 from ragline.batching import MicroBatcher
 from ragline.errors import InvalidArgument
+from ragline.pooling import normalise
 from ragline.tokenization import Tokenizer
-from ragline_services.embedding.backends import normalise
 
 
 @dataclass(frozen=True)

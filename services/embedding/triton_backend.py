@@ -10,7 +10,7 @@ import numpy as np
 
 from ragline import deadlines
 from ragline.errors import Unavailable
-from ragline_services.embedding.backends import normalise
+from ragline.pooling import normalise
 
 # What this backend sends (name -> KServe datatype) and reads: the contract of every
 # embedding repository in deploy/triton/embedding (tests/deploy checks that they agree).

@@ -7,6 +7,10 @@ Candidate token vectors are computed once per (tenant, id, text) and kept in a b
 cache, stored reduced (projected, int8). Stage 2 (cross-encoder) reads the query with each
 of the best `cross_encoder_candidates` survivors and keeps the best `top_k`.
 
+`prepare` with embeddings also returns each document's embedding from the same model run
+(the token model is an embedding model), so a loader encodes a passage once for its vector
+and its token vectors.
+
 A query can be encoded ahead of its candidates (`prepare` with a query: the orchestrator
 sends the question while retrieval runs), so that stage 1 is only the scoring when the
 candidates come; a rerank that finds its query still being encoded waits for that work
@@ -33,7 +37,7 @@ from cachetools import TTLCache
 
 from ragline import deadlines
 from ragline.batching import MicroBatcher
-from ragline.errors import DeadlineExceeded, InvalidArgument
+from ragline.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from ragline.tokenization import Tokenizer
 from ragline_services.rerank.models import dequantize, maxsim_many, quantize
 from ragline_services.rerank.token_store import TokenStore
@@ -182,6 +186,13 @@ def _minmax(values: np.ndarray) -> np.ndarray:
     return (values - low) / (high - low) if high > low else np.zeros_like(values)
 
 
+@dataclass(frozen=True)
+class DocumentEmbedding:
+    vector: np.ndarray  # L2 norm 1
+    token_count: int
+    truncated: bool
+
+
 @dataclass
 class PrepareOutput:
     prepared: int = 0
@@ -190,6 +201,8 @@ class PrepareOutput:
     query_already_prepared: bool = False
     input_tokens: int = 0
     queue_wait_s: float = 0.0
+    # With embeddings: one per document, in order.
+    embeddings: list[DocumentEmbedding] = field(default_factory=list)
 
 
 def _check_ids(candidates: list[Candidate], field_name: str) -> None:
@@ -219,7 +232,12 @@ class Reranker:
         cross_encoder_candidates: int = 5,
         deadline_margin_s: float = 0.005,
         skip_query_tokens: frozenset[int] = frozenset(),
+        embedding_model_version: str = "",
+        passage_prefix: str = "",
     ) -> None:
+        """`embedding_model_version`: how the embedding service names the token model's
+        vectors; `passage_prefix`: what that model puts before a passage it embeds (then a
+        plain run of the passage is not its embedding, and none is offered)."""
         self.token_tokenizer = token_tokenizer
         self.token_batcher = token_batcher
         self.pair_tokenizer = pair_tokenizer
@@ -234,6 +252,8 @@ class Reranker:
         self.cross_encoder_candidates = cross_encoder_candidates
         self.deadline_margin_s = deadline_margin_s
         self.skip_query_tokens = skip_query_tokens
+        self.embedding_model_version = embedding_model_version
+        self.passage_prefix = passage_prefix
         self.costs = {LATE_INTERACTION: StageCost(), CROSS_ENCODER: StageCost()}
 
     async def rerank(self, request: RerankInput) -> RerankOutput:
@@ -279,15 +299,22 @@ class Reranker:
         return None
 
     async def prepare(
-        self, tenant: str, documents: list[Candidate], query: str = ""
+        self, tenant: str, documents: list[Candidate], query: str = "", *, embeddings=False
     ) -> PrepareOutput:
         """Encodes and keeps the token vectors of the documents not kept already, and of
-        `query` for the rerank that will follow."""
+        `query` for the rerank that will follow. `embeddings`: every document is encoded,
+        and its embedding from that run returned."""
         if not documents and not query:
             raise InvalidArgument(
                 "documents", "is empty and no query was given; send documents, a query or both"
             )
         _check_ids(documents, "documents")
+        if embeddings and self.passage_prefix:
+            raise FailedPrecondition(
+                f"the token model embeds passages after the prefix {self.passage_prefix!r}, "
+                "so its token run is not a passage's embedding; call EmbeddingService.Embed",
+                reason="EMBEDDINGS_UNAVAILABLE",
+            )
         output = PrepareOutput()
         if query:
             key = QueryCache.key(tenant, query)
@@ -301,7 +328,9 @@ class Reranker:
                 if not output.query_already_prepared:
                     output.input_tokens += encoded.tokens
         if documents:
-            _, _, missing = await self._token_vectors(tenant, documents, None, output, durable=True)
+            _, _, missing = await self._token_vectors(
+                tenant, documents, None, output, durable=True, embeddings=embeddings
+            )
             output.prepared = missing
             output.already_prepared = len(documents) - missing
         return output
@@ -331,22 +360,27 @@ class Reranker:
     async def _encode_query(self, tenant: str, query: str, deadline: float | None) -> EncodedQuery:
         tokenized = self.token_tokenizer.encode([query], refuse_over_limit=False)
         batch = await self.token_batcher.submit(tokenized, deadline, tenant, urgent=True)
-        return EncodedQuery(self._query_rows(batch.rows[0], tokenized[0]), tokenized[0].length)
+        return EncodedQuery(
+            self._query_rows(batch.rows[0].tokens, tokenized[0]), tokenized[0].length
+        )
 
-    async def _token_vectors(self, tenant, documents, query, output, *, durable=False):
+    async def _token_vectors(
+        self, tenant, documents, query, output, *, durable=False, embeddings=False
+    ):
         """(query vectors or None, vectors by document id as kept, number of documents
         encoded now). What is encoded goes to the disk store too: before this returns when
-        `durable` (Prepare's answer means prepared), else behind the answer."""
+        `durable` (Prepare's answer means prepared), else behind the answer. `embeddings`:
+        every document is encoded (kept ones too) and `output.embeddings` filled."""
         keys = [TokenCache.key(tenant, d) for d in documents]
         found: dict[str, np.ndarray] = {}
         missing: list[int] = []
         for index, key in enumerate(keys):
-            cached = self.cache.get(key)
+            cached = None if embeddings else self.cache.get(key)
             if cached is None:
                 missing.append(index)
             else:
                 found[documents[index].id] = cached
-        if missing and self.store is not None:
+        if missing and self.store is not None and not embeddings:
             stored = await self._stored(tenant, [keys[i] for i in missing])
             for index in missing:
                 entry = stored.get(keys[index])
@@ -366,8 +400,13 @@ class Reranker:
         offset = 1 if query is not None else 0
         encoded = {}
         for position, index in enumerate(missing, start=offset):
-            entry = encoded[keys[index]] = quantize(batch.rows[position])
+            entry = encoded[keys[index]] = quantize(batch.rows[position].tokens)
             found[documents[index].id] = self.cache.put_entry(keys[index], entry)
+        if embeddings:  # every document was encoded, in order
+            output.embeddings = [
+                DocumentEmbedding(row.embedding, text.length, text.truncated)
+                for row, text in zip(batch.rows[offset:], tokenized[offset:], strict=True)
+            ]
         if encoded and self.store is not None:
             if durable:
                 await self._persist(encoded)
@@ -377,7 +416,7 @@ class Reranker:
                 task.add_done_callback(self._persisting.discard)
         if query is None:
             return None, found, len(missing)
-        return self._query_rows(batch.rows[0], tokenized[0]), found, len(missing)
+        return self._query_rows(batch.rows[0].tokens, tokenized[0]), found, len(missing)
 
     async def _stored(self, tenant: str, keys) -> dict:
         assert self.store is not None

@@ -2,10 +2,13 @@
 
 - TokenEncoder: the embedding model's per-token vectors (`last_hidden_state`), reduced for
   storage to `dim` components by a fixed orthogonal projection (seeded, so every process
-  projects alike) and to int8 with one scale per token.
+  projects alike) and to int8 with one scale per token; and, from the same run, each
+  text's embedding (the mean-pooled states), so a passage is encoded once for both.
 - CrossEncoder: a sequence classifier that reads (query, passage) together: one logit.
 
-Both run one batch at a time on their own thread, so the event loop never waits on them.
+Each runs on threads of its own, so the event loop never waits on them: the token
+encoder up to `parallel_runs` batches at once (bulk preparation uses every core), the
+cross-encoder one batch at a time.
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ragline.batching import pad, pad_pairs
 from ragline.errors import FailedPrecondition
+from ragline.pooling import mean_pool_normalise
 from ragline.tokenization import TokenizedText
 
 PROJECTION_SEED = 20261130
@@ -53,11 +58,21 @@ def dequantize(rows: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return rows.astype(np.float32) * scales[:, None]
 
 
-class TokenEncoder:
-    """Token vectors of texts: [tokens, dim] float32 per text, each row of length 1, the
-    [CLS] and [SEP] rows left out."""
+@dataclass(frozen=True)
+class EncodedText:
+    """One text's run: its token vectors ([tokens, dim] float32, each row of length 1, the
+    [CLS] and [SEP] rows left out) and its embedding (all states mean-pooled, L2 norm 1)."""
 
-    def __init__(self, model_path: Path, *, dim: int, threads: int = 1) -> None:
+    tokens: np.ndarray
+    embedding: np.ndarray
+
+
+class TokenEncoder:
+    """Token vectors and embeddings of texts, up to `parallel_runs` batches at once."""
+
+    def __init__(
+        self, model_path: Path, *, dim: int, threads: int = 1, parallel_runs: int = 1
+    ) -> None:
         self._session = _session(model_path, threads)
         inputs = {i.name for i in self._session.get_inputs()}
         self._types = "token_type_ids" in inputs
@@ -70,22 +85,27 @@ class TokenEncoder:
         width = int(self._session.get_outputs()[outputs.index("last_hidden_state")].shape[-1])
         self.projection = projection(width, dim)
         self.dim = min(dim, width)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="li")
+        self.parallel_runs = max(1, parallel_runs)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            self.parallel_runs, thread_name_prefix="li"
+        )
 
-    def run_sync(self, texts: Sequence[TokenizedText]) -> list[np.ndarray]:
+    def run_sync(self, texts: Sequence[TokenizedText]) -> list[EncodedText]:
         ids, mask = pad(texts)
         feeds = {"input_ids": ids, "attention_mask": mask}
         if self._types:
             feeds["token_type_ids"] = np.zeros_like(ids)
         (hidden,) = self._session.run(["last_hidden_state"], feeds)
+        embeddings = mean_pool_normalise(hidden, mask)
         out = []
         for row, text in enumerate(texts):
             tokens = hidden[row, 1 : max(text.length - 1, 2)] @ self.projection
             norms = np.linalg.norm(tokens, axis=1, keepdims=True)
-            out.append((tokens / np.clip(norms, 1e-12, None)).astype(np.float32))
+            tokens = (tokens / np.clip(norms, 1e-12, None)).astype(np.float32)
+            out.append(EncodedText(tokens, embeddings[row]))
         return out
 
-    async def run(self, texts: Sequence[TokenizedText]) -> list[np.ndarray]:
+    async def run(self, texts: Sequence[TokenizedText]) -> list[EncodedText]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.run_sync, texts)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ragline.identity import current_caller
 from ragline.server import Deferred
 from ragline.timing import current_clock
-from ragline.v1 import common_pb2, rerank_pb2, rerank_pb2_grpc
+from ragline.v1 import common_pb2, embedding_pb2, rerank_pb2, rerank_pb2_grpc
 from ragline_services.rerank.cascade import (
     CROSS_ENCODER,
     LATE_INTERACTION,
@@ -55,10 +55,12 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
         )
 
     async def Prepare(self, request, context):
-        output = await self.reranker.value.prepare(
+        reranker = self.reranker.value
+        output = await reranker.prepare(
             current_caller().tenant,
             [Candidate(d.id, d.text) for d in request.documents],
             request.query,
+            embeddings=request.return_embeddings,
         )
         return rerank_pb2.PrepareResponse(
             prepared=output.prepared,
@@ -67,6 +69,13 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
             query_already_prepared=output.query_already_prepared,
             usage=common_pb2.Usage(input_tokens=output.input_tokens),
             timing=_finished_clock(output.queue_wait_s, []).to_proto(),
+            embeddings=[
+                embedding_pb2.Embedding(
+                    values=e.vector.tolist(), token_count=e.token_count, truncated=e.truncated
+                )
+                for e in output.embeddings
+            ],
+            embedding_model_version=reranker.embedding_model_version,
         )
 
 

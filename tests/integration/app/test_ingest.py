@@ -40,6 +40,49 @@ def tenant_documents(address: str, tenant: str) -> int:
     return asyncio.run(status())
 
 
+def assert_vectors_are_the_embedding_service_s(address: str, env: dict, tenant: str) -> None:
+
+    from ragline.v1 import embedding_pb2, embedding_pb2_grpc
+
+    passages, _ = load_squad(SQUAD_SAMPLE)
+    last = passages[-6:]  # from the last batches, embedded by rerank's pass
+    metadata = (("x-ragline-tenant", tenant),)
+
+    async def check():
+        async with grpc.aio.insecure_channel(env["RAGLINE_EMBEDDING_ADDR"]) as channel:
+            embedded = await embedding_pb2_grpc.EmbeddingServiceStub(channel).Embed(
+                embedding_pb2.EmbedRequest(
+                    texts=[f"{p.title}. {p.text}" for p in last],
+                    input_type=embedding_pb2.INPUT_TYPE_PASSAGE,
+                ),
+                timeout=60,
+                metadata=metadata,
+            )
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+            status = await stub.IndexStatus(
+                retrieval_pb2.IndexStatusRequest(), timeout=10, metadata=metadata
+            )
+            assert status.embedding_model_version == embedded.model_version
+            assert not status.reembedding_to
+            for passage, embedding in zip(last, embedded.embeddings, strict=True):
+                reply = await stub.Search(
+                    retrieval_pb2.SearchRequest(
+                        query=passage.title,
+                        k=1,
+                        mode=retrieval_pb2.SEARCH_MODE_VECTOR,
+                        query_vector=embedding.values,
+                    ),
+                    timeout=10,
+                    metadata=metadata,
+                )
+                assert not reply.fell_back, reply.fallback_reason
+                assert reply.hits[0].id == passage.id
+                assert reply.hits[0].score == pytest.approx(1.0, abs=1e-4)
+
+    asyncio.run(check())
+
+
 def test_jsonl_good_records_go_in_bad_ones_are_reported_and_reruns_resume(ingest_stack, tmp_path):
     retrieval, env = ingest_stack
     lines = [
@@ -87,11 +130,17 @@ def test_squad_file_goes_into_retrieval_and_its_token_vectors_into_rerank(ingest
     retrieval, env = ingest_stack
     rerank = launcher.start("rerank")
     env = {**env, "RAGLINE_RERANK_ADDR": rerank.address}
-    result = run_ingest(env, str(SQUAD_SAMPLE), "--tenant", "squad")
+    result = run_ingest(env, str(SQUAD_SAMPLE), "--tenant", "squad", "--batch", "16")
     assert result.returncode == 0, result.stderr
     assert "ingested 203 documents" in result.stdout
     assert "did not prepare" not in result.stdout + result.stderr
+    # Batches after the first answers (3 are in flight at once) are embedded by rerank's
+    # token pass: one model run per passage.
+    assert "155 of 203 passages embedded in rerank's token pass" in result.stdout
     assert tenant_documents(retrieval.address, "squad") == 203
+    # What that pass wrote is what the embedding service would have: each passage is its
+    # own nearest neighbour, and the index still names the embedding service's model.
+    assert_vectors_are_the_embedding_service_s(retrieval.address, env, "squad")
     passages, _ = load_squad(SQUAD_SAMPLE)
     documents = [rerank_pb2.PrepareDocument(id=p.id, text=f"{p.title}. {p.text}") for p in passages]
 

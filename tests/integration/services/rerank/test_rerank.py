@@ -225,3 +225,42 @@ async def test_prepared_token_vectors_survive_a_restart(launcher, tmp_path):
     assert [(r.id, r.score) for r in after.results] == [(r.id, r.score) for r in before.results]
     assert (again.prepared, again.already_prepared) == (0, len(pool))
     assert other.usage.input_tokens > after.usage.input_tokens  # another tenant: encoded
+
+
+async def test_prepare_returns_the_embedding_the_embedding_service_gives(
+    rerank_pair, embedding_service
+):
+    """One run for both: the embeddings Prepare returns are the embedding service's vectors
+    for the same passages (same model, same version), so ingest can skip its Embed call."""
+    import numpy as np
+
+    from ragline.v1 import embedding_pb2, embedding_pb2_grpc
+
+    batched, _ = rerank_pair
+    passages = candidates(12)
+    async with grpc.aio.insecure_channel(batched.address) as channel:
+        prepared = await rerank_pb2_grpc.RerankServiceStub(channel).Prepare(
+            rerank_pb2.PrepareRequest(
+                documents=[rerank_pb2.PrepareDocument(id=c.id, text=c.text) for c in passages],
+                return_embeddings=True,
+            ),
+            timeout=60,
+            metadata=(("x-ragline-tenant", "embeds"),),
+        )
+    async with grpc.aio.insecure_channel(embedding_service.address) as channel:
+        embedded = await embedding_pb2_grpc.EmbeddingServiceStub(channel).Embed(
+            embedding_pb2.EmbedRequest(
+                texts=[c.text for c in passages], input_type=embedding_pb2.INPUT_TYPE_PASSAGE
+            ),
+            timeout=60,
+            metadata=ACME,
+        )
+    assert prepared.embedding_model_version == embedded.model_version
+    assert prepared.prepared == len(passages)
+    ours = np.array([e.values for e in prepared.embeddings], dtype=np.float32)
+    theirs = np.array([e.values for e in embedded.embeddings], dtype=np.float32)
+    assert ours.shape == theirs.shape == (len(passages), embedded.dim)
+    assert np.min(np.sum(ours * theirs, axis=1)) > 0.9999
+    assert [e.token_count for e in prepared.embeddings] == [
+        e.token_count for e in embedded.embeddings
+    ]

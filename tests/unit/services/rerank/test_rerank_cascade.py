@@ -10,7 +10,7 @@ import pytest
 
 from ragline import deadlines
 from ragline.batching import MicroBatcher
-from ragline.errors import DeadlineExceeded, InvalidArgument
+from ragline.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from ragline.tokenization import TokenizedText
 from ragline_services.rerank.cascade import (
     CROSS_ENCODER,
@@ -21,7 +21,7 @@ from ragline_services.rerank.cascade import (
     RerankInput,
     TokenCache,
 )
-from ragline_services.rerank.models import maxsim_many, projection, quantize
+from ragline_services.rerank.models import EncodedText, maxsim_many, projection, quantize
 from ragline_services.rerank.service import skipped_query_tokens
 from ragline_services.rerank.token_store import TokenStore
 
@@ -69,7 +69,8 @@ class Models:
             vectors = np.zeros((max(text.length - 2, 1), 1001), dtype=np.float32)
             for row, token in enumerate(text.ids[1:-1]):
                 vectors[row, token] = 1.0
-            out.append(vectors)
+            mean = vectors.mean(axis=0)
+            out.append(EncodedText(vectors, mean / max(np.linalg.norm(mean), 1e-12)))
         return out
 
     async def cross(self, pairs):
@@ -170,6 +171,35 @@ async def test_prepared_documents_are_not_encoded_again_by_a_query():
     assert models.token_texts == 1  # the query only
     await reranker.rerank(RerankInput("globex", "river", CANDIDATES))
     assert models.token_texts == 2 + len(CANDIDATES)  # another tenant prepared nothing
+
+
+async def test_prepare_with_embeddings_returns_the_run_s_embedding_of_every_document():
+    models = Models()
+    reranker = await make(models, embedding_model_version="m@1")
+    await reranker.prepare("acme", CANDIDATES[:2])  # kept: encoded again all the same
+    models.token_texts = 0
+    prepared = await reranker.prepare("acme", CANDIDATES, embeddings=True)
+    assert models.token_texts == len(CANDIDATES)
+    assert (prepared.prepared, prepared.already_prepared) == (len(CANDIDATES), 0)
+    expected = await models.tokens(WordTokenizer().encode([c.text for c in CANDIDATES]))
+    assert len(prepared.embeddings) == len(CANDIDATES)
+    for got, want, candidate in zip(prepared.embeddings, expected, CANDIDATES, strict=True):
+        np.testing.assert_array_equal(got.vector, want.embedding)
+        assert got.token_count == len(candidate.text.split()) + 2
+    # The token vectors of that run are kept: a rerank encodes only its query.
+    models.token_texts = 0
+    await reranker.rerank(RerankInput("acme", "river", CANDIDATES))
+    assert models.token_texts == 1
+    # Without embeddings asked, none are returned (and kept documents are not re-encoded).
+    assert (await reranker.prepare("acme", CANDIDATES)).embeddings == []
+
+
+async def test_prepare_refuses_embeddings_when_the_model_embeds_passages_with_a_prefix():
+    reranker = await make(Models(), passage_prefix="passage: ")
+    with pytest.raises(FailedPrecondition, match="prefix") as caught:
+        await reranker.prepare("acme", CANDIDATES, embeddings=True)
+    assert caught.value.reason == "EMBEDDINGS_UNAVAILABLE"
+    assert (await reranker.prepare("acme", CANDIDATES)).prepared == len(CANDIDATES)
 
 
 QUESTION = "which river flows through warsaw"
