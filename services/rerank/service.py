@@ -141,8 +141,7 @@ async def build_reranker(
         store.file(cfg.token_model, "model.onnx"),
         dim=cfg.token_dim,
         threads=cfg.intra_op_threads,
-        parallel_runs=cfg.token_parallel_runs
-        or max(1, usable_cores() // cfg.intra_op_threads),
+        parallel_runs=cfg.token_parallel_runs or max(1, usable_cores() // cfg.intra_op_threads),
     )
     models.append(encoder)
     token_tokenizer = Tokenizer(
