@@ -13,11 +13,11 @@ that the documents' token vectors exist before the first question about them. Th
 optimisation, never a condition: when rerank does not answer, ingest says so once and goes on.
 
 One model run per passage: rerank's token model is an embedding model, and its run gives a
-passage's embedding as well as its token vectors. Once both services have answered a batch
-and name the same model version, the next batches are sent to `Prepare` first with
-`return_embeddings`, and the vectors it returns are what is written: the Embed call is
-skipped, halving the model work of an ingest. Any failure, or another model, falls back to
-Embed for the rest of the run.
+passage's embedding as well as its token vectors. The run starts by asking the embedding
+service which model it runs (one short Embed); batches are then sent to `Prepare` first
+with `return_embeddings`, and when rerank names the same model version the vectors it
+returns are what is written: the Embed call is skipped, halving the model work of an
+ingest. Another model, or any failure, falls back to Embed for the rest of the run.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ async def ingest(
             and not preparer.given_up
             and preparer.offers_embeddings
             and embedding_version
-            and preparer.model_version == embedding_version
+            and preparer.model_version in ("", embedding_version)  # "": not known yet
         )
 
     async def embed(texts: list[str]) -> list[tuple]:
@@ -215,23 +215,23 @@ async def ingest(
             for start in range(0, len(texts), EMBED_CHUNK)
         ))  # fmt: skip
         embedding_version = replies[-1].model_version
-        stats.embedded += len(texts)
         # each call's own version: a rolling restart may change the model mid-batch
         return [(e.values, reply.model_version) for reply in replies for e in reply.embeddings]
 
     async def flush(records: list[Record]) -> None:
         nonlocal written
         with deadlines.deadline_scope(BATCH_TIMEOUT_S):
-            vectors = None
+            vectors = prepared = None
             if rerank_embeds():
-                vectors = await preparer.prepare(records, embeddings=True)
-                if vectors is not None and any(v != embedding_version for _, v in vectors):
-                    vectors = None  # rerank now runs another model: written are Embed's
-                if vectors is not None:
+                prepared = await preparer.prepare(records, embeddings=True)
+                # Another model's (rerank's own setting): its token vectors are kept, the
+                # vectors written are the embedding service's.
+                if prepared is not None and all(v == embedding_version for _, v in prepared):
+                    vectors = prepared
                     stats.embedded_by_rerank += len(records)
-            prepared = vectors is not None
             if vectors is None:
                 vectors = await embed([passage_text(r.title, r.text) for r in records])
+                stats.embedded += len(records)
             request = retrieval_pb2.UpsertRequest()
             for record, (values, version) in zip(records, vectors, strict=True):
                 request.documents.add(
@@ -254,7 +254,7 @@ async def ingest(
             # the same documents.
             await retrieval.unary("Upsert", request, retry=PATIENT_POLICY)
         written += len(records)
-        if preparer is not None and not prepared:
+        if preparer is not None and prepared is None:
             await preparer.prepare(records)
 
     last_number = checkpoint.done
@@ -284,6 +284,9 @@ async def ingest(
             checkpoint.save(records[-1].number)
 
     try:
+        if one_pass and preparer is not None:
+            with deadlines.deadline_scope(BATCH_TIMEOUT_S):
+                await embed(["which model"])  # learns embedding_version
         for records, drained in tenant_batches(good_records(), batch_size):
             in_flight.append((asyncio.ensure_future(flush(records)), records, drained))
             if len(in_flight) >= window:
@@ -352,11 +355,12 @@ class RerankPreparer:
             if embeddings and error.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 self.offers_embeddings = False  # its model embeds passages otherwise
                 return None
-            self.given_up = f"{error.code().name}: {error.details()}"
-            self.notice(
-                f"rerank at {self.address} did not prepare token vectors ({self.given_up}); "
-                "they will be computed on the first question about each document"
-            )
+            if not self.given_up:  # said once, though batches in flight fail together
+                self.given_up = f"{error.code().name}: {error.details()}"
+                self.notice(
+                    f"rerank at {self.address} did not prepare token vectors ({self.given_up}); "
+                    "they will be computed on the first question about each document"
+                )
             return None
         self.prepared += sum(r.prepared + r.already_prepared for r in replies)
         self.model_version = replies[-1].embedding_model_version

