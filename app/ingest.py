@@ -324,7 +324,8 @@ class RerankPreparer:
     async def prepare(self, records: list[Record], *, embeddings: bool = False):
         """`records`: one tenant's, sent as EMBED_CHUNK-document calls at once (short model
         runs, on every runner). With `embeddings`: (vector, model version) per record from
-        the same runs; None when rerank failed (then it is given up for the run)."""
+        the same runs, or None: rerank failed (given up for the run) or gave no embeddings
+        (asked again without them from then on)."""
         import grpc
 
         from ragline.v1 import rerank_pb2
@@ -367,7 +368,10 @@ class RerankPreparer:
         if not embeddings:
             return None
         vectors = [(e.values, r.embedding_model_version) for r in replies for e in r.embeddings]
-        return vectors if len(vectors) == len(records) else None
+        if len(vectors) != len(records):  # a rerank older than return_embeddings
+            self.offers_embeddings = False
+            return None
+        return vectors
 
 
 async def prepare_rerank(

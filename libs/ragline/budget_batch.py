@@ -140,12 +140,14 @@ class BudgetCallBatcher:
                 if not queued.future.done():
                     queued.future.set_exception(error)
             return
-        except BaseException as error:
+        except BaseException as error:  # no answer will come: nobody may wait for one
             for queued in batch:
-                if not queued.future.done():
-                    queued.future.set_exception(
-                        error if isinstance(error, Exception) else asyncio.CancelledError()
-                    )
+                if queued.future.done():
+                    continue
+                if isinstance(error, Exception):
+                    queued.future.set_exception(error)
+                else:
+                    queued.future.cancel()
             raise
         self.batches_sent += 1
         self.items_sent += len(batch)
