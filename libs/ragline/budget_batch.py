@@ -9,8 +9,11 @@ where most of a replica's CPU went.
 
 Each caller keeps its own deadline and gets its own answer, or the `AioRpcError` its own
 call would have raised (same code, message and google.rpc details in the trailers), so
-the kit's retry rule and every caller's error handling work unchanged. Calls are grouped
-by the identity they carry (tenant, principal, credential): a batch never mixes callers.
+the kit's retry rule and every caller's error handling work unchanged. A caller that gives
+up (its deadline, a cancel) does not stop the batch the others share, so a reservation
+granted after its caller left is released at once (settled with no use), as the server
+would have dropped a cancelled call of its own. Calls are grouped by the identity they
+carry (tenant, principal, credential): a batch never mixes callers.
 A server without `Batch` (UNIMPLEMENTED: an older replica) is called one call at a time
 from then on.
 """
@@ -32,6 +35,8 @@ from ragline.clients import ServiceClient
 BATCHED_METHODS = {"Reserve": "reserve", "Settle": "settle", "Cancel": "cancel"}
 # The contract's cap on BatchRequest.items.
 MAX_BATCH_ITEMS = 64
+# Time a release of an abandoned reservation may take (bookkeeping after the caller left).
+RELEASE_TIMEOUT_S = 5.0
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _NOT_IN_KEY = (identity.RUN_ID_KEY, deadlines.TIMEOUT_METADATA_KEY)
 
@@ -75,9 +80,10 @@ class BudgetCallBatcher:
         self.max_items = max(1, min(max_items, MAX_BATCH_ITEMS))
         self.unbatched = False  # the server answered UNIMPLEMENTED to Batch
         self._queued: dict[tuple, list[_Queued]] = {}  # (loop, identity) -> this turn's calls
-        self._sending: set[asyncio.Task] = set()
+        self._sending: set[asyncio.Task] = set()  # batches and releases in flight
         self.batches_sent = 0
         self.items_sent = 0
+        self.released = 0  # reservations granted after their caller left, released
 
     async def call(self, method: str, request):
         """One call's answer (its response message), or the error its own call would raise."""
@@ -112,9 +118,12 @@ class BudgetCallBatcher:
     def _flush(self, key: tuple) -> None:
         batch = [q for q in self._queued.pop(key, []) if not q.future.done()]
         for start in range(0, len(batch), self.max_items):
-            task = asyncio.ensure_future(self._send(key[1], batch[start : start + self.max_items]))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+            self._spawn(self._send(key[1], batch[start : start + self.max_items]))
+
+    def _spawn(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _send(self, identity_metadata: tuple, batch: list[_Queued]) -> None:
         from ragline.v1 import budget_pb2
@@ -152,8 +161,10 @@ class BudgetCallBatcher:
         self.batches_sent += 1
         self.items_sent += len(batch)
         for queued, result in zip(batch, reply.results, strict=False):
-            if queued.future.done():
-                continue  # its caller gave up (deadline, cancel)
+            if queued.future.done():  # its caller gave up (deadline, cancel)
+                if queued.kind == "reserve" and result.WhichOneof("result") == "reserve":
+                    self._spawn(self._release(identity_metadata, queued.request))
+                continue
             if result.WhichOneof("result") == "error":
                 queued.future.set_exception(item_error(result.error))
             else:
@@ -168,6 +179,26 @@ class BudgetCallBatcher:
                         details="BudgetService.Batch answered fewer results than items",
                     )
                 )
+
+    async def _release(self, identity_metadata: tuple, reserve) -> None:
+        """Settles, with no use, a reservation whose caller left before it was granted
+        (what `Reservation` itself settles on a cancel; the same request, so either one
+        landing second is a replay)."""
+        from ragline.v1 import budget_pb2
+
+        settle = budget_pb2.SettleRequest(
+            task_id=reserve.task_id, reservation_id=reserve.reservation_id
+        )
+        metadata = (*identity_metadata, *deadlines.timeout_metadata(RELEASE_TIMEOUT_S))
+        try:
+            await self.client.stub().Batch(
+                budget_pb2.BatchRequest(items=[budget_pb2.BatchItem(settle=settle)]),
+                timeout=RELEASE_TIMEOUT_S,
+                metadata=metadata,
+            )
+        except grpc.aio.AioRpcError:
+            return  # the task's records expire with its lease (deadline + grace)
+        self.released += 1
 
 
 _batchers: weakref.WeakKeyDictionary[ServiceClient, BudgetCallBatcher] = weakref.WeakKeyDictionary()

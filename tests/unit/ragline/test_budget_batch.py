@@ -27,6 +27,7 @@ class RecordingBudget(budget_pb2_grpc.BudgetServiceServicer):
         self.batch = batch
         self.batches: list[tuple[str, list[str]]] = []  # (tenant, reservation ids)
         self.unary = 0
+        self.settled: list[tuple[str, int]] = []  # (reservation id, calls used)
 
     async def _reserve(self, request) -> budget_pb2.ReserveResponse:
         if request.reservation_id.startswith("slow-"):
@@ -53,6 +54,13 @@ class RecordingBudget(budget_pb2_grpc.BudgetServiceServicer):
         if not self.batch:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
         tenant = dict(context.invocation_metadata()).get("x-ragline-tenant", "")
+        if request.items[0].HasField("settle"):
+            for item in request.items:
+                self.settled.append((item.settle.reservation_id, item.settle.actual.calls))
+            return budget_pb2.BatchResponse(
+                results=[budget_pb2.BatchResult(settle=budget_pb2.SettleResponse())]
+                * len(request.items)
+            )
         self.batches.append((tenant, [item.reserve.reservation_id for item in request.items]))
 
         async def one(item):
@@ -192,6 +200,28 @@ async def test_each_caller_keeps_its_own_deadline(server_and_client):
     assert results[1].reservation.reservation_id == "slow-patient"
     assert len(servicer.batches) == 1
     assert asyncio.get_running_loop().time() - started >= 0.5
+    # The hurried caller's reservation was granted after it left: released, with no use.
+    for _ in range(100):
+        if batcher.released:
+            break
+        await asyncio.sleep(0.01)
+    assert servicer.settled == [("slow-hurried", 0)]
+    assert batcher.released == 1
+
+
+async def test_a_cancelled_caller_s_granted_reservation_is_released(server_and_client):
+    servicer = RecordingBudget()
+    batcher = BudgetCallBatcher(await server_and_client(servicer))
+    leaving = asyncio.ensure_future(batcher.call("Reserve", reserve("slow-leaving")))
+    staying = asyncio.ensure_future(batcher.call("Reserve", reserve("slow-staying")))
+    await asyncio.sleep(0.1)  # both sent, in one batch
+    leaving.cancel()
+    assert (await staying).reservation.reservation_id == "slow-staying"
+    for _ in range(100):
+        if batcher.released:
+            break
+        await asyncio.sleep(0.01)
+    assert servicer.settled == [("slow-leaving", 0)]
 
 
 async def test_a_server_without_batch_is_called_one_call_at_a_time(server_and_client):
