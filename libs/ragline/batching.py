@@ -120,15 +120,20 @@ class MicroBatcher:
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         name: str = "batcher",
         max_parallel_runs: int = 1,
+        max_bulk_batch_texts: int | None = None,
     ) -> None:
         """`max_parallel_runs`: batches run at once (the model's runners: cores for a
-        one-thread-per-run CPU model); the next batch forms as soon as one is free."""
+        one-thread-per-run CPU model); the next batch forms as soon as one is free.
+        `max_bulk_batch_texts` (default `max_batch_texts`): texts per batch of bulk work,
+        kept small so that a query arriving while every runner is busy with bulk work
+        waits for one short run (a request larger than it still runs whole)."""
         self._run = run
         self.name = name
         self.max_parallel_runs = max(1, max_parallel_runs)
         self._runners = asyncio.Semaphore(self.max_parallel_runs)
         self._running: set[asyncio.Task] = set()
         self.max_batch_texts = max_batch_texts
+        self.max_bulk_batch_texts = max_bulk_batch_texts or max_batch_texts
         self.max_wait_s = max_wait_s
         self.max_queue_texts = max_queue_texts
         self.max_queue_texts_per_tenant = max_queue_texts_per_tenant or max(max_queue_texts // 2, 1)
@@ -281,7 +286,8 @@ class MicroBatcher:
             if lane is not None and key[0] != lane:
                 break  # urgent and bulk work never share a run (a query would wait for it)
             head = self._queues[key][0]
-            if batch and texts + len(head.texts) > self.max_batch_texts:
+            limit = self.max_bulk_batch_texts if key[0] == BULK else self.max_batch_texts
+            if batch and texts + len(head.texts) > limit:
                 break
             item = self._pop(key)
             if item.future.done():  # cancelled by its caller

@@ -52,6 +52,9 @@ class EmbeddingConfig(ServiceConfig):
     # tools/bench_embedding.py, 1 ms -> 0: c=1 84 -> 95 requests/s, c=32 175 -> 191, mean
     # batch at c=32 20.0 -> 21.1).
     max_batch_texts: int = Field(32, ge=1)
+    # Texts per model run of bulk work (ingest, re-embedding): a question that arrives while
+    # every runner is busy with passages waits for one such run.
+    max_bulk_batch_texts: int = Field(8, ge=1)
     max_wait_ms: float = Field(0.0, ge=0)
     max_queue_texts: int = Field(2048, ge=1)
     # One tenant's share of the queue (0: half of it), so no tenant can fill it for all.
@@ -134,6 +137,7 @@ class EmbeddingService(Service):
             max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
             name="embedding",
             max_parallel_runs=backend.parallel_runs,
+            max_bulk_batch_texts=cfg.max_bulk_batch_texts,
         )
         await self.batcher.start()
         embedder = Embedder(

@@ -78,6 +78,9 @@ class RerankConfig(ServiceConfig):
     # with stage 1 and the server's threads), hence 0.
     cross_encoder_threads: int = Field(0, ge=0)
     max_batch_texts: int = Field(32, ge=1)
+    # Texts per token-model run of bulk work (Prepare of documents): a question's rerank
+    # that arrives while every runner is busy with passages waits for one such run.
+    max_bulk_batch_texts: int = Field(8, ge=1)
     # How long a batch waits for more work once the model is free. 0: work that arrives
     # while a batch runs forms the next one anyway (Triton's default too); waiting 1 ms
     # cost a lone request ~2.4 ms of stage 1's ~8 (the timer and the extra loop turns).
@@ -126,6 +129,7 @@ async def build_reranker(
             max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
             name="rerank",
             max_parallel_runs=parallel_runs,
+            max_bulk_batch_texts=cfg.max_bulk_batch_texts,
         )
         await made.start()
         batchers.append(made)

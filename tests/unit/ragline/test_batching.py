@@ -206,3 +206,20 @@ async def test_urgent_work_runs_before_queued_bulk_work_and_never_with_it():
     assert order == ["bulk-1", "query", "bulk-2"]  # the same tenant's query jumps the ingest
     # every run held one kind of work: the query ran alone, not padded with passages
     assert model.calls == [(4, 1), (1, 1), (2, 1)]
+
+
+async def test_bulk_runs_are_capped_smaller_than_query_runs():
+    model = FakeModel(delay_s=0.02)
+    batcher = MicroBatcher(model, max_batch_texts=8, max_bulk_batch_texts=2, max_wait_s=0)
+    await batcher.start()
+    blocker = asyncio.ensure_future(batcher.submit([text(9)], None, "ann", urgent=True))
+    await asyncio.sleep(0.005)  # the model is busy: what follows queues and forms batches
+    bulk = [batcher.submit([text(i)], None, "ann") for i in range(1, 6)]
+    queries = [batcher.submit([text(i)], None, "ann", urgent=True) for i in range(10, 14)]
+    results = await asyncio.gather(blocker, *bulk, *queries)
+    # A bulk request bigger than the cap still runs, whole and alone.
+    results.append(await batcher.submit([text(7)] * 3, None, "ann"))
+    await batcher.stop()
+    # The queued queries share one run; the passages go two at a time.
+    assert [shape[0] for shape in model.calls] == [1, 4, 2, 2, 1, 3]
+    assert [r.vectors.tolist() for r in results[1:6]] == [[[float(i), 1.0]] for i in range(1, 6)]
