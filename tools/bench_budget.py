@@ -225,11 +225,18 @@ def main() -> int:
         asyncio.run(run_worker_process(args))
         return 0
 
-    variants = [("before", source_pythonpath(args.baseline))] if args.baseline else []
-    variants.append(("after" if args.baseline else "", None))
+    clients = args.clients.split(",")
+    variants = []
+    if args.baseline:
+        # A baseline without Batch is measured with the unary client only (its code, run
+        # beside this tree's stubs, would answer Batch INTERNAL, not UNIMPLEMENTED).
+        servicer = (args.baseline / "services/budget/servicer.py").read_text()
+        old_clients = clients if "def Batch" in servicer else ["unary"]
+        variants.append(("before", source_pythonpath(args.baseline), old_clients))
+    variants.append(("after" if args.baseline else "", None, clients))
     rows = []
-    for name, pythonpath in variants:
-        for row in run_variant(args, pythonpath):
+    for name, pythonpath, variant_clients in variants:
+        for row in run_variant(args, pythonpath, variant_clients):
             rows.append({"variant": name, **row})
     print(
         f"budget ledger, {args.replicas} service replica(s), etcd fsync "
@@ -258,7 +265,7 @@ def main() -> int:
     return 0
 
 
-def run_variant(args, pythonpath: str | None) -> list[dict]:
+def run_variant(args, pythonpath: str | None, clients: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bench-budget-") as tmp:
         tmp_path = Path(tmp)
         client_port, peer_port = free_ports(2)
@@ -281,7 +288,7 @@ def run_variant(args, pythonpath: str | None) -> list[dict]:
             rows = []
             for level in (int(x) for x in args.levels.split(",")):
                 for shared in (True, False):
-                    for client in args.clients.split(","):
+                    for client in clients:
                         rows.append(run_level(addresses, level, args.seconds, shared, client))
                         print(json.dumps(rows[-1]), file=sys.stderr)
             return rows

@@ -180,6 +180,11 @@ def to_rpc_status(error: BaseException) -> tuple[grpc.StatusCode, str, status_pb
         # RetryInfo) so the caller sees DEADLINE_EXCEEDED, QUEUE_FULL, ... for what it is.
         code, message = error.code(), f"downstream call failed: {error.details()}"
         details = _downstream_details(error) or [error_info(code.name)]
+    elif isinstance(error, NotImplementedError):
+        # A generated servicer's default for a method this server's code does not have
+        # (an older build behind newer stubs): the caller may fall back, as on UNIMPLEMENTED.
+        code, message = grpc.StatusCode.UNIMPLEMENTED, "this server does not implement the method"
+        details = [error_info("UNIMPLEMENTED")]
     elif isinstance(error, TimeoutError):
         code, message = grpc.StatusCode.DEADLINE_EXCEEDED, str(error) or "timed out"
         details = [error_info("DEADLINE_EXCEEDED")]

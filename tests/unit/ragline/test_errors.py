@@ -39,6 +39,13 @@ def test_only_invalid_argument_blames_the_caller_and_unknown_errors_do_not_leak(
         assert "secret" not in message and "malformed" not in message
 
 
+def test_a_method_the_server_does_not_implement_is_unimplemented():
+    # What a generated servicer's default raises for a method newer than the server's code.
+    code, message, _ = to_rpc_status(NotImplementedError("Method not implemented!"))
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+    assert "does not implement" in message
+
+
 def test_codes_match_the_status_proto():
     code, message, status = to_rpc_status(Unimplemented("later"))
     assert status.code == code.value[0] == 12
