@@ -63,13 +63,9 @@ def item_error(status) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details=status.message)
 
 
-def _deadline_error(kind: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.aio.Metadata(),
-        grpc.aio.Metadata(),
-        details=f"BudgetService.{kind}: the deadline passed before the batch was answered",
-    )
+def _local_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """An error decided on this side (no trailers from the server)."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
 class BudgetCallBatcher:
@@ -113,7 +109,12 @@ class BudgetCallBatcher:
     @staticmethod
     def _expire(queued: _Queued) -> None:
         if not queued.future.done():
-            queued.future.set_exception(_deadline_error(queued.kind))
+            queued.future.set_exception(
+                _local_error(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"BudgetService.{queued.kind}: the deadline passed before the batch answered",
+                )
+            )
 
     def _flush(self, key: tuple) -> None:
         batch = [q for q in self._queued.pop(key, []) if not q.future.done()]
@@ -172,11 +173,9 @@ class BudgetCallBatcher:
         for queued in batch[len(reply.results) :]:
             if not queued.future.done():
                 queued.future.set_exception(
-                    grpc.aio.AioRpcError(
+                    _local_error(
                         grpc.StatusCode.INTERNAL,
-                        grpc.aio.Metadata(),
-                        grpc.aio.Metadata(),
-                        details="BudgetService.Batch answered fewer results than items",
+                        "BudgetService.Batch answered fewer results than items",
                     )
                 )
 
