@@ -38,3 +38,9 @@ def usable_cores(root: Path = CGROUP_ROOT) -> int:
     if limit is not None:
         cores = min(cores, int(limit))
     return max(1, cores)
+
+
+def parallel_runs(configured: int, threads_per_run: int) -> int:
+    """Model runs a process keeps at once: `configured`, or (0) one per `threads_per_run`
+    of the cores it may use, at least one."""
+    return configured or max(1, usable_cores() // threads_per_run)

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from ragline.batching import MicroBatcher, pad
 from ragline.config import ServiceConfig
-from ragline.cores import usable_cores
+from ragline.cores import parallel_runs
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
@@ -77,14 +77,8 @@ def build_backend(config: EmbeddingConfig, store: ModelStore) -> EmbeddingBacken
     return OnnxRuntimeBackend(
         store.file(config.model, "model.onnx"),
         intra_op_threads=config.intra_op_threads,
-        parallel_runs=parallel_runs(config),
+        parallel_runs=parallel_runs(config.parallel_runs, config.intra_op_threads),
     )
-
-
-def parallel_runs(config: EmbeddingConfig) -> int:
-    if config.parallel_runs:
-        return config.parallel_runs
-    return max(1, usable_cores() // config.intra_op_threads)
 
 
 class EmbeddingService(Service):

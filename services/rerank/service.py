@@ -13,7 +13,7 @@ from pydantic import Field
 
 from ragline.batching import MicroBatcher
 from ragline.config import ServiceConfig
-from ragline.cores import usable_cores
+from ragline.cores import parallel_runs
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
@@ -145,7 +145,7 @@ async def build_reranker(
         store.file(cfg.token_model, "model.onnx"),
         dim=cfg.token_dim,
         threads=cfg.intra_op_threads,
-        parallel_runs=cfg.token_parallel_runs or max(1, usable_cores() // cfg.intra_op_threads),
+        parallel_runs=parallel_runs(cfg.token_parallel_runs, cfg.intra_op_threads),
     )
     models.append(encoder)
     token_tokenizer = Tokenizer(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ragline.cores import cpu_limit, usable_cores
+from ragline.cores import cpu_limit, parallel_runs, usable_cores
 
 
 def test_no_cgroup_means_the_affinity(tmp_path):
@@ -32,3 +32,9 @@ def test_cgroup_v1_quota(tmp_path):
 def test_a_limit_above_the_affinity_changes_nothing(tmp_path):
     (tmp_path / "cpu.max").write_text("6400000 100000\n")
     assert usable_cores(tmp_path) == len(os.sched_getaffinity(0))
+
+
+def test_parallel_runs_is_the_setting_or_one_per_threads_of_the_cores():
+    assert parallel_runs(3, 1) == 3
+    assert parallel_runs(0, 1) == usable_cores()
+    assert parallel_runs(0, usable_cores() + 1) == 1  # never none
