@@ -48,7 +48,7 @@ def pct(values, q):
 
 
 def engines(store: ModelStore):
-    from ragline_services.embedding.backends import OnnxRuntimeBackend
+    from ragline.embedding_backends import OnnxRuntimeBackend
 
     found = {}
     try:

@@ -20,8 +20,9 @@ those sent after, while the rebuild ran; closed-loop clients on 2 cores leave th
 low-priority rebuild almost no CPU, so at 254k it ran past 20 minutes). Failed requests are
 counted in every row.
 `--service-embeds` adds the recall stage as a client sees it: HYBRID at concurrency 1 with
-the query text only, the retrieval service embedding it through an embedding service
-started for the run (its default model).
+the query text only, beside an embedding service started for the run (its default model);
+the retrieval service embeds the text in process with that model (its local query encoder),
+and with `--compare-query-encoder` also through the embedding service, in the same run.
 
 With `--baseline DIR` (another checkout, e.g. `git worktree add DIR main`) every measure is
 taken twice in the same run, first with the service started from DIR's code, then from
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import subprocess
 import sys
@@ -127,6 +129,21 @@ async def wait_built(address: str, timeout_s: float = 3600, after: float = 0.0) 
     raise SystemExit("HNSW build did not finish")
 
 
+async def wait_vectors_ready(address: str, timeout_s: float = 600) -> None:
+    """Waits for a restarted service to serve its built HNSW index (nothing in the delta)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        began = time.monotonic()
+        while time.monotonic() - began < timeout_s:
+            status = await stub.IndexStatus(
+                retrieval_pb2.IndexStatusRequest(), timeout=30, metadata=OPERATOR
+            )
+            if status.vector_index_ready and not status.rebuilding and not status.delta_documents:
+                return
+            await asyncio.sleep(1)
+    raise SystemExit("the restarted service's vector index did not get ready")
+
+
 async def load(
     address: str,
     questions,
@@ -138,7 +155,7 @@ async def load(
     send_vectors: bool = True,
 ) -> dict:
     """Closed-loop clients for `seconds`, or until the awaitable `until` completes."""
-    latencies, failures = [], 0
+    latencies, failures, fell_back = [], 0, 0
     async with grpc.aio.insecure_channel(address) as channel:
         stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
         began = time.monotonic()
@@ -149,7 +166,7 @@ async def load(
             return not done.done() if done is not None else time.monotonic() < end
 
         async def client(offset: int):
-            nonlocal failures
+            nonlocal failures, fell_back
             i = offset
             while running():
                 i = (i + concurrency) % len(questions)
@@ -161,7 +178,8 @@ async def load(
                 )
                 started = time.perf_counter()
                 try:
-                    await stub.Search(request, timeout=30, metadata=TENANT)
+                    reply = await stub.Search(request, timeout=30, metadata=TENANT)
+                    fell_back += reply.fell_back
                 except grpc.aio.AioRpcError:
                     failures += 1
                 latencies.append(time.perf_counter() - started)
@@ -170,7 +188,7 @@ async def load(
         if done is not None:
             await done
         elapsed = time.monotonic() - began
-    return summary(latencies, failures, elapsed)
+    return {**summary(latencies, failures, elapsed), "fell_back": fell_back}
 
 
 def summary(latencies: list[float], failures: int, elapsed: float) -> dict:
@@ -293,15 +311,32 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                     )
                     rows.append((f"{mode} c={level} queries/s", f"{r['qps']:.0f}", r["qps"]))
             if args.service_embeds:
-                r = asyncio.run(
-                    load(address, questions, q_vecs, "hybrid", 1, args.seconds, send_vectors=False)
-                )
-                rows.append((
-                    "hybrid c=1, query text (the service embeds it) p50 / p95",
-                    f"{r['p50']:.2f} / {r['p95']:.2f} ms "
-                    f"({r['qps']:.0f} q/s, failed {r['failed']})",
-                    r["p95"],
-                ))  # fmt: skip
+                # Where the query text is embedded: in the retrieval service when it holds the
+                # embedding service's model (the default), and, compared in the same run, by
+                # the embedding service (a restart on the same index with the local encoder off).
+                encoders = [("in retrieval", "true")]
+                if args.compare_query_encoder:
+                    encoders.append(("by the embedding service", "false"))
+                for label, local in encoders:
+                    if local == "false":
+                        process.terminate()
+                        process.wait()
+                        process, address = start_service(
+                            Path(tmp) / "index",
+                            {"RAGLINE_RETRIEVAL_LOCAL_QUERY_ENCODER": "false"},
+                        )
+                        asyncio.run(wait_vectors_ready(address))
+                    text_load = functools.partial(
+                        load, address, questions, q_vecs, "hybrid", 1, send_vectors=False
+                    )
+                    asyncio.run(text_load(2.0))  # warm-up: the encoder loads, caches fill
+                    r = asyncio.run(text_load(args.seconds))
+                    rows.append((
+                        f"hybrid c=1, query text (embedded {label}) p50 / p95",
+                        f"{r['p50']:.2f} / {r['p95']:.2f} ms ({r['qps']:.0f} q/s, "
+                        f"failed {r['failed']}, fell back {r['fell_back']})",
+                        r["p95"],
+                    ))  # fmt: skip
             recall = asyncio.run(recall_at_10(address, docs, vectors, q_vecs[: args.recall]))
             rows.append(
                 (f"HNSW recall@10 vs exact ({args.recall} queries)", f"{recall:.3f}", recall)
@@ -407,7 +442,13 @@ def main() -> int:
     parser.add_argument(
         "--service-embeds",
         action="store_true",
-        help="also measure HYBRID with query text only (an embedding service embeds it)",
+        help="also measure HYBRID with query text only (an embedding service runs the model)",
+    )
+    parser.add_argument(
+        "--compare-query-encoder",
+        action="store_true",
+        help="with --service-embeds: also measure the query text embedded by the embedding "
+        "service instead of in retrieval (restarts the service with its local encoder off)",
     )
     args = parser.parse_args()
     docs = [json.loads(line) for line in (args.corpus / "corpus.jsonl").open()]

@@ -75,10 +75,11 @@ def verify(args, engine_bytes: bytes) -> float:
     import torch
 
     from ragline.batching import pad
+    from ragline.embedding_backends import OnnxRuntimeBackend
     from ragline.models import ModelStore
+    from ragline.pooling import normalise
     from ragline.tokenization import Tokenizer
     from ragline_app.datasets import load_squad
-    from ragline_services.embedding.backends import OnnxRuntimeBackend, normalise
 
     trt = import_tensorrt()
     store = ModelStore()

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ragline.pooling import normalise
 from ragline_app.datasets import load_squad
 from ragline_app.evaluation import ranking_metrics
-from ragline_services.embedding.backends import normalise
 from ragline_services.embedding.offline import squad_vectors
 
 

@@ -85,7 +85,7 @@ def quantize_int8(fp32: Path, int8: Path) -> None:
 
 
 def onnx_embed(path: Path, batches) -> np.ndarray:
-    from ragline_services.embedding.backends import OnnxRuntimeBackend
+    from ragline.embedding_backends import OnnxRuntimeBackend
 
     backend = OnnxRuntimeBackend(path)
     return np.concatenate([backend.run(ids, mask) for ids, mask in batches])

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from ragline.batching import bucket_groups, pad
+from ragline.embedding_backends import OnnxRuntimeBackend
 from ragline.models import ModelStore
 from ragline.tokenization import Tokenizer
-from ragline_services.embedding.backends import OnnxRuntimeBackend
 
 
 def embed_texts(backend, tokenizer, texts: list[str], batch: int = 32) -> np.ndarray:

@@ -13,13 +13,13 @@ from pydantic import Field
 from ragline.batching import MicroBatcher, pad
 from ragline.config import ServiceConfig
 from ragline.cores import parallel_runs
+from ragline.embedder import Embedder, input_prefixes
+from ragline.embedding_backends import EmbeddingBackend, OnnxRuntimeBackend
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
 from ragline.tokenization import Tokenizer
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc
-from ragline_services.embedding.backends import EmbeddingBackend, OnnxRuntimeBackend
-from ragline_services.embedding.embedder import PASSAGE, QUERY, Embedder
 from ragline_services.embedding.servicer import EmbeddingServicer
 
 log = structlog.get_logger("ragline.embedding")
@@ -140,11 +140,7 @@ class EmbeddingService(Service):
             model=cfg.model,
             model_version=version,
             dim=self.backend.dim,
-            prefixes={
-                kind: spec.extra[f"{kind}_prefix"]
-                for kind in (QUERY, PASSAGE)
-                if spec.extra.get(f"{kind}_prefix")
-            },
+            prefixes=input_prefixes(spec.extra),
         )
         # A first run loads kernels and allocates, so the first caller is not the one to pay.
         await embedder.embed(["warm up"])

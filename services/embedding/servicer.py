@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from ragline.embedder import PASSAGE, QUERY, Embedder
 from ragline.identity import optional_caller
 from ragline.server import Deferred
 from ragline.timing import current_clock
 from ragline.v1 import common_pb2, embedding_pb2, embedding_pb2_grpc
-from ragline_services.embedding.embedder import PASSAGE, QUERY, Embedder
 
 _INPUT_TYPES = {
     embedding_pb2.INPUT_TYPE_UNSPECIFIED: PASSAGE,

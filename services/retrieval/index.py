@@ -374,7 +374,7 @@ class RetrievalIndex:
         """The model the embedding service runs now, held to the index's like any reply
         (so a change is noticed at start, before the first write or query)."""
         assert self._embed is not None
-        embedded = await self._embed(["model probe"], "query")
+        embedded = await self._embed(["model probe"], "probe")
         await self._check_vector_model(embedded.model_version, writing=False)
         return embedded.model_version
 

@@ -4,6 +4,7 @@ background HNSW builder."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Literal
 
@@ -15,11 +16,12 @@ from pydantic import Field
 from ragline.clients import connect
 from ragline.config import ServiceConfig
 from ragline.cores import usable_cores
-from ragline.errors import DeadlineExceeded, Unavailable
+from ragline.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from ragline.retry import DEFAULT_POLICY
 from ragline.server import Periodic, Service, ServiceSpec
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
 from ragline_services.retrieval.index import Embedded, IndexSettings, RetrievalIndex
+from ragline_services.retrieval.query_encoder import LocalQueryEncoder
 from ragline_services.retrieval.servicer import RetrievalServicer
 from ragline_services.retrieval.vectors import EdgeVectorIndex
 
@@ -68,6 +70,16 @@ class RetrievalConfig(ServiceConfig):
     # re-embed every document with it in the background, searches answered by BM25 until
     # it ends (false: refuse writes that need embedding, FAILED_PRECONDITION).
     reembed_on_model_change: bool = True
+    # Query text embedded in this process when the model store (RAGLINE_MODEL_DIR) holds
+    # the exact model version the embedding service runs: the same vectors without the hop
+    # to it (measured: see query_encoder.py). Off: every query goes to the service (a GPU
+    # embedding service, or a node without the models).
+    local_query_encoder: bool = True
+    # Its model runs at once (one thread each); passages always go to the service.
+    local_query_encoder_runs: int = Field(1, ge=1)
+    # While queries are embedded here, the embedding service is asked its model this often,
+    # so that a change of model is noticed (and the index re-embedded) as before.
+    embedding_check_s: float = Field(10.0, gt=0)
 
 
 class RetrievalService(Service):
@@ -87,15 +99,38 @@ class RetrievalService(Service):
             )
         )
         self._builder = Periodic(config.build_check_s, self._maybe_build, "hnsw-builder")
+        self._local = (
+            LocalQueryEncoder(common.model_dir, parallel_runs=config.local_query_encoder_runs)
+            if config.local_query_encoder
+            else None
+        )
+        self._adopting: asyncio.Task | None = None
+        self._model_check = Periodic(
+            config.embedding_check_s, self._check_embedding_model, "embedding-model-check"
+        )
 
     def register(self, server: grpc.aio.Server) -> None:
         retrieval_pb2_grpc.add_RetrievalServiceServicer_to_server(self._servicer, server)
 
     async def embed(self, texts: list[str], kind: str) -> Embedded:
-        """`kind`: "query", "passage" (a caller's write waits on it) or "bulk" (passages
-        nobody waits on: a re-embed; the embedding service runs them after the others)."""
+        """`kind`: "query", "passage" (a caller's write waits on it), "bulk" (passages
+        nobody waits on: a re-embed; the embedding service runs them after the others) or
+        "probe" (a query that must ask the embedding service itself)."""
+        if (
+            kind == "query"
+            and self._local is not None
+            and self._local.serves(self.embedding_version)
+        ):
+            try:
+                result = await self._local.embed(texts, dim=self.config.dim)
+            except ResourceExhausted:
+                pass  # its queue is full: the service has its own
+            else:
+                return Embedded(result.vectors, self._local.version)
         input_type = (
-            embedding_pb2.INPUT_TYPE_QUERY if kind == "query" else embedding_pb2.INPUT_TYPE_PASSAGE
+            embedding_pb2.INPUT_TYPE_QUERY
+            if kind in ("query", "probe")
+            else embedding_pb2.INPUT_TYPE_PASSAGE
         )
         priority = (
             embedding_pb2.PRIORITY_BULK if kind == "bulk" else embedding_pb2.PRIORITY_INTERACTIVE
@@ -122,7 +157,7 @@ class RetrievalService(Service):
                 raise Unavailable(
                     f"embedding service: {error.code().name}: {error.details()}"
                 ) from error
-            self.embedding_version = reply.model_version
+            self._heard_model(reply.model_version)
             versions.add(reply.model_version)
             rows.extend(list(e.values) for e in reply.embeddings)
         if len(versions) > 1:  # a model changed between two batches of one write
@@ -130,6 +165,25 @@ class RetrievalService(Service):
                 f"the embedding service changed models during one call ({sorted(versions)})"
             )
         return Embedded(np.asarray(rows, dtype=np.float32), versions.pop() if versions else "")
+
+    def _heard_model(self, version: str) -> None:
+        """The embedding service answered with `version`: load it here for queries when
+        this machine holds it (in the background; queries use the service meanwhile)."""
+        self.embedding_version = version
+        if (
+            self._local is not None
+            and not self._local.serves(version)
+            and (self._adopting is None or self._adopting.done())
+        ):
+            self._adopting = asyncio.ensure_future(self._local.adopt(version))
+
+    async def _check_embedding_model(self) -> None:
+        # Only needed while queries skip the service: otherwise each one hears its model.
+        if self._local is not None and self._local.serves(self.embedding_version):
+            try:
+                await self.index.probe_model()
+            except (Unavailable, DeadlineExceeded) as error:
+                log.info("retrieval.embedding_check_failed", error=str(error))
 
     def _open_index(self) -> RetrievalIndex:
         """Opens the indexes and replays the write log (disk and network: in a thread)."""
@@ -177,6 +231,7 @@ class RetrievalService(Service):
         await self.index.resume_reembed()
         self._probe = asyncio.ensure_future(self._probe_embedding_model())
         self._builder.start()
+        self._model_check.start()
 
     async def _probe_embedding_model(self) -> None:
         """Asks the embedding service its model once it answers, so that a change of
@@ -197,8 +252,15 @@ class RetrievalService(Service):
 
     async def stop(self) -> None:
         await self._builder.stop()
+        await self._model_check.stop()
         if self._probe is not None:
             self._probe.cancel()
+        if self._adopting is not None:
+            self._adopting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._adopting
+        if self._local is not None:
+            await self._local.close()
         if self.index is not None:
             await self.index.stop_reembed()
             self.index.close()

