@@ -30,7 +30,6 @@ from ragline.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
-    RaglineError,
     Unavailable,
 )
 from ragline.files import atomic_write_text
@@ -67,6 +66,22 @@ class Embedded:
 
 # (texts, input kind "query" | "passage") -> vectors; raises Unavailable when it can't.
 Embed = Callable[[list[str], str], Awaitable[Embedded]]
+
+
+def _timed(stages: list[tuple[str, float]], name: str, fn, *args):
+    """`fn(*args)`, its duration appended to `stages` as (name, seconds)."""
+    started = time.perf_counter()
+    result = fn(*args)
+    stages.append((name, time.perf_counter() - started))
+    return result
+
+
+def _timed_apart(name: str, fn, *args):
+    """`fn(*args)` and its own stages list, for a half whose time is reported later (in
+    the order of the report, not of the threads)."""
+    stages: list[tuple[str, float]] = []
+    return _timed(stages, name, fn, *args), stages
+
 
 EMBEDDING_MODEL_CHANGED = "embedding_model_changed"
 REEMBEDDING = "vector_index_reembedding"
@@ -555,19 +570,28 @@ class RetrievalIndex:
         candidates = max(query.candidates or s.default_candidates, query.k)
         ef = query.hnsw_ef or max(s.default_hnsw_ef, candidates)
         vector = None
+        early_bm25 = None
         if mode != BM25:
             if not self.vectors.ready():
                 mode, reason = BM25, "vector_index_not_ready"
             elif query.vector:
                 vector = np.asarray(query.vector, dtype=np.float32)
             else:
+                if mode in (HYBRID, PREFILTER):
+                    # BM25 needs no vector: it searches while the query is embedded (its
+                    # own pool, whose tasks never wait on others, as for HYBRID's halves).
+                    early_bm25 = self._half_pool.submit(
+                        _timed_apart, "bm25", self.bm25.search, query.text, visibility, candidates
+                    )
                 started = time.perf_counter()
                 try:
                     embedded = await self._embed([query.text], "query")
                 except (Unavailable, DeadlineExceeded) as error:
                     log.warning("retrieval.embed_failed", error=str(error))
                     mode, reason = BM25, "embedding_unavailable"
-                except RaglineError:
+                except BaseException:
+                    if early_bm25 is not None:
+                        early_bm25.cancel()
                     raise
                 else:
                     if await self._check_vector_model(embedded.model_version, writing=False):
@@ -581,7 +605,7 @@ class RetrievalIndex:
         loop = asyncio.get_running_loop()
         ordered, resolved = await loop.run_in_executor(
             self._query_pool, self._search_sync, visibility, query, mode, vector,
-            candidates, ef, stages,
+            candidates, ef, stages, early_bm25,
         )  # fmt: skip
         hits = []
         for pid, score, parts in ordered:
@@ -595,25 +619,33 @@ class RetrievalIndex:
         version = self.tenant_applied.get(visibility.tenant, 0)
         return SearchResult(hits, mode, mode != query.mode, reason, version, stages)
 
-    def _search_sync(self, visibility, query, mode, vector, candidates, ef, stages):
+    def _search_sync(self, visibility, query, mode, vector, candidates, ef, stages, early_bm25):
         """The whole search in one worker thread: the engines return point ids, and only
-        the k ranked first are resolved to keys, versions (and text when asked)."""
+        the k ranked first are resolved to keys, versions (and text when asked).
+        `early_bm25`: the BM25 half already started (`candidates` long), or None."""
         s = self.settings
 
         def timed(name: str, fn, *args):
-            started = time.perf_counter()
-            result = fn(*args)
-            stages.append((name, time.perf_counter() - started))
-            return result
+            return _timed(stages, name, fn, *args)
+
+        def bm25_pool():
+            if early_bm25 is None:
+                return timed("bm25", self.bm25.search, query.text, visibility, candidates)
+            pool, own_stages = early_bm25.result()
+            stages.extend(own_stages)
+            return pool
 
         if mode == BM25:
-            ranked = timed("bm25", self.bm25.search, query.text, visibility, query.k)
+            if early_bm25 is not None:  # a fallback: the first k of the longer list
+                ranked = bm25_pool()[: query.k]
+            else:
+                ranked = timed("bm25", self.bm25.search, query.text, visibility, query.k)
             ordered = [(c.pid, c.score, {"bm25": c.score}) for c in ranked]
         elif mode == VECTOR:
             ranked = timed("vector", self.vectors.search, vector, visibility, query.k, ef)
             ordered = [(c.pid, c.score, {"vector": c.score}) for c in ranked]
         elif mode == PREFILTER:
-            pool = timed("bm25", self.bm25.search, query.text, visibility, candidates)
+            pool = bm25_pool()
             bm25_scores = {c.pid: c.score for c in pool}
             only = [c.pid for c in pool]
             ranked = (
@@ -626,13 +658,17 @@ class RetrievalIndex:
             ]
         else:  # HYBRID
             semantic = ("vector", self.vectors.search, vector, visibility, candidates, ef)
-            # The vector half goes to the other thread and BM25 runs here: qdrant-edge keeps
-            # the GIL for its whole search, so the other way round the BM25 thread could not
-            # even start until the vector search had finished; this way the vector search
-            # runs while Tantivy searches without the GIL.
-            pending = self._half_pool.submit(timed, *semantic) if s.parallel_hybrid else None
-            bm25_list = timed("bm25", self.bm25.search, query.text, visibility, candidates)
-            vector_list = pending.result() if pending is not None else timed(*semantic)
+            if early_bm25 is not None:
+                vector_list = timed(*semantic)
+                bm25_list = bm25_pool()
+            else:
+                # The vector half goes to the other thread and BM25 runs here: qdrant-edge
+                # keeps the GIL for its whole search, so the other way round the BM25 thread
+                # could not even start until the vector search had finished; this way the
+                # vector search runs while Tantivy searches without the GIL.
+                pending = self._half_pool.submit(timed, *semantic) if s.parallel_hybrid else None
+                bm25_list = timed("bm25", self.bm25.search, query.text, visibility, candidates)
+                vector_list = pending.result() if pending is not None else timed(*semantic)
             started = time.perf_counter()
             if (query.fusion or s.default_fusion) == "score":
                 fuse, weight = score_fusion, query.vector_weight or s.default_score_weight
