@@ -317,26 +317,32 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                 encoders = [("in retrieval", "true")]
                 if args.compare_query_encoder:
                     encoders.append(("by the embedding service", "false"))
+                if args.compare_query_encoder:
+                    # ... and back to the defaults for what follows.
+                    encoders.append(("", "true"))
                 for label, local in encoders:
-                    if local == "false":
+                    if local != "true" or not label:
                         process.terminate()
                         process.wait()
                         process, address = start_service(
                             Path(tmp) / "index",
-                            {"RAGLINE_RETRIEVAL_LOCAL_QUERY_ENCODER": "false"},
+                            {"RAGLINE_RETRIEVAL_LOCAL_QUERY_ENCODER": local},
                         )
                         asyncio.run(wait_vectors_ready(address))
-                    text_load = functools.partial(
-                        load, address, questions, q_vecs, "hybrid", 1, send_vectors=False
-                    )
-                    asyncio.run(text_load(2.0))  # warm-up: the encoder loads, caches fill
-                    r = asyncio.run(text_load(args.seconds))
-                    rows.append((
-                        f"hybrid c=1, query text (embedded {label}) p50 / p95",
-                        f"{r['p50']:.2f} / {r['p95']:.2f} ms ({r['qps']:.0f} q/s, "
-                        f"failed {r['failed']}, fell back {r['fell_back']})",
-                        r["p95"],
-                    ))  # fmt: skip
+                    if not label:
+                        continue
+                    for level in levels:
+                        text_load = functools.partial(
+                            load, address, questions, q_vecs, "hybrid", level, send_vectors=False
+                        )
+                        asyncio.run(text_load(2.0))  # warm-up: the encoder loads, caches fill
+                        r = asyncio.run(text_load(args.seconds))
+                        rows.append((
+                            f"hybrid c={level}, query text (embedded {label}) p50 / p95",
+                            f"{r['p50']:.2f} / {r['p95']:.2f} ms ({r['qps']:.0f} q/s, "
+                            f"failed {r['failed']}, fell back {r['fell_back']})",
+                            r["p95"],
+                        ))  # fmt: skip
             recall = asyncio.run(recall_at_10(address, docs, vectors, q_vecs[: args.recall]))
             rows.append(
                 (f"HNSW recall@10 vs exact ({args.recall} queries)", f"{recall:.3f}", recall)
