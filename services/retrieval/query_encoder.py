@@ -101,6 +101,12 @@ class LocalQueryEncoder:
                 self._not_loadable[version] = str(why)
                 log.info("retrieval.local_query_encoder_off", version=version, reason=str(why))
                 return False
+            except Exception as error:  # a graph ONNX Runtime refuses: the service serves
+                self._not_loadable[version] = repr(error)
+                log.warning(
+                    "retrieval.local_query_encoder_failed", version=version, error=repr(error)
+                )
+                return False
             backend = loaded.backend
 
             async def run(texts):

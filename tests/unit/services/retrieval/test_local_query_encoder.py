@@ -12,6 +12,7 @@ from ragline.embedding_backends import OnnxRuntimeBackend
 from ragline.models import ModelStore
 from ragline.tokenization import Tokenizer
 from ragline_services.embedding.service import EmbeddingConfig
+from ragline_services.retrieval import query_encoder
 from ragline_services.retrieval.query_encoder import LocalQueryEncoder
 
 MODEL = EmbeddingConfig().model  # what the embedding service runs by default
@@ -67,3 +68,18 @@ async def test_a_new_version_replaces_the_loaded_one(encoder):
     assert await encoder.adopt(second)
     assert encoder.serves(second) and not encoder.serves(first)
     assert (await encoder.embed(["a question"], dim=384)).vectors.shape == (1, 384)
+
+
+async def test_a_graph_that_fails_to_load_is_not_tried_again(encoder, monkeypatch):
+    encoder, store = encoder
+    calls = []
+
+    def refused(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("ONNX Runtime: invalid graph")
+
+    monkeypatch.setattr(query_encoder, "load_model", refused)
+    version = store.version(MODEL)
+    assert not await encoder.adopt(version)
+    assert not await encoder.adopt(version)  # every reply of the service would ask again
+    assert len(calls) == 1 and not encoder.serves(version)
