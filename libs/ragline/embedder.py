@@ -1,7 +1,7 @@
 """Embedding text: validate, tokenize, batch, truncate dimensions. No gRPC here.
 
-The embedding service's domain, and what the retrieval service embeds query text with in
-process when it holds the very model the embedding service runs."""
+Shared by whatever embeds text with a model of the store: the embedding service, and an
+in-process query encoder that runs the very model that service runs."""
 
 from __future__ import annotations
 

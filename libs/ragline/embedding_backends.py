@@ -1,8 +1,8 @@
 """Embedding backends behind one interface: token ids in, L2-normalised vectors out.
 
-- OnnxRuntimeBackend: ONNX Runtime in process (the embedded CPU default; also the
-  retrieval service's in-process query encoder).
-- Triton (production GPU path) lives in the embedding service's triton_backend.py.
+- OnnxRuntimeBackend: ONNX Runtime in process (the embedded CPU default, and in-process
+  query encoders).
+- Triton (the production GPU path) is a backend of the embedding service's own.
 Both see the same padded batch: input_ids, attention_mask (and token_type_ids).
 """
 
