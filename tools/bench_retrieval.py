@@ -311,26 +311,29 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                     )
                     rows.append((f"{mode} c={level} queries/s", f"{r['qps']:.0f}", r["qps"]))
             if args.service_embeds:
+
+                def restarted(process, env: dict):
+                    """The service again on the same index, with `env`, its vectors ready."""
+                    process.terminate()
+                    process.wait()
+                    process, address = start_service(Path(tmp) / "index", env)
+                    asyncio.run(wait_vectors_ready(address))
+                    return process, address
+
                 # Where the query text is embedded: in the retrieval service when it holds the
                 # embedding service's model (the default), and, compared in the same run, by
                 # the embedding service (a restart on the same index with the local encoder off).
-                encoders = [("in retrieval", "true")]
+                encoders = [("in retrieval", None)]
                 if args.compare_query_encoder:
-                    encoders.append(("by the embedding service", "false"))
-                if args.compare_query_encoder:
-                    # ... and back to the defaults for what follows.
-                    encoders.append(("", "true"))
-                for label, local in encoders:
-                    if local != "true" or not label:
-                        process.terminate()
-                        process.wait()
-                        process, address = start_service(
-                            Path(tmp) / "index",
-                            {"RAGLINE_RETRIEVAL_LOCAL_QUERY_ENCODER": local},
+                    encoders.append(
+                        (
+                            "by the embedding service",
+                            {"RAGLINE_RETRIEVAL_LOCAL_QUERY_ENCODER": "false"},
                         )
-                        asyncio.run(wait_vectors_ready(address))
-                    if not label:
-                        continue
+                    )
+                for label, env in encoders:
+                    if env is not None:
+                        process, address = restarted(process, env)
                     for level in levels:
                         text_load = functools.partial(
                             load, address, questions, q_vecs, "hybrid", level, send_vectors=False
@@ -343,6 +346,8 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                             f"failed {r['failed']}, fell back {r['fell_back']})",
                             r["p95"],
                         ))  # fmt: skip
+                if args.compare_query_encoder:  # back to the defaults for what follows
+                    process, address = restarted(process, {})
             recall = asyncio.run(recall_at_10(address, docs, vectors, q_vecs[: args.recall]))
             rows.append(
                 (f"HNSW recall@10 vs exact ({args.recall} queries)", f"{recall:.3f}", recall)

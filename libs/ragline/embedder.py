@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ragline import deadlines
-from ragline.batching import MicroBatcher
+from ragline.batching import MicroBatcher, pad
 from ragline.errors import InvalidArgument
 from ragline.pooling import normalise
 from ragline.tokenization import Tokenizer
+
+if TYPE_CHECKING:
+    from ragline.embedding_backends import EmbeddingBackend
+    from ragline.models import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -100,3 +105,50 @@ def input_prefixes(extra: dict) -> dict[str, str]:
     return {
         kind: extra[f"{kind}_prefix"] for kind in (QUERY, PASSAGE) if extra.get(f"{kind}_prefix")
     }
+
+
+def batch_invariant(spec: ModelSpec) -> bool:
+    """Whether a text's vector is the same whatever shares its batch (false for dynamic
+    activation quantization, whose scales come from the whole batch)."""
+    return spec.extra.get("batch_invariant", True)
+
+
+async def start_embedder(
+    backend: EmbeddingBackend,
+    tokenizer: Tokenizer,
+    spec: ModelSpec,
+    *,
+    version: str,
+    max_batch_texts: int = 32,
+    **batcher_options,
+) -> Embedder:
+    """An Embedder over `backend` for the model `spec`, its batcher started and one run
+    made (kernels loaded, memory allocated, so the first caller does not pay for them). The
+    one way a process embeds with a model of the store, so that every process running a
+    model version gives the same vectors: a model that is not batch invariant runs one text
+    at a time (its vectors would depend on whoever else shares the batch, another tenant)."""
+
+    async def run(texts):
+        return await backend.embed(*pad(texts))
+
+    batcher = MicroBatcher(
+        run,
+        max_batch_texts=max_batch_texts if batch_invariant(spec) else 1,
+        max_parallel_runs=backend.parallel_runs,
+        **batcher_options,
+    )
+    await batcher.start()
+    embedder = Embedder(
+        tokenizer,
+        batcher,
+        model=spec.name,
+        model_version=version,
+        dim=backend.dim,
+        prefixes=input_prefixes(spec.extra),
+    )
+    try:
+        await embedder.embed(["warm up"])
+    except BaseException:
+        await batcher.stop()
+        raise
+    return embedder

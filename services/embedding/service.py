@@ -10,10 +10,10 @@ import grpc
 import structlog
 from pydantic import Field
 
-from ragline.batching import MicroBatcher, pad
+from ragline.batching import MicroBatcher
 from ragline.config import ServiceConfig
 from ragline.cores import parallel_runs
-from ragline.embedder import Embedder, input_prefixes
+from ragline.embedder import batch_invariant, start_embedder
 from ragline.embedding_backends import EmbeddingBackend, OnnxRuntimeBackend
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
@@ -108,42 +108,26 @@ class EmbeddingService(Service):
         else:  # loading an ONNX session takes a while: in a thread
             self.backend = await asyncio.to_thread(build_backend, cfg, store)
         version = store.version(cfg.model)
-        max_batch_texts = cfg.max_batch_texts
-        if not spec.extra.get("batch_invariant", True):
-            # Its vectors would depend on whoever else shares the batch (another tenant).
+        if not batch_invariant(spec):
             log.warning(
                 "embedding.batching_off",
                 model=cfg.model,
                 reason="dynamic activation quantization makes results batch-dependent",
             )
-            max_batch_texts = 1
         await self.backend.check_ready()
-        backend = self.backend
-
-        async def run(texts):
-            return await backend.embed(*pad(texts))
-
-        self.batcher = MicroBatcher(
-            run,
-            max_batch_texts=max_batch_texts,
+        embedder = await start_embedder(
+            self.backend,
+            tokenizer,
+            spec,
+            version=version,
+            max_batch_texts=cfg.max_batch_texts,
             max_wait_s=cfg.max_wait_ms / 1000,
             max_queue_texts=cfg.max_queue_texts,
             max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
             name="embedding",
-            max_parallel_runs=backend.parallel_runs,
             max_bulk_batch_texts=cfg.max_bulk_batch_texts,
         )
-        await self.batcher.start()
-        embedder = Embedder(
-            tokenizer,
-            self.batcher,
-            model=cfg.model,
-            model_version=version,
-            dim=self.backend.dim,
-            prefixes=input_prefixes(spec.extra),
-        )
-        # A first run loads kernels and allocates, so the first caller is not the one to pay.
-        await embedder.embed(["warm up"])
+        self.batcher = embedder.batcher
         self._servicer.embedder.set(embedder)
         log.info(
             "embedding.ready",

@@ -14,6 +14,7 @@ from pydantic import Field
 from ragline.batching import MicroBatcher
 from ragline.config import ServiceConfig
 from ragline.cores import parallel_runs
+from ragline.embedder import PASSAGE, input_prefixes
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
@@ -184,7 +185,7 @@ async def build_reranker(
         cross_encoder_weight=cfg.cross_encoder_weight,
         cross_encoder_candidates=cfg.cross_encoder_candidates,
         embedding_model_version=store.version(cfg.token_model),
-        passage_prefix=token_spec.extra.get("passage_prefix", ""),
+        passage_prefix=input_prefixes(token_spec.extra).get(PASSAGE, ""),
     )
     return Built(reranker, batchers, models)
 

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import structlog
 
-from ragline.batching import MicroBatcher, pad
-from ragline.embedder import QUERY, Embedder, EmbedResult, input_prefixes
+from ragline.embedder import QUERY, Embedder, EmbedResult, start_embedder
 from ragline.embedding_backends import OnnxRuntimeBackend
-from ragline.models import ModelError, ModelStore
+from ragline.models import ModelError, ModelSpec, ModelStore
 from ragline.tokenization import Tokenizer
 
 log = structlog.get_logger("ragline.retrieval")
@@ -36,11 +35,9 @@ class NotLoadable(Exception):
 
 @dataclass
 class _Loaded:
-    version: str
+    spec: ModelSpec
     backend: OnnxRuntimeBackend
     tokenizer: Tokenizer
-    prefixes: dict[str, str]
-    batch_invariant: bool
 
 
 def load_model(model_dir: Path, version: str, *, parallel_runs: int) -> _Loaded:
@@ -59,13 +56,11 @@ def load_model(model_dir: Path, version: str, *, parallel_runs: int) -> _Loaded:
     if store.version(name) != version:
         raise NotLoadable(f"{store.root} holds {store.version(name)}, not {version}")
     return _Loaded(
-        version=version,
+        spec=spec,
         backend=OnnxRuntimeBackend(
             store.file(name, "model.onnx"), intra_op_threads=1, parallel_runs=parallel_runs
         ),
         tokenizer=Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens),
-        prefixes=input_prefixes(spec.extra),
-        batch_invariant=spec.extra.get("batch_invariant", True),
     )
 
 
@@ -76,16 +71,19 @@ class LocalQueryEncoder:
         self.model_dir = model_dir
         self.parallel_runs = parallel_runs
         self.max_batch_texts = max_batch_texts
-        self.version = ""  # the model loaded here ("": none)
         self._embedder: Embedder | None = None
-        self._batcher: MicroBatcher | None = None
         self._backend: OnnxRuntimeBackend | None = None
         self._not_loadable: dict[str, str] = {}  # version -> why (asked once per version)
         self._adopting: asyncio.Lock = asyncio.Lock()
 
+    @property
+    def version(self) -> str:
+        """The model loaded here ("": none)."""
+        return self._embedder.model_version if self._embedder is not None else ""
+
     def serves(self, version: str) -> bool:
         """Whether query text of the model `version` can be embedded here."""
-        return bool(version) and version == self.version and self._embedder is not None
+        return bool(version) and version == self.version
 
     async def adopt(self, version: str) -> bool:
         """Loads the model of `version` (the embedding service's) unless it is loaded or
@@ -107,33 +105,21 @@ class LocalQueryEncoder:
                     "retrieval.local_query_encoder_failed", version=version, error=repr(error)
                 )
                 return False
-            backend = loaded.backend
-
-            async def run(texts):
-                return await backend.embed(*pad(texts))
-
-            batcher = MicroBatcher(
-                run,
-                # A model whose vectors depend on the batch runs one text at a time, as the
-                # embedding service runs it.
-                max_batch_texts=self.max_batch_texts if loaded.batch_invariant else 1,
-                max_wait_s=0.0,
-                name="retrieval-query-encoder",
-                max_parallel_runs=backend.parallel_runs,
-            )
-            await batcher.start()
-            embedder = Embedder(
-                loaded.tokenizer,
-                batcher,
-                model=version.partition("@")[0],
-                model_version=version,
-                dim=backend.dim,
-                prefixes=loaded.prefixes,
-            )
-            await embedder.embed(["warm up"], input_type=QUERY)
-            previous = (self._batcher, self._backend)
-            self._embedder, self._batcher, self._backend = embedder, batcher, backend
-            self.version = version
+            try:
+                embedder = await start_embedder(
+                    loaded.backend,
+                    loaded.tokenizer,
+                    loaded.spec,
+                    version=version,
+                    max_batch_texts=self.max_batch_texts,
+                    max_wait_s=0.0,
+                    name="retrieval-query-encoder",
+                )
+            except BaseException:
+                await loaded.backend.close()
+                raise
+            previous = (self._embedder, self._backend)
+            self._embedder, self._backend = embedder, loaded.backend
             log.info("retrieval.local_query_encoder_on", version=version)
             await self._close(*previous)
             return True
@@ -143,14 +129,13 @@ class LocalQueryEncoder:
         return await self._embedder.embed(texts, dim=dim, input_type=QUERY, tenant=tenant)
 
     async def close(self) -> None:
-        self._embedder = None
-        self.version = ""
-        await self._close(self._batcher, self._backend)
-        self._batcher = self._backend = None
+        previous = (self._embedder, self._backend)
+        self._embedder = self._backend = None
+        await self._close(*previous)
 
     @staticmethod
-    async def _close(batcher: MicroBatcher | None, backend: OnnxRuntimeBackend | None) -> None:
-        if batcher is not None:
-            await batcher.stop()
+    async def _close(embedder: Embedder | None, backend: OnnxRuntimeBackend | None) -> None:
+        if embedder is not None:
+            await embedder.batcher.stop()
         if backend is not None:
             await backend.close()
