@@ -44,3 +44,16 @@ def parallel_runs(configured: int, threads_per_run: int) -> int:
     """Model runs a process keeps at once: `configured`, or (0) one per `threads_per_run`
     of the cores it may use, at least one."""
     return configured or max(1, usable_cores() // threads_per_run)
+
+
+def limit_blas_threads(threads: int) -> int | None:
+    """Caps the threads of every BLAS library loaded in this process (numpy's OpenBLAS) at
+    `threads` (0 leaves them as they are); returns the cap now in force, None when no BLAS
+    is loaded or nothing was changed."""
+    if threads <= 0:
+        return None
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    threadpool_limits(limits=threads, user_api="blas")
+    counts = [pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"]
+    return max(counts) if counts else None

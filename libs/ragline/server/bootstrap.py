@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ragline.auth import AuthConfig, Authenticator
 from ragline.config import CommonConfig, ServiceConfig
+from ragline.cores import limit_blas_threads
 from ragline.logs import configure_logging
 from ragline.server.interceptor import RaglineServerInterceptor
 
@@ -163,6 +164,7 @@ async def serve(
     config = config or spec.config_factory()
     common = common or CommonConfig()
     configure_logging(spec.name, common.log_level, common.log_format)
+    limit_blas_threads(common.blas_threads)
     runner = ServerRunner(spec, config, common)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -38,3 +38,37 @@ def test_parallel_runs_is_the_setting_or_one_per_threads_of_the_cores():
     assert parallel_runs(3, 1) == 3
     assert parallel_runs(0, 1) == usable_cores()
     assert parallel_runs(0, usable_cores() + 1) == 1  # never none
+
+
+BLAS_PROBE = """
+import json, sys
+import numpy
+from threadpoolctl import threadpool_info
+from ragline.cores import limit_blas_threads
+
+def blas():
+    return [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+
+out = {"before": blas(), "zero": limit_blas_threads(0), "after_zero": blas()}
+out["three"] = limit_blas_threads(3)
+out["one"] = limit_blas_threads(1)
+out["after_one"] = blas()
+print(json.dumps(out))
+"""
+
+
+def test_blas_threads_are_capped_in_a_fresh_process():
+    # A process of its own: the cap is process-wide and must not leak into other tests.
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    probe = subprocess.run(
+        [sys.executable, "-c", BLAS_PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    seen = json.loads(probe.stdout)
+    assert seen["before"], "numpy loaded no BLAS that threadpoolctl can see"
+    assert seen["zero"] is None and seen["after_zero"] == seen["before"]  # 0 leaves it
+    assert seen["three"] == 3  # the cap is really applied, not just reported
+    assert seen["one"] == 1 and seen["after_one"] == [1] * len(seen["before"])
