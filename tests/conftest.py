@@ -22,7 +22,7 @@ from ragline.processes import free_ports, terminate
 from ragline_app.etcd_server import EtcdServer
 from ragline_app.redis_server import RedisServer
 from ragline_app.stack import health_status_sync
-from support import REPO_ROOT, SMALL_GENERATION
+from support import BATCH_INVARIANT_MODEL, REPO_ROOT, SMALL_GENERATION
 from support.budget import Api, budget_env, new_id
 
 BIN_DIR = Path(sys.executable).parent
@@ -183,9 +183,15 @@ def authenticated_stack(module_launcher, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def embedding_pair(module_launcher) -> tuple[ServiceHandle, ServiceHandle]:
-    """Two embedding services: one batching across requests, one running texts alone."""
-    batched = module_launcher.start("embedding", env={"RAGLINE_EMBEDDING_MAX_WAIT_MS": "5"})
-    unbatched = module_launcher.start("embedding", env={"RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "1"})
+    """Two embedding services on a batch-invariant model: one batching across requests, one
+    running texts alone. (The default model is not batch invariant: it never batches.)"""
+    model = {"RAGLINE_EMBEDDING_MODEL": BATCH_INVARIANT_MODEL}
+    batched = module_launcher.start(
+        "embedding", env={**model, "RAGLINE_EMBEDDING_MAX_WAIT_MS": "5"}
+    )
+    unbatched = module_launcher.start(
+        "embedding", env={**model, "RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "1"}
+    )
     return batched, unbatched
 
 

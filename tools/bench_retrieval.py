@@ -64,10 +64,9 @@ def pct(values, q):
 
 
 def query_vectors(questions: list[str], model: str) -> np.ndarray:
-    from ragline_services.embedding.offline import embed_texts, load_embedder
+    from ragline_services.embedding.offline import load_embedder
 
-    backend, tokenizer = load_embedder(model)
-    return embed_texts(backend, tokenizer, questions)
+    return load_embedder(model).embed(questions)
 
 
 SOURCE_ENV: dict[str, str] = {}  # PYTHONPATH of the code under test (baseline runs)

@@ -87,20 +87,16 @@ def corpus(data: Path, root: Path) -> Iterator[dict]:
 def embed_corpus(path: Path, out: Path, model: str, max_tokens: int) -> None:
     import numpy as np
 
-    from ragline_services.embedding.offline import embed_texts, load_embedder
+    from ragline_services.embedding.offline import load_embedder
     from ragline_services.retrieval.documents import passage_text
 
-    backend, tokenizer = load_embedder(model, max_tokens=max_tokens)
+    embedder = load_embedder(model, max_tokens=max_tokens)
     docs = [json.loads(line) for line in path.open()]
     started = time.monotonic()
     chunks = []
     for start in range(0, len(docs), 4096):
         chunk = docs[start : start + 4096]
-        chunks.append(
-            embed_texts(
-                backend, tokenizer, [passage_text(d["title"], d["text"]) for d in chunk], 64
-            )
-        )
+        chunks.append(embedder.embed([passage_text(d["title"], d["text"]) for d in chunk], 64))
         print(
             f"embedded {start + len(chunk)}/{len(docs)} in {time.monotonic() - started:.0f} s",
             file=sys.stderr,

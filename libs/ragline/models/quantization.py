@@ -1,10 +1,11 @@
-"""Static int8 quantization of an ONNX graph (the export tools' one way to make a fast,
-batch-invariant model).
+"""Int8 quantization of an ONNX graph: static (the fast, batch-invariant way) and dynamic
+(faster per text, run one text at a time).
 
-QDQ format, int8 per-channel weights, uint8 activations whose scales are calibrated once
-on real inputs and then fixed: unlike dynamic quantization (scales computed per batch at
-run time), a text's vector does not depend on what else shares its batch, so batching
-across callers and tenants stays safe.
+Static: QDQ format, int8 per-channel weights, uint8 activations whose scales are calibrated
+once on real inputs and then fixed: a text's vector does not depend on what else shares its
+batch, so batching across callers and tenants stays safe. Dynamic: scales computed per run
+at run time, so a text's vector depends on its run's other texts; whoever runs such a graph
+runs it one text at a time.
 """
 
 from __future__ import annotations
@@ -92,4 +93,24 @@ def quantize_static_qdq(
                 "ActivationSymmetric": False,
                 "MatMulConstBOnly": weights_only_matmuls,
             },
+        )
+
+
+def quantize_dynamic_int8(fp32: Path, int8: Path, op_types: tuple[str, ...] = ("MatMul",)) -> None:
+    """Writes `int8` from `fp32`: per-channel int8 weights of the MatMuls with a constant
+    weight (ONNX Runtime's dynamic mode leaves activation x activation products in fp32);
+    activation scales are computed at run time from each run's input."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prepared = Path(tmp) / "prepared.onnx"
+        quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
+        quantize_dynamic(
+            str(prepared),
+            str(int8),
+            per_channel=True,
+            weight_type=QuantType.QInt8,
+            op_types_to_quantize=list(op_types),
+            extra_options={"MatMulConstBOnly": True},
         )

@@ -1,4 +1,4 @@
-"""Models derived at prepare time: the static int8 recipe on a small real ONNX graph (a
+"""Models derived at prepare time: the int8 recipes on a small real ONNX graph (a
 weights-only int8 encoder with an erf GELU, the shape of the real one), and the store's
 handling of what a recipe makes."""
 
@@ -75,7 +75,8 @@ def _encoder_graph(path: Path) -> None:
 
 @pytest.fixture
 def store(tmp_path) -> ModelStore:
-    """A manifest of two models: a bundled source encoder and its static int8 derivative."""
+    """A manifest of three models: a bundled source encoder and its static and dynamic int8
+    derivatives."""
     source = tmp_path / "manifest" / "bundled" / "encoder"
     source.mkdir(parents=True)
     _encoder_graph(source / "model.onnx")
@@ -109,6 +110,18 @@ licence = "test"
 derived_from = "encoder"
 derive = "static-int8-qdq"
 calibration = "calibration/texts.json"
+output = "last_hidden_state"
+tokenizer = "encoder"
+max_tokens = 64
+
+[models.encoder-dyn]
+kind = "onnx-embedding"
+description = "encoder, dynamic int8"
+licence = "test"
+derived_from = "encoder"
+derive = "dynamic-int8"
+calibration = "calibration/texts.json"
+batch_invariant = false
 output = "last_hidden_state"
 tokenizer = "encoder"
 max_tokens = 64
@@ -195,3 +208,50 @@ def test_an_unknown_recipe_is_named(store, monkeypatch):
     monkeypatch.setattr(derive_module, "RECIPES", {})
     with pytest.raises(ModelError, match="unknown recipe 'static-int8-qdq'"):
         store.prepare("encoder-qdq")
+
+
+def test_the_dynamic_graph_quantizes_every_weight_matmul_and_is_verified(store):
+    import onnx
+
+    store.prepare("encoder-dyn")
+    store.verify("encoder-dyn")
+    derived = store.file("encoder-dyn", "model.onnx")
+    ops = [n.op_type for n in onnx.load(str(derived)).graph.node]
+    # Both weight MatMuls (the GELU-fed one too) run on int8 weights and per-run scales.
+    assert ops.count("MatMulInteger") == 2 and "MatMul" not in ops
+    assert "DynamicQuantizeLinear" in ops and "QuantizeLinear" not in ops
+    report = json.loads((derived.parent / "export.json").read_text())["report"]
+    assert report["recipe"] == "dynamic-int8" and report["held_out_texts_per_run"] == 1
+    assert report["token_cosine_mean"] >= derive_module.MIN_TOKEN_COSINE
+    source = _run(store.file("encoder", "model.onnx"), store, CORPUS[:3])
+    for text, reference in zip(CORPUS[:3], source, strict=True):
+        (ours,) = _run(derived, store, [text])  # alone, as the services run it
+        cosine = np.sum(ours * reference, axis=1) / (
+            np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)
+        )
+        assert cosine.min() > 0.95
+
+
+def test_the_dynamic_graph_is_the_same_bytes_on_every_make(store, tmp_path):
+    """Weights only: nothing measured goes into the file, so every machine with the same
+    ONNX Runtime makes the same model version (and so the same index)."""
+    store.prepare("encoder-dyn")
+    again = ModelStore(tmp_path / "other-store", manifest=store.manifest)
+    again.prepare("encoder-dyn")
+    assert store.version("encoder-dyn") == again.version("encoder-dyn")
+
+
+def test_the_dynamic_graph_depends_on_its_batch_so_it_is_run_alone(store):
+    """Why the manifest marks it `batch_invariant = false`: a text's rows change when a
+    text with larger activations shares its run."""
+    from ragline.embedder import batch_invariant
+
+    assert not batch_invariant(store.spec("encoder-dyn"))
+    assert batch_invariant(store.spec("encoder-qdq"))
+    store.prepare("encoder-dyn")
+    derived = store.file("encoder-dyn", "model.onnx")
+    short, long = CORPUS[3], CORPUS[1] * 3
+    alone = _run(derived, store, [short])[0]
+    np.testing.assert_array_equal(alone, _run(derived, store, [short])[0])
+    batched = _run(derived, store, [short, long])[0]
+    assert np.abs(alone - batched).max() > 0

@@ -14,9 +14,12 @@ import pytest
 from ragline.processes import free_ports
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc
 from ragline_app.datasets import load_squad
+from ragline_services.embedding.service import EmbeddingConfig
 from support import REPO_ROOT, SQUAD_SAMPLE, field_violations
 
 pytestmark = pytest.mark.integration
+
+DEFAULT_MODEL = EmbeddingConfig.model_fields["model"].default
 
 
 def sample_texts(n: int) -> list[str]:
@@ -43,16 +46,17 @@ def as_array(reply) -> np.ndarray:
     return np.array([list(e.values) for e in reply.embeddings], dtype=np.float32)
 
 
-async def test_embeds_with_usage_version_and_timing(embedding_pair):
-    batched, _ = embedding_pair
-    reply = await embed(batched.address, embedding_pb2.EmbedRequest(texts=["hello world", "a b"]))
+async def test_embeds_with_usage_version_and_timing(embedding_service):
+    reply = await embed(
+        embedding_service.address, embedding_pb2.EmbedRequest(texts=["hello world", "a b"])
+    )
     vectors = as_array(reply)
     assert vectors.shape == (2, 384) and reply.dim == 384
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
     assert [e.token_count for e in reply.embeddings] == [4, 4]
     assert reply.usage.input_tokens == 8
-    assert reply.model == "minilm-l6-int8-qdq"
-    assert reply.model_version.startswith("minilm-l6-int8-qdq@")
+    assert reply.model == DEFAULT_MODEL
+    assert reply.model_version.startswith(f"{DEFAULT_MODEL}@")
     stages = [s.name for s in reply.timing.stages]
     assert stages == ["tokenize", "inference"]
     assert reply.timing.total.ToNanoseconds() >= reply.timing.compute.ToNanoseconds() > 0
@@ -102,6 +106,22 @@ async def test_batched_and_unbatched_results_are_identical(embedding_pair):
     ))  # fmt: skip
     assert {r.batch_size for r in tenant_view} == {1}
     assert np.abs(together - alone).max() < 1e-6
+
+
+async def test_a_model_that_is_not_batch_invariant_runs_every_text_alone(embedding_service):
+    """The default graph quantizes activations with scales taken from its whole run, so a
+    text run beside others would get another vector (cosine ~0.986): the service runs it
+    one text at a time, whatever the traffic, and a text's vector is the same in any call."""
+    from ragline.models import ModelStore
+
+    assert ModelStore().spec(DEFAULT_MODEL).extra.get("batch_invariant") is False
+    texts = sample_texts(16)
+    together = await embed(embedding_service.address, embedding_pb2.EmbedRequest(texts=texts))
+    alone = await asyncio.gather(
+        *(embed(embedding_service.address, embedding_pb2.EmbedRequest(texts=[t])) for t in texts)
+    )
+    assert {r.batch_size for r in alone} == {1}  # concurrent calls never share a run
+    np.testing.assert_array_equal(as_array(together), np.concatenate([as_array(r) for r in alone]))
 
 
 async def test_dimension_truncation_renormalises(embedding_pair):

@@ -1,0 +1,123 @@
+"""`ragline ingest` through running services: passages/s and where the CPU went.
+
+    .venv/bin/python tools/bench_ingest.py [--data ../shared/data/squaddev_v1.1.json] \\
+        [--runs 2] [--baseline DIR] [--env KEY=VALUE ...] [--variant NAME:KEY=VALUE,...]
+
+Starts embedding, retrieval and rerank (`ragline serve`, free loopback ports, a fresh data
+folder per run, each service's defaults) and runs the `ragline ingest` command a newcomer
+runs, into an empty tenant. Reported per variant and run: wall seconds of the command,
+passages/s, and the CPU seconds each service process (with its child processes) spent
+meanwhile. Variants: this tree, `--baseline DIR` (another checkout, measured first) and
+each `--variant NAME:KEY=VALUE,...` (this tree with those settings); `--env` applies to all.
+Runs alternate between the variants, so a slow moment of a shared machine falls on all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ragline_app.stack import source_pythonpath, spawn_service
+
+REPO = Path(__file__).resolve().parents[1]
+SERVICES = ("embedding", "retrieval", "rerank")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of `pid` and its live descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    total, stack = 0.0, [pid]
+    while stack:
+        current = stack.pop()
+        total += times.get(current, 0.0)
+        stack.extend(children.get(current, []))
+    return total
+
+
+def one_run(label: str, env: dict[str, str], data: Path, scratch: Path) -> dict:
+    work = scratch / label
+    env = {**env, "RAGLINE_DATA_DIR": str(work / "data")}
+    started: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        for name in SERVICES:
+            wiring = {f"RAGLINE_{other.upper()}_ADDR": started[other][1] for other in started}
+            started[name] = spawn_service(name, {**env, **wiring}, work / f"{name}.log")
+        addresses = {f"RAGLINE_{n.upper()}_ADDR": address for n, (_, address) in started.items()}
+        before = {name: cpu_seconds(process.pid) for name, (process, _) in started.items()}
+        clock = time.monotonic()
+        command = [
+            *(sys.executable, "-m", "ragline_app.cli", "ingest", str(data), "--tenant", "bench"),
+            *("--quiet", "--restart", "--checkpoint", str(work / "checkpoint")),
+        ]
+        done = subprocess.run(
+            command, env={**os.environ, **env, **addresses}, capture_output=True, text=True
+        )
+        wall = time.monotonic() - clock
+        if done.returncode != 0:
+            raise RuntimeError(f"{label}: ingest failed: {done.stderr[-2000:]}")
+        used = {
+            name: cpu_seconds(process.pid) - before[name] for name, (process, _) in started.items()
+        }
+        passages = int(done.stdout.split("ingested ", 1)[1].split()[0])
+        return {"wall": wall, "passages": passages, "cpu": used, "said": done.stdout.strip()}
+    finally:
+        for process, _ in started.values():
+            process.terminate()
+        for process, _ in started.values():
+            process.wait(timeout=60)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--data", type=Path, default=REPO / "app/data/squad_dev_sample.json")
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--baseline", type=Path, help="another checkout, measured first")
+    parser.add_argument("--env", action="append", default=[], help="KEY=VALUE, every variant")
+    parser.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,...")
+    args = parser.parse_args()
+    common = dict(item.split("=", 1) for item in args.env)
+    variants: list[tuple[str, dict[str, str]]] = []
+    if args.baseline:
+        variants.append(("before", {**common, "PYTHONPATH": source_pythonpath(args.baseline)}))
+    variants.append(("after" if args.baseline else "this tree", common))
+    for spec in args.variant:
+        name, _, settings = spec.partition(":")
+        variants.append((name, {**common, **dict(s.split("=", 1) for s in settings.split(","))}))
+    scratch = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
+    rows = []
+    for run in range(args.runs):
+        for name, env in variants:
+            result = one_run(f"{name.replace(' ', '-')}-{run}", env, args.data, scratch)
+            rows.append((name, run, result))
+            print(f"{name} run {run}: {result['wall']:.1f} s; {result['said']}", file=sys.stderr)
+    print(f"\n`ragline ingest {args.data.name}` into an empty tenant; CPU seconds per service")
+    print("| variant | run | passages | wall s | passages/s | " + " | ".join(SERVICES) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(SERVICES))
+    for name, run, r in rows:
+        cpu = " | ".join(f"{r['cpu'][s]:.0f}" for s in SERVICES)
+        rate = r["passages"] / r["wall"]
+        print(f"| {name} | {run} | {r['passages']} | {r['wall']:.1f} | {rate:.1f} | {cpu} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
