@@ -20,7 +20,8 @@ those sent after, while the rebuild ran; closed-loop clients on 2 cores leave th
 low-priority rebuild almost no CPU, so at 254k it ran past 20 minutes). Failed requests are
 counted in every row.
 `--service-embeds` adds the recall stage as a client sees it: HYBRID at concurrency 1 with
-the query text only, beside an embedding service started for the run (its default model);
+the query text only, beside an embedding service started for each variant (that code and
+its default model, so a model change is part of a before / after);
 the retrieval service embeds the text in process with that model (its local query encoder),
 and with `--compare-query-encoder` also through the embedding service, in the same run.
 
@@ -472,28 +473,31 @@ def main() -> int:
     else:
         vectors = np.load(args.corpus / f"vectors-{args.model}-{args.tokens}.npy")
         q_vecs = query_vectors(questions, args.model)
-    embedder = None
-    if args.service_embeds:
-        log_dir = Path(tempfile.mkdtemp(prefix="bench-retrieval-embedding-"))
-        embedder, embedding_address = spawn_service("embedding", {}, log_dir / "embedding.log")
-        SERVICE_ENV["RAGLINE_EMBEDDING_ADDR"] = embedding_address
     variants = [("before", source_pythonpath(args.baseline))] if args.baseline else []
     variants.append(("after" if args.baseline else "value", None))
     table: dict[tuple[int, str], dict[str, tuple[str, float]]] = {}
-    try:
-        for size in args.size or [100_000]:
-            for name, path in variants:
-                SOURCE_ENV.clear()
-                if path:
-                    SOURCE_ENV["PYTHONPATH"] = path
+    for size in args.size or [100_000]:
+        for name, path in variants:
+            SOURCE_ENV.clear()
+            if path:
+                SOURCE_ENV["PYTHONPATH"] = path
+            embedder = None
+            if args.service_embeds:
+                # The variant's own embedding service: its code and its default model.
+                log_dir = Path(tempfile.mkdtemp(prefix="bench-retrieval-embedding-"))
+                embedder, embedding_address = spawn_service(
+                    "embedding", dict(SOURCE_ENV), log_dir / "embedding.log"
+                )
+                SERVICE_ENV["RAGLINE_EMBEDDING_ADDR"] = embedding_address
+            try:
                 for measure, value, number in run_size(
                     size, docs, vectors, questions, q_vecs, args
                 ):
                     table.setdefault((size, measure), {})[name] = (value, number)
-    finally:
-        if embedder is not None:
-            embedder.terminate()
-            embedder.wait()
+            finally:
+                if embedder is not None:
+                    embedder.terminate()
+                    embedder.wait()
     names = [name for name, _ in variants]
     header = "| passages | measure | " + " | ".join(names)
     print("\n" + header + (" | after / before |" if args.baseline else " |"))
