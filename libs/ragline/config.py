@@ -75,8 +75,8 @@ class CommonConfig(EmptyMeansUnset):
     # Threads of the BLAS behind numpy (0: the library's own default, one per core). A
     # service sizes its parallelism itself (model runs, executors), and BLAS's pool on top
     # spins beside them: measured in rerank during an ingest of SQuAD dev, its
-    # 384x128 token projections ran on OpenBLAS threads that took ~35% of the process's
-    # CPU (121 s -> 84 s for 2,067 passages with one thread).
+    # 384x128 token projections ran on OpenBLAS threads that took a third of the process's
+    # CPU (128 s -> 84 s for 2,067 passages with one thread).
     blas_threads: int = Field(1, ge=0)
     # Where each service listens: RAGLINE_<NAME>_ADDR (host:port), keyed by name.
     _addresses: dict[str, str] = PrivateAttr(default_factory=dict)

@@ -113,6 +113,14 @@ def batch_invariant(spec: ModelSpec) -> bool:
     return spec.extra.get("batch_invariant", True)
 
 
+def texts_per_run(spec: ModelSpec, limit: int) -> int:
+    """How many texts one model run of `spec` may hold, `limit` at most: one for a model
+    that is not batch invariant, so that every process running a model version gives the
+    same vectors (alone, as the embedding service runs it) and no text's vector depends on
+    who else, another tenant, shares its run."""
+    return limit if batch_invariant(spec) else 1
+
+
 async def start_embedder(
     backend: EmbeddingBackend,
     tokenizer: Tokenizer,
@@ -124,16 +132,14 @@ async def start_embedder(
 ) -> Embedder:
     """An Embedder over `backend` for the model `spec`, its batcher started and one run
     made (kernels loaded, memory allocated, so the first caller does not pay for them). The
-    one way a process embeds with a model of the store, so that every process running a
-    model version gives the same vectors: a model that is not batch invariant runs one text
-    at a time (its vectors would depend on whoever else shares the batch, another tenant)."""
+    one way a process embeds with a model of the store; runs hold `texts_per_run`."""
 
     async def run(texts):
         return await backend.embed(*pad(texts))
 
     batcher = MicroBatcher(
         run,
-        max_batch_texts=max_batch_texts if batch_invariant(spec) else 1,
+        max_batch_texts=texts_per_run(spec, max_batch_texts),
         max_parallel_runs=backend.parallel_runs,
         **batcher_options,
     )

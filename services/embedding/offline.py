@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from ragline.batching import bucket_groups, pad
-from ragline.embedder import batch_invariant
+from ragline.embedder import texts_per_run
 from ragline.embedding_backends import OnnxRuntimeBackend
-from ragline.models import ModelStore
+from ragline.models import ModelSpec, ModelStore
 from ragline.tokenization import Tokenizer
 
 
@@ -20,13 +20,12 @@ from ragline.tokenization import Tokenizer
 class OfflineEmbedder:
     backend: OnnxRuntimeBackend
     tokenizer: Tokenizer
-    # 1 for a model that is not batch invariant: its vectors are the service's only when
-    # every text runs alone, as the service runs it.
-    max_texts_per_run: int
+    spec: ModelSpec
 
     def embed(self, texts: list[str], batch: int = 32) -> np.ndarray:
-        """Vectors of `texts` (L2-normalised), batched by length bucket like the service."""
-        batch = min(batch, self.max_texts_per_run)
+        """Vectors of `texts` (L2-normalised), batched by length bucket like the service,
+        and, like it, only as many per run as the model allows: the service's vectors."""
+        batch = texts_per_run(self.spec, batch)
         tokens = self.tokenizer.encode(texts, refuse_over_limit=False)
         out = np.empty((len(texts), self.backend.dim), dtype=np.float32)
         for group in bucket_groups([t.length for t in tokens], batch):
@@ -47,7 +46,7 @@ def load_embedder(
     return OfflineEmbedder(
         OnnxRuntimeBackend(store.file(model, "model.onnx"), intra_op_threads=threads),
         tokenizer,
-        max_texts_per_run=1024 if batch_invariant(spec) else 1,
+        spec,
     )
 
 

@@ -14,9 +14,9 @@ from pydantic import Field
 from ragline.batching import MicroBatcher
 from ragline.config import ServiceConfig
 from ragline.cores import parallel_runs
-from ragline.embedder import PASSAGE, batch_invariant, input_prefixes
+from ragline.embedder import PASSAGE, input_prefixes, texts_per_run
 from ragline.errors import FailedPrecondition
-from ragline.models import ModelStore
+from ragline.models import ModelSpec, ModelStore
 from ragline.server import Service, ServiceSpec
 from ragline.stopwords import STOP_WORDS
 from ragline.tokenization import Tokenizer
@@ -120,16 +120,24 @@ async def build_reranker(
     batchers: list[MicroBatcher] = []
     models: list = []
 
-    async def batcher(run, parallel_runs: int = 1, *, one_text_per_run=False) -> MicroBatcher:
+    async def batcher(
+        run, parallel_runs: int = 1, *, spec: ModelSpec | None = None
+    ) -> MicroBatcher:
+        """A batcher over `run`; for an embedding model `spec`, its runs hold what the
+        model allows (`texts_per_run`)."""
+
+        def limit(texts: int) -> int:
+            return texts if spec is None else texts_per_run(spec, texts)
+
         made = MicroBatcher(
             run,
-            max_batch_texts=1 if one_text_per_run else cfg.max_batch_texts,
+            max_batch_texts=limit(cfg.max_batch_texts),
             max_wait_s=cfg.max_wait_ms / 1000,
             max_queue_texts=cfg.max_queue_texts,
             max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
             name="rerank",
             max_parallel_runs=parallel_runs,
-            max_bulk_batch_texts=1 if one_text_per_run else cfg.max_bulk_batch_texts,
+            max_bulk_batch_texts=limit(cfg.max_bulk_batch_texts),
         )
         await made.start()
         batchers.append(made)
@@ -171,12 +179,9 @@ async def build_reranker(
         if cfg.query_skip_stop_words
         else frozenset(),
         token_tokenizer=token_tokenizer,
-        # A text's token vectors (and the embedding ingest writes from the same run) must
-        # not depend on who shares its run: a model that is not batch invariant runs one
-        # text at a time, as the embedding service runs it.
-        token_batcher=await batcher(
-            encoder.run, encoder.parallel_runs, one_text_per_run=not batch_invariant(token_spec)
-        ),
+        # A text's token vectors (and the embedding ingest writes from the same run) are
+        # what the embedding service gives it: runs hold what the model allows.
+        token_batcher=await batcher(encoder.run, encoder.parallel_runs, spec=token_spec),
         pair_tokenizer=pair_tokenizer,
         pair_batcher=pair_batcher,
         cache=TokenCache(cfg.token_cache_mb * 1024 * 1024),

@@ -11,10 +11,23 @@ runs it one text at a time.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+
+
+@contextmanager
+def _preprocessed(fp32: Path) -> Iterator[Path]:
+    """`fp32` after ONNX Runtime's pre-quantization pass (shape inference, fusions the
+    quantizer expects), in a temporary file for the life of the block."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prepared = Path(tmp) / "prepared.onnx"
+        quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
+        yield prepared
 
 
 def matmuls_after_gelu(model_path: Path) -> list[str]:
@@ -66,7 +79,6 @@ def quantize_static_qdq(
         QuantType,
         quantize_static,
     )
-    from onnxruntime.quantization.shape_inference import quant_pre_process
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
@@ -75,9 +87,7 @@ def quantize_static_qdq(
         def get_next(self):
             return next(self.feeds, None)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        prepared = Path(tmp) / "prepared.onnx"
-        quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
+    with _preprocessed(fp32) as prepared:
         excluded = matmuls_after_gelu(prepared) if keep_fp32_after_gelu else []
         quantize_static(
             str(prepared),
@@ -101,11 +111,8 @@ def quantize_dynamic_int8(fp32: Path, int8: Path, op_types: tuple[str, ...] = ("
     weight (ONNX Runtime's dynamic mode leaves activation x activation products in fp32);
     activation scales are computed at run time from each run's input."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
-    from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    with tempfile.TemporaryDirectory() as tmp:
-        prepared = Path(tmp) / "prepared.onnx"
-        quant_pre_process(str(fp32), str(prepared), skip_symbolic_shape=True)
+    with _preprocessed(fp32) as prepared:
         quantize_dynamic(
             str(prepared),
             str(int8),
