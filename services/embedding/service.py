@@ -110,10 +110,11 @@ class EmbeddingService(Service):
             self.backend = await asyncio.to_thread(build_backend, cfg, store)
         version = store.version(cfg.model)
         if not batch_invariant(spec):
-            log.warning(
+            # The default model's normal way of running (not a fault): info, not a warning.
+            log.info(
                 "embedding.batching_off",
                 model=cfg.model,
-                reason="dynamic activation quantization makes results batch-dependent",
+                reason="dynamic activation quantization: one text per run",
             )
         await self.backend.check_ready()
         embedder = await start_embedder(
