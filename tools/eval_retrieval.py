@@ -173,16 +173,17 @@ def main() -> int:
     parser.add_argument("--late-interaction-k", type=int, default=20)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--digits", type=int, default=3, help="decimals (4 to compare models a step apart)"
+    )
     args = parser.parse_args()
     for path in args.data:
         rows = asyncio.run(evaluate(path, args))
         print(f"\n{path.name} ({args.model})")
         print("| mode | nDCG@10 | Recall@10 | Recall@100 | MRR@10 |\n|---|---|---|---|---|")
         for label, m in rows:
-            print(
-                f"| {label} | {m['ndcg@10']:.3f} | {m['recall@10']:.3f} | "
-                f"{m['recall@100']:.3f} | {m['mrr@10']:.3f} |"
-            )
+            cells = (m[key] for key in ("ndcg@10", "recall@10", "recall@100", "mrr@10"))
+            print(f"| {label} | " + " | ".join(f"{v:.{args.digits}f}" for v in cells) + " |")
     return 0
 
 

@@ -12,74 +12,17 @@ import pytest
 
 from ragline.models import ModelError, ModelStore
 from ragline.models import derive as derive_module
+from support.encoder_graph import encoder_graph
 from support.tokenizers import CORPUS, byte_level_tokenizer
-
-WIDTH, VOCAB = 32, 512
-
-
-def _encoder_graph(path: Path) -> None:
-    """input_ids -> embedding -> int8-weight MatMul (Cast * scale, as the shipped graph
-    stores it) -> erf GELU -> MatMul -> masked last_hidden_state [batch, seq, WIDTH]."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(5)
-    table = rng.normal(size=(VOCAB, WIDTH)).astype(np.float32)
-    up_int8 = rng.integers(-127, 128, size=(WIDTH, 4 * WIDTH)).astype(np.int8)
-    down = (rng.normal(size=(4 * WIDTH, WIDTH)) / 8).astype(np.float32)
-    consts = [
-        numpy_helper.from_array(table, "table"),
-        numpy_helper.from_array(up_int8, "up_int8"),
-        numpy_helper.from_array(np.array(0.01, np.float32), "up_scale"),
-        numpy_helper.from_array(down, "down"),
-        numpy_helper.from_array(np.array(1.4142135, np.float32), "sqrt2"),
-        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
-        numpy_helper.from_array(np.array(0.5, np.float32), "half"),
-        numpy_helper.from_array(np.array([-1], np.int64), "last_axis"),
-    ]
-    nodes = [
-        helper.make_node("Gather", ["table", "input_ids"], ["embedded"]),
-        helper.make_node("Cast", ["up_int8"], ["up_f"], to=TensorProto.FLOAT),
-        helper.make_node("Mul", ["up_f", "up_scale"], ["up"]),
-        helper.make_node("MatMul", ["embedded", "up"], ["hidden"]),
-        helper.make_node("Div", ["hidden", "sqrt2"], ["scaled"]),
-        helper.make_node("Erf", ["scaled"], ["erf"]),
-        helper.make_node("Add", ["erf", "one"], ["erf1"]),
-        helper.make_node("Mul", ["hidden", "erf1"], ["gelu_x"]),
-        helper.make_node("Mul", ["gelu_x", "half"], ["gelu"]),
-        helper.make_node("MatMul", ["gelu", "down"], ["projected"]),
-        helper.make_node("Cast", ["attention_mask"], ["mask_f"], to=TensorProto.FLOAT),
-        helper.make_node("Unsqueeze", ["mask_f", "last_axis"], ["mask3"]),
-        helper.make_node("Mul", ["projected", "mask3"], ["last_hidden_state"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "encoder",
-        [
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "seq"]),
-        ],
-        [
-            helper.make_tensor_value_info(
-                "last_hidden_state", TensorProto.FLOAT, ["batch", "seq", WIDTH]
-            )
-        ],
-        consts,
-    )
-    for index, node in enumerate(graph.node):  # exporters name every node
-        node.name = f"{node.op_type}_{index}"
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(path))
 
 
 @pytest.fixture
 def store(tmp_path) -> ModelStore:
-    """A manifest of three models: a bundled source encoder and its static and dynamic int8
-    derivatives."""
+    """A manifest of four models: a bundled source encoder and its static, dynamic and
+    smoothed dynamic int8 derivatives."""
     source = tmp_path / "manifest" / "bundled" / "encoder"
     source.mkdir(parents=True)
-    _encoder_graph(source / "model.onnx")
+    encoder_graph(source / "model.onnx")
     byte_level_tokenizer(source)
     calibration = tmp_path / "manifest" / "calibration"
     calibration.mkdir()
@@ -120,6 +63,18 @@ description = "encoder, dynamic int8"
 licence = "test"
 derived_from = "encoder"
 derive = "dynamic-int8"
+calibration = "calibration/texts.json"
+batch_invariant = false
+output = "last_hidden_state"
+tokenizer = "encoder"
+max_tokens = 64
+
+[models.encoder-sq]
+kind = "onnx-embedding"
+description = "encoder, smoothed dynamic int8"
+licence = "test"
+derived_from = "encoder"
+derive = "smoothed-dynamic-int8"
 calibration = "calibration/texts.json"
 batch_invariant = false
 output = "last_hidden_state"
@@ -255,3 +210,41 @@ def test_the_dynamic_graph_depends_on_its_batch_so_it_is_run_alone(store):
     np.testing.assert_array_equal(alone, _run(derived, store, [short])[0])
     batched = _run(derived, store, [short, long])[0]
     assert np.abs(alone - batched).max() > 0
+
+
+def test_the_smoothed_graph_is_dynamic_int8_behind_its_smoothing_and_is_verified(store):
+    import onnx
+
+    store.prepare("encoder-sq")
+    store.verify("encoder-sq")
+    derived = store.file("encoder-sq", "model.onnx")
+    graph = onnx.load(str(derived)).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("MatMulInteger") == 2 and "MatMul" not in ops
+    # Each quantized MatMul reads its input through its smoothing Mul.
+    producers = {o: n for n in graph.node for o in n.output}
+    quantizers = [producers[n.input[0]] for n in graph.node if n.op_type == "MatMulInteger"]
+    assert {q.op_type for q in quantizers} == {"DynamicQuantizeLinear"}
+    assert all(producers[q.input[0]].name.endswith("/smooth") for q in quantizers)
+    report = json.loads((derived.parent / "export.json").read_text())["report"]
+    assert report["recipe"] == "smoothed-dynamic-int8" and report["held_out_texts_per_run"] == 1
+    assert report["smoothing_alpha"] == derive_module.SMOOTHING_ALPHA
+    assert report["smoothed_inputs"] == 2
+    assert report["channel_spread_after"] < report["channel_spread_before"]
+    assert report["token_cosine_mean"] >= derive_module.MIN_TOKEN_COSINE
+    source = _run(store.file("encoder", "model.onnx"), store, CORPUS[:3])
+    for text, reference in zip(CORPUS[:3], source, strict=True):
+        (ours,) = _run(derived, store, [text])
+        cosine = np.sum(ours * reference, axis=1) / (
+            np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)
+        )
+        assert cosine.min() > 0.95
+
+
+def test_the_smoothed_graph_is_the_same_model_version_on_every_make(store, tmp_path):
+    """Calibrated, yet reproducible: the channel maxima come from one deterministic fp32
+    pass, so the same machine (and ONNX Runtime) makes the same bytes."""
+    store.prepare("encoder-sq")
+    again = ModelStore(tmp_path / "other-store", manifest=store.manifest)
+    again.prepare("encoder-sq")
+    assert store.version("encoder-sq") == again.version("encoder-sq")
