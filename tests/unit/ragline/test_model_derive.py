@@ -106,13 +106,31 @@ def _run(path: Path, store: ModelStore, texts: list[str]) -> list[np.ndarray]:
     return [hidden[i, : t.length] for i, t in enumerate(encoded)]
 
 
-def test_the_derived_graph_is_int8_keeps_the_gelu_output_in_fp32_and_is_verified(store):
+def _prepared(store: ModelStore, name: str):
+    """Prepares and verifies `name`; its model file, graph and derivation report."""
     import onnx
 
-    store.prepare("encoder-qdq")
-    store.verify("encoder-qdq")
-    derived = store.file("encoder-qdq", "model.onnx")
-    graph = onnx.load(str(derived)).graph
+    store.prepare(name)
+    store.verify(name)
+    derived = store.file(name, "model.onnx")
+    report = json.loads((derived.parent / "export.json").read_text())["report"]
+    return derived, onnx.load(str(derived)).graph, report
+
+
+def _assert_close_to_source_run_alone(store: ModelStore, derived: Path) -> None:
+    """Each text run alone (as the services run a graph that is not batch invariant) keeps
+    every token row close to the source's."""
+    source = _run(store.file("encoder", "model.onnx"), store, CORPUS[:3])
+    for text, reference in zip(CORPUS[:3], source, strict=True):
+        (ours,) = _run(derived, store, [text])
+        cosine = np.sum(ours * reference, axis=1) / (
+            np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)
+        )
+        assert cosine.min() > 0.95
+
+
+def test_the_derived_graph_is_int8_keeps_the_gelu_output_in_fp32_and_is_verified(store):
+    derived, graph, report = _prepared(store, "encoder-qdq")
     ops = [n.op_type for n in graph.node]
     assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
     assert "Cast" not in {n.op_type for n in graph.node if "up_int8" in n.input}  # folded
@@ -124,7 +142,6 @@ def test_the_derived_graph_is_int8_keeps_the_gelu_output_in_fp32_and_is_verified
         producers[m.input[1]].op_type if m.input[1] in producers else "initializer" for m in matmuls
     )
     assert weight_ops == ["DequantizeLinear", "initializer"]
-    report = json.loads((derived.parent / "export.json").read_text())["report"]
     assert report["token_cosine_mean"] >= derive_module.MIN_TOKEN_COSINE
     assert report["source"] == "encoder" and report["recipe"] == "static-int8-qdq"
     source = _run(store.file("encoder", "model.onnx"), store, CORPUS[:3])
@@ -166,25 +183,14 @@ def test_an_unknown_recipe_is_named(store, monkeypatch):
 
 
 def test_the_dynamic_graph_quantizes_every_weight_matmul_and_is_verified(store):
-    import onnx
-
-    store.prepare("encoder-dyn")
-    store.verify("encoder-dyn")
-    derived = store.file("encoder-dyn", "model.onnx")
-    ops = [n.op_type for n in onnx.load(str(derived)).graph.node]
+    derived, graph, report = _prepared(store, "encoder-dyn")
+    ops = [n.op_type for n in graph.node]
     # Both weight MatMuls (the GELU-fed one too) run on int8 weights and per-run scales.
     assert ops.count("MatMulInteger") == 2 and "MatMul" not in ops
     assert "DynamicQuantizeLinear" in ops and "QuantizeLinear" not in ops
-    report = json.loads((derived.parent / "export.json").read_text())["report"]
     assert report["recipe"] == "dynamic-int8" and report["held_out_texts_per_run"] == 1
     assert report["token_cosine_mean"] >= derive_module.MIN_TOKEN_COSINE
-    source = _run(store.file("encoder", "model.onnx"), store, CORPUS[:3])
-    for text, reference in zip(CORPUS[:3], source, strict=True):
-        (ours,) = _run(derived, store, [text])  # alone, as the services run it
-        cosine = np.sum(ours * reference, axis=1) / (
-            np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)
-        )
-        assert cosine.min() > 0.95
+    _assert_close_to_source_run_alone(store, derived)
 
 
 def test_the_dynamic_graph_is_the_same_bytes_on_every_make(store, tmp_path):
@@ -213,12 +219,7 @@ def test_the_dynamic_graph_depends_on_its_batch_so_it_is_run_alone(store):
 
 
 def test_the_smoothed_graph_is_dynamic_int8_behind_its_smoothing_and_is_verified(store):
-    import onnx
-
-    store.prepare("encoder-sq")
-    store.verify("encoder-sq")
-    derived = store.file("encoder-sq", "model.onnx")
-    graph = onnx.load(str(derived)).graph
+    derived, graph, report = _prepared(store, "encoder-sq")
     ops = [n.op_type for n in graph.node]
     assert ops.count("MatMulInteger") == 2 and "MatMul" not in ops
     # Each quantized MatMul reads its input through its smoothing Mul.
@@ -226,19 +227,12 @@ def test_the_smoothed_graph_is_dynamic_int8_behind_its_smoothing_and_is_verified
     quantizers = [producers[n.input[0]] for n in graph.node if n.op_type == "MatMulInteger"]
     assert {q.op_type for q in quantizers} == {"DynamicQuantizeLinear"}
     assert all(producers[q.input[0]].name.endswith("/smooth") for q in quantizers)
-    report = json.loads((derived.parent / "export.json").read_text())["report"]
     assert report["recipe"] == "smoothed-dynamic-int8" and report["held_out_texts_per_run"] == 1
     assert report["smoothing_alpha"] == derive_module.SMOOTHING_ALPHA
     assert report["smoothed_inputs"] == 2
     assert report["channel_spread_after"] < report["channel_spread_before"]
     assert report["token_cosine_mean"] >= derive_module.MIN_TOKEN_COSINE
-    source = _run(store.file("encoder", "model.onnx"), store, CORPUS[:3])
-    for text, reference in zip(CORPUS[:3], source, strict=True):
-        (ours,) = _run(derived, store, [text])
-        cosine = np.sum(ours * reference, axis=1) / (
-            np.linalg.norm(ours, axis=1) * np.linalg.norm(reference, axis=1)
-        )
-        assert cosine.min() > 0.95
+    _assert_close_to_source_run_alone(store, derived)
 
 
 def test_the_smoothed_graph_is_the_same_model_version_on_every_make(store, tmp_path):
