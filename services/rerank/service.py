@@ -33,7 +33,7 @@ class RerankConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("rerank")
     # Stage 1: an embedding model of the manifest with per-token outputs; the embedding
     # service's model, so that ingest takes a passage's embedding from this run.
-    token_model: str = "minilm-l6-int8-dyn"
+    token_model: str = "minilm-l6-int8-sq"
     # Token vectors are stored projected to this many components, int8. Measured on all of
     # SQuAD dev (10,565 questions, hybrid + stage 1 over the top 30): 128-d 0.924 nDCG@10,
     # 384-d (no projection) 0.926; other 128-d projections in place of the seeded one: PCA

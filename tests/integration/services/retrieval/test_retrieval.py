@@ -38,7 +38,7 @@ async def test_ingest_then_search_in_every_mode(launcher, embedding_service, tmp
     assert hit.text and hit.version == reply.log_sequence and hit.rank == 1
     assert set(hit.scores) >= {"fused"}
     assert [s.name for s in result.timing.stages][:1] == ["embed"]
-    assert result.embedding_model_version.startswith("minilm-l6-int8-dyn@")
+    assert result.embedding_model_version.startswith("minilm-l6-int8-sq@")
     await client.close()
 
 
@@ -342,7 +342,7 @@ async def test_another_embedding_model_re_embeds_the_index(launcher, embedding_s
         await asyncio.sleep(0.1)
     assert not status.reembedding_to, status
     assert status.embedding_model_version.startswith(f"{OTHER_MODEL}@")
-    assert made_by.startswith("minilm-l6-int8-dyn@")
+    assert made_by.startswith("minilm-l6-int8-sq@")
     assert status.tenant_documents == 11
     result = await client.search("acme", question.text, "hybrid")
     assert not result.fell_back and result.embedding_model_version == status.embedding_model_version
