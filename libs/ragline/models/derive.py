@@ -94,15 +94,16 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, axis=1)
 
 
-def _derived(
-    store, spec, target_dir: Path, log: Callable[[str], None], quantize, *, texts_per_run: int
-) -> dict:
+def _derived(store, spec, target_dir: Path, log: Callable[[str], None], quantize) -> dict:
     """The steps every recipe shares: fold the source's weights, `quantize(folded, target,
     tokenizer, calibration, input names)`, then compare the result with the source on the
-    held-out text, each run holding `texts_per_run` texts as the services will run them.
+    held-out text, each run holding as many texts as the services will run it with
+    (`ragline.embedder.texts_per_run`: one for a model the manifest marks not batch
+    invariant, whose activation scales come from its run).
     Writes `target_dir/model.onnx`; returns the report kept beside it."""
     import onnxruntime as ort
 
+    from ragline.embedder import texts_per_run
     from ragline.models.store import ModelError
     from ragline.tokenization import Tokenizer
 
@@ -110,6 +111,7 @@ def _derived(
     tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
     calibration = json.loads((store.manifest.parent / spec.calibration).read_text())
     output = spec.output or "last_hidden_state"
+    per_run = texts_per_run(spec, CALIBRATION_BATCH)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         folded = Path(tmp) / "folded.onnx"
@@ -117,7 +119,7 @@ def _derived(
         target = target_dir / "model.onnx"
         facts = quantize(folded, target, tokenizer, calibration, inputs)
         held_out = list(
-            calibration_feeds(tokenizer, calibration["held_out"], inputs, batch=texts_per_run)
+            calibration_feeds(tokenizer, calibration["held_out"], inputs, batch=per_run)
         )
         cosine = _cosines(
             _token_vectors(target, held_out, output), _token_vectors(source, held_out, output)
@@ -127,7 +129,7 @@ def _derived(
         "source": spec.derived_from,
         **facts,
         "held_out_texts": len(calibration["held_out"]),
-        "held_out_texts_per_run": texts_per_run,
+        "held_out_texts_per_run": per_run,
         "token_cosine_min": round(float(cosine.min()), 6),
         "token_cosine_mean": round(float(cosine.mean()), 6),
         "seconds": round(time.monotonic() - started, 1),
@@ -162,7 +164,7 @@ def static_int8_qdq(store, spec, target_dir: Path, log: Callable[[str], None]) -
         )
         return {"calibration": f"{spec.calibration}: {len(calibration['calibrate'])} texts"}
 
-    return _derived(store, spec, target_dir, log, quantize, texts_per_run=CALIBRATION_BATCH)
+    return _derived(store, spec, target_dir, log, quantize)
 
 
 def dynamic_int8(store, spec, target_dir: Path, log: Callable[[str], None]) -> dict:
@@ -174,9 +176,9 @@ def dynamic_int8(store, spec, target_dir: Path, log: Callable[[str], None]) -> d
         quantize_dynamic_int8(folded, target)
         return {}
 
-    # Activation scales come from each run's own input: held out one text per run, the
-    # only way the services run such a graph (manifest `batch_invariant = false`).
-    return _derived(store, spec, target_dir, log, quantize, texts_per_run=1)
+    # Activation scales come from each run's own input: the manifest marks such a graph
+    # `batch_invariant = false`, so it is held out one text per run, as the services run it.
+    return _derived(store, spec, target_dir, log, quantize)
 
 
 def smoothed_dynamic_int8(store, spec, target_dir: Path, log: Callable[[str], None]) -> dict:
@@ -206,7 +208,7 @@ def smoothed_dynamic_int8(store, spec, target_dir: Path, log: Callable[[str], No
             "channel_spread_after": round(max(s.spread_after for s in smoothed), 2),
         }
 
-    return _derived(store, spec, target_dir, log, quantize, texts_per_run=1)
+    return _derived(store, spec, target_dir, log, quantize)
 
 
 RECIPES = {

@@ -27,11 +27,10 @@ _FLOOR = 1e-5
 
 @dataclass(frozen=True)
 class SmoothedInput:
-    """One smoothed activation tensor: the tensor, the MatMuls that read it, and the spread
-    of its per-channel maxima (largest / median) before and after on the calibration text."""
+    """One smoothed activation tensor and the spread of its per-channel maxima (largest /
+    median) before and after, on the calibration text."""
 
     tensor: str
-    matmuls: tuple[str, ...]
     spread_before: float
     spread_after: float
 
@@ -134,7 +133,6 @@ def smooth_activations(
         smoothed.append(
             SmoothedInput(
                 tensor,
-                tuple(m.name for m in matmuls),
                 _spread(activation_max),
                 _spread(activation_max / scale),
             )
