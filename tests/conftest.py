@@ -404,6 +404,31 @@ class RagStack:
         return self.launcher.start("orchestrator", env=env)
 
 
+@pytest.fixture
+async def proxied(rag_stack):
+    """`make(script)`: an orchestrator over the RagStack whose generation calls go through a
+    scriptable proxy (tests/support/generation_proxy.py) in front of the real service;
+    without a script every call goes to the real service, and is recorded."""
+    import asyncio
+
+    from support.generation_proxy import GenerationProxy
+
+    proxies = []
+
+    async def make(script=lambda request: None, *, upstream: str = ""):
+        proxy = GenerationProxy(upstream or rag_stack.generation.address, script)
+        await proxy.start()
+        proxies.append(proxy)
+        orchestrator = await asyncio.to_thread(
+            rag_stack.orchestrator, generation_addr=proxy.address
+        )
+        return proxy, orchestrator
+
+    yield make
+    for proxy in proxies:
+        await proxy.stop()
+
+
 @pytest.fixture(scope="session")
 def rag_services(etcd, tmp_path_factory) -> Iterator[RagStack]:
     """The services of a RagStack, started once for the session (each test module starts

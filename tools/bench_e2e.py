@@ -4,12 +4,17 @@
         --questions 100 --concurrency 1,4,16 --serial --plot e2e.png
 
 Starts the whole stack (`ragline up --base-port 0 --no-demo`, data in --workdir, so a rerun
-reuses the index) unless --addr points at a running one, ingests every paragraph of the
-file into tenant `bench` once, then asks a fixed sample of its questions (seeded) at each
-concurrency, with the default (parallel) plan and, with --serial, the same plan forced
-serial. Reported per configuration, over every request asked (failed and unfinished ones
-counted, never dropped; caches bypassed except in the --cache runs): time to first token
-and to the complete answer (p50/p95/p99),
+reuses the index) unless --addr points at a running one, ingests the paragraphs of the
+file into tenant `bench-h4` once (every 4th article held out: `--hold-out`), then asks a
+fixed sample of the questions about ingested articles (seeded) at each concurrency, with
+the default (parallel) plan and, with --serial, the same plan forced serial; at c=1 also
+`--unanswerable` questions about the held-out articles (out of corpus: nothing in the
+index answers them). The answer-state table says how often each set came back COMPLETE,
+whether every COMPLETE answer cited a passage, the F1 of what was answered (an INCOMPLETE
+answer counts 0; with the drafts beside it), why the rest was INCOMPLETE and how fast the
+answerability gate abstained. Reported per configuration, over every request asked (failed
+and unfinished ones counted, never dropped; caches bypassed except in the --cache runs):
+time to first token and to the complete answer (p50/p95/p99),
 answers per second, refusals (RESOURCE_EXHAUSTED), failures and deadline misses,
 measured / lower bound of the timing report, SQuAD exact match and token F1 (max over the
 gold answers, citation markers stripped) and how often the gold paragraph reached the
@@ -22,10 +27,8 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,77 +39,16 @@ import numpy as np
 
 from ragline import deadlines, identity
 from ragline.clients import ChannelPool, ServiceClient
-from ragline.v1 import (
-    common_pb2,
-    orchestrator_pb2,
-    orchestrator_pb2_grpc,
-    retrieval_pb2,
-    retrieval_pb2_grpc,
-)
-from ragline_app.datasets import load_squad
+from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from ragline_app.benchmarks import ensure_ingested, start_stack
+from ragline_app.datasets import held_out_split, load_squad, write_jsonl
 from ragline_app.evaluation import normalise, token_f1
-from ragline_app.ingest import Checkpoint, ingest, prepare_rerank
 from ragline_services.orchestrator.evidence import strip_markers
 from ragline_services.orchestrator.plan import default_rag_plan
 from ragline_services.orchestrator.servicer import plan_message
 
 TENANT = "bench"
 REPO = Path(__file__).resolve().parents[1]
-
-
-# -- the stack ----------------------------------------------------------------------------------
-
-
-def start_stack(workdir: Path, env_overrides: dict[str, str]) -> tuple[subprocess.Popen, dict]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "RAGLINE_DATA_DIR": str(workdir), "PYTHONUNBUFFERED": "1"}
-    env.update(env_overrides)
-    log = (workdir / "up.out").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ragline_app.cli", "up", "--base-port", "0", "--no-demo"],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"ragline up exited; see {workdir / 'up.out'}")
-        if "ragline up: ready" in (workdir / "up.out").read_text():
-            state = json.loads((workdir / "up.json").read_text())["services"]
-            return process, {name: s["address"] for name, s in state.items()}
-        time.sleep(1)
-    process.kill()
-    raise SystemExit("the stack did not start in 15 minutes")
-
-
-async def ensure_ingested(data: Path, addresses: dict, workdir: Path, expected: int) -> None:
-    client = ServiceClient(
-        retrieval_pb2_grpc.RetrievalServiceStub,
-        addresses["retrieval"],
-        caller=identity.Caller(TENANT),
-    )
-    with deadlines.deadline_scope(30):
-        status = await client.unary("IndexStatus", retrieval_pb2.IndexStatusRequest())
-    if status.tenant_documents >= expected:
-        if not addresses.get("rerank"):
-            return
-        prepared = await prepare_rerank(
-            data, rerank_addr=addresses["rerank"], default_tenant=TENANT, notice=print
-        )
-        print(f"rerank prepared {prepared} passages", file=sys.stderr)
-        return
-    started = time.monotonic()
-    written, _ = await ingest(
-        data,
-        retrieval_addr=addresses["retrieval"],
-        embedding_addr=addresses["embedding"],
-        default_tenant=TENANT,
-        checkpoint=Checkpoint(workdir / "ingest" / f"{data.name}.json"),
-        rerank_addr=addresses.get("rerank"),
-        notice=print,
-    )
-    print(f"ingested {written} passages in {time.monotonic() - started:.0f} s", file=sys.stderr)
 
 
 # -- one configuration ------------------------------------------------------------------------
@@ -127,6 +69,14 @@ class Outcome:
     f1: float = 0.0
     em: float = 0.0
     gold_in_prompt: bool = False
+    answerable: bool = True  # the question's paragraph was ingested
+    reason: str = ""
+    citations: int = 0
+    draft_f1: float = 0.0  # F1 of the answer, or of the draft an INCOMPLETE answer kept
+    question: str = ""
+    answerability: float = 0.0
+    text: str = ""  # the answer, or the draft an INCOMPLETE answer kept
+    detail: str = ""
     answer_hit: bool = False
     input_tokens: int = 0
     output_tokens: int = 0
@@ -143,6 +93,16 @@ class Run:
     concurrency: int
     outcomes: list[Outcome] = field(default_factory=list)
     wall_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class OutOfCorpus:
+    """A question whose article was held out of the index: nothing there answers it."""
+
+    text: str
+    answers: tuple[str, ...]
+    passage_id: str
+    answerable: bool = False
 
 
 @dataclass(frozen=True)
@@ -210,7 +170,15 @@ async def ask_one(
             found = max((part_f1(result.answer, gold) for gold in part.answers), default=0.0)
             outcome.parts_answered += found >= 0.5
             outcome.parts_cited += found >= 0.5 and part.passage_id in cited
+    outcome.reason = result.status.reason
+    outcome.question, outcome.detail = question.text, result.status.detail
+    outcome.text = result.answer or result.draft_answer
+    outcome.answerability = result.answerability
+    outcome.citations = len(result.citations)
+    outcome.answerable = getattr(question, "answerable", True)
     answer = strip_markers(result.answer)
+    draft = strip_markers(result.answer or result.draft_answer)
+    outcome.draft_f1 = max((token_f1(draft, gold) for gold in question.answers), default=0.0)
     outcome.f1 = max((token_f1(answer, gold) for gold in question.answers), default=0.0)
     outcome.em = max(
         (float(normalise(answer) == normalise(g)) for g in question.answers), default=0.0
@@ -296,6 +264,30 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def trust_table(runs: list[Run]) -> str:
+    """Per run: how often COMPLETE was returned, whether every COMPLETE answer cited a
+    passage, the F1 of what was answered (an INCOMPLETE answer counts 0) and of the drafts
+    too, why the rest was INCOMPLETE, and how fast an abstention by the gate came back."""
+    lines = [
+        "| configuration | asked | COMPLETE | COMPLETE without a citation | F1 (answers) "
+        "| F1 (answers and drafts) | INCOMPLETE by reason | abstention p50 (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        outs = run.outcomes
+        n = max(len(outs), 1)
+        complete = [o for o in outs if o.state == "COMPLETE"]
+        reasons = collections.Counter(o.reason for o in outs if o.state == "INCOMPLETE")
+        abstained = [o.complete_s for o in outs if o.reason == "no_relevant_evidence"]
+        lines.append(
+            f"| {run.name} | {len(outs)} | {len(complete) / n:.1%} | "
+            f"{sum(o.citations == 0 for o in complete)} | {sum(o.f1 for o in outs) / n:.3f} | "
+            f"{sum(o.draft_f1 for o in outs) / n:.3f} | {dict(reasons.most_common())} | "
+            f"{np.median(abstained) if abstained else float('nan'):.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def cost_table(runs: list[Run]) -> str:
     lines = [
         "| configuration | EM | F1 | escalated | signals fired | input tokens (mean) "
@@ -320,8 +312,9 @@ def cost_table(runs: list[Run]) -> str:
 def multipart_table(runs: list[Run]) -> str:
     lines = [
         "| configuration | asked | routed to the agent | both parts answered | "
-        "both answered and both paragraphs cited | one part answered | complete p50 (s) |",
-        "|---|---|---|---|---|---|---|",
+        "both answered and both paragraphs cited | one part answered | COMPLETE | "
+        "COMPLETE with a part unanswered | complete p50 (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         outs = run.outcomes
@@ -330,6 +323,8 @@ def multipart_table(runs: list[Run]) -> str:
             f"{sum(o.parts_answered == 2 for o in outs)} | "
             f"{sum(o.parts_cited == 2 for o in outs)} | "
             f"{sum(o.parts_answered == 1 for o in outs)} | "
+            f"{sum(o.state == 'COMPLETE' for o in outs)} | "
+            f"{sum(o.state == 'COMPLETE' and o.parts_answered < 2 for o in outs)} | "
             f"{percentiles([o.complete_s for o in outs if o.ok]).split(' / ')[0]} |"
         )
     return "\n".join(lines)
@@ -390,12 +385,35 @@ def main() -> int:
         help="also N two-part questions (pairs of questions on different paragraphs), "
         "routed (the agent plan) and with the RAG plan",
     )
+    parser.add_argument(
+        "--hold-out",
+        type=int,
+        default=4,
+        help="every Nth article is not ingested: its questions are the out-of-corpus set "
+        "(0: ingest every article, no such set)",
+    )
+    parser.add_argument(
+        "--unanswerable", type=int, default=100, help="out-of-corpus questions asked (c=1)"
+    )
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--json", type=Path, help="write every outcome here")
     args = parser.parse_args()
 
     passages, questions = load_squad(args.data)
-    sample = random.Random(args.seed).sample(questions, min(args.questions, len(questions)))
+    split = held_out_split(passages, questions, every=args.hold_out)
+    rng = random.Random(args.seed)
+    sample = rng.sample(split.answerable, min(args.questions, len(split.answerable)))
+    outside = [
+        OutOfCorpus(q.text, q.answers, q.passage_id)
+        for q in rng.sample(split.unanswerable, min(args.unanswerable, len(split.unanswerable)))
+    ]
+    global TENANT
+    data = args.data
+    if args.hold_out:
+        TENANT = f"bench-h{args.hold_out}"
+        data = write_jsonl(
+            split.passages, args.workdir / "data" / f"{args.data.stem}-h{args.hold_out}.jsonl"
+        )
     process = None
     if args.addr:
         orchestrator, retrieval, embedding, *rerank = args.addr.split(",")
@@ -405,7 +423,7 @@ def main() -> int:
         overrides = dict(item.split("=", 1) for item in args.env)
         process, addresses = start_stack(args.workdir, overrides)
     try:
-        asyncio.run(ensure_ingested(args.data, addresses, args.workdir, len(passages)))
+        asyncio.run(ensure_ingested(data, addresses, args.workdir, len(split.passages), TENANT))
         # Warm-up: every generation slot sees the system prompt once; not measured.
         asyncio.run(run_config("warm-up", addresses["orchestrator"], sample[:8], 4, None, 60))
         runs = []
@@ -415,6 +433,13 @@ def main() -> int:
                                        sample, level, None, args.deadline))
             )  # fmt: skip
             print(table(runs[-1:]).splitlines()[-1], file=sys.stderr)
+            if outside and level == 1:
+                # The same plan on questions whose article was never ingested.
+                runs.append(
+                    asyncio.run(run_config("out of corpus, c=1", addresses["orchestrator"],
+                                           outside, 1, None, args.deadline))
+                )  # fmt: skip
+                print(table(runs[-1:]).splitlines()[-1], file=sys.stderr)
             if args.serial and level == 1:
                 runs.append(
                     asyncio.run(run_config("serial plan, c=1", addresses["orchestrator"], sample,
@@ -432,7 +457,7 @@ def main() -> int:
                 extra["tiers"].append(run)
                 print(cost_table([run]).splitlines()[-1], file=sys.stderr)
         if args.multipart:
-            pairs = multipart_questions(questions, args.multipart, args.seed)
+            pairs = multipart_questions(split.answerable, args.multipart, args.seed)
             choices = (("multi-part, routed", orchestrator_pb2.PLAN_CHOICE_UNSPECIFIED),
                        ("multi-part, RAG plan", orchestrator_pb2.PLAN_CHOICE_RAG))  # fmt: skip
             for label, choice in choices:
@@ -454,9 +479,11 @@ def main() -> int:
         if process is not None:
             process.send_signal(signal.SIGINT)
             process.wait(timeout=60)
-    print(f"{len(sample)} questions of {args.data.name} (seed {args.seed}), ", end="")
+    held = f", every {args.hold_out}th article held out" if args.hold_out else ""
+    print(f"{len(sample)} questions of {args.data.name} (seed {args.seed}{held}), ", end="")
     print(f"deadline {args.deadline} s")
     print(table(runs))
+    print("\nanswer states: can COMPLETE be trusted?\n" + trust_table(runs))
     if extra["tiers"]:
         print("\nmodel routing: the same questions, c=1\n" + cost_table(extra["tiers"]))
     if extra["multipart"]:

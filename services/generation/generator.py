@@ -16,6 +16,7 @@ from cachetools import LRUCache
 
 from ragline import deadlines
 from ragline.errors import InvalidArgument, Unavailable
+from ragline_services.generation.chat_tokens import tokenize_chat
 from ragline_services.generation.engine import GenerationEngine, StreamEvent
 from ragline_services.generation.prefix_store import Candidate, PrefixStore, StoreOutcome
 from ragline_services.generation.scheduler import Lease, SlotScheduler
@@ -151,18 +152,24 @@ class Generator:
 
     async def render(self, request: GenerationRequest, *, for_store: bool = True) -> Rendered:
         tier = self.tier(request.tier)
-        if request.chat is not None:
+        tokenize = getattr(tier.engine, "tokenize", None)
+        token_ids = None
+        if request.chat is not None and tokenize is not None:
+            # Tokenized once: the count and the prompt the engine runs are these ids; a
+            # message's content is text, never control tokens.
+            prompt, token_ids = await tokenize_chat(tier.engine, request.chat)  # type: ignore[arg-type]
+        elif request.chat is not None:
             prompt = await tier.engine.render_chat(request.chat)
         else:
             prompt = request.prompt or ""
         if not prompt.strip():
             field_name = "chat" if request.chat is not None else "prompt"
             raise InvalidArgument(field_name, "is empty; give the model something to continue")
-        tokenize = getattr(tier.engine, "tokenize", None)
         if tokenize is None:  # an engine that only counts (Triton's preprocessing model)
             return Rendered(tier, prompt, await tier.engine.count_tokens(prompt))
-        # Tokenized once: the count and the prompt the engine runs are these ids.
-        token_ids = await tokenize(prompt)
+        if token_ids is None:
+            # A raw prompt is the caller's own text, control tokens included.
+            token_ids = await tokenize(prompt)
         if tier.prefix_store is None or not for_store:
             return Rendered(tier, prompt, len(token_ids), token_ids)
         boundaries = [len(token_ids)]
@@ -188,8 +195,7 @@ class Generator:
             partial = self._partial_tokens.get(memo)
             if partial is None:
                 try:
-                    text = await tier.engine.render_chat(chat[:upto])
-                    partial = await tier.engine.tokenize(text)  # type: ignore[attr-defined]
+                    _, partial = await tokenize_chat(tier.engine, chat[:upto])  # type: ignore[arg-type]
                 except Unavailable:
                     continue  # a template that can't render a part: no boundary there
                 self._partial_tokens[memo] = partial

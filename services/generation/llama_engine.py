@@ -250,8 +250,13 @@ class LlamaServerEngine:
     async def render_chat(self, messages: list[dict[str, str]]) -> str:
         return str(await self._post("/apply-template", {"messages": messages}, "prompt"))
 
-    async def tokenize(self, text: str) -> list[int]:
-        body = {"content": text, "add_special": True, "parse_special": True}
+    async def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """Token ids of `text`; `parse_special=False` reads control-token text as text."""
+        if not text and not add_special:
+            return []
+        body = {"content": text, "add_special": add_special, "parse_special": parse_special}
         return [int(t) for t in await self._post("/tokenize", body, "tokens")]
 
     async def count_tokens(self, text: str) -> int:

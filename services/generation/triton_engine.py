@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
-from ragline import deadlines
+from ragline import control_tokens, deadlines
 from ragline.errors import InvalidArgument, Unavailable
 from ragline_services.generation.engine import StreamEvent
 
@@ -60,7 +60,10 @@ def render_chatml(messages: list[dict[str, str]]) -> str:
     for message in messages:
         if message["role"] not in _CHATML_ROLES:
             raise InvalidArgument("chat.messages.role", f"{message['role']!r} is not a chat role")
-        parts.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
+        # The whole prompt is tokenized at once (Triton's preprocessing model): a
+        # content's control-token look-alikes are defused so they stay text.
+        content = control_tokens.defuse(message["content"])
+        parts.append(f"<|im_start|>{message['role']}\n{content}<|im_end|>\n")
     parts.append("<|im_start|>assistant\n")
     return "".join(parts)
 

@@ -30,13 +30,6 @@ PLANNER_PROMPT = (
 )
 
 
-SYNTHESIS_PROMPT = (
-    "The question has several parts. Answer every part from the evidence, in order, "
-    "separated by '; '. For each part give only a few words copied from the evidence, then "
-    "its passage number in brackets."
-)
-
-
 class SubQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
     query: str = Field(min_length=3, max_length=400)
@@ -82,17 +75,66 @@ def parse_plan(text: str) -> AgentPlan:
     return AgentPlan(subqueries=unique)
 
 
-# Questions that join several asks: "A, and also B?", "A? And B?", "A and what/who... B?".
-_SEVERAL = re.compile(
-    r",?\s+and also\s+|\?\s*(and\s+)?\w[^?]*\?|\s(and|also)\s+(what|who|whom|when|where|which|"
-    r"how|why|whose)\s+\w+",
+# The router's rule (checkable, no model): a question that joins several questions goes to
+# the agent plan. Clauses are cut where one question ends and another begins: a question
+# mark with more text after it, a semicolon, a colon before a question, "and also",
+# "as well as" / "and" before a question word, and their Chinese forms.
+_ASKS = r"what|who|whom|when|where|which|how|why|whose|is|are|was|were|did|does|do|can|could"
+_QUESTION_WORD = re.compile(rf"^\W*(?:{_ASKS})\b", re.IGNORECASE)
+_CJK_ASK = re.compile(r"什么|哪|谁|多少|几|如何|怎么|怎样|为什么|为何|是否|吗|呢")
+_CUTS = re.compile(
+    r"(?<=[?？])\s*(?=\S)"  # "A? B?"
+    r"|\s*[;；]\s*"  # "A; B"
+    r"|\s*[:：]\s*(?=\S)"  # "A: B?" (kept only before a question, below)
+    r"|,?\s+and also[:,]?\s+"  # "A, and also B?"
+    r"|,?\s+as well as\s+"  # "A, as well as when B?" (kept only before a question)
+    r"|,?\s+and\s+(?=(?:what|who|whom|when|where|which|how|why|whose)\b)"  # "A and who B?"
+    r"|，?\s*(?:以及|还有|另外|并且|同时)\s*"  # Chinese joiners (kept before a question)
+    r"|\s*，\s*",  # "A在哪里，B是多少？" (kept only between two questions)
     re.IGNORECASE,
+)
+_NEEDS_A_QUESTION_AFTER = re.compile(
+    r"^\s*[:：]|as well as|以及|还有|另外|并且|同时", re.IGNORECASE
 )
 
 
+_WH_ANYWHERE = re.compile(r"\b(?:what|who|whom|when|where|which|how|why|whose)\b", re.I)
+
+
+def _asks(clause: str) -> bool:
+    return bool(_QUESTION_WORD.search(clause) or _CJK_ASK.search(clause))
+
+
+def _words(text: str) -> int:
+    return len(text.split()) + len(re.findall(r"[\u4e00-\u9fff]", text)) // 2
+
+
+def clauses(question: str) -> list[str]:
+    """The separate questions `question` joins (one item for a simple question)."""
+    text = question.strip()
+    found: list[str] = []
+    start = 0
+    for cut in _CUTS.finditer(text):
+        before, after = text[start : cut.start()], text[cut.end() :]
+        if not before.strip() or len(after.strip()) < 3:
+            continue
+        joiner = cut.group(0)
+        if _NEEDS_A_QUESTION_AFTER.search(joiner) and not _asks(after):
+            continue  # "X as well as Y" joins words, not questions
+        if ":" in joiner and not (_WH_ANYWHERE.search(before) or _CJK_ASK.search(before)):
+            continue  # "Answer this: what ...?" is one question
+        if joiner.strip() == "，" and not (_CJK_ASK.search(before) and _CJK_ASK.search(after)):
+            continue  # a comma inside one question
+        if _words(before) < 2 or _words(after) < 2:
+            continue  # "Who founded it and when?" asks two things of one lookup
+        found.append(before.strip(" ,，"))
+        start = cut.end()
+    found.append(text[start:].strip(" ,，"))
+    return [c for c in found if c]
+
+
 def needs_several_lookups(question: str) -> bool:
-    """The router's rule (checkable, no model): the question joins several questions."""
-    return bool(_SEVERAL.search(question.strip()))
+    return len(clauses(question)) > 1
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from ragline.errors import DeadlineExceeded
 from ragline.retry import DEFAULT_POLICY
 from ragline.timing import duration
 from ragline.v1 import budget_pb2, generation_pb2, retrieval_pb2
+from ragline_services.orchestrator import answerability, routing
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.admission import Admission
 from ragline_services.orchestrator.agent import Costs, affordable, agent_plan, with_planning
@@ -34,7 +35,7 @@ from ragline_services.orchestrator.caches import (
 )
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 from ragline_services.orchestrator.report import CriticalPath, critical_path
-from ragline_services.orchestrator.runner import SUCCEEDED, NodeRecord, PlanRunner
+from ragline_services.orchestrator.runner import SUCCEEDED, Abstain, NodeRecord, PlanRunner
 from ragline_services.orchestrator.steps import (
     Answer,
     Clients,
@@ -112,9 +113,15 @@ class AskOutcome:
     route: str = "rag"
     route_detail: str = ""
     subqueries: list[str] = field(default_factory=list)
-    # Checkable signals that fired on the small answer, and whether the large tier answered.
+    # Checkable signals that fired on the small answer, whether the large tier answered,
+    # and whether its answer cleared them.
     signals: list[str] = field(default_factory=list)
     escalated: bool = False
+    escalation_cured: bool = False
+    # INCOMPLETE answers that failed their checks: the text written, unverified.
+    draft_answer: str = ""
+    # The gate's estimate that the evidence answers the question (None: not computed).
+    answerability: float | None = None
 
     @property
     def end_to_end_s(self) -> float:
@@ -366,7 +373,10 @@ class Orchestrator:
             route_detail=route.detail,
             subqueries=route.subqueries,
         )
-        if result.failure is not None:
+        outcome.answerability = _answerability(result.records)
+        if result.abstained is not None:
+            self._abstained(outcome, result.abstained)
+        elif result.failure is not None:
             self._failed(outcome, result.failure)
         else:
             self._answered(outcome, result.answer)
@@ -396,11 +406,16 @@ class Orchestrator:
             return _merged_run(planning, first, rag, second, _Route("rag_fallback", detail))
         s = ctx.settings
         remaining = await self._remaining(budget)
+        # A lookup: its search (the query embedded), its sentences embedded for the gate
+        # and the evidence, its part's answer. The synthesis: the one embedding call.
         costs = Costs(
-            subquery=Amounts(input_tokens=64, calls=1),
-            synthesis=Amounts(input_tokens=s.evidence_tokens * 4 + 200,
-                              output_tokens=s.answer_tokens, calls=1),
-        )  # fmt: skip
+            subquery=Amounts(
+                input_tokens=64 + s.embed_sentences * 40 + s.evidence_tokens + 150,
+                output_tokens=s.answer_tokens,
+                calls=2,
+            ),
+            synthesis=Amounts(calls=1),
+        )
         kept, dropped = affordable(planned.plan, remaining, costs, allow_degrade=s.allow_degrade)
         graph = agent_plan(kept, allow_degrade=s.allow_degrade, k=min(s.candidates, 10))
         second = await runner_for(graph).run()
@@ -435,7 +450,11 @@ class Orchestrator:
         outcome.dropped_citations = answer.cited.dropped
         outcome.model, outcome.tier = answer.model, answer.tier
         outcome.model_version, outcome.usage = answer.model_version, answer.usage
-        outcome.signals, outcome.escalated = list(answer.signals), answer.escalated
+        outcome.signals = [str(signal) for signal in answer.signals]
+        if answer.outcome:
+            outcome.signals.append(answer.outcome)
+        outcome.escalated = answer.escalated
+        outcome.escalation_cured = answer.escalated and not answer.problems
         outcome.prefill_tokens_saved = answer.cached_input_tokens
         if answer.finish_reason == "deadline":
             outcome.state, outcome.reason = PARTIAL, "deadline"
@@ -444,6 +463,18 @@ class Orchestrator:
             outcome.state, outcome.reason = INCOMPLETE, "not_in_evidence"
             outcome.detail = "the model found no answer in the retrieved evidence"
             outcome.citations = []
+        elif answer.problems and all(p.reason == routing.CUT for p in answer.problems):
+            outcome.state, outcome.reason = PARTIAL, "length"
+            outcome.detail = "the answer reached its token limit and is cut; its text is grounded"
+        elif answer.problems:
+            # COMPLETE is a promise: an answer that failed a check is only a draft.
+            outcome.state, outcome.reason = INCOMPLETE, answer.problems[0].reason
+            outcome.detail = "the answer failed its checks: " + "; ".join(
+                str(p) for p in answer.problems
+            )
+            if answer.escalated:
+                outcome.detail += " (the large tier's answer did not clear them)"
+            outcome.draft_answer, outcome.answer, outcome.citations = answer.text, "", []
         elif outcome.degraded:
             outcome.state, outcome.reason = PARTIAL, "degraded: " + ", ".join(outcome.degraded)
             outcome.detail = "optional steps were skipped or failed; the answer stands without them"
@@ -451,6 +482,17 @@ class Orchestrator:
             outcome.detail = (
                 f"{outcome.detail}; " if outcome.detail else ""
             ) + f"dropped citations not in the evidence: {', '.join(outcome.dropped_citations)}"
+        if outcome.state == COMPLETE and not outcome.citations:
+            # Unreachable while the checks hold (no citation is a signal); kept as the rule.
+            outcome.state, outcome.reason = INCOMPLETE, "ungrounded"
+            outcome.detail = "the answer cites no passage of the evidence"
+            outcome.draft_answer, outcome.answer = answer.text, ""
+
+    @staticmethod
+    def _abstained(outcome: AskOutcome, record: NodeRecord) -> None:
+        decision = record.exception
+        assert isinstance(decision, Abstain)
+        outcome.state, outcome.reason, outcome.detail = INCOMPLETE, decision.reason, decision.detail
 
     @staticmethod
     def _failed(outcome: AskOutcome, failure: NodeRecord) -> None:
@@ -551,6 +593,17 @@ def _merged_run(planning: Node, first, graph: Plan, second, route: _Route):
         record.node = plan.node(record.node.id)  # with its edge from the planning step
     second.degraded = [*first.degraded, *second.degraded]
     return plan, second, route
+
+
+def _answerability(records: dict[str, NodeRecord]) -> float | None:
+    """The gate's estimate, from the evidence step that computed one."""
+    for record in records.values():
+        output = record.output
+        if isinstance(output, ev.Evidence) and output.signals is not None:
+            return output.signals.probability
+        if isinstance(record.exception, answerability.NotAnswerable):
+            return record.exception.signals.probability
+    return None
 
 
 def _stages(timing) -> dict[str, float]:

@@ -14,11 +14,17 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ragline import control_tokens
+
+if TYPE_CHECKING:
+    from ragline_services.orchestrator.answerability import Signals
+
 # Bump when the prompt changes: answer caches key on it.
-PROMPT_TEMPLATE_VERSION = "rag-v1"
+PROMPT_TEMPLATE_VERSION = "rag-v2"
 
 # Measured on 100 SQuAD questions with Qwen2.5-Coder-0.5B (token F1): this wording 0.50;
 # asking for "the shortest exact phrase" with an example answer 0.25 (the model copied the
@@ -37,7 +43,7 @@ STOPWORDS = frozenset(
     """a an and are as at be been but by can could did do does for from had has have how in
     into is it its of on or that the their there these they this those to was were what when
     where which while who whom whose why will with would not no so than then also about after
-    before during many much most more other some such only one two each""".split()
+    before during many much most more other some such only each""".split()
 )
 
 
@@ -52,7 +58,9 @@ def content_words(text: str) -> list[str]:
 
 
 def split_sentences(text: str) -> list[str]:
-    return [s.strip() for s in _SENTENCE_END.split(text) if s.strip()]
+    """Sentences, cut at sentence ends and at line breaks (a line is never two sentences'
+    halves: lists, headings and quoted turns end with their line)."""
+    return [s.strip() for line in text.splitlines() for s in _SENTENCE_END.split(line) if s.strip()]
 
 
 @dataclass(frozen=True)
@@ -87,15 +95,48 @@ class Evidence:
     items: tuple[EvidenceItem, ...]
     tokens: int
     sentences_considered: int
+    # What the answerability gate read, where the evidence step computed it.
+    signals: Signals | None = None
 
     def marker_of(self, marker: str) -> EvidenceItem | None:
         return next((item for item in self.items if item.marker == marker), None)
+
+
+# Document text is data, never control: control-token look-alikes are dropped (the
+# generation service also never parses chat text for them), and passage markers written in
+# a document are rewritten, so the prompt's own markers are the only `[n]` in it and a
+# document cannot pose as another passage.
+_DOCUMENT_MARKER = re.compile(r"\[(\d{1,3})\]")
+# A sentence that speaks to the model instead of about the world ("ignore the previous
+# instructions", "you are now ...", "reply only with the word ...") never competes for the
+# prompt: it can carry no answer, only a new order.
+_ADDRESSES_THE_MODEL = re.compile(
+    r"\b(ignore|disregard|forget|override)\b[^.!?]{0,40}\b(instructions?|prompts?|rules|"
+    r"directions|guidelines)\b"
+    r"|\b(system prompt|you are now|new instructions|as an ai)\b"
+    r"|\b(respond|reply|answer|output)\b[^.!?]{0,20}\b(only|always)\b[^.!?]{0,20}\bwith\b"
+    r"|\b(respond|reply|answer)\s+(to\s+)?(every|all|each|any)\s+(questions?|query|queries)\b",
+    re.IGNORECASE,
+)
+
+
+def as_data(text: str) -> str:
+    """Document text as it may appear in a prompt: no control-token look-alikes (they carry
+    no evidence), no passage markers."""
+    return _DOCUMENT_MARKER.sub(r"(\1)", control_tokens.remove(text))
+
+
+def addresses_the_model(sentence: str) -> bool:
+    return bool(_ADDRESSES_THE_MODEL.search(sentence))
 
 
 def candidate_sentences(passages: list[Passage]) -> list[Sentence]:
     out = []
     for p_index, passage in enumerate(passages):
         for position, text in enumerate(split_sentences(passage.text)):
+            text = as_data(text)
+            if addresses_the_model(text) or not _WORD.search(text):
+                continue
             out.append(Sentence(p_index, position, text, tokens_estimate(text)))
     return out
 
@@ -170,10 +211,24 @@ def select(
     return Evidence(tuple(items), used, len(sentences))
 
 
-def user_message(question: str, evidence: Evidence) -> str:
+def renumbered(evidence: Evidence, start: int = 1) -> Evidence:
+    """The same evidence with markers numbered from `start`, in order."""
+    items = tuple(
+        EvidenceItem(f"[{n}]", item.passage, item.text)
+        for n, item in enumerate(evidence.items, start=start)
+    )
+    return Evidence(items, evidence.tokens, evidence.sentences_considered, evidence.signals)
+
+
+def user_message(question: str, evidence: Evidence, *, part: str = "") -> str:
+    """The prompt's user turn; `part`: the one part of `question` to answer (a lookup of a
+    several-part question), which the small model answers well only beside the whole
+    question (alone, a lookup like "river through Warsaw" is echoed, not answered)."""
+    if part and part.strip().lower() != question.strip().lower():
+        question = f"{question}\nAnswer only this part of it: {part}"
     lines = ["Evidence:"]
     for item in evidence.items:
-        title = f"{item.passage.title}: " if item.passage.title else ""
+        title = f"{as_data(item.passage.title)}: " if item.passage.title else ""
         lines.append(f"{item.marker} {title}{item.text}")
     lines += ["", f"Question: {question}"]
     return "\n".join(lines)
@@ -213,19 +268,6 @@ def cite(answer: str, evidence: Evidence) -> Cited:
 
 def strip_markers(text: str) -> str:
     return _MARKER.sub("", text).strip()
-
-
-def cite_parts(answer: str, evidence: Evidence) -> Cited:
-    """Citations of a several-part answer ("X [1]; Y [2]"): each part cited on its own, so
-    a part without a marker still finds its own passage."""
-    citations: list[EvidenceItem] = []
-    dropped: list[str] = []
-    for part in answer.split(";"):
-        if part.strip():
-            found = cite(part, evidence)
-            citations += [c for c in found.citations if c not in citations]
-            dropped += [d for d in found.dropped if d not in dropped]
-    return Cited(citations, dropped)
 
 
 def is_refusal(answer: str) -> bool:

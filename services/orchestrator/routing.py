@@ -1,25 +1,48 @@
-"""Model routing: the small tier answers; the large tier is asked only when a checkable
-signal says the small answer is wrong, never on the model's own confidence. Pure checks
-here; the escalating call is the generate step's (steps.py), with its own reservation.
+"""Checks of a written answer, which are also the model-routing signals: the small tier
+answers; the large tier is asked only when a checkable signal says the small answer is
+wrong, never on the model's own confidence. A signal that the large tier's answer does not
+clear ends the answer INCOMPLETE with the signal's `reason` (COMPLETE is a promise). Pure
+checks here; the escalating call is the generate step's (steps.py), with its own
+reservation.
 
 Signals (each names what fired):
 - `citation_not_in_evidence`: the answer cites a marker the prompt did not hold;
-- `missing_field`: a required field of the answer's structure is absent: the citation of
-  a RAG answer (no marker, and no evidence passage holds the answer's words), or a part of
-  a synthesis (fewer `;`-separated parts than lookups);
+- `missing_field`: a required field of the answer is absent: its citation (no marker, and
+  no evidence passage holds the answer's words), or a part of a question that joins
+  several (one answer, fewer `;`-separated parts than the question's clauses);
+- `failed_validation`: the answer is empty, was cut by its token limit, or is not supported
+  by the passages it cites (grounding.py: its numbers and words are not found there);
 - `conflicting_evidence`: a one-part answer gives one number and a passage it cites does
-  not hold it (two passages, two answers to the same slot);
-- `failed_validation`: the answer is empty, or was cut by its token limit.
+  not hold it (two passages, two answers to the same slot).
 A refusal ("not in the evidence") fires nothing: INCOMPLETE is the honest answer there.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from ragline_services.orchestrator import evidence as ev
+from ragline_services.orchestrator import grounding
 
 _NUMBER = re.compile(r"\b\d[\d,.]*\d\b|\b\d\b")
+
+# The INCOMPLETE reasons a signal gives when it is not cured.
+UNGROUNDED = "ungrounded"
+CONFLICTING = "conflicting_evidence"
+FAILED_VALIDATION = "failed_validation"
+MISSING_PART = "missing_part"
+CUT = "length"  # not INCOMPLETE: the answer is PARTIAL, cut at its token limit
+
+
+@dataclass(frozen=True)
+class Signal:
+    name: str
+    detail: str
+    reason: str  # the answer's INCOMPLETE reason when nothing cures it
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.detail}" if self.detail else self.name
 
 
 def _numbers(text: str) -> set[str]:
@@ -27,27 +50,54 @@ def _numbers(text: str) -> set[str]:
 
 
 def escalation_signals(
-    text: str, evidence: ev.Evidence, cited: ev.Cited, finish_reason: str, *, parts: int = 1
-) -> list[str]:
+    text: str,
+    evidence: ev.Evidence,
+    cited: ev.Cited,
+    finish_reason: str,
+    *,
+    question: str = "",
+    parts: int = 1,
+) -> list[Signal]:
+    """The checks that fail on an answer to `question`; `parts`: how many questions it joins
+    (an answer to several must give as many `;`-separated parts)."""
     answer = ev.strip_markers(text).strip()
     if ev.is_refusal(text):
         return []
     signals = []
     if cited.dropped:
-        signals.append(f"citation_not_in_evidence: {', '.join(cited.dropped)}")
-    if not answer or finish_reason == "length":
+        signals.append(Signal("citation_not_in_evidence", ", ".join(cited.dropped), UNGROUNDED))
+    if not answer:
+        signals.append(Signal("failed_validation", "empty answer", FAILED_VALIDATION))
+    elif finish_reason == "length":
+        # A cut answer whose written part is grounded stands, PARTIAL (reason `length`).
+        signals.append(Signal("failed_validation", "cut at its limit", CUT))
+    if not answer:
+        return signals
+    given_parts = len([p for p in answer.split(";") if p.strip()])
+    if parts > given_parts:
         signals.append(
-            "failed_validation: " + ("empty answer" if not answer else "cut at its limit")
+            Signal("missing_field", f"{parts} parts asked, {given_parts} answered", MISSING_PART)
         )
-    if answer and not cited.citations and not cited.dropped:
+    if not cited.citations and not cited.dropped:
         # Neither a marker nor a passage holding the answer's words: ungrounded.
-        signals.append("missing_field: citation")
-    if parts > 1 and len([p for p in answer.split(";") if p.strip()]) < parts:
-        signals.append(f"missing_field: {parts} parts asked, fewer answered")
+        signals.append(Signal("missing_field", "citation", UNGROUNDED))
+    elif cited.citations:
+        found = grounding.support(text, cited.citations, question)
+        if not found.supported:
+            missing = ", ".join(found.missing[:5])
+            signals.append(
+                Signal(
+                    "failed_validation", f"not supported by its citations ({missing})", UNGROUNDED
+                )
+            )
     given = _numbers(answer)
-    if parts == 1 and len(given) == 1 and len(cited.citations) > 1:
+    if given_parts == 1 and len(given) == 1 and len(cited.citations) > 1:
         # The answer's number must be what every cited passage says, not one of several.
         disagreeing = [i.marker for i in cited.citations if given.isdisjoint(_numbers(i.text))]
         if disagreeing:
-            signals.append(f"conflicting_evidence: {', '.join(disagreeing)} say otherwise")
+            signals.append(
+                Signal(
+                    "conflicting_evidence", f"{', '.join(disagreeing)} say otherwise", CONFLICTING
+                )
+            )
     return signals

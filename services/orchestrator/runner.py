@@ -107,12 +107,26 @@ class Step:
 Executor = Callable[[Step], Awaitable[object]]
 
 
+class Abstain(Exception):  # a decision, not an error
+    """A step's decision that the run cannot answer, made before any answer is written
+    (the evidence is plainly irrelevant): the run stops there. The step itself succeeded
+    (an answer step that abstains never ran its model: it is SKIPPED); everything after it
+    is SKIPPED. `reason` is machine-readable, `detail` says why to a person."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
 @dataclass
 class RunResult:
     records: dict[str, NodeRecord]
     answer: object | None
     failure: NodeRecord | None
     degraded: list[str]
+    # The step that decided the run cannot answer (its exception is an Abstain).
+    abstained: NodeRecord | None = None
 
 
 class PlanRunner:
@@ -184,6 +198,8 @@ class PlanRunner:
         answer_node = self.plan.answer_node
         answer_record = self.records[(answer_node or self.plan.nodes[-1]).id]
         answer = answer_record.output if answer_record.state == SUCCEEDED else None
+        if failure is not None and isinstance(failure.exception, Abstain):
+            return RunResult(self.records, None, None, self.degraded, abstained=failure)
         return RunResult(self.records, answer, failure, self.degraded)
 
     def _start(self, record: NodeRecord, deps: list[NodeRecord], running: dict) -> None:
@@ -207,6 +223,11 @@ class PlanRunner:
             self._set(record, SUCCEEDED)
             return False
         record.exception = error
+        if isinstance(error, Abstain):
+            record.note = f"abstained ({error.reason}): {error.detail}"
+            answer = self.plan.answer_node
+            self._set(record, SKIPPED if answer and answer.id == record.node.id else SUCCEEDED)
+            return True
         record.error = describe(error)
         if record.node.optional:
             self._pass_through(record, _reason_of(record.node, error), FAILED)

@@ -58,6 +58,9 @@ class OrchestratorConfig(ServiceConfig):
     # Sentences (shortlisted by lexical evidence) embedded to compete for the prompt.
     embed_sentences: int = Field(12, ge=1, le=256)
     answer_tokens: int = Field(64, ge=1, le=8192)
+    # The answerability gate (answerability.py): below this estimate the run ends
+    # INCOMPLETE `no_relevant_evidence` before generation; 0 turns it off.
+    answerable_threshold: float = Field(0.25, ge=0, le=1)
     # Stage budgets (seconds) per step; generation gets whatever remains.
     embed_budget_s: float = Field(2.0, gt=0)
     search_budget_s: float = Field(2.0, gt=0)

@@ -98,6 +98,7 @@ def settings_of(request: orchestrator_pb2.AskRequest, config) -> Settings:
         tier=_TIERS[request.tier],
         escalate=config.escalation and request.tier == common_pb2.MODEL_TIER_UNSPECIFIED,
         allow_degrade=request.allow_degrade,
+        answerable_threshold=config.answerable_threshold,
         prices={
             "small": (config.small_input_price, config.small_output_price),
             "large": (config.large_input_price, config.large_output_price),
@@ -335,6 +336,9 @@ def _result(outcome: AskOutcome, run_id: str) -> orchestrator_pb2.AskResult:
         subqueries=outcome.subqueries,
         escalation_signals=outcome.signals,
         escalated=outcome.escalated,
+        draft_answer=outcome.draft_answer,
+        escalation_cured=outcome.escalation_cured,
+        answerability=outcome.answerability or 0.0,
     )
     if outcome.ledger is not None:
         result.budget.CopyFrom(outcome.ledger)

@@ -31,12 +31,13 @@ from ragline.v1 import (
     rerank_pb2,
     retrieval_pb2,
 )
+from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.agent import (
     PLANNER_PROMPT,
-    SYNTHESIS_PROMPT,
     AgentPlan,
     MalformedPlan,
+    clauses,
     parse_plan,
 )
 from ragline_services.orchestrator.caches import (
@@ -49,7 +50,7 @@ from ragline_services.orchestrator.caches import (
     stale_documents,
 )
 from ragline_services.orchestrator.plan import Kind
-from ragline_services.orchestrator.routing import escalation_signals
+from ragline_services.orchestrator.routing import Signal, escalation_signals
 from ragline_services.orchestrator.runner import Step, describe
 
 log = structlog.get_logger("ragline.orchestrator")
@@ -124,10 +125,14 @@ class Answer:
     model: str
     tier: int
     model_version: str = ""
-    # Escalation signals that fired on the small answer, and whether the large tier then
-    # answered (the signals stay reported either way).
-    signals: tuple[str, ...] = ()
+    # Checks that failed on the small answer (the escalation signals), and whether the
+    # large tier then answered; `outcome`: what became of an escalation that was wanted
+    # and not made (`escalation_unavailable: ...`), else empty.
+    signals: tuple[Signal, ...] = ()
     escalated: bool = False
+    outcome: str = ""
+    # Checks that failed on this (the final) answer: any makes it INCOMPLETE.
+    problems: tuple[Signal, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,8 @@ class Settings:
     # The tier was not pinned by the request: a checkable signal may escalate to large.
     escalate: bool = False
     allow_degrade: bool = False
+    # The answerability gate's threshold (answerability.py; 0: every question is answered).
+    answerable_threshold: float = 0.0
     # Cost in micros per 1,000 tokens (input, output), per tier.
     prices: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -251,11 +258,14 @@ class RunContext:
             step.record.server = reply.timing
         return reply
 
-    async def reserve(self, step: Step, amounts: Amounts) -> Reservation:
+    async def reserve(self, step: Step, amounts: Amounts, *, part: str = "") -> Reservation:
+        """A reservation for the step's next call (`part`: one of several calls the step
+        makes side by side; each has its own reservation id)."""
         step.mark("reserve_start")
         attempt = step.record.attempts
+        name = f"{step.node.id}-{part}" if part else step.node.id
         reservation = self.budget.reserve(
-            amounts, stage=step.node.id, reservation_id=f"{self.run_id}-{step.node.id}-{attempt}"
+            amounts, stage=step.node.id, reservation_id=f"{self.run_id}-{name}-{attempt}"
         )
         await reservation.open()
         return reservation
@@ -589,6 +599,20 @@ def ev_text(passage: ev.Passage) -> str:
     return f"{passage.title}. {passage.text}" if passage.title else passage.text
 
 
+async def _embedded(ctx: RunContext, step: Step, texts: list[str]) -> np.ndarray:
+    """`texts` embedded in one call (a model call of the step's), one row each."""
+    request = embedding_pb2.EmbedRequest(texts=texts, input_type=embedding_pb2.INPUT_TYPE_PASSAGE)
+    reply = await ctx.model_call(
+        step,
+        "embedding",
+        "Embed",
+        request,
+        Amounts(input_tokens=sum(ev.tokens_estimate(t) + 2 for t in texts), calls=1),
+        lambda r: Amounts(input_tokens=r.usage.input_tokens, calls=1),
+    )
+    return np.asarray([e.values for e in reply.embeddings], np.float32)
+
+
 async def select_evidence(ctx: RunContext, step: Step) -> ev.Evidence:
     s = ctx.settings
     count = int(step.node.params.get("passages") or s.context_passages)
@@ -601,21 +625,18 @@ async def select_evidence(ctx: RunContext, step: Step) -> ev.Evidence:
     question = step.upstream(Kind.EMBED)
     if not isinstance(question, QueryVector):
         texts = [s.question, *texts]
-    request = embedding_pb2.EmbedRequest(texts=texts, input_type=embedding_pb2.INPUT_TYPE_PASSAGE)
-    reply = await ctx.model_call(
-        step,
-        "embedding",
-        "Embed",
-        request,
-        Amounts(input_tokens=sum(ev.tokens_estimate(t) + 2 for t in texts), calls=1),
-        lambda r: Amounts(input_tokens=r.usage.input_tokens, calls=1),
-    )
-    vectors = np.asarray([e.values for e in reply.embeddings], np.float32)
+    vectors = await _embedded(ctx, step, texts)
     if isinstance(question, QueryVector):
         query = question.values
     else:
         query, vectors = vectors[0], vectors[1:]
-    return ev.select(s.question, passages, sentences, vectors @ query, budget)
+    similarity = vectors @ query
+    found = answerability.signals(s.question, passages, similarity)
+    # The gate: evidence that plainly cannot answer ends the run here, before any model
+    # writes an answer (the generate step is skipped, no model budget is spent).
+    answerability.gate(found, s.answerable_threshold)
+    evidence = ev.select(s.question, passages, sentences, similarity, budget)
+    return replace(evidence, signals=found)
 
 
 def _evidence_of(ctx: RunContext, inputs: list[object]) -> ev.Evidence:
@@ -642,16 +663,22 @@ def _evidence_of(ctx: RunContext, inputs: list[object]) -> ev.Evidence:
             ctx.settings.question, passages, sentences, None, ctx.settings.evidence_tokens
         )
     # Number the markers anew over the merged evidence.
-    renumbered = tuple(
-        ev.EvidenceItem(f"[{n}]", item.passage, item.text) for n, item in enumerate(items, start=1)
-    )
-    return ev.Evidence(renumbered, tokens, 0)
+    return ev.renumbered(ev.Evidence(tuple(items), tokens, 0))
 
 
 async def _generate_reserved(
-    ctx: RunContext, step: Step, request, tier: str, prompt_tokens: int
+    ctx: RunContext,
+    step: Step,
+    request,
+    tier: str,
+    prompt_tokens: int,
+    *,
+    emit: Callable[[str], None] | None,
+    part: str = "",
 ) -> tuple[object, Amounts]:
-    """One generation inside a reservation: the final message and what it used."""
+    """One generation inside a reservation: the final message and what it used. `emit`
+    gets the text as it streams; `part` tells apart generations one step runs side by side
+    (their reservations and attempts)."""
     max_tokens = request.max_tokens
     reservation = await ctx.reserve(
         step,
@@ -661,10 +688,12 @@ async def _generate_reserved(
             cost_micros=ctx.cost(tier, prompt_tokens, max_tokens),
             calls=1,
         ),
+        part=part,
     )
     pieces: list[str] = []
+    attempts = [0]
     try:
-        final = await _stream_generation(ctx, step, request, pieces)
+        final = await _stream_generation(ctx, step, request, pieces, emit, attempts)
     except BaseException as error:
         # Whatever streamed was produced: charge it (the prompt was read in full).
         seen = Amounts(input_tokens=prompt_tokens, output_tokens=len(pieces), calls=1)
@@ -677,7 +706,7 @@ async def _generate_reserved(
         input_tokens=final.usage.input_tokens,
         output_tokens=final.usage.output_tokens,
         cost_micros=ctx.cost(tier, final.usage.input_tokens, final.usage.output_tokens),
-        calls=max(step.record.attempts, 1),
+        calls=max(attempts[0], 1),
     )
     reservation.settle(used)
     ctx.settle_later(step, reservation)
@@ -693,60 +722,90 @@ def _chat(*turns: tuple[int, str]) -> generation_pb2.Chat:
 
 
 async def generate(ctx: RunContext, step: Step) -> Answer:
-    s = ctx.settings
-    # A synthesis over lookups (the agent plan) picks evidence per lookup; over earlier
-    # answers or selected evidence (an explicit plan), it answers from their sources.
-    synthesis = step.node.kind == Kind.SYNTHESIZE and not any(
+    """The answer: over lookups (the agent plan's synthesis) one part per lookup; else one
+    answer from selected evidence, earlier answers' sources, or the best passages."""
+    if step.node.kind == Kind.SYNTHESIZE and not any(
         isinstance(item, Answer | ev.Evidence) for item in step.inputs
-    )
-    evidence = _synthesis_evidence(ctx, step) if synthesis else _evidence_of(ctx, step.inputs)
+    ):
+        return await _synthesize(ctx, step)
+    evidence = _evidence_of(ctx, step.inputs)
     if not evidence.items:
         raise NoEvidence("retrieval found no passage visible to this caller for the question")
+    emit = ctx.on_delta if step.is_answer else None
+    return await _answer(ctx, step, ctx.settings.question, evidence, emit)
+
+
+async def _answer(
+    ctx: RunContext,
+    step: Step,
+    question: str,
+    evidence: ev.Evidence,
+    emit: Callable[[str], None] | None,
+    *,
+    part: str = "",
+) -> Answer:
+    """One answer to `question` (or the part of the run's question it names, `part` being
+    one of several generations the step runs side by side) from `evidence`, checked;
+    escalated to the large tier when a check fails and the run may (the large tier's text
+    is not streamed: the result carries it)."""
+    s = ctx.settings
     tier = str(step.node.params.get("tier") or s.tier)
-    system = SYNTHESIS_PROMPT if synthesis else ev.SYSTEM_PROMPT
-    user = ev.user_message(s.question, evidence)
-    prompt_tokens = ev.tokens_estimate(system + user) + 16  # + chat template
+    user = ev.user_message(s.question, evidence, part=question)
+    prompt_tokens = ev.tokens_estimate(ev.SYSTEM_PROMPT + user) + 16  # + chat template
     # The answer must fit the model's context beside the prompt (the estimate may be short
     # of the real count: a quarter more is kept free).
     room = await _context_window(ctx, tier) - int(prompt_tokens * 1.25) - 16
     max_tokens = max(1, min(int(step.node.params.get("max_tokens") or s.answer_tokens), room))
     request = generation_pb2.GenerateRequest(
-        chat=_chat((generation_pb2.ROLE_SYSTEM, system), (generation_pb2.ROLE_USER, user)),
+        chat=_chat(
+            (generation_pb2.ROLE_SYSTEM, ev.SYSTEM_PROMPT), (generation_pb2.ROLE_USER, user)
+        ),
         max_tokens=max_tokens,
         tier=_TIERS[tier],
         sampling=generation_pb2.Sampling(stop=["\n"]),
     )
-    final, used = await _generate_reserved(ctx, step, request, tier, prompt_tokens)
-    answer = _answer_of(final, evidence, used, parts=synthesis)
-    parts = len(_rankings(step.inputs)) if synthesis else 1
-    signals = escalation_signals(
-        answer.text, evidence, answer.cited, answer.finish_reason, parts=parts
+    final, used = await _generate_reserved(
+        ctx, step, request, tier, prompt_tokens, emit=emit, part=part
     )
+    answer = _checked(_answer_of(final, evidence, used), question)
+    signals = answer.problems
     if not signals or tier != "small" or not s.escalate or "tier" in step.node.params:
-        return replace(answer, signals=tuple(signals))
+        return replace(answer, signals=signals)
     if not await _tier_served(ctx, "large"):
-        return replace(answer, signals=(*signals, "escalation_unavailable: no large tier"))
+        return replace(answer, signals=signals, outcome="escalation_unavailable: no large tier")
     # Escalation: the large tier, in a reservation of its own; the small answer stands
     # (with its signals) when that does not fit the budget or the tier is not served.
     request.tier = _TIERS["large"]
     try:
-        final, more = await _generate_reserved(ctx, step, request, "large", prompt_tokens)
+        final, more = await _generate_reserved(
+            ctx, step, request, "large", prompt_tokens, emit=None, part=part
+        )
     except BudgetRefused:
         outcome = "escalation_unaffordable"
     except grpc.aio.AioRpcError as error:
         outcome = f"escalation_failed: {error.code().name}"
     else:
-        large = _answer_of(final, evidence, used + more, parts=synthesis)
-        return replace(large, signals=tuple(signals), escalated=True)
-    return replace(answer, signals=(*signals, outcome))
+        large = _checked(_answer_of(final, evidence, used + more), question)
+        return replace(large, signals=signals, escalated=True)
+    return replace(answer, signals=signals, outcome=outcome)
 
 
-def _answer_of(final, evidence: ev.Evidence, used: Amounts, *, parts: bool = False) -> Answer:
+def _checked(answer: Answer, question: str) -> Answer:
+    """The answer with the checks that failed on it (a question that joins several, asked
+    of one answer, needs every part answered)."""
+    found = escalation_signals(
+        answer.text, answer.evidence, answer.cited, answer.finish_reason,
+        question=question, parts=len(clauses(question)),
+    )  # fmt: skip
+    return replace(answer, problems=tuple(found))
+
+
+def _answer_of(final, evidence: ev.Evidence, used: Amounts) -> Answer:
     text = final.text
     return Answer(
         text=text.strip(),
         evidence=evidence,
-        cited=ev.cite_parts(text, evidence) if parts else ev.cite(text, evidence),
+        cited=ev.cite(text, evidence),
         finish_reason=_FINISH.get(final.finish_reason, "stop"),
         usage=used,
         cached_input_tokens=final.usage.cached_input_tokens,
@@ -767,7 +826,7 @@ async def plan_question(ctx: RunContext, step: Step) -> Planned:
         request = generation_pb2.GenerateRequest(
             chat=_chat(*turns), max_tokens=160, tier=_TIERS["small"]
         )
-        final, _ = await _generate_reserved(ctx, step, request, "small", prompt_tokens)
+        final, _ = await _generate_reserved(ctx, step, request, "small", prompt_tokens, emit=None)
         try:
             return Planned(parse_plan(final.text), tuple(problems))
         except MalformedPlan as error:
@@ -782,38 +841,181 @@ async def plan_question(ctx: RunContext, step: Step) -> Planned:
     return Planned(None, tuple(problems))
 
 
-def _synthesis_evidence(ctx: RunContext, step: Step) -> ev.Evidence:
-    """Evidence for a synthesis: each lookup's best sentences for its own query (so every
-    part of the question gets room), merged and numbered anew. A required lookup that
-    found nothing ends the run INCOMPLETE: no part is answered by guessing."""
+@dataclass(frozen=True)
+class _Part:
+    """One lookup of a synthesis, and the evidence chosen for it."""
+
+    query: str
+    required: bool
+    passages: list[ev.Passage]
+    sentences: list[ev.Sentence]
+    similarity: np.ndarray | None = None
+
+
+async def _synthesize(ctx: RunContext, step: Step) -> Answer:
+    """The agent plan's answer: one part per lookup, each answered from its own evidence by
+    its own generation (side by side) and checked against its own citations, joined as
+    "A [1]; B [3]". A part whose evidence cannot answer it (nothing found, or below the
+    answerability gate) ends the run INCOMPLETE naming it, before anything is generated;
+    where the request allows degrading, or the lookup was optional, that part is left out
+    and the answer is PARTIAL."""
     s = ctx.settings
-    rankings = _rankings(step.inputs)
+    parts: list[_Part] = []
     for dep in step.node.depends_on:
         node = step.plan_node(dep)
+        if node.kind != Kind.RETRIEVE:
+            continue
         output = step.output_of(dep)
-        if (
-            not node.optional
-            and node.kind == Kind.RETRIEVE
-            and not (isinstance(output, Ranked) and output.passages)
-        ):
-            query = node.params.get("query", dep)
-            raise NoEvidence(f"no visible passage answers the required part {query!r}")
-    share = max(1, s.context_passages // max(len(rankings), 1) + 1)
-    items: list[ev.EvidenceItem] = []
-    tokens = 0
-    for ranking in rankings:
-        passages = [p for p in ranking.passages if all(p.id != i.passage.id for i in items)]
-        passages = passages[:share]
-        sentences = ev.candidate_sentences(passages)
+        query = str(node.params.get("query") or s.question)
+        passages = output.passages[: s.context_passages] if isinstance(output, Ranked) else []
+        sentences = ev.shortlist(query, ev.candidate_sentences(passages), s.embed_sentences)
+        parts.append(_Part(query, not node.optional, passages, sentences))
+    parts = await _part_similarities(ctx, step, parts)
+    kept: list[_Part] = []
+    for part in parts:
+        try:
+            if not part.sentences:
+                raise NoEvidence(f"no visible passage answers the part {part.query!r}")
+            found = answerability.signals(part.query, part.passages, part.similarity)
+            answerability.gate(found, s.answerable_threshold, part=part.query)
+        except (NoEvidence, answerability.NotAnswerable):
+            if part.required and not s.allow_degrade:
+                raise
+            ctx.degraded.append(f"part_without_evidence: {part.query}")
+            continue
+        kept.append(part)
+    if not kept:
+        raise NoEvidence("no lookup found evidence for any part of the question")
+    evidences, offset = [], 0
+    for part in kept:
         chosen = ev.select(
-            ranking.query or s.question, passages, sentences, None, s.evidence_tokens
+            part.query, part.passages, part.sentences, part.similarity, s.evidence_tokens
         )
-        items += chosen.items
-        tokens += chosen.tokens
-    renumbered = tuple(
-        ev.EvidenceItem(f"[{n}]", item.passage, item.text) for n, item in enumerate(items, start=1)
+        evidences.append(ev.renumbered(chosen, start=offset + 1))
+        offset += len(chosen.items)
+    emitter = _InOrder(ctx.on_delta if step.is_answer else None, len(kept), "; ")
+
+    async def answer(index: int, part: _Part, found: ev.Evidence) -> Answer:
+        try:
+            return await _answer(
+                ctx, step, part.query, found, emitter.part(index), part=f"p{index + 1}"
+            )
+        finally:
+            emitter.finished(index)
+
+    async with asyncio.TaskGroup() as group:
+        tasks = [
+            group.create_task(answer(i, part, found))
+            for i, (part, found) in enumerate(zip(kept, evidences, strict=True))
+        ]
+    return _joined([task.result() for task in tasks])
+
+
+async def _part_similarities(ctx: RunContext, step: Step, parts: list[_Part]) -> list[_Part]:
+    """Every part's query and shortlisted sentences embedded in one call: the cosines the
+    gate and the evidence selection read."""
+    texts = [
+        t
+        for part in parts
+        if part.sentences
+        for t in (part.query, *(x.text for x in part.sentences))
+    ]
+    if not texts:
+        return parts
+    vectors = await _embedded(ctx, step, texts)
+    out, row = [], 0
+    for part in parts:
+        if not part.sentences:
+            out.append(part)
+            continue
+        query, sentences = vectors[row], vectors[row + 1 : row + 1 + len(part.sentences)]
+        row += 1 + len(part.sentences)
+        out.append(replace(part, similarity=sentences @ query))
+    return out
+
+
+def _joined(answers: list[Answer]) -> Answer:
+    """The parts' answers as one: texts joined in order, evidence and citations merged,
+    usage summed, each part's signals named by its number."""
+
+    def named(attribute: str) -> tuple[Signal, ...]:
+        if len(answers) == 1:
+            return getattr(answers[0], attribute)
+        return tuple(
+            Signal(x.name, f"part {number}: {x.detail}", x.reason)
+            for number, answer in enumerate(answers, start=1)
+            for x in getattr(answer, attribute)
+        )
+
+    first = answers[0]
+    finish = next(
+        (f for f in ("deadline", "length") if any(a.finish_reason == f for a in answers)), "stop"
     )
-    return ev.Evidence(renumbered, tokens, 0)
+    usage = Amounts()
+    for answer in answers:
+        usage = usage + answer.usage
+    return Answer(
+        text="; ".join(a.text for a in answers),
+        evidence=ev.Evidence(
+            tuple(i for a in answers for i in a.evidence.items),
+            sum(a.evidence.tokens for a in answers),
+            sum(a.evidence.sentences_considered for a in answers),
+        ),
+        cited=ev.Cited(
+            [c for a in answers for c in a.cited.citations],
+            [d for a in answers for d in a.cited.dropped],
+        ),
+        finish_reason=finish,
+        usage=usage,
+        cached_input_tokens=sum(a.cached_input_tokens for a in answers),
+        model=first.model,
+        tier=max(a.tier for a in answers),
+        model_version=first.model_version,
+        signals=named("signals"),
+        escalated=any(a.escalated for a in answers),
+        outcome="; ".join(dict.fromkeys(a.outcome for a in answers if a.outcome)),
+        problems=named("problems"),
+    )
+
+
+class _InOrder:
+    """Streams several parts' text in part order: the first part as it comes, each later
+    one held until the parts before it are done, joined by `separator`."""
+
+    def __init__(self, emit: Callable[[str], None] | None, count: int, separator: str) -> None:
+        self._emit = emit
+        self._held: list[list[str]] = [[] for _ in range(count)]
+        self._done = [False] * count
+        self._head = 0
+        self._separator = separator
+
+    def part(self, index: int) -> Callable[[str], None] | None:
+        if self._emit is None:
+            return None
+
+        def emit(text: str) -> None:
+            self._held[index].append(text)
+            self._flush()
+
+        return emit
+
+    def finished(self, index: int) -> None:
+        self._done[index] = True
+        if self._emit is not None:
+            self._flush()
+
+    def _flush(self) -> None:
+        assert self._emit is not None
+        while self._head < len(self._held):
+            pieces = self._held[self._head]
+            for text in pieces:
+                self._emit(text)
+            pieces.clear()
+            if not self._done[self._head]:
+                return
+            self._head += 1
+            if self._head < len(self._held):
+                self._emit(self._separator)
 
 
 async def _tier_served(ctx: RunContext, tier: str) -> bool:
@@ -843,19 +1045,29 @@ class _StreamStarted(RaglineError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-async def _stream_generation(ctx: RunContext, step: Step, request, pieces: list[str]):
+async def _stream_generation(
+    ctx: RunContext,
+    step: Step,
+    request,
+    pieces: list[str],
+    emit: Callable[[str], None] | None,
+    attempts: list[int],
+):
+    """The generation's final message; its text streams into `pieces` (and `emit`);
+    `attempts[0]` counts this generation's attempts (the step's record counts them all)."""
     client = ctx.clients.generation
 
     async def attempt():
         step.record.attempts += 1
+        attempts[0] += 1
         final = None
         try:
             async for message in client.stream("Generate", request):
                 if message.text:
                     step.mark("first_byte")
                     pieces.append(message.text)
-                    if step.is_answer:
-                        ctx.on_delta(message.text)
+                    if emit is not None:
+                        emit(message.text)
                 if message.HasField("final"):
                     final = message.final
         except grpc.aio.AioRpcError as error:

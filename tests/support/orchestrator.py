@@ -25,6 +25,18 @@ async def ask(address: str, request: orchestrator_pb2.AskRequest, deadline_s: fl
         return [m async for m in stub.Ask(request, timeout=deadline_s, metadata=who())]
 
 
+async def ask_result(address: str, question: str, tenant: str = "default", **fields):
+    """The result of one Ask (caches bypassed) and the text its deltas streamed."""
+    request = orchestrator_pb2.AskRequest(
+        question=question, cache=orchestrator_pb2.CACHE_POLICY_BYPASS, **fields
+    )
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        messages = [m async for m in stub.Ask(request, timeout=300, metadata=who(tenant))]
+    deltas = "".join(m.delta for m in messages if m.WhichOneof("event") == "delta")
+    return messages[-1].result, deltas
+
+
 async def ledger(budget_address: str, task_id: str, tenant: str = "default"):
     async with grpc.aio.insecure_channel(budget_address) as channel:
         return await budget_pb2_grpc.BudgetServiceStub(channel).GetLedger(

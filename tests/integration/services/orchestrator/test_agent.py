@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-import grpc
 import pytest
 
-from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from ragline.v1 import common_pb2, orchestrator_pb2
 from support.generation_proxy import GenerationProxy, is_planning
+from support.orchestrator import ask_result
 
 pytestmark = pytest.mark.integration
 
@@ -20,18 +20,8 @@ TWO_PARTS = "Which river flows through Warsaw, and also who designed the Univers
 
 
 async def ask(address: str, question: str, **fields) -> orchestrator_pb2.AskResult:
-    request = orchestrator_pb2.AskRequest(
-        question=question, cache=orchestrator_pb2.CACHE_POLICY_BYPASS, **fields
-    )
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-        messages = [
-            m
-            async for m in stub.Ask(
-                request, timeout=120, metadata=(("x-ragline-tenant", "default"),)
-            )
-        ]
-    return messages[-1].result
+    result, _ = await ask_result(address, question, **fields)
+    return result
 
 
 def interval(node) -> tuple[float, float]:
@@ -40,25 +30,6 @@ def interval(node) -> tuple[float, float]:
 
 def lookups(result) -> list:
     return [n for n in result.timing.nodes if n.kind == orchestrator_pb2.NODE_KIND_RETRIEVE]
-
-
-@pytest.fixture
-async def proxied(rag_stack):
-    """An orchestrator whose generation calls go through a scriptable proxy."""
-    proxies = []
-
-    async def make(script):
-        proxy = GenerationProxy(rag_stack.generation.address, script)
-        await proxy.start()
-        proxies.append(proxy)
-        orchestrator = await asyncio.to_thread(
-            rag_stack.orchestrator, generation_addr=proxy.address
-        )
-        return proxy, orchestrator
-
-    yield make
-    for proxy in proxies:
-        await proxy.stop()
 
 
 def plan_of(*subqueries: tuple[str, bool]) -> str:
@@ -82,19 +53,26 @@ async def test_the_router_sends_a_joined_question_to_the_agent_and_lookups_run_t
     assert [n.depends_on for n in (first, second)] == [["plan"], ["plan"]]
     synthesis = next(n for n in result.timing.nodes if n.node_id == "synthesize")
     assert synthesis.state == orchestrator_pb2.NODE_STATE_SUCCEEDED
-    # The synthesis answered from the real model, with evidence for both parts.
-    assert len(proxy.forwarded) == 1 and len(proxy.scripted) == 1
+    # The synthesis answered from the real model, one generation per part.
+    assert len(proxy.forwarded) == 2 and len(proxy.scripted) == 1
     titles = {e.title for e in result.evidence}
     assert "Warsaw" in titles
     assert any("Bajerska" in e.snippet for e in result.evidence), result.evidence
-    assert result.status.state != common_pb2.ANSWER_STATE_INCOMPLETE, result.status
+    assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, (result.status, result)
+    # Each part cites its own passage: the river's and the garden's.
+    first_part, second_part = result.answer.split(";")
+    assert "vistula" in first_part.lower() and "bajerska" in second_part.lower(), result.answer
+    cited = {c.marker: c.snippet for c in result.citations}
+    assert any("Vistula" in snippet for snippet in cited.values())
+    assert any("Bajerska" in snippet for snippet in cited.values())
 
 
 async def test_a_tight_budget_drops_the_optional_lookup_and_the_answer_is_partial(proxied):
     plan = plan_of(("river through Warsaw", True), ("University Library garden designer", False))
     _, orchestrator = await proxied(lambda r: plan if is_planning(r) else None)
-    # Enough for the planning call, one lookup and the synthesis; not for the second lookup.
-    budget = common_pb2.BudgetAmounts(input_tokens=1200, output_tokens=400, calls=3)
+    # Enough for the planning call, one lookup (its search and its part's answer) and the
+    # synthesis's embedding of the evidence; not for the second lookup.
+    budget = common_pb2.BudgetAmounts(input_tokens=1200, output_tokens=400, calls=4)
     result = await ask(orchestrator.address, TWO_PARTS, budget=budget, allow_degrade=True)
     assert result.route == "agent"
     assert [n.node_id for n in lookups(result)] == ["lookup1"]
@@ -151,13 +129,18 @@ async def test_a_citation_outside_the_evidence_escalates_and_the_reason_is_recor
         assert list(result.escalation_signals) == ["citation_not_in_evidence: [7]"]
         assert proxy.forwarded[-1].tier == common_pb2.MODEL_TIER_LARGE  # the escalation
         assert "vistula" in result.answer.lower() and "[7]" not in result.answer
+        assert result.escalation_cured and result.status.state == common_pb2.ANSWER_STATE_COMPLETE
         # A pinned tier is never escalated.
         pinned = await ask(
             orchestrator.address,
             "Which river flows through Warsaw?",
             tier=common_pb2.MODEL_TIER_SMALL,
         )
-        assert not pinned.escalated and pinned.answer == "the Vistula [7]"
+        # Its answer failed a check that nothing cured: INCOMPLETE, the text only a draft.
+        assert not pinned.escalated and pinned.draft_answer == "the Vistula [7]"
+        assert pinned.answer == "" and not pinned.citations
+        assert pinned.status.state == common_pb2.ANSWER_STATE_INCOMPLETE
+        assert pinned.status.reason == "ungrounded", pinned.status
         assert list(pinned.dropped_citations) == ["[7]"]
         # The escalation has its own reservation: when the budget cannot pay for it, the
         # small answer stands with the signal and the reason.
@@ -170,6 +153,8 @@ async def test_a_citation_outside_the_evidence_escalates_and_the_reason_is_recor
             "citation_not_in_evidence: [7]",
             "escalation_unaffordable",
         ]
+        assert tight.status.state == common_pb2.ANSWER_STATE_INCOMPLETE
+        assert tight.draft_answer == "the Vistula [7]"
         assert tight.budget.used.calls <= 4
     finally:
         await proxy.stop()

@@ -13,6 +13,7 @@ from ragline_services.orchestrator.agent import (
     SubQuery,
     affordable,
     agent_plan,
+    clauses,
     needs_several_lookups,
     parse_plan,
     with_planning,
@@ -29,10 +30,30 @@ from ragline_services.orchestrator.plan import Kind, Node
         ("When was the library founded? And who designed its garden?", True),
         ("Where is Normandy and who led the Normans?", True),
         ("What is salt and pepper?", False),
+        # A colon, a semicolon, "as well as" before a question, and Chinese joiners.
+        ("What did the ECB decide, and also: what did Burnham say about the euro?", True),
+        ("What did the ECB decide: what did Burnham say about the euro?", True),
+        ("Who built the bridge; when was it opened?", True),
+        ("Who founded the firm, as well as when was it sold?", True),
+        ("高频 query 的 KV Cache 缓存在哪里，TTL 是多少？", True),
+        ("HNSW 重建为什么会阻塞查询？双缓冲索引如何解决？", True),
+        ("KV Cache 缓存在哪里以及 TTL 是多少？", True),
+        # ... and the same marks inside one question.
+        ("Answer this: what is the capital of France?", False),
+        ("What did Tesla and Edison as well as Westinghouse invent?", False),
+        ("Note: which river flows through Warsaw?", False),
+        ("如果查询很多，系统会怎样？", False),
     ],
 )
 def test_the_router_sends_joined_questions_to_the_agent(question, several):
     assert needs_several_lookups(question) is several
+
+
+def test_clauses_are_the_questions_joined():
+    assert clauses("What did the ECB decide, and also: what did Burnham say?") == [
+        "What did the ECB decide",
+        "what did Burnham say?",
+    ]
 
 
 def test_a_plan_in_a_fenced_reply_is_read_and_repeated_lookups_merged():
@@ -111,18 +132,3 @@ def test_the_graph_runs_every_lookup_in_parallel_into_the_synthesis():
     whole = with_planning(Node("plan", Kind.PLAN), graph)
     assert [n.depends_on for n in whole.nodes][:2] == [(), ("plan",)]
     assert whole.node("synthesize").depends_on == ("lookup1", "lookup2", "lookup3")
-
-
-def test_each_part_of_a_several_part_answer_finds_its_own_passage():
-    from ragline_services.orchestrator import evidence as ev
-
-    items = tuple(
-        ev.EvidenceItem(f"[{n}]", ev.Passage(f"d{n}", "", text), text)
-        for n, text in enumerate(
-            ["Warsaw lies on the Vistula river.", "Irena Bajerska designed the garden."], start=1
-        )
-    )
-    found = ev.Evidence(items, 0, 0)
-    answer = "the Vistula river; Irena Bajerska"
-    assert [c.passage.id for c in ev.cite_parts(answer, found).citations] == ["d1", "d2"]
-    assert len(ev.cite(answer, found).citations) == 1  # one answer, one best passage

@@ -147,3 +147,33 @@ async def test_cancelling_the_run_cancels_every_node_in_flight():
         await task
     assert sorted(script.cancelled) == ["a", "slow"]
     assert runner.records["a"].state == CANCELLED and runner.records["slow"].state == CANCELLED
+
+
+async def test_a_step_that_abstains_stops_the_run_without_failing():
+    from ragline_services.orchestrator.runner import Abstain
+
+    plan = Plan(
+        (
+            Node("search", Kind.RETRIEVE),
+            Node("slow", Kind.RETRIEVE),
+            Node("evidence", Kind.SELECT_EVIDENCE, ("search",)),
+            Node("generate", Kind.GENERATE, ("evidence", "slow")),
+        )
+    )
+    script = Script(
+        {"slow": 5.0}, fail={"evidence": Abstain("no_relevant_evidence", "nothing relevant")}
+    )
+    started = time.monotonic()
+    result = await PlanRunner(plan, script.executors()).run()
+    assert time.monotonic() - started < 2  # the slow branch was cancelled, not awaited
+    assert result.failure is None and result.answer is None
+    assert result.abstained is result.records["evidence"]
+    assert result.records["evidence"].state == SUCCEEDED
+    assert "nothing relevant" in result.records["evidence"].note
+    assert result.records["generate"].state == SKIPPED
+    assert result.records["slow"].state == CANCELLED and script.cancelled == ["slow"]
+    # An answer step that abstains never ran its model: SKIPPED, not SUCCEEDED.
+    script = Script({}, fail={"generate": Abstain("no_relevant_evidence", "nothing")})
+    result = await PlanRunner(plan, script.executors()).run()
+    assert result.abstained is result.records["generate"]
+    assert result.records["generate"].state == SKIPPED

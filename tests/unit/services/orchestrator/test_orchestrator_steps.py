@@ -58,3 +58,41 @@ async def test_a_rerank_query_that_cannot_be_prepared_is_noted_and_does_not_fail
 async def test_a_cancelled_rerank_query_step_stays_cancelled():
     with pytest.raises(asyncio.CancelledError):
         await steps.rerank_query(Context(asyncio.CancelledError()), step())
+
+
+def test_parts_stream_in_their_order_whatever_order_they_are_written_in():
+    out: list[str] = []
+    emitter = steps._InOrder(out.append, 3, "; ")
+    first, second, third = (emitter.part(i) for i in range(3))
+    third("C")  # held: the parts before it are not done
+    first("A")
+    second("B")  # held behind the first part
+    assert out == ["A"]
+    first("a")
+    emitter.finished(0)
+    assert out == ["A", "a", "; ", "B"]
+    emitter.finished(2)
+    second("b")
+    emitter.finished(1)
+    assert "".join(out) == "Aa; Bb; C"
+
+
+def test_a_several_part_answer_names_each_part_in_its_signals():
+    from ragline.budget import Amounts
+    from ragline_services.orchestrator import evidence as ev
+    from ragline_services.orchestrator.routing import Signal
+
+    def answer(text: str, problems=()):
+        item = ev.EvidenceItem("[1]", ev.Passage("d", "", text), text)
+        return steps.Answer(
+            text=text, evidence=ev.Evidence((item,), 3, 1), cited=ev.Cited([item], []),
+            finish_reason="stop", usage=Amounts(input_tokens=10, calls=1),
+            cached_input_tokens=0, model="m", tier=1, problems=tuple(problems),
+        )  # fmt: skip
+
+    unsupported = Signal("failed_validation", "not supported (x)", "ungrounded")
+    joined = steps._joined([answer("Vistula [1]"), answer("1999 [2]", [unsupported])])
+    assert joined.text == "Vistula [1]; 1999 [2]"
+    assert [str(p) for p in joined.problems] == ["failed_validation: part 2: not supported (x)"]
+    assert joined.usage == Amounts(input_tokens=20, calls=2)
+    assert len(joined.evidence.items) == 2 and len(joined.cited.citations) == 2

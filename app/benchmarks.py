@@ -1,0 +1,75 @@
+"""What the measuring tools share (tools/bench_e2e.py, tools/calibrate_gate.py): a stack
+started for a measurement, and a collection ingested into a tenant once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ragline import deadlines, identity
+from ragline.clients import ServiceClient
+from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+from ragline_app.ingest import Checkpoint, ingest, prepare_rerank
+
+
+def start_stack(
+    workdir: Path, env_overrides: dict[str, str], *, only: str = ""
+) -> tuple[subprocess.Popen, dict[str, str]]:
+    """`ragline up --base-port 0 --no-demo` with its data in `workdir` (a rerun reuses the
+    index); `only`: a comma-separated subset of services. Returns the process and the
+    address of each service."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "RAGLINE_DATA_DIR": str(workdir), "PYTHONUNBUFFERED": "1"}
+    env.update(env_overrides)
+    log = (workdir / "up.out").open("w")
+    command = [sys.executable, "-m", "ragline_app.cli", "up", "--base-port", "0", "--no-demo"]
+    if only:
+        command += ["--only", only]
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"ragline up exited; see {workdir / 'up.out'}")
+        if "ragline up: ready" in (workdir / "up.out").read_text():
+            state = json.loads((workdir / "up.json").read_text())["services"]
+            return process, {name: s["address"] for name, s in state.items()}
+        time.sleep(1)
+    process.kill()
+    raise SystemExit("the stack did not start in 15 minutes")
+
+
+async def ensure_ingested(
+    data: Path, addresses: dict, workdir: Path, expected: int, tenant: str
+) -> None:
+    """`data` ingested into `tenant` unless the tenant already holds `expected` documents
+    (then only rerank's token vectors are prepared again, a restarted rerank has none)."""
+    client = ServiceClient(
+        retrieval_pb2_grpc.RetrievalServiceStub,
+        addresses["retrieval"],
+        caller=identity.Caller(tenant),
+    )
+    with deadlines.deadline_scope(30):
+        status = await client.unary("IndexStatus", retrieval_pb2.IndexStatusRequest())
+    if status.tenant_documents >= expected:
+        if not addresses.get("rerank"):
+            return
+        prepared = await prepare_rerank(
+            data, rerank_addr=addresses["rerank"], default_tenant=tenant, notice=print
+        )
+        print(f"rerank prepared {prepared} passages", file=sys.stderr)
+        return
+    started = time.monotonic()
+    written, _ = await ingest(
+        data,
+        retrieval_addr=addresses["retrieval"],
+        embedding_addr=addresses["embedding"],
+        default_tenant=tenant,
+        checkpoint=Checkpoint(workdir / "ingest" / f"{tenant}-{data.name}.json"),
+        rerank_addr=addresses.get("rerank"),
+        notice=print,
+    )
+    print(f"ingested {written} passages in {time.monotonic() - started:.0f} s", file=sys.stderr)

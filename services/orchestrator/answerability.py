@@ -1,0 +1,141 @@
+"""Can the evidence answer the question? Decided before generation from signals the plan
+already has, so a question the documents do not cover ends INCOMPLETE at once: no model
+call, no model budget, no escalation (a larger model cannot read what was never ingested).
+
+Pure functions here. The signals:
+- `similarity`: the best cosine between the question's embedding and one candidate
+  sentence's (the stack's own embedding model, computed for evidence selection anyway);
+- `coverage`: the share of the question's content terms, weighted by how rare they are
+  among the candidate passages, that the best single passage (title + text) contains;
+- `key_terms`: the share of the question's key terms (names, numbers, words in capitals
+  or with digits) that some candidate passage contains: a question about "the 2030 FIFA
+  World Cup" is not answered by a passage about another year's cup.
+
+They are combined by a logistic model whose weights were fitted on shared evaluation data
+(`tools/calibrate_gate.py`: questions over ingested articles against questions whose
+article was held out, and another collection's questions); the threshold on its
+probability is a setting.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ragline_services.orchestrator import evidence as ev
+from ragline_services.orchestrator.runner import Abstain
+
+NO_RELEVANT_EVIDENCE = "no_relevant_evidence"
+
+# The logistic model over (similarity, coverage, key_terms), fitted by
+# `tools/calibrate_gate.py` on SQuAD dev (every 4th article held out; 600 answerable and 600
+# unanswerable questions, seed 11) with the default stack's embedding model
+# (minilm-l6-int8-sq); new_wiki was the held-out check. Refit when the embedding model
+# changes: `similarity` is that model's cosine. The curve and figures: docs/answer-states.md.
+WEIGHTS = (18.417, 4.433, 1.288)
+BIAS = -13.234
+
+# Words that open a sentence or name nothing, even in capitals.
+_NOT_KEY = ev.STOPWORDS | frozenset(
+    """i you he she we it if name give list tell explain describe according""".split()
+)
+_TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\-]*")
+
+
+def _stem(word: str) -> str:
+    """A light English normalisation, enough to match "rivers" with "river" and "Poland's"
+    with "Poland" (full stemming would join words the question keeps apart)."""
+    word = word.lower().removesuffix("'s")
+    for suffix, keep in (("ies", "y"), ("sses", "ss"), ("es", "e"), ("s", "")):
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3 and not word.endswith("ss"):
+            return word[: -len(suffix)] + keep
+    return word
+
+
+def terms(text: str) -> list[str]:
+    """The content terms of `text`, normalised."""
+    return [_stem(w) for w in ev.content_words(text)]
+
+
+def key_terms(question: str) -> list[str]:
+    """Names, numbers and acronyms of the question: capitalised words after its first word,
+    and words holding digits."""
+    found = []
+    for position, match in enumerate(_TOKEN.finditer(question)):
+        word = match.group(0)
+        lowered = word.lower()
+        if lowered in _NOT_KEY:
+            continue
+        if any(c.isdigit() for c in word) or (position > 0 and word[0].isupper()):
+            found.append(_stem(word))
+    return list(dict.fromkeys(found))
+
+
+@dataclass(frozen=True)
+class Signals:
+    similarity: float
+    coverage: float
+    key_terms: float  # 1.0 when the question has none
+    key_count: int
+
+    @property
+    def probability(self) -> float:
+        """The model's estimate that the evidence answers the question."""
+        z = BIAS + sum(
+            w * x
+            for w, x in zip(WEIGHTS, (self.similarity, self.coverage, self.key_terms), strict=True)
+        )
+        return 1 / (1 + math.exp(-z))
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "similarity": round(self.similarity, 4),
+            "coverage": round(self.coverage, 4),
+            "key_terms": round(self.key_terms, 4),
+            "key_count": self.key_count,
+            "probability": round(self.probability, 4),
+        }
+
+
+class NotAnswerable(Abstain):
+    """The gate's decision: the evidence plainly does not answer the question (or the
+    part of it named)."""
+
+    def __init__(self, found: Signals, threshold: float, part: str = "") -> None:
+        what = f"the part {part!r} of the question" if part else "the question"
+        super().__init__(
+            NO_RELEVANT_EVIDENCE,
+            f"no passage visible to this caller is relevant enough to answer {what} "
+            f"(answerability {found.probability:.2f} < {threshold:.2f}: best sentence "
+            f"similarity {found.similarity:.2f}, question terms covered {found.coverage:.0%}, "
+            f"key terms found {found.key_terms:.0%}); nothing was generated",
+        )
+        self.signals = found
+
+
+def gate(found: Signals, threshold: float, *, part: str = "") -> None:
+    """Raises NotAnswerable when the estimate is below `threshold` (0 lets all through)."""
+    if found.probability < threshold:
+        raise NotAnswerable(found, threshold, part)
+
+
+def signals(
+    question: str, passages: Sequence[ev.Passage], similarities: Sequence[float]
+) -> Signals:
+    """The signals of `question` against the candidate passages (the ones whose sentences
+    competed for the prompt) and the cosines of the sentences that were embedded."""
+    asked = list(dict.fromkeys(terms(question)))
+    bags = [set(terms(f"{p.title} {p.text}")) for p in passages]
+    coverage = 0.0
+    if asked and bags:
+        # Rarity among the candidates: a term every passage has tells them apart from nothing.
+        weight = {t: math.log(1 + (1 + len(bags)) / (1 + sum(t in b for b in bags))) for t in asked}
+        total = sum(weight.values())
+        coverage = max(sum(weight[t] for t in asked if t in bag) / total for bag in bags)
+    keys = key_terms(question)
+    found = set().union(*bags) if bags else set()
+    key_share = sum(k in found for k in keys) / len(keys) if keys else 1.0
+    best = max((float(s) for s in similarities), default=0.0)
+    return Signals(best, coverage, key_share, len(keys))

@@ -1,0 +1,71 @@
+"""Is an answer supported by the passages it cites? A checkable test, no model: the
+answer's numbers, names and content words must be found in the cited text (the sentences
+the prompt held under that marker, and the passage's title), each part of a several-part
+answer against its own citations.
+
+An answer is built to be short ("a few words copied from the evidence"), so copying is
+what is checked: every number exactly, and at least `MIN_WORD_SHARE` of the content words
+(light stemming: "rivers" matches "river"). A bare yes or no copies nothing; it is
+supported when the cited text holds the question's own terms (it speaks of what was asked).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ragline_services.orchestrator import answerability
+from ragline_services.orchestrator import evidence as ev
+
+# Share of an answer's content words its cited text must hold. Measured on SQuAD dev
+# answers of the small model (tools/bench_e2e.py): see docs/answer-states.md.
+MIN_WORD_SHARE = 0.75
+# Share of the question's terms a yes/no answer's cited text must hold.
+MIN_QUESTION_SHARE = 0.5
+
+_NUMBER = re.compile(r"\d[\d,.]*\d|\d")
+_YES_NO = frozenset({"yes", "no"})
+
+
+def _numbers(text: str) -> set[str]:
+    return {n.replace(",", "").rstrip(".") for n in _NUMBER.findall(text)}
+
+
+@dataclass(frozen=True)
+class Support:
+    supported: bool
+    # What the cited text lacks (numbers and words), for the reason a caller reads.
+    missing: tuple[str, ...] = ()
+
+
+def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -> Support:
+    """Whether `answer` (markers allowed) is supported by `cited`."""
+    text = ev.strip_markers(answer)
+    if not cited:
+        return Support(False, ("a citation",))
+    source = " ".join(f"{item.passage.title} {item.text}" for item in cited)
+    source_terms = set(answerability.terms(source))
+    words = [w.lower() for w in ev.content_words(text)]
+    if words and set(words) <= _YES_NO and question:
+        asked = set(answerability.terms(question))
+        share = len(asked & source_terms) / len(asked) if asked else 0.0
+        return Support(
+            share >= MIN_QUESTION_SHARE,
+            () if share >= MIN_QUESTION_SHARE else ("the question's terms",),
+        )
+    if question and not _numbers(text) - _numbers(question):
+        told = set(answerability.terms(text)) - set(answerability.terms(question))
+        if words and not told:
+            # "The river flows through Warsaw." names nothing the question did not.
+            return Support(False, ("anything the question does not already say",))
+    missing_numbers = sorted(_numbers(text) - _numbers(source))
+    wanted = list(dict.fromkeys(answerability.terms(text)))
+    missing_words = [w for w in wanted if w not in source_terms and not w.isdigit()]
+    counted = [w for w in wanted if not w.isdigit()]
+    share = 1.0 - len(missing_words) / len(counted) if counted else 1.0
+    if not counted and not _numbers(text):
+        # Nothing checkable (punctuation, a lone stop word): not an answer to stand on.
+        return Support(False, ("any content word",))
+    ok = not missing_numbers and share >= MIN_WORD_SHARE
+    return Support(ok, () if ok else tuple(missing_numbers + missing_words))

@@ -1,0 +1,67 @@
+"""The model calls no script plays: the large tier (Qwen2.5-Coder-1.5B) re-answering an
+answer that failed its checks, and the small model writing the agent plan's lookups."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ragline.v1 import common_pb2, orchestrator_pb2
+from support.generation_proxy import is_planning
+from support.orchestrator import ask_result
+
+pytestmark = pytest.mark.integration
+
+WARSAW = "Which river flows through Warsaw?"
+TWO_PARTS = "Which river flows through Warsaw, and also who designed the University Library garden?"
+
+
+async def ask(address: str, question: str, **fields) -> orchestrator_pb2.AskResult:
+    result, _ = await ask_result(address, question, **fields)
+    return result
+
+
+@pytest.fixture(scope="module")
+def two_tiers(rag_stack):
+    """A generation service serving the small and the large tier (one slot each)."""
+    return rag_stack.launcher.start(
+        "generation",
+        env={
+            "RAGLINE_GENERATION_LARGE_MODEL": "qwen2.5-coder-1.5b",
+            "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+        },
+    )
+
+
+async def test_the_large_tier_cures_an_answer_the_small_one_could_not_ground(proxied, two_tiers):
+    # The small tier's answer names a river its citation does not (scripted, so the test
+    # does not hang on which question the 0.5B model gets wrong); the large tier is real.
+    def script(request):
+        if request.tier == common_pb2.MODEL_TIER_SMALL and not is_planning(request):
+            return "the Danube [1]"
+        return None
+
+    proxy, orchestrator = await proxied(script, upstream=two_tiers.address)
+    result = await ask(orchestrator.address, WARSAW)
+    assert [r.tier for r in proxy.forwarded] == [common_pb2.MODEL_TIER_LARGE]
+    assert list(result.escalation_signals) == [
+        "failed_validation: not supported by its citations (danube)"
+    ]
+    assert result.escalated and result.escalation_cured, result
+    assert result.model == "qwen2.5-coder-1.5b" and result.tier == common_pb2.MODEL_TIER_LARGE
+    assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, result.status
+    assert "vistula" in result.answer.lower() and result.citations
+    assert all("Vistula" in c.snippet for c in result.citations)
+
+
+async def test_the_small_model_writes_the_agent_plan_and_each_part_is_answered(rag_stack):
+    orchestrator = await asyncio.to_thread(rag_stack.orchestrator)
+    result = await ask(orchestrator.address, TWO_PARTS)
+    # The router picked the agent plan; the real model's plan parsed (no fallback).
+    assert result.route == "agent", (result.route, result.route_detail)
+    assert len(result.subqueries) >= 2, list(result.subqueries)
+    plan = next(n for n in result.timing.nodes if n.node_id == "plan")
+    assert plan.state == orchestrator_pb2.NODE_STATE_SUCCEEDED and plan.attempts >= 1
+    assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, (result.status, result)
+    assert "vistula" in result.answer.lower() and "bajerska" in result.answer.lower()

@@ -1,0 +1,43 @@
+"""The answerability gate's signals and decision (pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ragline_services.orchestrator import answerability
+from ragline_services.orchestrator import evidence as ev
+
+WARSAW = ev.Passage("w", "Warsaw", "The Vistula River divides Warsaw. Warsaw has many parks.")
+SKY = ev.Passage("s", "Sky", "Sky UK launched Sky Q in 2016.")
+
+
+def test_key_terms_are_names_and_numbers_after_the_first_word():
+    assert answerability.key_terms("Who won the 2030 FIFA World Cup?") == [
+        "2030", "fifa", "world", "cup",
+    ]  # fmt: skip
+    assert answerability.key_terms("Which river flows through Warsaw?") == ["warsaw"]
+    assert answerability.key_terms("What is a river?") == []
+
+
+def test_signals_read_coverage_and_key_terms_from_the_candidates():
+    found = answerability.signals("Which river flows through Warsaw?", [SKY, WARSAW], [0.7, 0.2])
+    assert found.similarity == 0.7
+    assert found.key_terms == 1.0 and found.key_count == 1
+    # river and Warsaw are in one passage, "flows" in none (and weighs most: it is rarest)
+    assert 0.3 < found.coverage < 0.5
+    assert answerability.signals("Which river divides Warsaw?", [SKY, WARSAW], [0.7]).coverage == 1
+    missing = answerability.signals("Who won the 2030 FIFA World Cup?", [SKY, WARSAW], [0.2])
+    assert missing.key_terms == 0.0 and missing.coverage < 0.2
+
+
+def test_the_gate_abstains_below_its_threshold_and_says_why():
+    relevant = answerability.Signals(similarity=0.75, coverage=0.9, key_terms=1.0, key_count=1)
+    unrelated = answerability.Signals(similarity=0.3, coverage=0.1, key_terms=0.0, key_count=2)
+    assert relevant.probability > 0.9 > 0.05 > unrelated.probability
+    answerability.gate(relevant, 0.35)
+    answerability.gate(unrelated, 0.0)  # 0: the gate is off
+    with pytest.raises(answerability.NotAnswerable) as raised:
+        answerability.gate(unrelated, 0.35)
+    assert raised.value.reason == "no_relevant_evidence"
+    assert raised.value.signals is unrelated
+    assert "nothing was generated" in raised.value.detail

@@ -1,0 +1,49 @@
+"""The support test of an answer against the passages it cites."""
+
+from __future__ import annotations
+
+from ragline_services.orchestrator import evidence as ev
+from ragline_services.orchestrator.grounding import support
+
+
+def item(text: str, title: str = "") -> ev.EvidenceItem:
+    return ev.EvidenceItem("[1]", ev.Passage("d", title, text), text)
+
+
+CITED = [item("The Vistula River divides the city; it rose 3.5 m in 1,990 days.", "Warsaw")]
+
+
+def test_words_copied_from_the_cited_text_are_supported():
+    assert support("the Vistula River [1]", CITED).supported
+    assert support("Vistula rivers", CITED).supported  # plural of a cited word
+    assert support("Warsaw", CITED).supported  # the title was in the prompt too
+
+
+def test_a_number_must_be_found_exactly():
+    assert support("3.5 m [1]", CITED).supported
+    assert support("1990 days", CITED).supported  # thousands separators do not count
+    found = support("4.5 m [1]", CITED)
+    assert not found.supported and found.missing == ("4.5",)
+
+
+def test_most_words_must_be_found():
+    assert not support("the Danube", CITED).supported
+    # One word of four missing is tolerated (0.75); two are not.
+    assert support("the Vistula River city divides", CITED).supported
+    assert not support("the Vistula River crosses Krakow", CITED).supported
+
+
+def test_nothing_cited_or_nothing_checkable_is_not_supported():
+    assert not support("the Vistula", []).supported
+    assert not support("...", CITED).supported
+
+
+def test_a_yes_or_no_is_supported_when_its_passage_speaks_of_the_question():
+    assert support("Yes [1]", CITED, "Does the Vistula divide Warsaw?").supported
+    assert not support("Yes [1]", CITED, "Is Paris on the Seine?").supported
+
+
+def test_an_answer_that_only_repeats_the_question_is_not_supported():
+    question = "Which river flows through Warsaw?"
+    assert not support("The river flows through Warsaw. [1]", CITED, question).supported
+    assert support("The Vistula River [1]", CITED, question).supported
