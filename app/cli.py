@@ -215,8 +215,6 @@ def cmd_token(args: argparse.Namespace) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    import hashlib
-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from ragline_app.ingest import Checkpoint, IngestStats, ingest
@@ -227,17 +225,23 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if not path.exists():
         print(f"ragline ingest: {path} does not exist", file=sys.stderr)
         return 2
-    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-    checkpoint = Checkpoint(
-        Path(args.checkpoint)
-        if args.checkpoint
-        else common.data_dir / "ingest" / f"{path.name}-{digest}.json"
+    checkpoint = Checkpoint.for_input(
+        common.data_dir / "ingest", path, args.tenant, args.token or ""
     )
+    if args.checkpoint:
+        checkpoint = Checkpoint(Path(args.checkpoint), checkpoint.source)
     if args.restart:
         checkpoint.path.unlink(missing_ok=True)
         checkpoint.done = 0
+    if checkpoint.discarded:
+        print(f"not resuming from {checkpoint.path}: {checkpoint.discarded}; ingesting from "
+              "the start")  # fmt: skip
     if checkpoint.done:
-        print(f"resuming after record {checkpoint.done} ({checkpoint.path})")
+        print(
+            f"resuming after record {checkpoint.done}: records 1-{checkpoint.done} of {path} "
+            f"were acknowledged for tenant {args.tenant!r} by an earlier run and are skipped "
+            f"({checkpoint.path}; --restart ingests them again)"
+        )
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),

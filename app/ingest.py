@@ -23,6 +23,7 @@ ingest. Another model, or any failure, falls back to Embed for the rest of the r
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -127,17 +128,60 @@ def check(number: int, raw: dict, default_tenant: str) -> Record | BadRecord:
     return Record(number, tenant, str(doc_id), title, text, list(acl), dict(attributes))
 
 
-class Checkpoint:
-    """The highest record number acknowledged, per input file (resume point)."""
+def input_identity(path: Path, tenant: str, token: str = "") -> dict:
+    """What a resume point belongs to: this file as it is now (its resolved path, size and
+    modification time) read into this tenant (the default tenant, and the token that
+    decides the caller's tenant under authentication; a digest of it, never the token)."""
+    stat = path.stat()
+    return {
+        "file": str(path.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "tenant": tenant,
+        "token": hashlib.sha256(token.encode()).hexdigest()[:16] if token else "",
+    }
 
-    def __init__(self, path: Path) -> None:
+
+class Checkpoint:
+    """The highest record number acknowledged (the resume point), for one input: a file as
+    it was, read into one tenant. A checkpoint written for another tenant, or for the file
+    before it changed, is never resumed from: `discarded` says why it was not."""
+
+    def __init__(self, path: Path, source: dict | None = None) -> None:
         self.path = path
-        self.done = json.loads(path.read_text())["done"] if path.exists() else 0
+        self.source = source
+        self.done = 0
+        self.discarded = ""
+        if path.exists():
+            found = json.loads(path.read_text())
+            if source is None or found.get("source") == source:
+                self.done = found["done"]
+            else:
+                self.discarded = _changed(found.get("source") or {}, source)
+
+    @classmethod
+    def for_input(cls, directory: Path, path: Path, tenant: str, token: str = "") -> Checkpoint:
+        """The checkpoint of `path` read into `tenant` (one file per input and tenant)."""
+        source = input_identity(path, tenant, token)
+        key = hashlib.sha256(f"{source['file']}\0{tenant}\0{source['token']}".encode())
+        return cls(directory / f"{path.name}-{key.hexdigest()[:16]}.json", source)
 
     def save(self, done: int) -> None:
         self.done = max(self.done, done)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.path, json.dumps({"done": self.done}))
+        atomic_write_text(self.path, json.dumps({"done": self.done, "source": self.source}))
+
+
+def _changed(before: dict, now: dict) -> str:
+    """Why a checkpoint belongs to another input."""
+    if not before:
+        return "it records no file identity (written by an older ragline)"
+    what = [
+        f"{name} {before.get(name)} -> {now.get(name)}"
+        for name in ("tenant", "size", "mtime_ns")
+        if before.get(name) != now.get(name)
+    ]
+    return "the file changed since it was written (" + ", ".join(what) + ")"
 
 
 def tenant_batches(

@@ -117,13 +117,33 @@ def test_jsonl_good_records_go_in_bad_ones_are_reported_and_reruns_resume(ingest
 
     again = run_ingest(env, str(source))
     assert "resuming after record 33" in again.stdout and "ingested 0 documents" in again.stdout
+    assert "records 1-33 of" in again.stdout and "skipped" in again.stdout  # says what
 
     checkpoint = next((tmp_path / "ingest").glob("docs.jsonl-*.json"))
-    checkpoint.write_text(json.dumps({"done": 25}))  # as if interrupted after record 25
+    state = json.loads(checkpoint.read_text())
+    checkpoint.write_text(json.dumps({**state, "done": 25}))  # as if interrupted after 25
     resumed = run_ingest(env, str(source))
     assert "resuming after record 25" in resumed.stdout
     assert "ingested 8 documents" in resumed.stdout  # records 26-33 (bad ones were before)
     assert tenant_documents(retrieval.address, "acme") == 15  # upserts by id: no duplicates
+
+
+def test_a_resume_point_belongs_to_one_tenant_and_one_version_of_the_file(ingest_stack, tmp_path):
+    retrieval, env = ingest_stack
+    source = tmp_path / "plain.jsonl"
+    source.write_text("".join(json.dumps({"id": f"p{i}", "text": f"passage {i}"}) + "\n"
+                              for i in range(6)))  # fmt: skip
+    assert "ingested 6 documents" in run_ingest(env, str(source), "--tenant", "first").stdout
+    # The same file for another tenant is a new input: all of it is written there.
+    second = run_ingest(env, str(source), "--tenant", "second")
+    assert "resuming" not in second.stdout and "ingested 6 documents" in second.stdout
+    assert tenant_documents(retrieval.address, "second") == 6
+    # An edited file is a new input too, even for the same tenant.
+    source.write_text(source.read_text() + json.dumps({"id": "p6", "text": "new"}) + "\n")
+    edited = run_ingest(env, str(source), "--tenant", "first")
+    assert "not resuming" in edited.stdout and "the file changed" in edited.stdout
+    assert "ingested 7 documents" in edited.stdout
+    assert tenant_documents(retrieval.address, "first") == 7
 
 
 def test_squad_file_goes_into_retrieval_and_its_token_vectors_into_rerank(ingest_stack, launcher):
