@@ -388,13 +388,19 @@ class RagStack:
     launcher: ServiceLauncher
 
     def orchestrator(
-        self, *, small: bool = False, generation_addr: str = "", **settings
+        self,
+        *,
+        small: bool = False,
+        generation_addr: str = "",
+        embedding_addr: str = "",
+        **settings,
     ) -> ServiceHandle:
         """An orchestrator over these services (`settings`: RAGLINE_ORCHESTRATOR_* values;
-        `generation_addr`: another generation service, a test's proxy)."""
+        `generation_addr`, `embedding_addr`: another service there, a test's proxy or a
+        port where nothing listens)."""
         generation = self.small_generation if small else self.generation
         env = {
-            "RAGLINE_EMBEDDING_ADDR": self.embedding.address,
+            "RAGLINE_EMBEDDING_ADDR": embedding_addr or self.embedding.address,
             "RAGLINE_RETRIEVAL_ADDR": self.retrieval.address,
             "RAGLINE_RERANK_ADDR": self.rerank.address,
             "RAGLINE_GENERATION_ADDR": generation_addr or generation.address,

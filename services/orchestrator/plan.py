@@ -133,7 +133,9 @@ def default_rag_plan(*, rerank: bool = True) -> Plan:
     """embed || bm25 || rerank query -> vector search -> fuse -> rerank (optional) ->
     evidence -> generate."""
     nodes = [
-        Node("embed", Kind.EMBED),
+        # Optional: without the embedding service, vector search sends the query text
+        # (retrieval embeds it itself, or falls back to BM25 and says so).
+        Node("embed", Kind.EMBED, optional=True),
         Node("bm25", Kind.BM25),
         Node("vector", Kind.VECTOR_SEARCH, ("embed",)),
         Node("fuse", Kind.FUSE, ("bm25", "vector")),

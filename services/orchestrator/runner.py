@@ -243,7 +243,7 @@ class PlanRunner:
         self._set(record, state)
 
 
-def _code_name(error: BaseException) -> str:
+def code_name(error: BaseException) -> str:
     """The status code name of a failed call or a ragline error ("" for anything else)."""
     code = getattr(error, "code", None)
     return code().name if callable(code) else getattr(code, "name", "")
@@ -255,12 +255,12 @@ def describe(error: BaseException) -> str:
     if message is None:  # a failed call carries what the server said in details()
         details = getattr(error, "details", None)
         message = details() if callable(details) else str(error)
-    name = _code_name(error) or type(error).__name__
+    name = code_name(error) or type(error).__name__
     return f"{name}: {message}" if message else name
 
 
 def _reason_of(node: Node, error: BaseException) -> str:
-    name = _code_name(error)
+    name = code_name(error)
     if name in ("UNAVAILABLE", "UNIMPLEMENTED"):
         return f"{node.kind.value}_unavailable"
     if name == "DEADLINE_EXCEEDED" or isinstance(error, TimeoutError):

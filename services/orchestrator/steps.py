@@ -51,7 +51,7 @@ from ragline_services.orchestrator.caches import (
 )
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.routing import Signal, escalation_signals
-from ragline_services.orchestrator.runner import Step, describe
+from ragline_services.orchestrator.runner import Step, code_name, describe
 
 log = structlog.get_logger("ragline.orchestrator")
 
@@ -621,22 +621,50 @@ async def select_evidence(ctx: RunContext, step: Step) -> ev.Evidence:
     sentences = ev.shortlist(s.question, ev.candidate_sentences(passages), s.embed_sentences)
     if not sentences:
         return ev.Evidence((), 0, 0)
-    texts = [sentence.text for sentence in sentences]
-    question = step.upstream(Kind.EMBED)
-    if not isinstance(question, QueryVector):
-        texts = [s.question, *texts]
-    vectors = await _embedded(ctx, step, texts)
-    if isinstance(question, QueryVector):
-        query = question.values
-    else:
-        query, vectors = vectors[0], vectors[1:]
-    similarity = vectors @ query
+    similarity = await _sentence_similarity(ctx, step, sentences)
     found = answerability.signals(s.question, passages, similarity)
     # The gate: evidence that plainly cannot answer ends the run here, before any model
     # writes an answer (the generate step is skipped, no model budget is spent).
     answerability.gate(found, s.answerable_threshold)
     evidence = ev.select(s.question, passages, sentences, similarity, budget)
     return replace(evidence, signals=found)
+
+
+# The embedding service did not answer: evidence is then chosen by its words alone.
+_NO_EMBEDDING = frozenset(
+    {"UNAVAILABLE", "UNIMPLEMENTED", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
+)
+
+
+async def _embedded_or_none(ctx: RunContext, step: Step, texts: list[str]) -> np.ndarray | None:
+    """`_embedded`, or None when the embedding service cannot answer (the run goes on
+    without: degraded, `evidence_embedding_unavailable`)."""
+    try:
+        return await _embedded(ctx, step, texts)
+    except (grpc.aio.AioRpcError, RaglineError) as error:
+        if code_name(error) not in _NO_EMBEDDING:
+            raise
+        ctx.degraded.append("evidence_embedding_unavailable")
+        step.record.note = f"sentences chosen by their words alone ({describe(error)})"
+        return None
+
+
+async def _sentence_similarity(
+    ctx: RunContext, step: Step, sentences: list[ev.Sentence]
+) -> np.ndarray | None:
+    """Each sentence's cosine to the question (the embed step's vector, else embedded here
+    beside the sentences); None when the embedding service cannot answer: the answer then
+    stands on lexical evidence, degraded (`evidence_embedding_unavailable`)."""
+    texts = [sentence.text for sentence in sentences]
+    question = step.upstream(Kind.EMBED)
+    if not isinstance(question, QueryVector):
+        texts = [ctx.settings.question, *texts]
+    vectors = await _embedded_or_none(ctx, step, texts)
+    if vectors is None:
+        return None
+    if isinstance(question, QueryVector):
+        return vectors @ question.values
+    return vectors[1:] @ vectors[0]
 
 
 def _evidence_of(ctx: RunContext, inputs: list[object]) -> ev.Evidence:
@@ -922,7 +950,9 @@ async def _part_similarities(ctx: RunContext, step: Step, parts: list[_Part]) ->
     ]
     if not texts:
         return parts
-    vectors = await _embedded(ctx, step, texts)
+    vectors = await _embedded_or_none(ctx, step, texts)
+    if vectors is None:
+        return parts  # each part's evidence is then chosen by its words alone
     out, row = [], 0
     for part in parts:
         if not part.sentences:

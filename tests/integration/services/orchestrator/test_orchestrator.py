@@ -102,6 +102,26 @@ async def test_the_rerank_cascade_orders_the_evidence_when_the_service_answers(r
     assert result.evidence[0].title == "Warsaw", result.evidence
 
 
+async def test_without_the_embedding_service_the_answer_stands_on_bm25_degraded(rag_stack):
+    from ragline.processes import free_ports
+
+    nowhere = f"127.0.0.1:{free_ports(1)[0]}"  # the embedding service is down
+    orchestrator = rag_stack.orchestrator(embedding_addr=nowhere)
+    request = orchestrator_pb2.AskRequest(
+        question=WARSAW, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+    )
+    result = result_of(await ask(orchestrator.address, request))
+    assert result.status.state == common_pb2.ANSWER_STATE_PARTIAL, result.status
+    assert result.status.reason.startswith("degraded")
+    assert {"embed_unavailable", "evidence_embedding_unavailable"} <= set(result.degraded)
+    assert "vistula" in result.answer.lower() and result.citations
+    nodes = {n.node_id: n for n in result.timing.nodes}
+    assert nodes["embed"].state == orchestrator_pb2.NODE_STATE_FAILED
+    # Vector search still ran: with the query text, which retrieval embeds itself.
+    assert nodes["vector"].state == orchestrator_pb2.NODE_STATE_SUCCEEDED
+    assert nodes["generate"].state == orchestrator_pb2.NODE_STATE_SUCCEEDED
+
+
 async def test_embedding_and_bm25_run_side_by_side(rag_stack):
     orchestrator = rag_stack.orchestrator()
     result = result_of(

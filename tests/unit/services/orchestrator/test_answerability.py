@@ -41,3 +41,13 @@ def test_the_gate_abstains_below_its_threshold_and_says_why():
     assert raised.value.reason == "no_relevant_evidence"
     assert raised.value.signals is unrelated
     assert "nothing was generated" in raised.value.detail
+
+
+def test_without_embeddings_the_gate_reads_words_alone():
+    covered = answerability.signals("Which river divides Warsaw?", [SKY, WARSAW], None)
+    assert covered.similarity is None and covered.probability > 0.5
+    missing = answerability.signals("Who won the 2030 FIFA World Cup?", [SKY, WARSAW], None)
+    assert missing.probability < 0.25
+    with pytest.raises(answerability.NotAnswerable) as raised:
+        answerability.gate(missing, 0.25)
+    assert "no sentence could be embedded" in raised.value.detail
