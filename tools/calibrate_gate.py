@@ -158,8 +158,8 @@ async def collect(addresses, tenant: str, asked: list[tuple[object, str]], concu
 # -- analysis -----------------------------------------------------------------------------------
 
 
-def matrix(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    x = np.array([[r[f] for f in FEATURES] for r in rows], dtype=np.float64)
+def matrix(rows: list[dict], features=FEATURES) -> tuple[np.ndarray, np.ndarray]:
+    x = np.array([[r[f] for f in features] for r in rows], dtype=np.float64)
     y = np.array([r["label"] == "answerable" for r in rows], dtype=np.float64)
     return x, y
 
@@ -208,6 +208,12 @@ def report(by_collection: dict[str, list[dict]], fit_on: str, plot_path: Path | 
     print(f"fitted on {fit_on} ({len(rows)} questions):")
     print("  weights " + ", ".join(f"{f} {w:.3f}" for f, w in zip(FEATURES, weights, strict=True)))
     print(f"  bias {bias:.3f}")
+    # The gate's model for runs where no sentence could be embedded (LEXICAL_WEIGHTS).
+    lexical = FEATURES[1:]
+    lexical_weights, lexical_bias = fit_logistic(*matrix(rows, lexical))
+    print("  without similarity: weights " + ", ".join(
+        f"{f} {w:.3f}" for f, w in zip(lexical, lexical_weights, strict=True)
+    ) + f", bias {lexical_bias:.3f}")  # fmt: skip
     thresholds = [round(t, 2) for t in np.arange(0.05, 0.96, 0.05)]
     curves = {}
     for name, found in by_collection.items():
