@@ -15,22 +15,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ragline.processes import free_ports
+from ragline.processes import die_with_parent, free_ports
 from ragline_app.etcd_server import EtcdServer
 from ragline_services.registry import default_address, default_port, service_names
 
 # Client / peer ports of the local etcd that `ragline up` starts for the budget service.
 ETCD_PORT_OFFSETS = (10, 11)
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when `ragline up` itself dies (even by -9)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class StackError(RuntimeError):
@@ -170,7 +160,7 @@ class Stack:
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.etcd is not None:
-            self.etcd.start(start_new_session=True, preexec_fn=_die_with_parent)
+            self.etcd.start(start_new_session=True, preexec_fn=die_with_parent())
         env = self.environment()
         for svc in self.services:
             log_file = svc.log_path.open("ab")
@@ -182,7 +172,7 @@ class Stack:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent(),  # SIGTERM when `ragline up` dies (even -9)
             )
             log_file.close()
 

@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` for a child that must never outlive the process that starts it (an
+    engine, a shard, a local server): the kernel sends it SIGTERM when its parent dies, even
+    by SIGKILL (PR_SET_PDEATHSIG; Linux only, None elsewhere). The parent is the thread that
+    forks: start such children from a thread that lives as long as the process (the event
+    loop's). A parent already gone by the time the child runs this makes the child exit."""
+    if sys.platform != "linux":
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            return
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
 
 
 def terminate(process: subprocess.Popen, timeout_s: float) -> tuple[int, bool]:

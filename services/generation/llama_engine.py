@@ -21,7 +21,7 @@ import structlog
 
 from ragline import deadlines
 from ragline.errors import Unavailable
-from ragline.processes import terminate
+from ragline.processes import die_with_parent, terminate
 from ragline_services.generation.engine import StreamEvent
 
 log = structlog.get_logger("ragline.generation.engine")
@@ -192,8 +192,13 @@ class LlamaServerEngine:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.slot_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log_file:
+            # Started from the event loop's thread, and never outliving this process: a
+            # service killed outright takes its engine (memory, port) with it.
             self.process = subprocess.Popen(  # noqa: ASYNC220 - fork+exec, returns at once
-                self.command(), stdout=log_file, stderr=subprocess.STDOUT
+                self.command(),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent(),
             )
         await self._wait_healthy(wait_s)
 

@@ -28,6 +28,8 @@ from multiprocessing.connection import Connection
 import numpy as np
 import structlog
 
+from ragline.processes import die_with_parent
+
 log = structlog.get_logger("ragline.retrieval")
 
 
@@ -119,6 +121,7 @@ class ShardProcess:
                 [sys.executable, "-m", "ragline_services.retrieval.shard_process",
                  str(child.fileno()), self.path],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent(),
             )  # fmt: skip
         finally:
             child.close()

@@ -30,6 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from ragline.files import atomic_write_text
+from ragline.processes import die_with_parent
 from ragline_services.retrieval.documents import (
     Candidate,
     StoredDocument,
@@ -262,6 +263,7 @@ class EdgeVectorIndex:
                  "--threads", str(self.build_threads), "--niceness", str(self.build_niceness),
                  *(["--idle"] if self.build_idle else [])],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                preexec_fn=die_with_parent(),  # a worker thread of the loop's pool: lives on
             )  # fmt: skip
             out, err = self._builder.communicate()
             if self._builder.returncode != 0:

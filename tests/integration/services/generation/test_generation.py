@@ -193,6 +193,19 @@ async def test_a_failed_erase_never_hands_a_warm_slot_to_another_tenant(launcher
     assert third.usage.cached_input_tokens == 0  # erased first: nothing of ann's prefix
 
 
+def test_the_engine_never_outlives_its_service_even_killed_outright(launcher):
+    from support.processes import all_gone, children
+
+    service = launcher.start("generation", env=SMALL_GENERATION)
+    engines = children(service.process.pid, b"llama-server")
+    assert len(engines) == 1
+    service.process.kill()  # SIGKILL: the service runs no shutdown code
+    service.process.wait()
+    launcher.forget(service)
+    # Its llama-server (memory, port) goes with it, so a restart does not find it running.
+    assert all_gone(engines, 5.0), "llama-server outlived the generation service"
+
+
 async def test_count_tokens(generation_service):
     async with grpc.aio.insecure_channel(generation_service.address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)

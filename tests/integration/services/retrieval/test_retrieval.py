@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 from ragline.processes import free_ports
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
 from support import error_info
+from support.processes import all_gone, children
 from support.retrieval import MODES, OTHER_MODEL, Client, squad_docs, start_retrieval, who
 
 pytestmark = pytest.mark.integration
@@ -150,23 +150,39 @@ async def test_writes_are_searchable_before_the_rebuild_and_queries_run_during_i
     final = await client.status("acme", operator=True)
     assert final.vector_index_ready and final.total_documents >= 3000
     # The built shard is searched by a child process of the service, gone with it.
-    assert shard_processes(service.process.pid)
+    shards = shard_processes(service.process.pid)
+    assert shards
     await client.close()
     service.stop()
-    assert not shard_processes(service.process.pid)
+    assert all_gone(shards, 5.0)
+
+
+def test_a_shard_process_never_outlives_its_service_even_killed_outright(
+    launcher, embedding_service, tmp_path
+):
+    service = start_retrieval(launcher, embedding_service, tmp_path / "index", rebuild_after=1)
+
+    async def build():
+        client = Client(service.address)
+        await client.upsert("acme", [{"id": "a", "title": "", "text": "alpha beta"}])
+        deadline = time.monotonic() + 60
+        while not (await client.status("acme", operator=True)).last_build_finished.seconds:
+            assert time.monotonic() < deadline, "no HNSW build in 60 s"
+            await asyncio.sleep(0.1)
+        await client.search("acme", "alpha", "vector")
+        await client.close()
+
+    asyncio.run(build())
+    shards = shard_processes(service.process.pid)
+    assert shards
+    service.process.kill()  # SIGKILL: the service runs no shutdown code
+    service.process.wait()
+    launcher.forget(service)
+    assert all_gone(shards, 5.0), "the shard process outlived its service"
 
 
 def shard_processes(parent: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        if ppid == parent and b"retrieval.shard_process" in cmdline:
-            found.append(int(stat.parent.name))
-    return found
+    return children(parent, b"retrieval.shard_process")
 
 
 def test_kill_9_during_ingest_loses_no_acknowledged_document(launcher, embedding_service, tmp_path):

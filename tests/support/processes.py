@@ -1,0 +1,38 @@
+"""Child processes of a service, read from /proc (tests of what outlives what)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def children(parent: int, marker: bytes) -> list[int]:
+    """Pids whose parent is `parent` and whose command line holds `marker`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == parent and marker in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its zombie (it has exited; nobody reaped it yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def all_gone(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(gone(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return all(gone(pid) for pid in pids)
