@@ -4,6 +4,7 @@ explicit plan must pass before anything runs. No gRPC here."""
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -39,6 +40,18 @@ PARAMS: dict[Kind, dict[str, type]] = {
     Kind.SYNTHESIZE: {"max_tokens": _INT, "tier": _TEXT},
     Kind.PLAN: {},
 }
+# The most each parameter may be: what the service the step calls accepts (its contract's
+# rules), so a plan that asks for more is the caller's error here, not a failed step.
+_MAXIMA: dict[str, float] = {
+    "k": 1000,  # SearchRequest.k
+    "hnsw_ef": 4096,  # SearchRequest.hnsw_ef
+    "top_k": 1000,  # RerankRequest.top_k
+    "late_interaction_k": 1000,  # RerankRequest.late_interaction_k
+    "passages": 50,  # RetrievalOptions.context_passages
+    "vector_weight": 1.0,
+}
+# `max_tokens` means answer tokens on an answering step, prompt tokens on evidence.
+_MAX_TOKENS = {Kind.SELECT_EVIDENCE: 32768, Kind.GENERATE: 8192, Kind.SYNTHESIZE: 8192}
 _CHOICES = {
     "mode": {"bm25", "vector", "hybrid", "prefilter"},
     "fusion": {"rrf", "score"},
@@ -204,10 +217,15 @@ def build_plan(specs: list[NodeSpec]) -> Plan:
             except ValueError:
                 bad(f"{path}.params[{key}]", f"{text!r} is not a {expected.__name__}")
                 continue
+            most = _MAX_TOKENS.get(kind) if key == "max_tokens" else _MAXIMA.get(key)
             if key in _CHOICES and value not in _CHOICES[key]:
                 bad(f"{path}.params[{key}]", f"{text!r} is not one of {sorted(_CHOICES[key])}")
             elif isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
                 bad(f"{path}.params[{key}]", "must not be negative")
+            elif isinstance(value, float) and not math.isfinite(value):
+                bad(f"{path}.params[{key}]", "must be a finite number")
+            elif most is not None and value > most:
+                bad(f"{path}.params[{key}]", f"is {text}; the maximum is {most:g}")
             params[key] = value
         if spec.budget_s is not None and spec.budget_s <= 0:
             bad(f"{path}.budget", "must be positive when set")

@@ -278,6 +278,31 @@ async def test_bad_plans_are_refused_naming_the_field(rag_stack, nodes, field):
     assert field in field_violations(caught.value)
 
 
+@pytest.mark.parametrize(
+    ("kind", "param", "value"),
+    [("BM25", "k", "5000"), ("VECTOR_SEARCH", "hnsw_ef", "100000"),
+     ("VECTOR_SEARCH", "k", "99999999999"), ("RERANK", "top_k", "2000"),
+     ("GENERATE", "max_tokens", "100000"), ("FUSE", "vector_weight", "2.5")],
+)  # fmt: skip
+async def test_a_parameter_beyond_what_its_step_accepts_is_refused_naming_it(
+    rag_stack, kind, param, value
+):
+    orchestrator = rag_stack.orchestrator()
+    plan = orchestrator_pb2.Plan()
+    plan.nodes.add(id="s", kind=orchestrator_pb2.NodeKind.Value(f"NODE_KIND_{kind}"),
+                   params={param: value})  # fmt: skip
+    answer = "g" if kind != "GENERATE" else "x"
+    if kind == "GENERATE":
+        plan.nodes[0].id = "g0"
+        plan.nodes.add(id="x", kind=orchestrator_pb2.NODE_KIND_SYNTHESIZE, depends_on=["g0"])
+    else:
+        plan.nodes.add(id=answer, kind=orchestrator_pb2.NODE_KIND_GENERATE, depends_on=["s"])
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await ask(orchestrator.address, orchestrator_pb2.AskRequest(question=WARSAW, plan=plan))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert f"plan.nodes[0].params[{param}]" in field_violations(caught.value)
+
+
 async def test_a_step_this_version_cannot_run_is_unimplemented(rag_stack):
     orchestrator = rag_stack.orchestrator()
     plan = orchestrator_pb2.Plan()

@@ -90,6 +90,24 @@ def test_bad_params_are_refused_naming_the_key():
     }
 
 
+def test_params_beyond_what_the_called_service_accepts_are_refused():
+    found = violations(
+        [
+            spec("a", "retrieve", k="1001"),
+            spec("v", "vector_search", hnsw_ef="5000"),
+            spec("f", "fuse", ["a", "v"], vector_weight="nan"),
+            spec("e", "select_evidence", ["f"], max_tokens="20000"),  # prompt tokens: fine
+            spec("g", "generate", ["e"], max_tokens="20000"),  # answer tokens: too many
+        ]
+    )
+    assert found == {
+        "plan.nodes[0].params[k]": "is 1001; the maximum is 1000",
+        "plan.nodes[1].params[hnsw_ef]": "is 5000; the maximum is 4096",
+        "plan.nodes[2].params[vector_weight]": "must be a finite number",
+        "plan.nodes[4].params[max_tokens]": "is 20000; the maximum is 8192",
+    }
+
+
 def test_a_plan_needs_exactly_one_answer():
     assert "plan.nodes" in violations([spec("a", "retrieve")])
     assert "plan.nodes" in violations(
