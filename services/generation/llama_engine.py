@@ -219,6 +219,22 @@ class LlamaServerEngine:
             await asyncio.sleep(0.2)
         raise Unavailable(f"llama-server not ready after {wait_s} s: {self.log_tail()}")
 
+    async def failure(self) -> str | None:
+        """Why the engine cannot serve now (its process exited, or /health does not answer
+        200 within a second); None when it can."""
+        if self.process is not None and self.process.poll() is not None:
+            return f"llama-server exited with {self.process.returncode}"
+        try:
+            reply = await self._http.get("/health", timeout=1.0)
+        except httpx.HTTPError as error:
+            return f"llama-server /health failed: {error!r}"
+        return None if reply.status_code == 200 else f"llama-server /health: {reply.status_code}"
+
+    @property
+    def exited(self) -> bool:
+        """The engine process this service started is gone (never for an external one)."""
+        return self.process is not None and self.process.poll() is not None
+
     def log_tail(self, chars: int = 1500) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]

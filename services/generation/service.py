@@ -17,7 +17,7 @@ from ragline.cores import usable_cores
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.processes import free_ports
-from ragline.server import Service, ServiceSpec
+from ragline.server import Periodic, Service, ServiceSpec
 from ragline.v1 import generation_pb2, generation_pb2_grpc
 from ragline_services.generation.engine import GenerationEngine
 from ragline_services.generation.generator import LARGE, SMALL, Generator, Speculation, Tier
@@ -58,6 +58,9 @@ class GenerationConfig(ServiceConfig):
     # One tenant's share of the queue (0: half of it), so no tenant can fill it for all.
     max_queue_per_tenant: int = Field(0, ge=0)
     context_per_seq: int = Field(4096, ge=256)
+    # How often each llama-server is checked (process alive, /health): a dead one turns the
+    # service NOT_SERVING and is started again; an external one is only reported.
+    engine_probe_s: float = Field(2.0, gt=0)
     # llama-server threads per tier; 0: the machine's cores shared out among the tiers
     # (the other services only compute in short bursts, generation is the steady load).
     threads: int = Field(0, ge=0)
@@ -118,6 +121,8 @@ class GenerationService(Service):
         self._servicer = GenerationServicer()
         self._memory_budget = 0
         self._cache: CacheBackend | None = None
+        self._watch = Periodic(config.engine_probe_s, self._watch_engines, "engine-watch")
+        self._engine_problem = ""  # what the last probe found wrong ("" while serving)
 
     def register(self, server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(self._servicer, server)
@@ -247,6 +252,56 @@ class GenerationService(Service):
             return cfg.llama_cache / "llama-server"
         return find_llama_server(self.common.cache_dir)
 
+    async def ready(self) -> bool:
+        self._watch.start()
+        return True
+
+    async def _watch_engines(self) -> None:
+        """Health follows the engines: NOT_SERVING while one cannot serve (named in the
+        reason); an engine this service started that exited is started again."""
+        if not self._servicer.generator.ready or self.health is None:
+            return
+        tiers = self._servicer.generator.value.tiers.values()
+        problems = {}
+        for tier in tiers:
+            if isinstance(tier.engine, LlamaServerEngine):
+                why = await tier.engine.failure()
+                if why is not None:
+                    problems[tier.name] = why
+        if not problems:
+            if self._engine_problem:
+                self._engine_problem = ""
+                await self.health.set_serving(True, reason="engines serving again")
+            return
+        reason = "; ".join(f"tier {name}: {why}" for name, why in problems.items())
+        if reason != self._engine_problem:
+            self._engine_problem = reason
+            log.error("generation.engine_down", reason=reason)
+            await self.health.set_serving(False, reason=reason)
+        for tier in tiers:
+            engine = tier.engine
+            if tier.name in problems and isinstance(engine, LlamaServerEngine) and engine.exited:
+                log.warning("generation.engine_restart", tier=tier.name, why=problems[tier.name])
+                await self._replace_engine(tier, engine.settings, "restarted")
+
+    async def _replace_engine(self, tier: Tier, settings: EngineSettings, why: str) -> None:
+        """A new llama-server for `tier` (new requests queue while running ones finish; the
+        new engine's slots start empty), the old one closed."""
+        old = tier.engine
+        assert isinstance(old, LlamaServerEngine)
+        async with tier.scheduler.paused():
+            new = LlamaServerEngine(
+                settings,
+                port=free_ports(1)[0],
+                log_path=old.log_path.with_name(f"llama-server-{tier.name}-{why}.log"),
+            )
+            self.engines.append(new)
+            await new.start()
+            tier.engine = new
+            tier.scheduler.erase = new.erase_slot
+            await old.close()
+            self.engines.remove(old)
+
     async def _fall_back(self, tier: Tier) -> None:
         """Restarts a tier's engine without speculation (llama-server fixes it per process).
 
@@ -269,18 +324,9 @@ class GenerationService(Service):
                 reason="the llama-server is external: restart it without speculation",
             )
             return
-        async with tier.scheduler.paused():
-            new = LlamaServerEngine(
-                replace(old.settings, speculation="none", draft_model_path=None),
-                port=free_ports(1)[0],
-                log_path=old.log_path.with_name(f"{old.log_path.stem}-plain.log"),
-            )
-            self.engines.append(new)
-            await new.start()
-            tier.engine = new
-            tier.scheduler.erase = new.erase_slot
-            await old.close()
-            self.engines.remove(old)
+        await self._replace_engine(
+            tier, replace(old.settings, speculation="none", draft_model_path=None), "plain"
+        )
 
     async def _triton_tier(self, name: str, model: str) -> Tier:
         from ragline_services.generation.triton_engine import TritonGenerationEngine
@@ -329,6 +375,7 @@ class GenerationService(Service):
         self._servicer.generator.set(Generator(tiers))
 
     async def stop(self) -> None:
+        await self._watch.stop()
         for engine in self.engines:
             await engine.close()
         if self._cache is not None:

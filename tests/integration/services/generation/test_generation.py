@@ -206,6 +206,48 @@ def test_the_engine_never_outlives_its_service_even_killed_outright(launcher):
     assert all_gone(engines, 5.0), "llama-server outlived the generation service"
 
 
+async def test_a_dead_engine_turns_the_service_not_serving_and_is_started_again(launcher):
+    import os
+    import signal
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from support.processes import all_gone, children
+
+    service = launcher.start(
+        "generation", env={**SMALL_GENERATION, "RAGLINE_GENERATION_ENGINE_PROBE_S": "0.2"}
+    )
+    (engine,) = children(service.process.pid, b"llama-server")
+
+    async def health() -> int:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=5
+            )
+        return reply.status
+
+    async def wait_for(status: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if await health() == status:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    assert await health() == health_pb2.HealthCheckResponse.SERVING
+    os.kill(engine, signal.SIGKILL)
+    assert all_gone([engine], 5.0)
+    # Noticed: the service says it cannot serve, and why (in its log) ...
+    assert await wait_for(health_pb2.HealthCheckResponse.NOT_SERVING, 10.0)
+    # ... then it starts the engine again and serves.
+    assert await wait_for(health_pb2.HealthCheckResponse.SERVING, 120.0)
+    assert "generation.engine_down" in service.log() and "exited with -9" in service.log()
+    (again,) = children(service.process.pid, b"llama-server")
+    assert again != engine
+    messages = await collect(service.address, prompt_request("The capital of France is", 4))
+    assert messages[-1].HasField("final")
+
+
 async def test_count_tokens(generation_service):
     async with grpc.aio.insecure_channel(generation_service.address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
