@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from ragline.background import detached_task
 from ragline.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -417,7 +418,9 @@ class RetrievalIndex:
     def _launch_reembed(self, target: str) -> None:
         if self._reembedder is not None:
             self._reembedder.cancel()  # its target is not the index's any more
-        self._reembedder = asyncio.ensure_future(self._reembed(target))
+        # Started by whichever request noticed the new model: it runs as the service, not
+        # under that request's deadline or that tenant's identity.
+        self._reembedder = detached_task(self._reembed(target), name="reembed")
 
     async def _reembed(self, target: str) -> None:
         delay = 1.0
@@ -523,7 +526,9 @@ class RetrievalIndex:
             )
             return seq, tseq
 
-        task = asyncio.ensure_future(log_and_apply())
+        # The service's own work once logged: not bound by this caller's deadline (a write
+        # sent with 10 ms to live must not make its apply, and every later write, fail).
+        task = detached_task(log_and_apply(), name="write")
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
         return await asyncio.shield(task)

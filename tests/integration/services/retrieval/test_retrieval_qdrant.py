@@ -97,3 +97,44 @@ async def test_a_stalled_qdrant_call_ends_at_the_callers_deadline(qdrant, tmp_pa
         )
     assert time.monotonic() - started < 1.5  # not the 5 s stall, nor the 30 s cap
     index.close()
+
+
+def test_a_write_whose_caller_left_at_once_neither_fails_its_apply_nor_wedges_later_writes(
+    launcher, qdrant, tmp_path
+):
+    import grpc
+
+    from ragline.v1 import retrieval_pb2
+
+    url, _ = qdrant
+    env = {
+        "RAGLINE_RETRIEVAL_VECTOR_BACKEND": "qdrant",
+        "RAGLINE_RETRIEVAL_QDRANT_URL": url,
+        "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path / "index"),
+        "RAGLINE_EMBEDDING_ADDR": f"127.0.0.1:{free_ports(1)[0]}",
+    }
+    service = launcher.start("retrieval", env=env)
+    vector = np.random.default_rng(5).normal(size=384).tolist()
+
+    async def scenario():
+        client = Client(service.address)
+        hasty = retrieval_pb2.UpsertRequest()
+        hasty.documents.add(id="hasty", title="", text="sent with 10 ms to live", vector=vector)
+        try:  # acknowledged or not, it may already be in the log: it must not wedge
+            await client.stub.Upsert(hasty, timeout=0.01, metadata=(("x-ragline-tenant", "a"),))
+        except grpc.aio.AioRpcError as error:
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # Every later write of every tenant is applied, not queued behind a retry loop.
+        for tenant in ("a", "b"):
+            reply = await asyncio.wait_for(
+                client.upsert(
+                    tenant, [{"id": "later", "title": "", "text": "later", "vector": vector}]
+                ),
+                timeout=15,
+            )
+            assert reply.upserted == 1
+        found = await client.search("a", "x", "vector", k=5, query_vector=vector)
+        assert "later" in [h.id for h in found.hits]
+        await client.close()
+
+    asyncio.run(scenario())
