@@ -16,6 +16,23 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def fsync_tree(root: Path) -> None:
+    """Every file under `root`, then every directory bottom up, then `root`'s parent: a tree
+    another file is about to point at (a built index) is on disk first."""
+    directories = []
+    for folder, _, files in os.walk(root):
+        directories.append(Path(folder))
+        for name in files:
+            fd = os.open(Path(folder) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for directory in reversed(directories):
+        fsync_directory(directory)
+    fsync_directory(root.parent)
+
+
 def write_all(fd: int, data: bytes) -> None:
     """os.write until every byte is written (a write may take fewer than it is given)."""
     view = memoryview(data)

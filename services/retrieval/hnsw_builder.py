@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ragline.files import fsync_tree
 from ragline_services.retrieval.documents import StoredDocument, point_id
 from ragline_services.retrieval.vectors import HNSW_EF_CONSTRUCT, HNSW_M, POINT_IDS_FILE
 from ragline_services.retrieval.wal import WriteLog
@@ -80,6 +81,9 @@ def build(wal: Path, upto_seq: int, target: Path, dim: int, threads: int = 1) ->
     shard.close()
     ids = np.sort(np.fromiter((point_id(key) for key in docs), dtype=np.int64, count=len(docs)))
     np.save(target / POINT_IDS_FILE, ids)
+    # The service points current.json at this directory next: it must be on disk first,
+    # or a power loss leaves the manifest naming a shard that is not there.
+    fsync_tree(target)
     return len(docs)
 
 

@@ -480,6 +480,12 @@ class RetrievalIndex:
                     turn=False,
                 )
 
+    async def drain_writes(self) -> None:
+        """Waits for the writes in flight (logged, being applied): closing the log under
+        them would lose what a caller may already have been told is written."""
+        if self._writes:
+            await asyncio.gather(*list(self._writes), return_exceptions=True)
+
     async def stop_reembed(self) -> None:
         """Stops a running re-embed (it resumes at the next start) once its batch in
         flight, if any, is written."""

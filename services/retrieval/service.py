@@ -263,6 +263,7 @@ class RetrievalService(Service):
             await self._local.close()
         if self.index is not None:
             await self.index.stop_reembed()
+            await self.index.drain_writes()
             self.index.close()
 
 

@@ -647,3 +647,32 @@ async def test_an_index_without_its_key_map_is_rebuilt_from_the_log(tmp_path):
     found = await again.search(ACME, SearchQuery("Warsaw", 10, BM25))
     assert {h.id: h.version for h in found.hits} == before
     again.close()
+
+
+async def test_stopping_waits_for_a_write_whose_caller_went_away(tmp_path):
+    index = open_index(tmp_path)
+    applying = threading.Event()
+    release = threading.Event()
+    real_apply = index._apply_sync
+
+    def slow_apply(*args):
+        applying.set()
+        release.wait(5)
+        real_apply(*args)
+
+    index._apply_sync = slow_apply
+    write = asyncio.ensure_future(
+        index.upsert("acme", [DocumentInput("late", "Late", "written while stopping")])
+    )
+    await asyncio.to_thread(applying.wait, 5)
+    write.cancel()  # the caller went away; the logged write still must land
+    stopping = asyncio.ensure_future(index.drain_writes())
+    await asyncio.sleep(0.05)
+    assert not stopping.done()  # the apply in flight holds the stop
+    release.set()
+    await stopping
+    index.close()
+    reopened = open_index(tmp_path)
+    found = await reopened.search(ACME, SearchQuery("written while stopping", 1, BM25))
+    assert [h.id for h in found.hits] == ["late"]
+    reopened.close()

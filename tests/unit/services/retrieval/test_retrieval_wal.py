@@ -136,3 +136,21 @@ def test_a_new_log_and_a_replaced_state_file_are_durable_in_their_directory(tmp_
     files.atomic_write_text(tmp_path / "state.json", "{}")
     assert events == ["fsync file", "rename", "fsync dir"]
     assert (tmp_path / "state.json").read_text() == "{}"
+
+
+async def test_a_long_torn_tail_is_crossed_in_linear_time(tmp_path, monkeypatch):
+    path = tmp_path / "log"
+    log = WriteLog(path)
+    await log.append({"n": 0})
+    log.close()
+    # A crash left a megabyte of zeros and noise after the last good frame (a preallocated
+    # block, a torn write): every byte of it is a possible frame start.
+    path.write_bytes(path.read_bytes() + bytes(1 << 20) + b"no frame here {" * 1000)
+    tried = []
+    real = wal._frame_at
+    monkeypatch.setattr(wal, "_frame_at", lambda data, at: tried.append(at) or real(data, at))
+    reopened = WriteLog(path)
+    assert reopened.last_seq == 1
+    # Only offsets before a "{" were tried (1,000 of them), not one per byte.
+    assert len(tried) < 2_000, len(tried)
+    reopened.close()
