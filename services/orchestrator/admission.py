@@ -1,8 +1,19 @@
-"""Admission of runs: a bounded number in flight, then a bounded queue whose entries carry
-their deadline, then an immediate RESOURCE_EXHAUSTED with a retry delay. No gRPC here.
+"""Admission of runs: a bounded number in flight, then bounded queues (one per tenant) whose
+entries carry their deadline, then an immediate RESOURCE_EXHAUSTED with a retry delay. No
+gRPC here.
 
-A queued run whose deadline passes leaves the queue with DEADLINE_EXCEEDED before any
-work; a cancelled one just leaves. Nobody waits for a slot they could not use in time.
+Goodput before throughput: a run that could only time out is refused at once, while a
+retry elsewhere (or later) can still help: when what is ahead of it in the queue plus a
+run's slow case (the 90th percentile of recent run times) does not fit its deadline. What is
+admitted can finish; nothing is let in only to be cut at its deadline.
+
+Fairness between tenants: each tenant queues apart (at most `max_queue_per_tenant`, so a
+flood cannot fill the queue for everyone), and a freed place goes to the waiting tenant with
+the fewest runs in flight (round robin among equals): a quiet tenant's run waits for the
+next place to free, never behind a flooding tenant's backlog.
+
+A queued run whose deadline passes leaves the queue with DEADLINE_EXCEEDED before any work;
+a cancelled one just leaves.
 """
 
 from __future__ import annotations
@@ -10,81 +21,123 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ragline.errors import DeadlineExceeded, ResourceExhausted
+
+# Recent runs whose durations set the expected and the slow run time.
+_WINDOW = 64
 
 
 @dataclass
 class _Waiter:
+    tenant: str
     deadline: float | None
     future: asyncio.Future = field(repr=False)
 
 
 class Admission:
-    def __init__(self, max_in_flight: int, max_queue: int, *, typical_run_s: float = 2.0):
+    def __init__(
+        self,
+        max_in_flight: int,
+        max_queue: int,
+        *,
+        max_queue_per_tenant: int = 0,
+        typical_run_s: float = 2.0,
+    ) -> None:
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
+        self.max_queue_per_tenant = max_queue_per_tenant or max((max_queue + 1) // 2, 1)
         self.in_flight = 0
-        self._queue: deque[_Waiter] = deque()
-        # Recent run time (moving average), for the retry delay of a refusal.
-        self.typical_run_s = typical_run_s
+        self._running: Counter[str] = Counter()  # runs in flight per tenant
+        # Waiters by tenant; the dict's order is the round-robin order among equals.
+        self._queues: dict[str, deque[_Waiter]] = {}
+        self._runs: deque[float] = deque([typical_run_s], maxlen=_WINDOW)
 
     @property
     def waiting(self) -> int:
-        return len(self._queue)
+        return sum(len(q) for q in self._queues.values())
+
+    @property
+    def typical_run_s(self) -> float:
+        """The median of recent run times."""
+        return float(np.median(self._runs))
+
+    @property
+    def slow_run_s(self) -> float:
+        """The 90th percentile of recent run times: what a run admitted now must be ready
+        to take."""
+        return float(np.percentile(self._runs, 90))
 
     def retry_after_s(self) -> float:
-        ahead = self.in_flight + len(self._queue) + 1 - self.max_in_flight
+        ahead = self.in_flight + self.waiting + 1 - self.max_in_flight
         return max(self.typical_run_s * ahead / max(self.max_in_flight, 1), 0.05)
 
+    def expected_wait_s(self, tenant: str = "") -> float:
+        """How long a run of `tenant` queued now would wait: places free one per typical
+        run / max_in_flight; before its turn come its own tenant's queued runs, and one of
+        each other waiting tenant per round."""
+        mine = len(self._queues.get(tenant, ())) + 1
+        others = sum(min(len(q), mine) for t, q in self._queues.items() if t != tenant)
+        return self.typical_run_s * (mine + others) / max(self.max_in_flight, 1)
+
     @contextlib.asynccontextmanager
-    async def admit(self, deadline: float | None) -> AsyncIterator[float]:
+    async def admit(self, deadline: float | None, tenant: str = "") -> AsyncIterator[float]:
         """Holds a place while the run goes on; yields the time it was admitted."""
         started = time.monotonic()
-        if self.in_flight >= self.max_in_flight or self._queue:
-            await self._wait(deadline, started)
+        if self.in_flight >= self.max_in_flight or self._queues:
+            await self._wait(deadline, started, tenant)
         else:
-            self.in_flight += 1
+            self._take(tenant)
         admitted = time.monotonic()
         try:
             yield admitted
         finally:
-            run_s = time.monotonic() - admitted
-            self.typical_run_s = 0.8 * self.typical_run_s + 0.2 * run_s
-            self._release()
+            self._runs.append(time.monotonic() - admitted)
+            self._release(tenant)
 
-    def expected_wait_s(self) -> float:
-        """How long a run queued now would wait, from the recent run time."""
-        ahead = len(self._queue) + 1
-        return self.typical_run_s * ahead / max(self.max_in_flight, 1)
-
-    async def _wait(self, deadline: float | None, started: float) -> None:
+    def _refuse_if_it_cannot_finish(self, deadline: float | None, started: float, tenant: str):
+        """A run that must queue is refused when its wait and a slow run do not fit its
+        deadline (with a place free it runs: it may be quick, a cache hit or an abstention)."""
+        if deadline is None:
+            return
+        left = deadline - started
+        wait = self.expected_wait_s(tenant)
+        if wait + self.slow_run_s <= left:
+            return
         retry = self.retry_after_s()
-        if len(self._queue) >= self.max_queue:
+        # It would only wait, or run, to time out: say so now, while a retry can help.
+        raise ResourceExhausted(
+            f"the orchestrator cannot finish this run in time: it would wait about "
+            f"{wait:.1f} s and a run takes up to about {self.slow_run_s:.1f} s now, more "
+            f"than the {left:.1f} s its deadline leaves; retry in about {retry:.1f} s (or "
+            "with a longer deadline)",
+            retry_after_s=retry,
+            reason="DEADLINE_TOO_SHORT_FOR_QUEUE",
+            metadata={"queue": "orchestrator"},
+        )
+
+    async def _wait(self, deadline: float | None, started: float, tenant: str) -> None:
+        retry = self.retry_after_s()
+        self._refuse_if_it_cannot_finish(deadline, started, tenant)
+        mine = len(self._queues.get(tenant, ()))
+        if mine >= self.max_queue_per_tenant or self.waiting >= self.max_queue:
+            scope = "tenant" if mine >= self.max_queue_per_tenant else "all"
+            whose = "this tenant's" if scope == "tenant" else "the"
+            limit = self.max_queue_per_tenant if scope == "tenant" else self.max_queue
             raise ResourceExhausted(
                 f"the orchestrator is at capacity: {self.in_flight} runs in flight, "
-                f"{len(self._queue)} queued (limit {self.max_queue}); retry in about "
-                f"{retry:.1f} s",
+                f"{whose} queue full ({limit} waiting); retry in about {retry:.1f} s",
                 retry_after_s=retry,
                 reason="QUEUE_FULL",
-                metadata={"queue": "orchestrator", "scope": "all"},
+                metadata={"queue": "orchestrator", "scope": scope},
             )
-        left = None if deadline is None else deadline - started
-        if left is not None and self.expected_wait_s() + self.typical_run_s > left:
-            # It would only wait to time out: say so now, while a retry elsewhere can help.
-            raise ResourceExhausted(
-                f"the orchestrator is busy: a run queued now would wait about "
-                f"{self.expected_wait_s():.1f} s and take about {self.typical_run_s:.1f} s, "
-                f"more than the {left:.1f} s its deadline leaves; retry in about {retry:.1f} s",
-                retry_after_s=retry,
-                reason="DEADLINE_TOO_SHORT_FOR_QUEUE",
-                metadata={"queue": "orchestrator"},
-            )
-        waiter = _Waiter(deadline, asyncio.get_running_loop().create_future())
-        self._queue.append(waiter)
+        waiter = _Waiter(tenant, deadline, asyncio.get_running_loop().create_future())
+        self._queues.setdefault(tenant, deque()).append(waiter)
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
@@ -98,20 +151,35 @@ class Admission:
             self._abandon(waiter)
             raise
 
-    def _abandon(self, waiter: _Waiter) -> None:
-        if waiter in self._queue:
-            self._queue.remove(waiter)
-        elif waiter.future.done() and not waiter.future.cancelled():
-            self._release()  # the place was handed over just as the waiter gave up
+    def _take(self, tenant: str) -> None:
+        self.in_flight += 1
+        self._running[tenant] += 1
 
-    def _release(self) -> None:
+    def _abandon(self, waiter: _Waiter) -> None:
+        queue = self._queues.get(waiter.tenant)
+        if queue is not None and waiter in queue:
+            queue.remove(waiter)
+            if not queue:
+                del self._queues[waiter.tenant]
+        elif waiter.future.done() and not waiter.future.cancelled():
+            self._release(waiter.tenant)  # the place was handed over as the waiter gave up
+
+    def _release(self, tenant: str) -> None:
         self.in_flight -= 1
+        self._running[tenant] -= 1
+        if self._running[tenant] <= 0:
+            del self._running[tenant]
         now = time.monotonic()
-        while self._queue and self.in_flight < self.max_in_flight:
-            waiter = self._queue.popleft()
+        while self._queues and self.in_flight < self.max_in_flight:
+            # The waiting tenant with the fewest runs in flight; the dict order breaks ties.
+            tenant = min(self._queues, key=lambda t: self._running.get(t, 0))
+            queue = self._queues.pop(tenant)
+            waiter = queue.popleft()
+            if queue:
+                self._queues[tenant] = queue  # to the back of the round
             if waiter.future.done():
                 continue
             if waiter.deadline is not None and waiter.deadline <= now:
                 continue  # expired: dropped; its own wait ends with DEADLINE_EXCEEDED
-            self.in_flight += 1
+            self._take(waiter.tenant)
             waiter.future.set_result(None)

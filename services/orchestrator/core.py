@@ -132,6 +132,8 @@ class AskOutcome:
 class OrchestratorSettings:
     max_in_flight: int
     max_queue: int
+    max_queue_per_tenant: int
+    max_deadline_s: float
     answer_margin_s: float
     reserve_for_answer_s: float
     stage_budgets: dict[Kind, float]
@@ -149,7 +151,11 @@ class Orchestrator:
         self.clients = clients
         self.settings = settings
         self.caches = caches
-        self.admission = Admission(settings.max_in_flight, settings.max_queue)
+        self.admission = Admission(
+            settings.max_in_flight,
+            settings.max_queue,
+            max_queue_per_tenant=settings.max_queue_per_tenant,
+        )
         # Recent duration of each kind of step (moving average): what an optional step is
         # expected to cost when time runs short.
         self.typical_s: dict[Kind, float] = {}
@@ -173,12 +179,15 @@ class Orchestrator:
             if cached is not None:
                 emit(Delta(cached.answer))
                 return cached
-        async with self.admission.admit(deadlines.current_deadline()) as admitted:
-            left = deadlines.remaining()
-            # Keep back time to settle, close the ledger and send the result.
-            scope = None if left is None else max(left - self.settings.answer_margin_s, 0.001)
-            with deadlines.deadline_scope(scope):
-                outcome = await self._run(request, emit, received, admitted, run_id, plan)
+        tenant = request.viewer.tenant if request.viewer is not None else ""
+        # A caller's deadline is capped: no run holds a place (or a queue entry) for longer.
+        with deadlines.deadline_scope(self.settings.max_deadline_s or None):
+            async with self.admission.admit(deadlines.current_deadline(), tenant) as admitted:
+                left = deadlines.remaining()
+                # Keep back time to settle, close the ledger and send the result.
+                scope = None if left is None else max(left - self.settings.answer_margin_s, 0.001)
+                with deadlines.deadline_scope(scope):
+                    outcome = await self._run(request, emit, received, admitted, run_id, plan)
         if key and request.cache_policy != "bypass" and outcome.state == COMPLETE:
             await self._remember_answer(key, outcome)
         return outcome

@@ -33,6 +33,11 @@ class OrchestratorConfig(ServiceConfig):
     # Admission: runs at once, then a queue (entries keep their deadline), then refusal.
     max_in_flight: int = Field(4, ge=1)
     max_queue: int = Field(16, ge=0)
+    # One tenant's share of the queue (0: half of it); freed places go to the waiting
+    # tenant with the fewest runs in flight.
+    max_queue_per_tenant: int = Field(0, ge=0)
+    # The longest deadline a run gets, whatever the caller asked (0: the caller's).
+    max_deadline_s: float = Field(300.0, ge=0)
     # Calls in flight to each downstream service, whatever the plans do in parallel.
     embedding_concurrency: int = Field(16, ge=1)
     retrieval_concurrency: int = Field(16, ge=1)
@@ -125,6 +130,8 @@ class OrchestratorService(Service):
         settings = OrchestratorSettings(
             max_in_flight=cfg.max_in_flight,
             max_queue=cfg.max_queue,
+            max_queue_per_tenant=cfg.max_queue_per_tenant,
+            max_deadline_s=cfg.max_deadline_s,
             answer_margin_s=cfg.answer_margin_s,
             reserve_for_answer_s=cfg.reserve_for_answer_s,
             stage_budgets={

@@ -75,3 +75,74 @@ async def test_a_run_that_could_only_time_out_in_the_queue_is_refused_at_once():
     assert admission.waiting == 0
     release.set()
     await first
+
+
+async def test_a_freed_place_goes_to_the_quiet_tenant_not_the_floods_backlog():
+    admission = Admission(max_in_flight=2, max_queue=16)
+    release = {name: asyncio.Event() for name in ("f1", "f2", "f3", "f4", "f5", "q")}
+    log: list[str] = []
+
+    def start(tenant, name):
+        async def run():
+            async with admission.admit(None, tenant):
+                log.append(name)
+                await release[name].wait()
+
+        return asyncio.create_task(run())
+
+    tasks = [start("flood", name) for name in ("f1", "f2", "f3", "f4", "f5")]
+    await asyncio.sleep(0.01)
+    tasks.append(start("quiet", "q"))
+    await asyncio.sleep(0.01)
+    assert log == ["f1", "f2"] and admission.waiting == 4
+    release["f1"].set()
+    await asyncio.sleep(0.01)
+    assert log[-1] == "q"  # ahead of the flood's three queued runs
+    for event in release.values():
+        event.set()
+    await asyncio.gather(*tasks)
+    assert log == ["f1", "f2", "q", "f3", "f4", "f5"] and admission.in_flight == 0
+
+
+async def test_one_tenant_cannot_fill_the_queue_for_everyone():
+    admission = Admission(max_in_flight=1, max_queue=4)  # 2 queued per tenant at most
+    release = asyncio.Event()
+    first = asyncio.create_task(hold(admission, release))
+    await asyncio.sleep(0.01)
+    queued = [asyncio.create_task(hold(admission, release)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(ResourceExhausted) as caught:
+        async with admission.admit(None):
+            pass
+    assert caught.value.metadata["scope"] == "tenant"
+    other = asyncio.create_task(_admit_as(admission, "other", release))
+    await asyncio.sleep(0.01)
+    assert admission.waiting == 3  # another tenant still queues
+    release.set()
+    await asyncio.gather(first, *queued, other)
+
+
+async def _admit_as(admission: Admission, tenant: str, release: asyncio.Event) -> None:
+    async with admission.admit(None, tenant):
+        await release.wait()
+
+
+async def test_a_run_that_must_queue_and_could_not_finish_is_refused_at_once():
+    admission = Admission(max_in_flight=1, max_queue=8, typical_run_s=0.2)
+    for seconds in [0.2] * 8 + [2.0] * 2:  # most runs are quick, the slow tenth take 2 s
+        admission._runs.append(seconds)
+    release = asyncio.Event()
+    first = asyncio.create_task(hold(admission, release))
+    await asyncio.sleep(0.01)
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted) as caught:
+        async with admission.admit(time.monotonic() + 1.0):
+            pass
+    assert time.monotonic() - started < 0.1  # at once, not at its deadline
+    assert caught.value.reason == "DEADLINE_TOO_SHORT_FOR_QUEUE" and caught.value.retry_after_s
+    # With room for a slow run after its wait it queues.
+    waiting = asyncio.create_task(hold(admission, release, deadline=time.monotonic() + 10))
+    await asyncio.sleep(0.01)
+    assert admission.waiting == 1
+    release.set()
+    await asyncio.gather(first, waiting)
