@@ -9,8 +9,11 @@ admitted can finish; nothing is let in only to be cut at its deadline.
 
 Fairness between tenants: each tenant queues apart (at most `max_queue_per_tenant`, so a
 flood cannot fill the queue for everyone), and a freed place goes to the waiting tenant with
-the fewest runs in flight (round robin among equals): a quiet tenant's run waits for the
-next place to free, never behind a flooding tenant's backlog.
+the fewest runs in flight (round robin among equals). While several tenants are active
+(asked within the last `activity_s`), each may hold at most its share of the places
+(max_in_flight / active tenants, at least one): a flooding tenant then leaves a quiet one's
+share free for its next question instead of taking every place that frees. A tenant alone
+uses every place.
 
 A queued run whose deadline passes leaves the queue with DEADLINE_EXCEEDED before any work;
 a cancelled one just leaves.
@@ -48,15 +51,19 @@ class Admission:
         *,
         max_queue_per_tenant: int = 0,
         typical_run_s: float = 2.0,
+        activity_s: float = 5.0,
     ) -> None:
         self.max_in_flight = max_in_flight
         self.max_queue = max_queue
         self.max_queue_per_tenant = max_queue_per_tenant or max((max_queue + 1) // 2, 1)
+        self.activity_s = activity_s
         self.in_flight = 0
         self._running: Counter[str] = Counter()  # runs in flight per tenant
         # Waiters by tenant; the dict's order is the round-robin order among equals.
         self._queues: dict[str, deque[_Waiter]] = {}
         self._runs: deque[float] = deque([typical_run_s], maxlen=_WINDOW)
+        self._last_asked: dict[str, float] = {}  # when each tenant last asked
+        self._recheck: asyncio.TimerHandle | None = None
 
     @property
     def waiting(self) -> int:
@@ -78,19 +85,36 @@ class Admission:
         return max(self.typical_run_s * ahead / max(self.max_in_flight, 1), 0.05)
 
     def expected_wait_s(self, tenant: str = "") -> float:
-        """How long a run of `tenant` queued now would wait: places free one per typical
-        run / max_in_flight; before its turn come its own tenant's queued runs, and one of
-        each other waiting tenant per round."""
-        mine = len(self._queues.get(tenant, ())) + 1
-        others = sum(min(len(q), mine) for t, q in self._queues.items() if t != tenant)
-        return self.typical_run_s * (mine + others) / max(self.max_in_flight, 1)
+        """How long a run of `tenant` queued now would wait: nothing while a place within
+        its share is free; else its queued runs and this one drain through the places it
+        may hold (its share; one of all of them when the share is not what blocks it),
+        one per typical run."""
+        share = self.share(tenant)
+        if self.in_flight < self.max_in_flight and self._running[tenant] < share:
+            return 0.0
+        places = share if self._running[tenant] >= share else self.max_in_flight
+        ahead = len(self._queues.get(tenant, ())) + 1
+        return self.typical_run_s * ahead / places
+
+    def share(self, tenant: str, now: float | None = None) -> int:
+        """The places `tenant` may hold now: all of them while it is the only active tenant,
+        else its equal share (at least one)."""
+        now = time.monotonic() if now is None else now
+        active = {t for t, at in self._last_asked.items() if now - at < self.activity_s}
+        active |= set(self._running) | set(self._queues) | {tenant}
+        return max(1, self.max_in_flight // len(active))
 
     @contextlib.asynccontextmanager
     async def admit(self, deadline: float | None, tenant: str = "") -> AsyncIterator[float]:
         """Holds a place while the run goes on; yields the time it was admitted."""
         started = time.monotonic()
-        if self.in_flight >= self.max_in_flight or self._queues:
-            await self._wait(deadline, started, tenant)
+        self._last_asked[tenant] = started
+        if (
+            self._queues
+            or self.in_flight >= self.max_in_flight
+            or self._running[tenant] >= self.share(tenant, started)
+        ):
+            await self._wait(deadline, started, tenant)  # may be handed a place at once
         else:
             self._take(tenant)
         admitted = time.monotonic()
@@ -123,7 +147,8 @@ class Admission:
 
     async def _wait(self, deadline: float | None, started: float, tenant: str) -> None:
         retry = self.retry_after_s()
-        self._refuse_if_it_cannot_finish(deadline, started, tenant)
+        if self.in_flight >= self.max_in_flight or self._running[tenant] >= self.share(tenant):
+            self._refuse_if_it_cannot_finish(deadline, started, tenant)
         mine = len(self._queues.get(tenant, ()))
         if mine >= self.max_queue_per_tenant or self.waiting >= self.max_queue:
             scope = "tenant" if mine >= self.max_queue_per_tenant else "all"
@@ -138,6 +163,7 @@ class Admission:
             )
         waiter = _Waiter(tenant, deadline, asyncio.get_running_loop().create_future())
         self._queues.setdefault(tenant, deque()).append(waiter)
+        self._hand_over()  # a free place another tenant's share kept may be this one's
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
@@ -169,10 +195,19 @@ class Admission:
         self._running[tenant] -= 1
         if self._running[tenant] <= 0:
             del self._running[tenant]
+        self._hand_over()
+
+    def _hand_over(self) -> None:
         now = time.monotonic()
         while self._queues and self.in_flight < self.max_in_flight:
-            # The waiting tenant with the fewest runs in flight; the dict order breaks ties.
+            # The waiting tenant with the fewest runs in flight (the dict order breaks
+            # ties), if it is under its share.
             tenant = min(self._queues, key=lambda t: self._running.get(t, 0))
+            if self._running.get(tenant, 0) >= self.share(tenant, now):
+                # The free place is an active tenant's share: kept for its next question,
+                # until that tenant has been quiet for activity_s.
+                self._recheck_later()
+                return
             queue = self._queues.pop(tenant)
             waiter = queue.popleft()
             if queue:
@@ -183,3 +218,12 @@ class Admission:
                 continue  # expired: dropped; its own wait ends with DEADLINE_EXCEEDED
             self._take(waiter.tenant)
             waiter.future.set_result(None)
+
+    def _recheck_later(self) -> None:
+        if self._recheck is None or self._recheck.cancelled():
+            loop = asyncio.get_running_loop()
+            self._recheck = loop.call_later(min(self.activity_s, 1.0), self._rechecked)
+
+    def _rechecked(self) -> None:
+        self._recheck = None
+        self._hand_over()

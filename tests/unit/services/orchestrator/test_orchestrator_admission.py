@@ -146,3 +146,30 @@ async def test_a_run_that_must_queue_and_could_not_finish_is_refused_at_once():
     assert admission.waiting == 1
     release.set()
     await asyncio.gather(first, waiting)
+
+
+async def test_a_flood_leaves_an_active_quiet_tenant_its_share_free():
+    admission = Admission(max_in_flight=2, max_queue=16, activity_s=0.3)
+    release = asyncio.Event()
+    async with admission.admit(None, "quiet"):
+        pass  # the quiet tenant asked a moment ago: it is active
+    floods = [asyncio.create_task(_admit_as(admission, "flood", release)) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert admission.in_flight == 1 and admission.waiting == 2  # its share: one place
+    started = time.monotonic()
+    async with admission.admit(None, "quiet"):  # the kept place: no wait
+        assert time.monotonic() - started < 0.05
+    # Once the quiet tenant has been quiet for activity_s, the flood may use every place.
+    await asyncio.sleep(1.2)
+    assert admission.in_flight == 2 and admission.waiting == 1
+    release.set()
+    await asyncio.gather(*floods)
+    assert admission.in_flight == 0
+    # A tenant alone uses every place at once.
+    alone = Admission(max_in_flight=2, max_queue=4)
+    gate = asyncio.Event()
+    both = [asyncio.create_task(_admit_as(alone, "only", gate)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    assert alone.in_flight == 2
+    gate.set()
+    await asyncio.gather(*both)

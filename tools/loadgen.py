@@ -1,0 +1,287 @@
+"""Open-loop `Ask` load past saturation: does the stack keep its goodput, and does a flooding
+tenant leave a quiet one its share?
+
+    .venv/bin/python tools/loadgen.py --load 0.5,1,2,3 --seconds 60 --plot load.png
+
+Starts the stack (`ragline up --base-port 0 --no-demo`, data in --workdir) unless --addr
+points at a running orchestrator, and ingests the demo corpus (five SQuAD articles) into
+two tenants, `flood` and `quiet`, once. Then:
+1. capacity: `--max-in-flight` closed-loop workers of tenant `flood` for --seconds/2: the
+   COMPLETE answers per second the stack sustains (its capacity);
+2. the quiet tenant alone, one question at a time, for --seconds/2: its unloaded latency;
+3. for each load (a multiple of the capacity): the flood tenant asks open loop (Poisson
+   arrivals at load x capacity, each with its own deadline, never waiting for the one
+   before) while the quiet tenant keeps asking one question at a time.
+
+Every ask has --deadline and bypasses the caches. Reported per phase and tenant, over
+every ask offered (none dropped): COMPLETE within the deadline (goodput, per second and
+as a share of what was offered), refused at once (RESOURCE_EXHAUSTED, with how long the
+refusal took), cut at the deadline (PARTIAL deadline), DEADLINE_EXCEEDED, other outcomes,
+and latency p50/p95/p99 of the answered. Goodput is compared with the unloaded capacity,
+the quiet tenant's p95 with its unloaded p95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from ragline import deadlines, identity
+from ragline.clients import ChannelPool, ServiceClient
+from ragline.logs import configure_logging
+from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from ragline_app.benchmarks import ensure_ingested, start_stack
+from ragline_app.datasets import load_squad
+from ragline_app.ingest import DEMO_CORPUS
+
+REPO = Path(__file__).resolve().parents[1]
+TENANTS = ("flood", "quiet")
+
+
+@dataclass
+class Ask:
+    tenant: str
+    phase: str
+    offered_at: float
+    seconds: float = 0.0
+    state: str = ""  # COMPLETE | PARTIAL | INCOMPLETE, or the status code's name
+    reason: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "COMPLETE"
+
+
+class Asker:
+    def __init__(self, address: str, questions: list[str], deadline_s: float) -> None:
+        self.pool = ChannelPool()
+        self.clients = {
+            tenant: ServiceClient(
+                orchestrator_pb2_grpc.OrchestratorServiceStub,
+                address,
+                pool=self.pool,
+                caller=identity.Caller(tenant),
+            )
+            for tenant in TENANTS
+        }
+        self.questions = questions
+        self.deadline_s = deadline_s
+        self.rng = random.Random(5)
+        self.asks: list[Ask] = []
+
+    async def ask(self, tenant: str, phase: str) -> Ask:
+        record = Ask(tenant, phase, time.monotonic())
+        self.asks.append(record)
+        request = orchestrator_pb2.AskRequest(
+            question=self.rng.choice(self.questions), cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+        )
+        try:
+            with deadlines.deadline_scope(self.deadline_s):
+                async for message in self.clients[tenant].stream("Ask", request):
+                    if message.WhichOneof("event") == "result":
+                        status = message.result.status
+                        record.state = common_pb2.AnswerState.Name(status.state)[13:]
+                        record.reason = status.reason
+        except grpc.aio.AioRpcError as error:
+            record.state = error.code().name
+        except Exception as error:  # a deadline the client itself enforced
+            record.state = type(error).__name__
+        record.seconds = time.monotonic() - record.offered_at
+        return record
+
+    async def closed_loop(self, tenant: str, phase: str, workers: int, seconds: float) -> None:
+        stop = time.monotonic() + seconds
+
+        async def worker():
+            while time.monotonic() < stop:
+                await self.ask(tenant, phase)
+
+        await asyncio.gather(*(worker() for _ in range(workers)))
+
+    async def open_loop(self, tenant: str, phase: str, rate: float, seconds: float) -> None:
+        stop = time.monotonic() + seconds
+        rng = random.Random(11)
+        running = set()
+        while time.monotonic() < stop:
+            task = asyncio.ensure_future(self.ask(tenant, phase))
+            running.add(task)
+            task.add_done_callback(running.discard)
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*running)
+
+
+def summary(asks: list[Ask], seconds: float) -> dict:
+    n = max(len(asks), 1)
+    states = collections.Counter(a.state for a in asks)
+    answered = [a.seconds for a in asks if a.state in ("COMPLETE", "PARTIAL", "INCOMPLETE")]
+    refused = [a.seconds for a in asks if a.state == "RESOURCE_EXHAUSTED"]
+    p = np.percentile(answered, [50, 95, 99]) if answered else [float("nan")] * 3
+    return {
+        "offered": len(asks),
+        "complete": states["COMPLETE"],
+        "goodput_per_s": states["COMPLETE"] / seconds,
+        "goodput_share": states["COMPLETE"] / n,
+        "refused": len(refused),
+        "refusal_p95_s": float(np.percentile(refused, 95)) if refused else float("nan"),
+        "cut_at_deadline": sum(a.state == "PARTIAL" and a.reason == "deadline" for a in asks),
+        "deadline_exceeded": states["DEADLINE_EXCEEDED"],
+        "other": {
+            k: v
+            for k, v in states.items()
+            if k not in ("COMPLETE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")
+        },
+        "p50": float(p[0]),
+        "p95": float(p[1]),
+        "p99": float(p[2]),
+    }
+
+
+async def measure(address: str, questions: list[str], args) -> dict:
+    asker = Asker(address, questions, args.deadline)
+    half = args.seconds / 2
+    # Warm-up: every slot and cache path sees traffic once; not measured.
+    await asker.closed_loop("flood", "warm-up", args.max_in_flight, 10)
+    await asker.closed_loop("quiet", "warm-up", 1, 5)
+    results: dict[str, dict] = {}
+    await asker.closed_loop("flood", "capacity", args.max_in_flight, half)
+    capacity = summary([a for a in asker.asks if a.phase == "capacity"], half)
+    results["capacity"] = {"flood": capacity}
+    rate = capacity["goodput_per_s"]
+    print(f"capacity: {rate:.2f} COMPLETE answers/s", file=sys.stderr)
+    await asker.closed_loop("quiet", "quiet alone", 1, half)
+    results["quiet alone"] = {
+        "quiet": summary([a for a in asker.asks if a.phase == "quiet alone"], half)
+    }
+    offered_rate = capacity["offered"] / half  # asks/s the capacity run got through
+    for load in (float(x) for x in args.load.split(",")):
+        phase = f"{load:g}x"
+        print(f"{phase}: flood at {load * offered_rate:.2f} asks/s", file=sys.stderr)
+        await asyncio.gather(
+            asker.open_loop("flood", phase, load * offered_rate, args.seconds),
+            asker.closed_loop("quiet", phase, 1, args.seconds),
+        )
+        results[phase] = {
+            tenant: summary(
+                [a for a in asker.asks if a.phase == phase and a.tenant == tenant], args.seconds
+            )
+            for tenant in TENANTS
+        }
+    await asker.pool.close()
+    results["_asks"] = [asdict(a) for a in asker.asks]
+    return results
+
+
+def table(results: dict) -> str:
+    capacity = results["capacity"]["flood"]["goodput_per_s"]
+    quiet_p95 = results["quiet alone"]["quiet"]["p95"]
+    lines = [
+        f"capacity {capacity:.2f} COMPLETE/s; quiet tenant alone p95 {quiet_p95:.2f} s",
+        "| phase | tenant | offered | COMPLETE | goodput/s (of capacity) | refused at once "
+        "(p95 s) | cut at deadline | DEADLINE_EXCEEDED | other | p50 / p95 / p99 (s) | "
+        "p95 / unloaded |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for phase, by_tenant in results.items():
+        if phase.startswith("_"):
+            continue
+        for tenant, s in by_tenant.items():
+            ratio = s["p95"] / quiet_p95 if tenant == "quiet" and quiet_p95 else float("nan")
+            lines.append(
+                f"| {phase} | {tenant} | {s['offered']} | {s['complete']} | "
+                f"{s['goodput_per_s']:.2f} ({s['goodput_per_s'] / capacity:.0%}) | "
+                f"{s['refused']} ({s['refusal_p95_s']:.3f}) | {s['cut_at_deadline']} | "
+                f"{s['deadline_exceeded']} | {s['other'] or ''} | "
+                f"{s['p50']:.2f} / {s['p95']:.2f} / {s['p99']:.2f} | "
+                f"{'' if ratio != ratio else f'{ratio:.2f}'} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    capacity = results["capacity"]["flood"]["goodput_per_s"]
+    quiet_p95 = results["quiet alone"]["quiet"]["p95"]
+    phases = [p for p in results if p.endswith("x")]
+    loads = [float(p[:-1]) for p in phases]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    flood = [results[p]["flood"] for p in phases]
+    goodput = [s["goodput_per_s"] / capacity for s in flood]
+    refused = [s["refused"] / max(s["offered"], 1) for s in flood]
+    left.plot(loads, goodput, marker="o", label="flood: COMPLETE/s over capacity")
+    left.plot(loads, refused, marker="s", label="flood: share refused at once")
+    left.axhline(0.9, color="grey", linestyle=":", label="goal: 90% of capacity")
+    left.set_xlabel("offered load (x capacity)")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+    quiet = [results[p]["quiet"]["p95"] / quiet_p95 for p in phases]
+    right.plot(loads, quiet, marker="o", label="quiet tenant p95 / unloaded p95")
+    right.axhline(1.5, color="grey", linestyle=":", label="goal: 1.5")
+    right.set_xlabel("offered load (x capacity)")
+    right.legend(fontsize=8)
+    right.grid(alpha=0.3)
+    figure.suptitle("Ask under open-loop load: goodput and a quiet tenant's latency")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> int:
+    configure_logging("loadgen", "warning", "console")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--addr", help="a running stack: orchestrator,retrieval,embedding,rerank addresses"
+    )
+    parser.add_argument("--load", default="0.5,1,2,3", help="offered load, x capacity")
+    parser.add_argument("--seconds", type=float, default=60.0, help="per load phase")
+    parser.add_argument("--deadline", type=float, default=10.0, help="per Ask, seconds")
+    parser.add_argument("--max-in-flight", type=int, default=4, help="the capacity run's workers")
+    parser.add_argument("--workdir", type=Path, default=REPO / ".ragline" / "loadgen")
+    parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the services")
+    parser.add_argument("--json", type=Path, help="write every ask here")
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+
+    passages, questions = load_squad(DEMO_CORPUS)
+    process = None
+    if args.addr:
+        names = ("orchestrator", "retrieval", "embedding", "rerank")
+        addresses = dict(zip(names, args.addr.split(","), strict=False))
+    else:
+        overrides = dict(item.split("=", 1) for item in args.env)
+        process, addresses = start_stack(args.workdir, overrides)
+    try:
+        if "retrieval" in addresses:
+            for tenant in TENANTS:
+                asyncio.run(ensure_ingested(DEMO_CORPUS, addresses, args.workdir,
+                                            len(passages), tenant))  # fmt: skip
+        results = asyncio.run(measure(addresses["orchestrator"], [q.text for q in questions], args))
+    finally:
+        if process is not None:
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=60)
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
