@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ragline.processes import terminate, wait_listening
+from ragline.processes import dying_with_this_process, terminate, wait_listening
 
 
 def etcd_binary() -> str:
@@ -71,11 +71,13 @@ class EtcdServer:
             command.append("--unsafe-no-fsync")  # tests only: durability across power loss
         return command
 
-    def start(self, wait_s: float = 30.0, **popen_kwargs) -> None:
+    def start(self, wait_s: float = 30.0, *, die_with_parent: bool = False, **popen_kwargs) -> None:
+        """Starts etcd (`die_with_parent`: it never outlives this process)."""
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        command = dying_with_this_process(self.command()) if die_with_parent else self.command()
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, **popen_kwargs
+                command, stdout=log, stderr=subprocess.STDOUT, **popen_kwargs
             )
         self.wait_ready(wait_s)
 

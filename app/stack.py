@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ragline.processes import die_with_parent, free_ports
+from ragline.processes import dying_with_this_process, free_ports
 from ragline_app.etcd_server import EtcdServer
 from ragline_services.registry import default_address, default_port, service_names
 
@@ -160,20 +160,21 @@ class Stack:
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.etcd is not None:
-            self.etcd.start(start_new_session=True, preexec_fn=die_with_parent())
+            self.etcd.start(start_new_session=True, die_with_parent=True)
         env = self.environment()
         for svc in self.services:
             log_file = svc.log_path.open("ab")
             # A session of its own: Ctrl-C reaches only `ragline up`, which stops the
             # services in order instead of all of them at once.
             svc.process = subprocess.Popen(
-                [sys.executable, "-m", "ragline_app.cli", "serve", svc.name],
+                # SIGTERM when `ragline up` dies (even by -9).
+                dying_with_this_process([sys.executable, "-m", "ragline_app.cli", "serve",
+                                         svc.name]),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=die_with_parent(),  # SIGTERM when `ragline up` dies (even -9)
-            )
+            )  # fmt: skip
             log_file.close()
 
     def dead(self) -> list[ServiceProcess]:

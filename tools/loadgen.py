@@ -220,9 +220,9 @@ def plot(results: dict, path: Path) -> None:
     loads = [float(p[:-1]) for p in phases]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     flood = [results[p]["flood"] for p in phases]
-    goodput = [s["goodput_per_s"] / capacity for s in flood]
+    goodput = [sum(s["goodput_per_s"] for s in results[p].values()) / capacity for p in phases]
     refused = [s["refused"] / max(s["offered"], 1) for s in flood]
-    left.plot(loads, goodput, marker="o", label="flood: COMPLETE/s over capacity")
+    left.plot(loads, goodput, marker="o", label="both tenants: COMPLETE/s over capacity")
     left.plot(loads, refused, marker="s", label="flood: share refused at once")
     left.axhline(0.9, color="grey", linestyle=":", label="goal: 90% of capacity")
     left.set_xlabel("offered load (x capacity)")

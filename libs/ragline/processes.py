@@ -8,31 +8,30 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A `preexec_fn` for a child that must never outlive the process that starts it (an
-    engine, a shard, a local server): the kernel sends it SIGTERM when its parent dies, even
-    by SIGKILL (PR_SET_PDEATHSIG; Linux only, None elsewhere). The parent is the thread that
-    forks: start such children from a thread that lives as long as the process (the event
-    loop's). A parent already gone by the time the child runs this makes the child exit."""
+def dying_with_this_process(command: list[str]) -> list[str]:
+    """`command` started so that it never outlives the process that starts it (an engine, a
+    shard, a local server): the kernel sends it SIGTERM when its parent dies, even by SIGKILL
+    (PR_SET_PDEATHSIG; Linux only, elsewhere `command` as it is).
+
+    The signal is armed by a small launcher that then execs `command` (it survives exec):
+    never by a `preexec_fn`, which runs Python between fork and exec and can crash a child
+    forked while gRPC threads run. The parent is the thread that forks: start such children
+    from threads that live as long as the process (the event loop's, its executor's)."""
     if sys.platform != "linux":
-        return None
-    parent = os.getpid()
+        return command
+    return [sys.executable, "-m", "ragline.processes", str(os.getpid()), *command]
 
-    def arm() -> None:
-        try:
-            import ctypes
 
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            return
-        if os.getppid() != parent:
-            os._exit(1)
+def _exec_dying_with(parent: int, command: list[str]) -> None:
+    import ctypes
 
-    return arm
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        sys.exit(1)  # the parent died before the signal was armed
+    os.execvp(command[0], command)
 
 
 def terminate(process: subprocess.Popen, timeout_s: float) -> tuple[int, bool]:
@@ -79,3 +78,7 @@ def wait_listening(
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"{name} did not listen on {host}:{port} within {wait_s} s")
+
+
+if __name__ == "__main__":
+    _exec_dying_with(int(sys.argv[1]), sys.argv[2:])

@@ -21,7 +21,7 @@ import structlog
 
 from ragline import deadlines
 from ragline.errors import Unavailable
-from ragline.processes import die_with_parent, terminate
+from ragline.processes import dying_with_this_process, terminate
 from ragline_services.generation.engine import StreamEvent
 
 log = structlog.get_logger("ragline.generation.engine")
@@ -195,10 +195,9 @@ class LlamaServerEngine:
             # Started from the event loop's thread, and never outliving this process: a
             # service killed outright takes its engine (memory, port) with it.
             self.process = subprocess.Popen(  # noqa: ASYNC220 - fork+exec, returns at once
-                self.command(),
+                dying_with_this_process(self.command()),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent(),
             )
         await self._wait_healthy(wait_s)
 

@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 import structlog
 
-from ragline.processes import die_with_parent
+from ragline.processes import dying_with_this_process
 
 log = structlog.get_logger("ragline.retrieval")
 
@@ -118,10 +118,10 @@ class ShardProcess:
         parent, child = socket.socketpair()
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "ragline_services.retrieval.shard_process",
-                 str(child.fileno()), self.path],
+                dying_with_this_process([sys.executable, "-m",
+                                         "ragline_services.retrieval.shard_process",
+                                         str(child.fileno()), self.path]),
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent(),
             )  # fmt: skip
         finally:
             child.close()

@@ -30,7 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from ragline.files import atomic_write_text
-from ragline.processes import die_with_parent
+from ragline.processes import dying_with_this_process
 from ragline_services.retrieval.documents import (
     Candidate,
     StoredDocument,
@@ -257,13 +257,15 @@ class EdgeVectorIndex:
             target = self.directory / name
             if target.exists():
                 shutil.rmtree(target)
+            # From a worker thread of the loop's executor (it lives as long as the process).
             self._builder = subprocess.Popen(
-                [sys.executable, "-m", "ragline_services.retrieval.hnsw_builder",
-                 str(self.wal_path), str(upto_seq), str(target), str(self.dim),
-                 "--threads", str(self.build_threads), "--niceness", str(self.build_niceness),
-                 *(["--idle"] if self.build_idle else [])],
+                dying_with_this_process([
+                    sys.executable, "-m", "ragline_services.retrieval.hnsw_builder",
+                    str(self.wal_path), str(upto_seq), str(target), str(self.dim),
+                    "--threads", str(self.build_threads), "--niceness", str(self.build_niceness),
+                    *(["--idle"] if self.build_idle else []),
+                ]),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                preexec_fn=die_with_parent(),  # a worker thread of the loop's pool: lives on
             )  # fmt: skip
             out, err = self._builder.communicate()
             if self._builder.returncode != 0:
