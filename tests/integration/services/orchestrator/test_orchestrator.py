@@ -40,11 +40,16 @@ def result_of(messages) -> orchestrator_pb2.AskResult:
 
 
 async def wait_until(check, timeout_s: float = 10.0) -> bool:
+    """Whether `check()` comes true within `timeout_s`, each check included (a check that
+    blocks past it counts as false)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await check():
-            return True
-        await asyncio.sleep(0.2)
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            if await asyncio.wait_for(check(), left):
+                return True
+        except TimeoutError:
+            return False
+        await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
     return False
 
 
@@ -134,42 +139,87 @@ async def test_embedding_and_bm25_run_side_by_side(rag_stack):
     assert nodes["vector"].call_start.ToNanoseconds() >= embed.call_end.ToNanoseconds()
 
 
-async def test_a_deadline_shorter_than_the_plan_ends_in_time_and_leaves_nothing_running(rag_stack):
+async def long_answer_s(orchestrator) -> float:
+    """How long the long answer takes when nothing cuts it (it must outlast every check
+    below, or they would pass because it ended by itself)."""
+    request = orchestrator_pb2.AskRequest(
+        question=LONG_ANSWER, max_tokens=2000, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+    )
+    started = time.monotonic()
+    result = result_of(await ask(orchestrator.address, request))
+    assert result.answer or result.draft_answer, result.status
+    return time.monotonic() - started
+
+
+async def test_a_deadline_during_generation_ends_the_run_partial_and_frees_the_slot_at_once(
+    rag_stack,
+):
     orchestrator = rag_stack.orchestrator(small=True)
-    for deadline_s in (0.25, 1.2):
-        task_id = f"deadline-{uuid.uuid4().hex[:8]}"
-        request = orchestrator_pb2.AskRequest(
-            question=LONG_ANSWER,
-            task_id=task_id,
-            max_tokens=2000,
-            cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
-        )
-        started = time.monotonic()
-        try:
-            result = result_of(await ask(orchestrator.address, request, deadline_s=deadline_s))
-            assert result.status.state == common_pb2.ANSWER_STATE_PARTIAL
-            assert result.status.reason == "deadline"
-        except grpc.aio.AioRpcError as error:
-            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert time.monotonic() - started < deadline_s + 0.5
-        assert await wait_until(lambda: generation_slot_free(rag_stack.small_generation.address))
-        assert await wait_until(lambda t=task_id: settled(rag_stack.budget.address, t))
+    natural = await long_answer_s(orchestrator)
+    assert natural > 2.0, f"the long answer took {natural:.1f} s: too short to cut"
+    deadline_s = natural / 2  # past the evidence, well inside the generation
+    task_id = f"deadline-{uuid.uuid4().hex[:8]}"
+    request = orchestrator_pb2.AskRequest(
+        question=LONG_ANSWER, task_id=task_id, max_tokens=2000,
+        cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
+    )  # fmt: skip
+    started = time.monotonic()
+    # The server ends the run itself, in time to send the result: no DEADLINE_EXCEEDED from
+    # the client's own timer is accepted here.
+    result = result_of(await ask(orchestrator.address, request, deadline_s=deadline_s))
+    cut_at = time.monotonic()
+    assert cut_at - started < deadline_s
+    assert result.status.state == common_pb2.ANSWER_STATE_PARTIAL, result.status
+    assert result.status.reason == "deadline"
+    # Decoding stopped at the cut: the slot is free long before the answer would have ended.
+    assert await wait_until(
+        lambda: generation_slot_free(rag_stack.small_generation.address), timeout_s=1.0
+    )
+    assert time.monotonic() - started < natural
+    assert await wait_until(lambda: settled(rag_stack.budget.address, task_id), timeout_s=5.0)
+
+
+async def test_a_deadline_before_the_evidence_is_in_is_deadline_exceeded_at_once(rag_stack):
+    orchestrator = rag_stack.orchestrator(small=True)
+    request = orchestrator_pb2.AskRequest(
+        question=LONG_ANSWER, max_tokens=2000, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+    )
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await ask(orchestrator.address, request, deadline_s=0.02)
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 0.5
+    assert await wait_until(
+        lambda: generation_slot_free(rag_stack.small_generation.address), timeout_s=1.0
+    )
 
 
 async def test_a_cancelled_ask_frees_the_generation_slot_and_settles_its_ledger(rag_stack):
     orchestrator = rag_stack.orchestrator(small=True)
+    natural = await long_answer_s(orchestrator)
+    assert natural > 2.0, f"the long answer took {natural:.1f} s: too short to cancel"
     task_id = f"cancel-{uuid.uuid4().hex[:8]}"
-    request = orchestrator_pb2.AskRequest(question=WARSAW, task_id=task_id, max_tokens=2000)
+    request = orchestrator_pb2.AskRequest(
+        question=LONG_ANSWER, task_id=task_id, max_tokens=2000,
+        cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
+    )  # fmt: skip
     async with grpc.aio.insecure_channel(orchestrator.address) as channel:
         call = orchestrator_pb2_grpc.OrchestratorServiceStub(channel).Ask(
             request, timeout=60, metadata=who()
         )
+        started = time.monotonic()
         async for message in call:
             if message.WhichOneof("event") == "delta":
                 break  # generating: cancel mid-stream
         call.cancel()
-    assert await wait_until(lambda: generation_slot_free(rag_stack.small_generation.address))
-    assert await wait_until(lambda: settled(rag_stack.budget.address, task_id))
+        cancelled_at = time.monotonic()
+    # The cancel reached the engine: the slot is free within a second, long before the
+    # answer would have ended by itself.
+    assert await wait_until(
+        lambda: generation_slot_free(rag_stack.small_generation.address), timeout_s=1.0
+    )
+    assert cancelled_at - started + 1.0 < natural
+    assert await wait_until(lambda: settled(rag_stack.budget.address, task_id), timeout_s=5.0)
     found = await ledger(rag_stack.budget.address, task_id)
     generate = [r for r in found.reservations if r.stage == "generate"]
     assert generate and generate[0].actual.input_tokens > 0  # partial use was charged
