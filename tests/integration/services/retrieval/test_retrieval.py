@@ -148,6 +148,10 @@ async def test_writes_are_searchable_before_the_rebuild_and_queries_run_during_i
             break
         await asyncio.sleep(0.05)
     final = await client.status("acme", operator=True)
+    # A rebuild was seen running, queries were answered during it, a write made meanwhile
+    # was searchable at once, and the build finished.
+    assert answered_during_build > 0 and fresh is not None, "no rebuild was observed"
+    assert final.last_build_finished.seconds and not final.rebuilding
     assert final.vector_index_ready and final.total_documents >= 3000
     # The built shard is searched by a child process of the service, gone with it.
     shards = shard_processes(service.process.pid)
