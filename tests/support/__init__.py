@@ -90,3 +90,17 @@ def service_settings() -> list[str]:
         ]
         names.append(f"RAGLINE_{service.upper()}_ADDR")
     return names
+
+
+def retry_delay(error) -> float:
+    """The google.rpc.RetryInfo delay (seconds) of a failed call; 0 when it has none."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(error)
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return info.retry_delay.ToNanoseconds() / 1e9
+    return 0.0

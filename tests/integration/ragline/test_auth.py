@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ragline.auth import mint_token
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
-from support import AUTH_CLIENT_KEY
+from support import AUTH_CLIENT_KEY, error_info
 
 pytestmark = pytest.mark.integration
 
@@ -28,10 +28,11 @@ async def call(address: str, method: str, request, metadata=()):
         return await getattr(stub, method)(request, timeout=30, metadata=metadata)
 
 
-async def code_of(coroutine) -> grpc.StatusCode:
+async def code_of(coroutine) -> tuple[grpc.StatusCode, str]:
+    """The status code of a refused call and its ErrorInfo reason."""
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await coroutine
-    return caught.value.code()
+    return caught.value.code(), error_info(caught.value)[0]
 
 
 async def test_tokens_decide_tenant_and_scopes_and_services_vouch_for_each_other(
@@ -55,24 +56,25 @@ async def test_tokens_decide_tenant_and_scopes_and_services_vouch_for_each_other
 
     search = retrieval_pb2.SearchRequest(query="Warsaw", k=5, mode=retrieval_pb2.SEARCH_MODE_HYBRID)
     forged = (("x-ragline-tenant", "acme"), ("x-ragline-scopes", "hr"))
-    assert await code_of(call(retrieval.address, "Search", search, forged)) == (
-        grpc.StatusCode.UNAUTHENTICATED
-    )
-    assert await code_of(call(retrieval.address, "Search", search)) == (
-        grpc.StatusCode.UNAUTHENTICATED
-    )
+    refused = (grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED")
+    assert await code_of(call(retrieval.address, "Search", search, forged)) == refused
+    assert await code_of(call(retrieval.address, "Search", search)) == refused
     wrong_key = (("authorization", f"Bearer {mint_token('k' * 40, 'acme', scopes=['hr'])}"),)
-    assert await code_of(call(retrieval.address, "Search", search, wrong_key)) == (
-        grpc.StatusCode.UNAUTHENTICATED
-    )
+    assert await code_of(call(retrieval.address, "Search", search, wrong_key)) == refused
+    expired = (
+        ("authorization", f"Bearer {mint_token(AUTH_CLIENT_KEY, 'acme', ttl_s=-120)}"),
+    )  # past the 30 s leeway
+    assert await code_of(call(retrieval.address, "Search", search, expired)) == (
+        grpc.StatusCode.UNAUTHENTICATED, "TOKEN_EXPIRED",
+    )  # fmt: skip
     asks_more = (*bearer("acme"), ("x-ragline-scopes", "hr"))
     assert await code_of(call(retrieval.address, "Search", search, asks_more)) == (
-        grpc.StatusCode.PERMISSION_DENIED
-    )
+        grpc.StatusCode.PERMISSION_DENIED, "SCOPE_NOT_HELD",
+    )  # fmt: skip
     other_tenant = (*bearer("acme"), ("x-ragline-tenant", "globex"))
     assert await code_of(call(retrieval.address, "Search", search, other_tenant)) == (
-        grpc.StatusCode.PERMISSION_DENIED
-    )
+        grpc.StatusCode.PERMISSION_DENIED, "TENANT_MISMATCH",
+    )  # fmt: skip
 
     plain = await call(retrieval.address, "Search", search, bearer("acme"))
     assert [h.id for h in plain.hits] == ["river"]

@@ -18,6 +18,7 @@ from ragline.clients import ChannelPool, ServiceClient
 from ragline.identity import Caller
 from ragline.v1 import budget_pb2, budget_pb2_grpc, common_pb2
 from ragline_app.stack import health_status
+from support import error_info, retry_delay
 from support.budget import BUDGET_HAMMER, Api, budget_env, new_id
 
 pytestmark = pytest.mark.integration
@@ -114,6 +115,7 @@ async def test_replay_is_not_charged_twice_and_other_amounts_are_refused(api):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await api.reserve(task, "r1", input_tokens=50, calls=1)
     assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert error_info(caught.value)[0] == "ALREADY_EXISTS"
     ledger = await api.ledger(task)
     assert (ledger.reserved.input_tokens, ledger.reserved.calls) == (30, 1)
 
@@ -191,6 +193,8 @@ async def test_in_flight_cap(api):
         await api.reserve(task, "c", calls=1)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "in flight" in caught.value.details()
+    assert error_info(caught.value)[0] == "TOO_MANY_IN_FLIGHT"
+    assert retry_delay(caught.value) > 0  # curable: settle one, then retry
     await api.settle(task, "a", calls=1)
     await api.reserve(task, "c", calls=1)
 
@@ -211,6 +215,7 @@ async def test_open_is_idempotent_and_close_stops_reservations(api):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await api.reserve(task, "after", calls=1)
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error_info(caught.value)[0] == "TASK_CLOSED"
     await api.settle(task, "before", calls=1)  # late settlement still lands
 
 
@@ -240,6 +245,7 @@ async def test_deadline_refuses_and_the_lease_removes_every_key(api, etcd):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await api.ledger(task)
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert error_info(caught.value)[0] == "NOT_FOUND"
 
 
 async def test_tenants_are_isolated_and_a_tenant_is_required(budget):
@@ -411,6 +417,8 @@ def test_etcd_outage_is_unavailable_and_the_ledger_survives(own_etcd, launcher):
             elapsed = time.monotonic() - started
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "etcd" in caught.value.details()
+            assert error_info(caught.value)[0] == "LEDGER_STORE_UNAVAILABLE"
+            assert retry_delay(caught.value) > 0
             assert elapsed < 5.0
             deadline = time.monotonic() + 10
             while await health_status(handle.address) != "NOT_SERVING":

@@ -11,7 +11,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from ragline.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from support import SMALL_GENERATION, field_violations
+from support import SMALL_GENERATION, error_info, field_violations, retry_delay
 
 pytestmark = pytest.mark.integration
 
@@ -188,9 +188,32 @@ async def test_a_failed_erase_never_hands_a_warm_slot_to_another_tenant(launcher
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await final_of("bob")
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and proxy.refused == 1
+    assert error_info(caught.value)[0] == "ENGINE_UNAVAILABLE"
     proxy.fail = False
     third = await final_of("cid")
     assert third.usage.cached_input_tokens == 0  # erased first: nothing of ann's prefix
+
+
+async def test_a_call_before_the_engine_is_loaded_is_not_ready_with_a_retry_delay(launcher):
+    service = launcher.start("generation", env=SMALL_GENERATION, wait=False)
+    request = generation_pb2.CountTokensRequest(prompt="Hello")
+    not_ready = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        # A channel per try: a channel that failed to connect backs off for a second.
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            try:
+                await stub.CountTokens(request, timeout=5, metadata=ACME)
+                break  # loaded
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+                if "failed to connect" not in (error.details() or ""):  # listening
+                    not_ready = error
+        await asyncio.sleep(0.005)
+    # Between listening and having loaded its engine the service answered, and said so.
+    assert not_ready is not None, "no call landed while the engine loaded"
+    assert error_info(not_ready)[0] == "NOT_READY" and retry_delay(not_ready) > 0
 
 
 def test_the_engine_never_outlives_its_service_even_killed_outright(launcher):

@@ -10,7 +10,7 @@ import pytest
 
 from ragline.v1 import rerank_pb2, rerank_pb2_grpc
 from ragline_app.datasets import load_squad
-from support import SQUAD_SAMPLE, field_violations
+from support import SQUAD_SAMPLE, error_info, field_violations
 
 pytestmark = pytest.mark.integration
 
@@ -85,14 +85,16 @@ async def test_batched_and_unbatched_scores_are_identical(rerank_pair):
                 assert abs(value - b[pid][stage]) < 1e-5, (pid, stage)
 
 
-async def test_stage_two_is_skipped_when_the_deadline_cannot_afford_it(rerank_pair):
-    service, _ = rerank_pair
+async def test_stage_two_is_skipped_when_the_deadline_cannot_afford_it(launcher):
+    # The cross-encoder reads all 30 candidates: ~150 ms or more even on an idle machine
+    # (with 5 it took ~20 ms there and fitted the deadline below), stage one ~15-30 ms.
+    service = launcher.start("rerank", env={"RAGLINE_RERANK_CROSS_ENCODER_CANDIDATES": "30"})
     request = rerank_pb2.RerankRequest(
         query="Who were the Normans?", candidates=candidates(30), top_k=5, allow_skip=True
     )
     await rerank(service.address, request)  # warm: the service learns what each stage costs
-    # 60 ms: room for stage one (about 15-30 ms here, channel included) but not for the
-    # cross-encoder's ~100 ms (30 ms failed once on a loaded machine: stage one alone).
+    # 60 ms: room for stage one (channel included) but not for the cross-encoder (30 ms
+    # failed once on a loaded machine: stage one alone).
     reply = await rerank(service.address, request, deadline_s=0.06)
     assert [s.stage for s in reply.skipped] == [rerank_pb2.RERANK_STAGE_CROSS_ENCODER]
     assert reply.skipped[0].reason.startswith("deadline")
@@ -103,6 +105,8 @@ async def test_stage_two_is_skipped_when_the_deadline_cannot_afford_it(rerank_pa
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await rerank(service.address, strict, deadline_s=0.06)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    # The service's own decision (its ErrorInfo), not the client's timer running out.
+    assert error_info(caught.value)[0] == "STAGE_UNAFFORDABLE"
 
 
 @pytest.mark.parametrize(
