@@ -46,6 +46,7 @@ class ServiceHandle:
     port: int
     process: subprocess.Popen
     log_path: Path
+    env: dict[str, str] | None = None
 
     @property
     def address(self) -> str:
@@ -91,7 +92,7 @@ class ServiceLauncher:
         port = port or free_ports(1)[0]
         log_path = self.log_dir / f"{name}-{port}.log"
         full_env = {**os.environ, "RAGLINE_LOG_LEVEL": "debug", **(env or {})}
-        with log_path.open("wb") as log_file:
+        with log_path.open("ab") as log_file:  # a restart on the port appends
             process = subprocess.Popen(
                 [sys.executable, "-m", "ragline_app.cli", "serve", name, "--port", str(port)],
                 stdout=log_file,
@@ -99,11 +100,21 @@ class ServiceLauncher:
                 env=full_env,
                 cwd=self.log_dir,
             )
-        handle = ServiceHandle(name, port, process, log_path)
+        handle = ServiceHandle(name, port, process, log_path, env)
         self.handles.append(handle)
         if wait:
             wait_serving(handle)
         return handle
+
+    def kill(self, handle: ServiceHandle) -> None:
+        """SIGKILL: the service runs no shutdown code."""
+        handle.process.kill()
+        handle.process.wait()
+        self.forget(handle)
+
+    def restart(self, handle: ServiceHandle, wait: bool = True) -> ServiceHandle:
+        """The same service again, on its port with its settings."""
+        return self.start(handle.name, env=handle.env, wait=wait, port=handle.port)
 
     def forget(self, handle: ServiceHandle) -> None:
         """A process the test ended itself (an expected crash, a kill -9)."""
@@ -622,3 +633,75 @@ def triton_text_models(tmp_path_factory):
     server = start_triton(source, tmp_path_factory.mktemp("triton-text"))
     yield server, tokenizer_dir
     server.stop()
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+@dataclass
+class FaultStack:
+    """Every service as its own process over its own etcd, the demo corpus in `default`:
+    a test may SIGKILL any part and start it again on its port (tests/faults)."""
+
+    parts: dict[str, ServiceHandle]
+    etcd: EtcdServer
+    launcher: ServiceLauncher
+
+    def kill(self, part: str) -> None:
+        if part == "etcd":
+            self.etcd.kill()
+            self.etcd.process.wait()
+        else:
+            self.launcher.kill(self.parts[part])
+
+    def restart(self, part: str) -> None:
+        if part == "etcd":
+            self.etcd.start()
+        else:
+            self.parts[part] = self.launcher.restart(self.parts[part], wait=False)
+            wait_serving(self.parts[part], timeout_s=180)
+
+
+@pytest.fixture(scope="module")
+def fault_stack(tmp_path_factory) -> Iterator[FaultStack]:
+    import asyncio
+
+    from ragline_app.ingest import DEMO_CORPUS, Checkpoint, ingest
+
+    directory = tmp_path_factory.mktemp("faults")
+    etcd = EtcdServer(
+        directory / "etcd", *free_ports(2), log_path=directory / "etcd.log"
+    )  # fsync on: a SIGKILL must not lose what etcd acknowledged
+    etcd.start()
+    for launcher in _launcher(directory):
+        start = launcher.start
+        embedding = start("embedding")
+        parts = {
+            "budget": start("budget", env=budget_env(etcd)),
+            "embedding": embedding,
+            "retrieval": start(
+                "retrieval",
+                env={
+                    "RAGLINE_EMBEDDING_ADDR": embedding.address,
+                    "RAGLINE_RETRIEVAL_INDEX_DIR": str(directory / "index"),
+                },
+            ),
+            "rerank": start("rerank"),
+            "generation": start("generation", env={"RAGLINE_GENERATION_MAX_NUM_SEQS": "2"}),
+        }
+        parts["orchestrator"] = start(
+            "orchestrator",
+            env={f"RAGLINE_{name.upper()}_ADDR": part.address for name, part in parts.items()},
+        )
+        asyncio.run(
+            ingest(
+                DEMO_CORPUS,
+                retrieval_addr=parts["retrieval"].address,
+                embedding_addr=embedding.address,
+                default_tenant="default",
+                checkpoint=Checkpoint(directory / "demo.json"),
+                rerank_addr=parts["rerank"].address,
+            )
+        )
+        yield FaultStack(parts, etcd, launcher)
+    etcd.stop()

@@ -19,12 +19,15 @@ import uuid
 from dataclasses import dataclass, fields
 
 import grpc
+import structlog
 
 from ragline import deadlines
 from ragline.budget_batch import BATCHED_METHODS, batcher_for
 from ragline.clients import ServiceClient
 from ragline.errors import ResourceExhausted
 from ragline.retry import DEFAULT_POLICY, RetryPolicy, call_with_retry
+
+log = structlog.get_logger("ragline.budget")
 
 AMOUNT_FIELDS = ("input_tokens", "output_tokens", "cost_micros", "calls")
 
@@ -91,6 +94,23 @@ class Amounts:
 # Time a settlement may take after the caller's own deadline passed: settling partial use
 # is bookkeeping that must happen even when the work it accounts for ran out of time.
 SETTLE_TIMEOUT_S = 5.0
+# A settlement that could not reach the ledger (the budget service or etcd down) is tried
+# again in the background for this long, so the use it reports is not lost: until settled
+# the reservation stays charged in full, and the ledger keeps a task's records for its
+# deadline plus a grace period (5 minutes by default).
+SETTLE_RETRY_S = 120.0
+_SETTLE_RETRY_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+)
+# Settlements being retried, held so that they are not collected mid-way.
+_late_settlements: set[asyncio.Task] = set()
+
+
+def late_settlements() -> int:
+    """Settlements of this process still being retried in the background."""
+    return len(_late_settlements)
 
 
 class BudgetRefused(ResourceExhausted):
@@ -155,6 +175,34 @@ class Reservation:
         except asyncio.CancelledError:
             await task
             raise
+        except grpc.aio.AioRpcError as error:
+            if error.code() in _SETTLE_RETRY_CODES:
+                retry = asyncio.ensure_future(self._finish_later(actual, failed, cancelled))
+                _late_settlements.add(retry)
+                retry.add_done_callback(_late_settlements.discard)
+            raise
+
+    async def _finish_later(self, actual: Amounts, failed: bool, cancelled: bool) -> None:
+        """The settlement again, with backoff, until it lands or SETTLE_RETRY_S passes
+        (the caller's identity is kept: the ledger belongs to its tenant)."""
+        give_up = deadlines.now() + SETTLE_RETRY_S
+        wait = 0.5
+        while True:
+            await asyncio.sleep(wait)
+            try:
+                await self._finish(actual, failed=failed, cancelled=cancelled)
+                log.info("budget.settled_late", reservation_id=self.reservation_id)
+                return
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in _SETTLE_RETRY_CODES or deadlines.now() + wait > give_up:
+                    log.warning(
+                        "budget.settle_lost",
+                        reservation_id=self.reservation_id,
+                        error=error.details(),
+                        why="it stays charged in full until the task's records expire",
+                    )
+                    return
+            wait = min(wait * 2, 5.0)
 
     async def _finish(self, actual: Amounts, *, failed: bool, cancelled: bool) -> None:
         from ragline.v1 import budget_pb2

@@ -1,0 +1,137 @@
+"""SIGKILL of each part of a running stack under steady load, then a restart.
+
+Two closed-loop askers (10 s deadlines, caches bypassed, each ask its own budget task) and
+one writer run against real processes while one part is killed outright, left down for
+`DOWN_S`, and started again on its port. Whatever was killed:
+- no call ends INTERNAL or UNKNOWN (a fault is reported as what it is, or degrades);
+- no call outlives its deadline by more than 0.5 s;
+- every acknowledged write is there afterwards;
+- every budget task the load opened ends with nothing in flight (settled, or never
+  reserved) within `SETTLED_WITHIN_S`, but where the orchestrator that held it was killed;
+- no engine process outlives a killed service;
+- COMPLETE answers come again within `RECOVERY_S` of the restart (generation: once its
+  model is loaded, within `RECOVERY_AFTER_LOAD_S`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from ragline.v1 import budget_pb2, budget_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
+from support.load import AskLoad, WriteLoad
+from support.orchestrator import who
+from support.processes import all_gone, children
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+
+DOWN_S = 3.0
+RECOVERY_S = 20.0
+RECOVERY_AFTER_LOAD_S = 5.0
+SETTLED_WITHIN_S = 15.0
+PARTS = ["embedding", "retrieval", "rerank", "generation", "budget", "orchestrator", "etcd"]
+
+
+async def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("part", PARTS)
+async def test_sigkill_under_load_then_restart(fault_stack, part):
+    stack = fault_stack
+    asks = AskLoad(stack.parts["orchestrator"].address, deadline_s=10.0)
+    writes = WriteLoad(stack.parts["retrieval"].address)
+    asks.start(run=f"kill-{part}")
+    writes.start(run=f"kill-{part}")
+    try:
+        steady = time.monotonic()
+        await wait_for(
+            lambda: asks.first_complete_after(steady) is not None, 60, "a COMPLETE answer"
+        )
+        engines = []
+        if part == "generation":
+            engines = children(stack.parts["generation"].process.pid, b"llama-server")
+            assert engines
+        killed_at = time.monotonic()
+        written_before = len(writes.acknowledged)
+        await asyncio.to_thread(stack.kill, part)
+        if engines:
+            assert await asyncio.to_thread(all_gone, engines, 5.0), "the engine outlived it"
+        await asyncio.sleep(DOWN_S)
+        restarted_at = time.monotonic()
+        await asyncio.to_thread(stack.restart, part)
+        serving_s = time.monotonic() - restarted_at
+        allowed_s = serving_s + RECOVERY_AFTER_LOAD_S if part == "generation" else RECOVERY_S
+        await wait_for(
+            lambda: asks.first_complete_after(restarted_at) is not None,
+            allowed_s + asks.deadline_s,
+            f"a COMPLETE answer after the restart of {part}",
+        )
+        recovered_s = asks.first_complete_after(restarted_at) - restarted_at
+    finally:
+        await asks.stop()
+        await writes.stop()
+
+    print(
+        f"\n{part}: serving {serving_s:.1f} s after the restart, COMPLETE again after "
+        f"{recovered_s:.1f} s; asks {asks.summary()}; writes acknowledged "
+        f"{len(writes.acknowledged)}, failed {len(writes.failures)}: "
+        f"{sorted(set(writes.failures))[:3]}"
+    )
+    assert not asks.bugs(), [(o.outcome, o.reason) for o in asks.bugs()]
+    assert not asks.late(0.5), [(o.outcome, round(o.seconds, 2)) for o in asks.late(0.5)]
+    assert recovered_s <= allowed_s, f"COMPLETE again only after {recovered_s:.1f} s"
+    assert 0 < written_before < len(writes.acknowledged), "writes before and after the kill"
+    missing = await absent(stack.parts["retrieval"].address, writes.acknowledged)
+    assert not missing, f"{len(missing)} acknowledged writes lost: {missing[:5]}"
+    killed_runs = (
+        {o.task_id for o in asks.outcomes if o.started <= killed_at <= o.ended}
+        if part == "orchestrator"
+        else set()
+    )
+    # A settlement the ledger could not take while it was down is retried in the background.
+    task_ids = [o.task_id for o in asks.outcomes if o.task_id not in killed_runs]
+    settle_by = time.monotonic() + SETTLED_WITHIN_S
+    for _ in range(int(SETTLED_WITHIN_S / 0.5) + 1):
+        unsettled = await in_flight_ledgers(stack.parts["budget"].address, task_ids)
+        if not unsettled or time.monotonic() > settle_by:
+            break
+        await asyncio.sleep(0.5)
+    assert not unsettled, f"ledgers with reservations still in flight: {unsettled[:5]}"
+
+
+async def absent(retrieval: str, ids: list[str]) -> list[str]:
+    missing = []
+    async with grpc.aio.insecure_channel(retrieval) as channel:
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        for start in range(0, len(ids), 1000):
+            chunk = ids[start : start + 1000]
+            reply = await stub.DocumentVersions(
+                retrieval_pb2.DocumentVersionsRequest(ids=chunk), timeout=10, metadata=who()
+            )
+            missing += [doc for doc in chunk if doc not in reply.versions]
+    return missing
+
+
+async def in_flight_ledgers(budget: str, task_ids: list[str]) -> list[str]:
+    found = []
+    async with grpc.aio.insecure_channel(budget) as channel:
+        stub = budget_pb2_grpc.BudgetServiceStub(channel)
+        for task_id in task_ids:
+            try:
+                ledger = await stub.GetLedger(
+                    budget_pb2.GetLedgerRequest(task_id=task_id), timeout=10, metadata=who()
+                )
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.NOT_FOUND:
+                    continue  # never opened: its ask was refused or failed before
+                raise
+            if ledger.in_flight or any(ledger.pending.ListFields()):
+                found.append(f"{task_id}: in flight {ledger.in_flight}")
+    return found

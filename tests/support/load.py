@@ -1,0 +1,160 @@
+"""Steady load for the fault tests: closed-loop `Ask` workers and a writer, every outcome
+recorded (nothing dropped), for checks made after the fault."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from ragline.v1 import (
+    common_pb2,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+    retrieval_pb2,
+    retrieval_pb2_grpc,
+)
+from support.orchestrator import who
+
+QUESTIONS = (
+    "What century did the Normans first gain their separate identity?",
+    "Who was the duke in the battle of Hastings?",
+    "What is the original meaning of the word Norman?",
+    "When was the Duchy of Normandy founded?",
+    "Who ruled the duchy of Normandy?",
+    "What religion were the Normans?",
+)
+
+# Codes that mean a bug, whatever was killed: a fault is reported as what it is
+# (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...) or degrades the answer.
+BUG_CODES = ("INTERNAL", "UNKNOWN")
+
+
+@dataclass
+class Outcome:
+    started: float  # time.monotonic()
+    seconds: float
+    outcome: str  # COMPLETE | PARTIAL | INCOMPLETE, or the status code's name
+    reason: str = ""
+    task_id: str = ""
+
+    @property
+    def ended(self) -> float:
+        return self.started + self.seconds
+
+
+@dataclass
+class AskLoad:
+    """`workers` closed-loop askers, each ask with its own budget task and `deadline_s`."""
+
+    address: str
+    deadline_s: float = 10.0
+    workers: int = 2
+    tenant: str = "default"
+    outcomes: list[Outcome] = field(default_factory=list)
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+    _numbers: itertools.count = field(default_factory=itertools.count)
+    _stopping: bool = False
+
+    def start(self, run: str) -> None:
+        self._tasks = [asyncio.create_task(self._worker(run, w)) for w in range(self.workers)]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        await asyncio.gather(*self._tasks)
+
+    async def _worker(self, run: str, worker: int) -> None:
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+            while not self._stopping:
+                number = next(self._numbers)
+                outcome = await self._ask(stub, f"{run}-{number}", QUESTIONS[number % 6])
+                self.outcomes.append(outcome)
+                if outcome.seconds < 0.2 and outcome.outcome != "COMPLETE":
+                    await asyncio.sleep(0.2)  # failed at once: do not spin
+
+    async def _ask(self, stub, task_id: str, question: str) -> Outcome:
+        request = orchestrator_pb2.AskRequest(
+            question=question,
+            cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
+            task_id=task_id,
+            budget=common_pb2.BudgetAmounts(
+                input_tokens=20_000, output_tokens=2_000, cost_micros=10**9, calls=64
+            ),
+            allow_degrade=True,
+            max_tokens=48,
+        )
+        started = time.monotonic()
+        try:
+            call = stub.Ask(request, timeout=self.deadline_s, metadata=who(self.tenant))
+            messages = [message async for message in call]
+            status = messages[-1].result.status
+            state = common_pb2.AnswerState.Name(status.state).removeprefix("ANSWER_STATE_")
+            return Outcome(started, time.monotonic() - started, state, status.reason, task_id)
+        except grpc.aio.AioRpcError as error:
+            return Outcome(
+                started, time.monotonic() - started, error.code().name, error.details(), task_id
+            )
+
+    # -- what the checks read ------------------------------------------------------------
+
+    def bugs(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.outcome in BUG_CODES]
+
+    def late(self, slack_s: float = 0.5) -> list[Outcome]:
+        return [o for o in self.outcomes if o.seconds > self.deadline_s + slack_s]
+
+    def first_complete_after(self, moment: float) -> float | None:
+        """When the first COMPLETE answer asked after `moment` ended."""
+        ends = [o.ended for o in self.outcomes if o.outcome == "COMPLETE" and o.started >= moment]
+        return min(ends, default=None)
+
+    def summary(self) -> str:
+        counts: dict[str, int] = {}
+        for o in self.outcomes:
+            counts[o.outcome] = counts.get(o.outcome, 0) + 1
+        return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+
+
+@dataclass
+class WriteLoad:
+    """One writer upserting small documents to retrieval, one per call; `acknowledged`
+    holds every id whose Upsert returned OK."""
+
+    address: str
+    tenant: str = "default"
+    acknowledged: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # code: message of each failed write
+    _task: asyncio.Task | None = None
+    _stopping: bool = False
+
+    def start(self, run: str) -> None:
+        self._task = asyncio.create_task(self._write(run))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            await self._task
+
+    async def _write(self, run: str) -> None:
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+            for number in itertools.count():
+                if self._stopping:
+                    return
+                doc_id = f"{run}-w{number}"
+                request = retrieval_pb2.UpsertRequest(
+                    documents=[
+                        common_pb2.Document(id=doc_id, title="", text=f"faultword{number} {run}")
+                    ]
+                )
+                try:
+                    await stub.Upsert(request, timeout=5, metadata=who(self.tenant))
+                    self.acknowledged.append(doc_id)
+                except grpc.aio.AioRpcError as error:
+                    self.failures.append(f"{error.code().name}: {error.details()}")
+                    await asyncio.sleep(0.2)
+                await asyncio.sleep(0.05)
