@@ -104,6 +104,14 @@ _SETTLE_RETRY_CODES = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.ABORTED,
 )
+# A Reserve that failed with one of these may still have been granted.
+_OUTCOME_UNKNOWN = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+)
 # Settlements being retried, held so that they are not collected mid-way.
 _late_settlements: set[asyncio.Task] = set()
 
@@ -155,6 +163,12 @@ class Reservation:
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise BudgetRefused(error.details()) from error
+            if error.code() in _OUTCOME_UNKNOWN:
+                # The ledger may have granted it before the answer was lost (the budget
+                # service killed mid-call): release it by id in the background, without
+                # holding up the caller's failure (a reservation that never landed is not
+                # found, and that is the end of it).
+                self._settle_in_background(Amounts(), failed=False, cancelled=False, wait=0.0)
             raise
         except asyncio.CancelledError:
             # The ledger may have granted it before the cancel arrived: release it (by id,
@@ -177,16 +191,22 @@ class Reservation:
             raise
         except grpc.aio.AioRpcError as error:
             if error.code() in _SETTLE_RETRY_CODES:
-                retry = asyncio.ensure_future(self._finish_later(actual, failed, cancelled))
-                _late_settlements.add(retry)
-                retry.add_done_callback(_late_settlements.discard)
+                self._settle_in_background(actual, failed=failed, cancelled=cancelled, wait=0.5)
             raise
 
-    async def _finish_later(self, actual: Amounts, failed: bool, cancelled: bool) -> None:
-        """The settlement again, with backoff, until it lands or SETTLE_RETRY_S passes
-        (the caller's identity is kept: the ledger belongs to its tenant)."""
+    def _settle_in_background(
+        self, actual: Amounts, *, failed: bool, cancelled: bool, wait: float
+    ) -> None:
+        task = asyncio.ensure_future(self._finish_later(actual, failed, cancelled, wait))
+        _late_settlements.add(task)
+        task.add_done_callback(_late_settlements.discard)
+
+    async def _finish_later(
+        self, actual: Amounts, failed: bool, cancelled: bool, wait: float
+    ) -> None:
+        """The settlement, with backoff, until it lands or SETTLE_RETRY_S passes (the
+        caller's identity is kept: the ledger belongs to its tenant)."""
         give_up = deadlines.now() + SETTLE_RETRY_S
-        wait = 0.5
         while True:
             await asyncio.sleep(wait)
             try:
@@ -194,6 +214,8 @@ class Reservation:
                 log.info("budget.settled_late", reservation_id=self.reservation_id)
                 return
             except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.NOT_FOUND:
+                    return  # a reservation whose Reserve never landed
                 if error.code() not in _SETTLE_RETRY_CODES or deadlines.now() + wait > give_up:
                     log.warning(
                         "budget.settle_lost",
@@ -202,7 +224,7 @@ class Reservation:
                         why="it stays charged in full until the task's records expire",
                     )
                     return
-            wait = min(wait * 2, 5.0)
+            wait = min(max(wait * 2, 0.5), 5.0)
 
     async def _finish(self, actual: Amounts, *, failed: bool, cancelled: bool) -> None:
         from ragline.v1 import budget_pb2
