@@ -24,6 +24,7 @@ from ragline_app.redis_server import RedisServer
 from ragline_app.stack import health_status_sync
 from support import BATCH_INVARIANT_MODEL, REPO_ROOT, SMALL_GENERATION
 from support.budget import Api, budget_env, new_id
+from support.tcp_proxy import TcpProxy
 
 BIN_DIR = Path(sys.executable).parent
 
@@ -646,6 +647,10 @@ class FaultStack:
     parts: dict[str, ServiceHandle]
     etcd: EtcdServer
     launcher: ServiceLauncher
+    # The budget service reaches etcd, and the orchestrator its Redis cache, through
+    # these (tests/support/tcp_proxy.py): passing, slow or silent as a test sets them.
+    etcd_proxy: TcpProxy
+    redis_proxy: TcpProxy
 
     def kill(self, part: str) -> None:
         if part == "etcd":
@@ -673,11 +678,15 @@ def fault_stack(tmp_path_factory) -> Iterator[FaultStack]:
         directory / "etcd", *free_ports(2), log_path=directory / "etcd.log"
     )  # fsync on: a SIGKILL must not lose what etcd acknowledged
     etcd.start()
+    redis = RedisServer(directory / "redis", free_ports(1)[0])
+    redis.start()
+    etcd_proxy = TcpProxy(etcd.client_port).start()
+    redis_proxy = TcpProxy(redis.port).start()
     for launcher in _launcher(directory):
         start = launcher.start
         embedding = start("embedding")
         parts = {
-            "budget": start("budget", env=budget_env(etcd)),
+            "budget": start("budget", env=budget_env(etcd_proxy)),
             "embedding": embedding,
             "retrieval": start(
                 "retrieval",
@@ -691,7 +700,10 @@ def fault_stack(tmp_path_factory) -> Iterator[FaultStack]:
         }
         parts["orchestrator"] = start(
             "orchestrator",
-            env={f"RAGLINE_{name.upper()}_ADDR": part.address for name, part in parts.items()},
+            env={
+                **{f"RAGLINE_{name.upper()}_ADDR": part.address for name, part in parts.items()},
+                "RAGLINE_ORCHESTRATOR_CACHE_URL": f"redis://{redis_proxy.address}/0",
+            },
         )
         asyncio.run(
             ingest(
@@ -703,5 +715,8 @@ def fault_stack(tmp_path_factory) -> Iterator[FaultStack]:
                 rerank_addr=parts["rerank"].address,
             )
         )
-        yield FaultStack(parts, etcd, launcher)
+        yield FaultStack(parts, etcd, launcher, etcd_proxy, redis_proxy)
+    for proxy in (etcd_proxy, redis_proxy):
+        proxy.stop()
+    redis.stop()
     etcd.stop()

@@ -21,6 +21,7 @@ from typing import Protocol
 
 from cachetools import TLRUCache
 
+from ragline.breaker import Breaker, BreakerOpen
 from ragline.errors import Unavailable
 
 
@@ -118,6 +119,10 @@ class RedisCache:
 
         self.url = url
         self._errors = (redis.RedisError, OSError)
+        # A silent Redis would cost every lookup its whole timeout, and a request makes
+        # several: while it does not answer, lookups are misses at once (ragline/breaker.py).
+        silence = (redis.TimeoutError, redis.ConnectionError, OSError, TimeoutError)
+        self._breaker = Breaker(lambda error: isinstance(error, silence))
         self._client = redis.from_url(
             url,
             socket_timeout=timeout_s,
@@ -127,7 +132,11 @@ class RedisCache:
 
     async def _call(self, what: str, call):
         try:
-            return await call
+            with self._breaker.attempt():
+                return await call
+        except BreakerOpen as error:
+            call.close()  # never sent
+            raise Unavailable(f"cache {what} on {self.url} skipped: {error}") from None
         except self._errors as error:
             raise Unavailable(f"cache {what} on {self.url} failed: {error}") from error
 
@@ -160,7 +169,11 @@ class RedisCache:
         return await self._call("scan", scanned())
 
     async def ping(self) -> None:
-        await self._call("ping", self._client.ping())
+        try:
+            with self._breaker.attempt(probe=True):
+                await self._client.ping()
+        except self._errors as error:
+            raise Unavailable(f"cache ping on {self.url} failed: {error}") from error
 
     async def close(self) -> None:
         await self._client.aclose()

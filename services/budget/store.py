@@ -14,6 +14,7 @@ from typing import Protocol
 import grpc
 
 from ragline import deadlines
+from ragline.breaker import Breaker, BreakerOpen
 from ragline.errors import DeadlineExceeded, Unavailable
 
 
@@ -57,6 +58,9 @@ class EtcdLedgerStore:
 
         self.endpoints = list(endpoints)
         self._timeout_s = timeout_s
+        # While etcd does not answer, calls fail at once rather than each waiting
+        # `timeout_s` (ragline/breaker.py); the health probe's pings always go.
+        self._breaker = Breaker(_is_silence)
         # One retry for a transient blip; more would only delay the UNAVAILABLE answer.
         self._client = etcd3aio.Etcd3Client(self.endpoints, rpc_max_attempts=2)
         # gRPC's default reconnect backoff grows to 120 s; after an etcd restart the ledger
@@ -79,24 +83,29 @@ class EtcdLedgerStore:
         left = deadlines.remaining()
         return self._timeout_s if left is None else max(min(self._timeout_s, left), 0.001)
 
+    def _unreachable(self, detail: str) -> Unavailable:
+        return Unavailable(
+            f"budget ledger store unreachable (etcd at {', '.join(self.endpoints)}, "
+            f"{detail}); no reservation was granted, retry with the same reservation id",
+            reason="LEDGER_STORE_UNAVAILABLE",
+        )
+
     @contextlib.asynccontextmanager
     async def _guard(self, operation: str):
         import etcd3aio
 
         deadlines.check(f"etcd {operation}")
         try:
-            yield
+            with self._breaker.attempt(probe=operation == "ping"):
+                yield
+        except BreakerOpen as error:
+            raise self._unreachable(f"{operation}: {error}") from None
         except (etcd3aio.EtcdError, grpc.aio.AioRpcError, TimeoutError) as error:
             if deadlines.expired():
                 raise DeadlineExceeded(
                     f"the deadline passed while the budget ledger waited on etcd ({operation})"
                 ) from error
-            raise Unavailable(
-                f"budget ledger store unreachable (etcd at {', '.join(self.endpoints)}, "
-                f"{operation}): {error}; no reservation was granted, retry with the same "
-                "reservation id",
-                reason="LEDGER_STORE_UNAVAILABLE",
-            ) from error
+            raise self._unreachable(f"{operation}: {error}") from error
 
     async def read(self, keys: Sequence[bytes]) -> list[Versioned | None]:
         kv = self._client.kv
@@ -148,6 +157,17 @@ class EtcdLedgerStore:
     async def ping(self) -> None:
         async with self._guard("ping"):
             await self._client.kv.get(b"/ragline/ping", timeout=self._timeout())
+
+
+def _is_silence(error: Exception) -> bool:
+    """etcd did not answer (as opposed to answering with an error)."""
+    import etcd3aio
+
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return isinstance(
+        error, TimeoutError | etcd3aio.EtcdConnectionError | etcd3aio.EtcdTransientError
+    )
 
 
 def _first(kvs) -> Versioned | None:

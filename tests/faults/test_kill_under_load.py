@@ -18,12 +18,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 import pytest
 
-from ragline.v1 import budget_pb2, budget_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
-from support.load import AskLoad, WriteLoad
-from support.orchestrator import who
+from support.load import AskLoad, WriteLoad, absent, unsettled_after
 from support.processes import all_gone, children
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
@@ -96,42 +93,9 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
         else set()
     )
     # A settlement the ledger could not take while it was down is retried in the background.
-    task_ids = [o.task_id for o in asks.outcomes if o.task_id not in killed_runs]
-    settle_by = time.monotonic() + SETTLED_WITHIN_S
-    for _ in range(int(SETTLED_WITHIN_S / 0.5) + 1):
-        unsettled = await in_flight_ledgers(stack.parts["budget"].address, task_ids)
-        if not unsettled or time.monotonic() > settle_by:
-            break
-        await asyncio.sleep(0.5)
+    unsettled = await unsettled_after(
+        stack.parts["budget"].address,
+        [o.task_id for o in asks.outcomes if o.task_id not in killed_runs],
+        SETTLED_WITHIN_S,
+    )
     assert not unsettled, f"ledgers with reservations still in flight: {unsettled[:5]}"
-
-
-async def absent(retrieval: str, ids: list[str]) -> list[str]:
-    missing = []
-    async with grpc.aio.insecure_channel(retrieval) as channel:
-        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
-        for start in range(0, len(ids), 1000):
-            chunk = ids[start : start + 1000]
-            reply = await stub.DocumentVersions(
-                retrieval_pb2.DocumentVersionsRequest(ids=chunk), timeout=10, metadata=who()
-            )
-            missing += [doc for doc in chunk if doc not in reply.versions]
-    return missing
-
-
-async def in_flight_ledgers(budget: str, task_ids: list[str]) -> list[str]:
-    found = []
-    async with grpc.aio.insecure_channel(budget) as channel:
-        stub = budget_pb2_grpc.BudgetServiceStub(channel)
-        for task_id in task_ids:
-            try:
-                ledger = await stub.GetLedger(
-                    budget_pb2.GetLedgerRequest(task_id=task_id), timeout=10, metadata=who()
-                )
-            except grpc.aio.AioRpcError as error:
-                if error.code() == grpc.StatusCode.NOT_FOUND:
-                    continue  # never opened: its ask was refused or failed before
-                raise
-            if ledger.in_flight or any(ledger.pending.ListFields()):
-                found.append(f"{task_id}: in flight {ledger.in_flight}")
-    return found

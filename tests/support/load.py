@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from ragline.v1 import (
+    budget_pb2,
+    budget_pb2_grpc,
     common_pb2,
     orchestrator_pb2,
     orchestrator_pb2_grpc,
@@ -38,8 +40,9 @@ class Outcome:
     started: float  # time.monotonic()
     seconds: float
     outcome: str  # COMPLETE | PARTIAL | INCOMPLETE, or the status code's name
-    reason: str = ""
+    reason: str = ""  # the answer's reason, or the error's ErrorInfo reason
     task_id: str = ""
+    detail: str = ""  # the error's message
 
     @property
     def ended(self) -> float:
@@ -54,6 +57,7 @@ class AskLoad:
     deadline_s: float = 10.0
     workers: int = 2
     tenant: str = "default"
+    cache: int = orchestrator_pb2.CACHE_POLICY_BYPASS
     outcomes: list[Outcome] = field(default_factory=list)
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _numbers: itertools.count = field(default_factory=itertools.count)
@@ -79,7 +83,7 @@ class AskLoad:
     async def _ask(self, stub, task_id: str, question: str) -> Outcome:
         request = orchestrator_pb2.AskRequest(
             question=question,
-            cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
+            cache=self.cache,
             task_id=task_id,
             budget=common_pb2.BudgetAmounts(
                 input_tokens=20_000, output_tokens=2_000, cost_micros=10**9, calls=64
@@ -95,8 +99,9 @@ class AskLoad:
             state = common_pb2.AnswerState.Name(status.state).removeprefix("ANSWER_STATE_")
             return Outcome(started, time.monotonic() - started, state, status.reason, task_id)
         except grpc.aio.AioRpcError as error:
+            seconds = time.monotonic() - started
             return Outcome(
-                started, time.monotonic() - started, error.code().name, error.details(), task_id
+                started, seconds, error.code().name, _reason(error), task_id, error.details() or ""
             )
 
     # -- what the checks read ------------------------------------------------------------
@@ -106,6 +111,10 @@ class AskLoad:
 
     def late(self, slack_s: float = 0.5) -> list[Outcome]:
         return [o for o in self.outcomes if o.seconds > self.deadline_s + slack_s]
+
+    def between(self, start: float, end: float) -> list[Outcome]:
+        """The asks that started in [start, end)."""
+        return [o for o in self.outcomes if start <= o.started < end]
 
     def first_complete_after(self, moment: float) -> float | None:
         """When the first COMPLETE answer asked after `moment` ended."""
@@ -117,6 +126,19 @@ class AskLoad:
         for o in self.outcomes:
             counts[o.outcome] = counts.get(o.outcome, 0) + 1
         return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+
+
+def _reason(error: grpc.aio.AioRpcError) -> str:
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(error)
+    for detail in status.details if status else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info.reason
+    return ""
 
 
 @dataclass
@@ -158,3 +180,45 @@ class WriteLoad:
                     self.failures.append(f"{error.code().name}: {error.details()}")
                     await asyncio.sleep(0.2)
                 await asyncio.sleep(0.05)
+
+
+async def absent(retrieval: str, ids: list[str]) -> list[str]:
+    missing = []
+    async with grpc.aio.insecure_channel(retrieval) as channel:
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        for start in range(0, len(ids), 1000):
+            chunk = ids[start : start + 1000]
+            reply = await stub.DocumentVersions(
+                retrieval_pb2.DocumentVersionsRequest(ids=chunk), timeout=10, metadata=who()
+            )
+            missing += [doc for doc in chunk if doc not in reply.versions]
+    return missing
+
+
+async def in_flight_ledgers(budget: str, task_ids: list[str]) -> list[str]:
+    found = []
+    async with grpc.aio.insecure_channel(budget) as channel:
+        stub = budget_pb2_grpc.BudgetServiceStub(channel)
+        for task_id in task_ids:
+            try:
+                ledger = await stub.GetLedger(
+                    budget_pb2.GetLedgerRequest(task_id=task_id), timeout=10, metadata=who()
+                )
+            except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.NOT_FOUND:
+                    continue  # never opened: its ask was refused or failed before
+                raise
+            if ledger.in_flight or any(ledger.pending.ListFields()):
+                found.append(f"{task_id}: in flight {ledger.in_flight}")
+    return found
+
+
+async def unsettled_after(budget: str, task_ids: list[str], within_s: float) -> list[str]:
+    """The ledgers still holding reservations in flight after `within_s` (late
+    settlements retried in the background may land meanwhile)."""
+    give_up = time.monotonic() + within_s
+    while True:
+        unsettled = await in_flight_ledgers(budget, task_ids)
+        if not unsettled or time.monotonic() > give_up:
+            return unsettled
+        await asyncio.sleep(0.5)

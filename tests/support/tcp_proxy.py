@@ -23,7 +23,7 @@ class TcpProxy:
         self.delay_s = 0.0
         self._flowing: asyncio.Event | None = None  # set unless blackholed (proxy's loop)
         self.connections = 0  # accepted since the start
-        self.chunks_forwarded = 0  # client -> upstream
+        self.chunks_received = 0  # client -> proxy, forwarded or not
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -33,6 +33,10 @@ class TcpProxy:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def endpoint(self) -> str:  # as EtcdServer names it, for a proxy in front of one
+        return self.address
 
     def start(self) -> TcpProxy:
         self._thread.start()
@@ -83,11 +87,11 @@ class TcpProxy:
 
         async def pump(source, sink, upstream: bool):
             while chunk := await source.read(65536):
+                if upstream:
+                    self.chunks_received += 1
                 await self._flowing.wait()
                 if self.mode == "delay":
                     await asyncio.sleep(self.delay_s)
-                if upstream:
-                    self.chunks_forwarded += 1
                 sink.write(chunk)
                 await sink.drain()
 
