@@ -237,6 +237,67 @@ def test_kill_9_during_ingest_loses_no_acknowledged_document(launcher, embedding
     asyncio.run(check())
 
 
+def test_kill_9_while_writes_are_in_flight_loses_none_acknowledged_and_tears_none(
+    launcher, embedding_service, tmp_path
+):
+    """SIGKILL lands while several Upserts are in the service (the count in flight is
+    checked at the kill): every acknowledged one is there after the restart, and each one
+    in flight is there whole or not at all (a request is one log record)."""
+    index_dir = tmp_path / "index"
+    service = start_retrieval(launcher, embedding_service, index_dir)
+    batch, writers = 16, 6
+    acked: list[list[str]] = []
+    unanswered: list[list[str]] = []
+    in_flight = 0
+    in_flight_at_kill = -1
+
+    async def writer(number: int, client: Client):
+        nonlocal in_flight, in_flight_at_kill
+        rng = np.random.default_rng(number)
+        for round_ in range(10_000):
+            ids = [f"w{number}-r{round_}-{i}" for i in range(batch)]
+            docs = [
+                {"id": doc_id, "title": "", "text": f"{doc_id} payload " * 20,
+                 "vector": rng.normal(size=384).tolist()}
+                for doc_id in ids
+            ]  # fmt: skip
+            in_flight += 1
+            try:
+                await client.upsert("acme", docs)
+            except grpc.aio.AioRpcError:
+                unanswered.append(ids)
+                return
+            finally:
+                in_flight -= 1
+            acked.append(ids)
+            if len(acked) >= 60 and in_flight >= writers // 2 and in_flight_at_kill < 0:
+                in_flight_at_kill = in_flight
+                service.process.send_signal(signal.SIGKILL)
+
+    async def write_until_killed():
+        client = Client(service.address)
+        await asyncio.gather(*(writer(n, client) for n in range(writers)))
+        await client.close()
+
+    asyncio.run(write_until_killed())
+    assert service.process.wait(timeout=10) == -signal.SIGKILL
+    launcher.forget(service)
+    assert in_flight_at_kill >= writers // 2, "the kill did not land during writes"
+    restarted = start_retrieval(launcher, embedding_service, index_dir)
+
+    async def check():
+        client = Client(restarted.address)
+        for ids in acked:
+            found = (await client.versions("acme", ids)).versions
+            assert set(found) == set(ids), f"acknowledged write lost: {set(ids) - set(found)}"
+        for ids in unanswered:
+            found = (await client.versions("acme", ids)).versions
+            assert len(found) in (0, len(ids)), f"a torn write: {len(found)} of {len(ids)}"
+        await client.close()
+
+    asyncio.run(check())
+
+
 def test_a_corrupt_log_stops_the_service_with_a_repair_command_that_works(
     launcher, embedding_service, tmp_path
 ):
