@@ -2,9 +2,9 @@
 
 What is retried:
 - `UNAVAILABLE`: the server was not reached, is starting or shutting down.
-- `RESOURCE_EXHAUSTED` only when the server sent a `google.rpc.RetryInfo` delay (a full
-  queue that will drain). Without one (a refused task budget, a message over the
-  transport cap) the refusal is final.
+- `RESOURCE_EXHAUSTED` and `ABORTED` only when the server sent a `google.rpc.RetryInfo`
+  delay (a full queue that will drain, a ledger write that lost to another replica's).
+  Without one (a refused task budget, a message over the transport cap) it is final.
 - Nothing else: `DEADLINE_EXCEEDED` means the caller's time is gone, and every other code
   says the request itself is wrong or the server failed in a way a retry does not cure.
 
@@ -61,13 +61,16 @@ def retry_delay_of(error: grpc.aio.AioRpcError) -> float | None:
     return None
 
 
+_RETRIED_WHEN_HINTED = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     attempts: int = 3
     initial_backoff_s: float = 0.05
     max_backoff_s: float = 2.0
     multiplier: float = 2.0
-    # Codes retried unconditionally; RESOURCE_EXHAUSTED is added when RetryInfo says when.
+    # Codes retried unconditionally; these others when RetryInfo says when.
     retry_on: frozenset[grpc.StatusCode] = field(
         default_factory=lambda: frozenset({grpc.StatusCode.UNAVAILABLE})
     )
@@ -78,9 +81,7 @@ class RetryPolicy:
             return None
         hinted = retry_delay_of(error)
         code = error.code()
-        if code not in self.retry_on and not (
-            code == grpc.StatusCode.RESOURCE_EXHAUSTED and hinted is not None
-        ):
+        if code not in self.retry_on and not (code in _RETRIED_WHEN_HINTED and hinted is not None):
             return None
         ceiling = min(self.initial_backoff_s * self.multiplier ** (attempt - 1), self.max_backoff_s)
         return max(random.uniform(0, ceiling), hinted or 0.0)

@@ -28,6 +28,9 @@ class BudgetConfig(ServiceConfig):
     key_prefix: str = "/ragline/budget/v1"
     # How often health re-checks etcd (NOT_SERVING while it is unreachable).
     health_probe_s: float = Field(2.0, gt=0)
+    # Transactions one write tries against a ledger other replicas keep changing before
+    # the call ends ABORTED (reason CONFLICT; the caller retries with the same id).
+    max_conflict_attempts: int = Field(1000, ge=1)
 
 
 class BudgetService(Service):
@@ -38,7 +41,10 @@ class BudgetService(Service):
         endpoints = [e.strip() for e in config.etcd_endpoints.split(",") if e.strip()]
         self.store = EtcdLedgerStore(endpoints, timeout_s=config.etcd_timeout_s)
         self.ledger = TaskLedger(
-            self.store, key_prefix=config.key_prefix, expiry_grace_s=config.expiry_grace_s
+            self.store,
+            key_prefix=config.key_prefix,
+            expiry_grace_s=config.expiry_grace_s,
+            max_attempts=config.max_conflict_attempts,
         )
         self._probe = Periodic(config.health_probe_s, self._update_health, "etcd-probe")
 

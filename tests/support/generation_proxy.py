@@ -4,6 +4,7 @@ answers get its text; every other request goes to the real service unchanged."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import grpc
@@ -24,6 +25,9 @@ class GenerationProxy(generation_pb2_grpc.GenerationServiceServicer):
         self.large_as_small = large_as_small
         self.scripted: list[generation_pb2.GenerateRequest] = []
         self.forwarded: list[generation_pb2.GenerateRequest] = []
+        self.hold_s = 0.0  # a scripted answer waits this long before its first word
+        self.in_flight = 0  # Generate calls open now, and the most at once
+        self.most_in_flight = 0
         self.port = free_ports(1)[0]
         self._channel = grpc.aio.insecure_channel(upstream)
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
@@ -45,6 +49,15 @@ class GenerationProxy(generation_pb2_grpc.GenerationServiceServicer):
         await self._channel.close()
 
     async def Generate(self, request, context):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            async for message in self._generate(request, context):
+                yield message
+        finally:
+            self.in_flight -= 1
+
+    async def _generate(self, request, context):
         text = self.script(request)
         if text is None:
             self.forwarded.append(request)
@@ -60,6 +73,7 @@ class GenerationProxy(generation_pb2_grpc.GenerationServiceServicer):
                 yield message
             return
         self.scripted.append(request)
+        await asyncio.sleep(self.hold_s)
         yield generation_pb2.GenerateResponse(text=text, first_token=True, index=0)
         final = generation_pb2.GenerateFinal(
             finish_reason=generation_pb2.FINISH_REASON_STOP,

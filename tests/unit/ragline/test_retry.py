@@ -27,9 +27,13 @@ def test_which_errors_a_retry_can_cure():
     hinted = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, retry_after_s=0.25)
     assert retry_delay_of(hinted) == pytest.approx(0.25)
     assert POLICY.wait_before_retry(hinted, 1) >= 0.25
+    # A ledger write that lost to another replica's (CONFLICT, with its delay): retried.
+    conflict = rpc_error(grpc.StatusCode.ABORTED, retry_after_s=0.05)
+    assert POLICY.wait_before_retry(conflict, 1) >= 0.05
     # A refused budget (no RetryInfo), a bad request, a passed deadline: final.
     for code in (
         grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.INTERNAL,

@@ -105,6 +105,42 @@ def test_64_workers_in_4_processes_never_overspend(budget, etcd, launcher):
     assert {r.state for r in ledger.reservations} == {budget_pb2.RESERVATION_STATE_SETTLED}
 
 
+async def test_a_write_that_keeps_losing_to_other_replicas_is_aborted_conflict(etcd, launcher):
+    """Two replicas on one task, each write allowed one transaction
+    (RAGLINE_BUDGET_MAX_CONFLICT_ATTEMPTS=1): a write whose transaction another replica's
+    beat ends ABORTED with reason CONFLICT, charged nothing, and retrying it with the same
+    id is granted once."""
+    env = budget_env(etcd, RAGLINE_BUDGET_MAX_CONFLICT_ATTEMPTS="1")
+    replicas = [launcher.start("budget", env=env) for _ in range(2)]
+    tenant, task = new_id("tenant"), new_id()
+    channels = [grpc.aio.insecure_channel(r.address) for r in replicas]
+    apis = [Api(channel, tenant) for channel in channels]
+    await apis[0].open(task, calls=1000)
+
+    async def reserve(number: int):
+        rid = f"r{number}"
+        try:
+            await apis[number % 2].reserve(task, rid, calls=1)
+            return rid, None
+        except grpc.aio.AioRpcError as error:
+            return rid, error
+
+    outcomes = await asyncio.gather(*(reserve(n) for n in range(64)))
+    aborted = [(rid, e) for rid, e in outcomes if e is not None]
+    assert aborted, "no write lost a transaction to the other replica"
+    assert {(e.code(), error_info(e)[0]) for _, e in aborted} == {
+        (grpc.StatusCode.ABORTED, "CONFLICT")
+    }
+    assert all(retry_delay(e) > 0 for _, e in aborted)  # retried by the kit's rule
+    ledger = await apis[0].ledger(task)
+    assert ledger.reserved.calls == 64 - len(aborted)  # an aborted write charged nothing
+    for rid, _ in aborted:  # retried with the same id: granted once
+        await apis[1].reserve(task, rid, calls=1)
+    assert (await apis[0].ledger(task)).reserved.calls == 64
+    for channel in channels:
+        await channel.close()
+
+
 async def test_replay_is_not_charged_twice_and_other_amounts_are_refused(api):
     task = new_id()
     await api.open(task, input_tokens=100, calls=10)

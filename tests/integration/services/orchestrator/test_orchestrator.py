@@ -243,6 +243,32 @@ async def test_a_full_queue_is_refused_at_once_with_a_retry_delay(rag_stack):
     assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details)
 
 
+@pytest.mark.parametrize("cap", [1, 3])
+async def test_calls_to_one_service_never_exceed_its_cap_however_many_runs(rag_stack, cap):
+    """RAGLINE_ORCHESTRATOR_GENERATION_CONCURRENCY bounds the Generate calls one
+    orchestrator has open, whatever the runs admitted (each answer held 0.4 s here)."""
+    from support.generation_proxy import GenerationProxy
+
+    proxy = GenerationProxy(rag_stack.generation.address, lambda request: "Vistula [1]")
+    proxy.hold_s = 0.4
+    await proxy.start()
+    try:
+        orchestrator = await asyncio.to_thread(
+            rag_stack.orchestrator,
+            generation_addr=proxy.address,
+            max_in_flight=6,
+            generation_concurrency=cap,
+        )
+        request = orchestrator_pb2.AskRequest(
+            question=WARSAW, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+        )
+        outcomes = await asyncio.gather(*(ask(orchestrator.address, request) for _ in range(6)))
+    finally:
+        await proxy.stop()
+    assert all(result_of(o) for o in outcomes) and len(proxy.scripted) >= 6
+    assert proxy.most_in_flight == cap
+
+
 async def test_concurrent_asks_sharing_one_task_never_overspend_it(rag_stack):
     orchestrator = rag_stack.orchestrator(small=True, max_in_flight=8)
     task_id = f"shared-{uuid.uuid4().hex[:8]}"
