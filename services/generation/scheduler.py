@@ -2,8 +2,11 @@
 
 The engine runs `slots` sequences at once (llama-server decodes all busy slots in one
 batch). A request waits in a bounded queue, with its deadline, until a slot is free;
-a full queue is refused at once (RESOURCE_EXHAUSTED with a retry hint), and a request
-whose deadline passes while queued leaves with DEADLINE_EXCEEDED. The queue is fair
+a full queue is refused at once (RESOURCE_EXHAUSTED with a retry hint), so is a request
+that would only wait to time out (its expected wait, from how long recent requests held
+their slots and what is queued ahead of it, is longer than its deadline leaves:
+DEADLINE_TOO_SHORT_FOR_QUEUE), and a request whose deadline passes while queued leaves
+with DEADLINE_EXCEEDED. The queue is fair
 between tenants: each has its own (at most `max_queue_per_tenant` waiting, less than the
 whole queue, so one tenant cannot fill it for everyone), and a freed slot goes to the
 waiting tenants in turn, so a tenant's single request waits behind at most one request of
@@ -20,12 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ragline.errors import DeadlineExceeded, ResourceExhausted
+
+# Leases seen before a wait is estimated (and a request refused on it).
+_HOLDS_BEFORE_ESTIMATING = 4
 
 
 @dataclass
@@ -37,6 +44,7 @@ class Slot:
     # The prompt tokens the slot's cache starts with (set by the generator; empty when
     # unknown or erased), so a warm slot is not overwritten by a shorter stored prefix.
     tokens: tuple[int, ...] = ()
+    taken_at: float = 0.0  # when its current lease began
 
 
 @dataclass
@@ -74,6 +82,7 @@ class SlotScheduler:
         # Waiters by tenant; the dict's order is the round-robin order of hand-overs.
         self._queues: dict[str, deque[_Waiter]] = {}
         self._typical_request_s = typical_request_s
+        self._holds: deque[float] = deque(maxlen=64)  # seconds recent leases lasted
 
     @property
     def busy(self) -> int:
@@ -94,6 +103,37 @@ class SlotScheduler:
                 "queue": "generation",
                 "scope": "tenant" if whose == "this tenant" else "all",
             },
+        )
+
+    def expected_wait_s(self, tenant: str) -> float:
+        """How long a request of `tenant` queued now would wait for a slot: the requests
+        served before it (its tenant's queue, and at most one more than that from each
+        other tenant, as turns go round) at the median recent hold, over the slots. 0
+        until enough leases were seen to say."""
+        if len(self._holds) < _HOLDS_BEFORE_ESTIMATING:
+            return 0.0
+        mine = len(self._queues.get(tenant, ()))
+        ahead = mine + sum(
+            min(len(queue), mine + 1) for other, queue in self._queues.items() if other != tenant
+        )
+        typical = statistics.median(self._holds)
+        return typical * (ahead + 0.5) / len(self.slots)
+
+    def _refuse_if_it_would_only_time_out(self, tenant: str, deadline: float | None) -> None:
+        if deadline is None:
+            return
+        left = deadline - time.monotonic()
+        wait = self.expected_wait_s(tenant)
+        if wait <= left:
+            return
+        raise ResourceExhausted(
+            f"generation cannot start this request in time: it would wait about {wait:.1f} s "
+            f"for a slot ({self.busy} running, {self.waiting} waiting), more than the "
+            f"{max(left, 0):.1f} s its deadline leaves; retry in about {wait:.1f} s or with a "
+            "longer deadline",
+            retry_after_s=wait,
+            reason="DEADLINE_TOO_SHORT_FOR_QUEUE",
+            metadata={"queue": "generation"},
         )
 
     def _pick(self, tenant: str) -> Slot | None:
@@ -119,6 +159,7 @@ class SlotScheduler:
                 raise self._refuse(mine, self.max_queue_per_tenant, "this tenant")
             if self.waiting >= self.max_queue:
                 raise self._refuse(self.waiting, self.max_queue, "all tenants")
+            self._refuse_if_it_would_only_time_out(tenant, deadline)
             waiter = _Waiter(tenant, deadline, asyncio.get_running_loop().create_future())
             self._queues.setdefault(tenant, deque()).append(waiter)
             try:
@@ -134,6 +175,7 @@ class SlotScheduler:
                 self._abandon(waiter)
                 raise
         slot.busy = True
+        slot.taken_at = time.monotonic()
         self._idle.clear()
         warm = slot.owner == tenant
         erased = False
@@ -163,6 +205,9 @@ class SlotScheduler:
     def release(self, slot: Slot) -> None:
         slot.busy = False
         slot.last_used = time.monotonic()
+        if slot.taken_at:
+            self._holds.append(slot.last_used - slot.taken_at)
+            slot.taken_at = 0.0
         if not any(s.busy for s in self.slots):
             self._idle.set()
         self._hand_over()

@@ -167,3 +167,39 @@ async def test_paused_scheduler_drains_then_hands_over_with_empty_slots():
     await swapper
     lease = await asyncio.wait_for(waiter, 1)
     assert swapped.is_set() and not lease.warm  # the new engine's slot starts empty
+
+
+async def test_a_request_that_would_only_wait_to_time_out_is_refused_at_once():
+    scheduler = SlotScheduler(1, 8, Eraser())
+    for _ in range(4):  # leases of about 0.2 s: what the wait is estimated from
+        lease = await scheduler.acquire("acme", None)
+        await asyncio.sleep(0.2)
+        scheduler.release(lease.slot)
+    held = await scheduler.acquire("acme", None)
+    queued = [asyncio.create_task(scheduler.acquire("acme", None)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    # The running lease and one of acme's (turns go round) before it: about 0.3 s of
+    # waiting, more than the 0.15 s its deadline leaves.
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted) as caught:
+        await scheduler.acquire("globex", time.monotonic() + 0.15)
+    assert time.monotonic() - started < 0.1  # refused, not left to time out
+    assert caught.value.reason == "DEADLINE_TOO_SHORT_FOR_QUEUE"
+    assert caught.value.retry_after_s > 0.25
+    # With the time to wait, it waits its turn (one of another tenant's before it).
+    patient = asyncio.create_task(scheduler.acquire("globex", time.monotonic() + 5))
+    await asyncio.sleep(0.01)
+    assert scheduler.waiting == 3
+    scheduler.release(held.slot)
+    first = await asyncio.wait_for(queued[0], 1)
+    scheduler.release(first.slot)
+    assert (await asyncio.wait_for(patient, 1)).slot.index == 0
+    queued[1].cancel()
+
+
+async def test_no_refusal_on_an_estimate_before_enough_leases_were_seen():
+    scheduler = SlotScheduler(1, 8, Eraser())
+    held = await scheduler.acquire("acme", None)
+    with pytest.raises(DeadlineExceeded):  # waited its deadline out, as before
+        await scheduler.acquire("acme", time.monotonic() + 0.05)
+    scheduler.release(held.slot)
