@@ -175,12 +175,19 @@ def _demo_token(tenant: str) -> str | None:
     """With authentication on and an HMAC key at hand, a short-lived token for loading the
     demo corpus (a public-key setup has no key to sign with: the load is refused)."""
     from ragline.auth import AuthConfig, mint_token
+    from ragline.identity import WRITE_SCOPE
 
     config = AuthConfig()
     if config.mode == "off" or not config.jwt_key:
         return None
-    return mint_token(config.jwt_key, tenant, principal="ragline-up", ttl_s=600,
-                      audience=config.jwt_audience)  # fmt: skip
+    return mint_token(
+        config.jwt_key,
+        tenant,
+        principal="ragline-up",
+        scopes=[WRITE_SCOPE],
+        ttl_s=600,
+        audience=config.jwt_audience,
+    )
 
 
 def _auth_notice() -> str:
@@ -587,7 +594,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     token.add_argument("--tenant", required=True)
     token.add_argument("--principal", default="")
-    token.add_argument("--scopes", default="", help="comma-separated visibility scopes")
+    token.add_argument(
+        "--scopes",
+        default="",
+        help="comma-separated scopes: visibility scopes, and ragline:write to write documents",
+    )
     token.add_argument("--ttl", type=float, default=3600.0, help="lifetime in seconds")
     token.add_argument(
         "--operator", action="store_true", help="also sees figures that count every tenant"

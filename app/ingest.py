@@ -128,6 +128,13 @@ def check(number: int, raw: dict, default_tenant: str) -> Record | BadRecord:
     return Record(number, tenant, str(doc_id), title, text, list(acl), dict(attributes))
 
 
+def writer(records) -> identity.Caller:
+    """Who writes a batch: its tenant, with the write scope and every scope the batch's
+    acls name (with authentication on, the token must hold them: SCOPE_NOT_HELD else)."""
+    scopes = {scope for record in records for scope in record.acl}
+    return identity.Caller(records[0].tenant, scopes=frozenset({identity.WRITE_SCOPE, *scopes}))
+
+
 def input_identity(path: Path, tenant: str, token: str = "") -> dict:
     """What a resume point belongs to: this file as it is now (its resolved path, size and
     modification time) read into this tenant (the default tenant, and the token that
@@ -291,7 +298,7 @@ async def ingest(
                 retrieval_pb2_grpc.RetrievalServiceStub,
                 retrieval_addr,
                 pool=pool,
-                caller=identity.Caller(records[0].tenant),
+                caller=writer(records),
                 token=token,
             )
             # Upserts are idempotent by document id: a retry after a lost reply rewrites

@@ -47,11 +47,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from ragline.identity import WRITE_SCOPE
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
 from ragline_app.datasets import load_squad
 from ragline_app.stack import source_pythonpath, spawn_service
 
 TENANT = (("x-ragline-tenant", "bench"),)
+WRITER = (*TENANT, ("x-ragline-scopes", WRITE_SCOPE))
 OPERATOR = (*TENANT, ("x-ragline-operator", "true"))
 MODES = {
     "bm25": retrieval_pb2.SEARCH_MODE_BM25,
@@ -104,7 +106,7 @@ async def ingest(address: str, docs: list[dict], vectors: np.ndarray, start: int
                     text=doc["text"][:60000],
                     vector=vectors[start + offset + i].tolist(),
                 )
-            await stub.Upsert(request, timeout=600, metadata=TENANT)
+            await stub.Upsert(request, timeout=600, metadata=WRITER)
         return time.monotonic() - began
 
 

@@ -40,6 +40,7 @@ import numpy as np
 from ragline import deadlines, identity
 from ragline.clients import ChannelPool, ServiceClient
 from ragline.logs import configure_logging
+from ragline.retry import retry_delay_of
 from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from ragline_app.benchmarks import ensure_ingested, start_stack
 from ragline_app.datasets import load_squad
@@ -57,6 +58,7 @@ class Ask:
     seconds: float = 0.0
     state: str = ""  # COMPLETE | PARTIAL | INCOMPLETE, or the status code's name
     reason: str = ""
+    retry_after_s: float = 0.0  # a refusal's RetryInfo delay
 
     @property
     def complete(self) -> bool:
@@ -95,6 +97,7 @@ class Asker:
                         record.reason = status.reason
         except grpc.aio.AioRpcError as error:
             record.state = error.code().name
+            record.retry_after_s = retry_delay_of(error) or 0.0
         except Exception as error:  # a deadline the client itself enforced
             record.state = type(error).__name__
         record.seconds = time.monotonic() - record.offered_at
@@ -104,8 +107,10 @@ class Asker:
         stop = time.monotonic() + seconds
 
         async def worker():
+            # A well-behaved client: after a refusal it waits what RetryInfo says.
             while time.monotonic() < stop:
-                await self.ask(tenant, phase)
+                record = await self.ask(tenant, phase)
+                await asyncio.sleep(min(record.retry_after_s, max(stop - time.monotonic(), 0)))
 
         await asyncio.gather(*(worker() for _ in range(workers)))
 
@@ -250,7 +255,12 @@ def main() -> int:
     parser.add_argument("--load", default="0.5,1,2,3", help="offered load, x capacity")
     parser.add_argument("--seconds", type=float, default=60.0, help="per load phase")
     parser.add_argument("--deadline", type=float, default=10.0, help="per Ask, seconds")
-    parser.add_argument("--max-in-flight", type=int, default=4, help="the capacity run's workers")
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=2,
+        help="the capacity run's workers (the orchestrator's RAGLINE_ORCHESTRATOR_MAX_IN_FLIGHT)",
+    )
     parser.add_argument("--workdir", type=Path, default=REPO / ".ragline" / "loadgen")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the services")
     parser.add_argument("--json", type=Path, help="write every ask here")

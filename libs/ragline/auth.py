@@ -33,6 +33,7 @@ from pydantic_settings import SettingsConfigDict
 from ragline.config import ConfigError, EmptyMeansUnset
 from ragline.errors import PermissionDenied, Unauthenticated
 from ragline.identity import (
+    NAME_RULE,
     SCOPES_KEY,
     TENANT_KEY,
     TENANT_RULE,
@@ -99,6 +100,13 @@ def _scopes_claim(value) -> frozenset[str]:
     items = value.split() if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or not all(isinstance(s, str) for s in items):
         raise Unauthenticated("the token's `scopes` claim must be a list or a string")
+    # A scope the identity metadata could not carry as one ("a,b" would reach the next
+    # service as two scopes) is a malformed claim, not a way to hold more.
+    bad = [s for s in items if not is_name(s)]
+    if bad:
+        raise Unauthenticated(
+            f"the token's `scopes` claim holds {bad[0]!r}: each scope must be {NAME_RULE}"
+        )
     return frozenset(items)
 
 

@@ -17,6 +17,12 @@ SCOPES_KEY = "x-ragline-scopes"
 OPERATOR_KEY = "x-ragline-operator"
 RUN_ID_KEY = "x-ragline-run-id"
 
+# Scopes under this prefix are permissions, not visibility: no document's acl may name
+# one, and they take no part in what a caller sees.
+RESERVED_SCOPE_PREFIX = "ragline:"
+# Held, the caller may write (Upsert, Delete) documents within its visibility scopes.
+WRITE_SCOPE = "ragline:write"
+
 _NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 TENANT_RULE = "1-64 characters of letters, digits, '_', '.', '-'"
@@ -39,6 +45,15 @@ class Caller:
     principal: str = ""
     scopes: frozenset[str] = frozenset()
     operator: bool = False
+
+    @property
+    def may_write(self) -> bool:
+        return WRITE_SCOPE in self.scopes
+
+    @property
+    def visibility(self) -> frozenset[str]:
+        """The scopes that decide which documents the caller sees (no permissions)."""
+        return frozenset(s for s in self.scopes if not s.startswith(RESERVED_SCOPE_PREFIX))
 
     def metadata(self) -> list[tuple[str, str]]:
         pairs = [(TENANT_KEY, self.tenant)]

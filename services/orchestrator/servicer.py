@@ -187,7 +187,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
             limits=limits_of(request, orchestrator.settings.default_limits),
             task_id=request.task_id,
             plan=plan_of(request),
-            viewer=Viewer(caller.tenant, caller.scopes),
+            viewer=Viewer(caller.tenant, caller.visibility),
             cache_policy=_CACHE_POLICIES[request.cache],
             **route_of(request),
         )

@@ -45,6 +45,12 @@ from ragline_services.retrieval.documents import (
     point_id,
     split_key,
 )
+from ragline_services.retrieval.permissions import (
+    Writer,
+    check_acls,
+    check_may_write,
+    refuse_hidden_overwrites,
+)
 from ragline_services.retrieval.reembed import (
     CALLER_VECTOR,
     VectorModel,
@@ -279,7 +285,14 @@ class RetrievalIndex:
 
     # -- writes -----------------------------------------------------------------------------
 
-    async def upsert(self, tenant: str, documents: list[DocumentInput]) -> WriteResult:
+    async def upsert(
+        self, tenant: str, documents: list[DocumentInput], *, writer: Writer | None = None
+    ) -> WriteResult:
+        """Writes `documents` of `tenant`; `writer` (a caller's write, not the service's
+        own) must be allowed to (permissions.py)."""
+        if writer is not None:
+            check_may_write(writer, "Upsert")
+            check_acls(writer, [d.acl for d in documents])
         dim = self.settings.dim
         seen: set[str] = set()
         for index, doc in enumerate(documents):
@@ -293,6 +306,8 @@ class RetrievalIndex:
                     f"documents[{index}].id", f"{doc.id!r} appears twice in one request"
                 )
             seen.add(doc.id)
+        if writer is not None:
+            refuse_hidden_overwrites(await self._hidden_from(writer, [d.id for d in documents]))
         for named in sorted({d.vector_model for d in documents if d.vector and d.vector_model}):
             await self._check_named_vectors(named)
         missing = [i for i, d in enumerate(documents) if not d.vector]
@@ -497,10 +512,19 @@ class RetrievalIndex:
             with contextlib.suppress(Exception):
                 await self._reembed_batch
 
-    async def delete(self, tenant: str, ids: list[str]) -> WriteResult:
+    async def delete(
+        self, tenant: str, ids: list[str], *, writer: Writer | None = None
+    ) -> WriteResult:
+        """Deletes `ids` of `tenant`; a `writer` deletes only documents it can see (the
+        others count as not found, as absent ones do)."""
+        if writer is not None:
+            check_may_write(writer, "Delete")
         keys = [doc_key(tenant, i) for i in dict.fromkeys(ids)]
         pids = [point_id(k) for k in keys]
         existing = await asyncio.to_thread(self.bm25.existing, tenant, pids)
+        if writer is not None and existing:
+            seen = await asyncio.to_thread(self.bm25.resolve, writer.visibility, list(existing))
+            existing = set(seen)
         present = [k for k, pid in zip(keys, pids, strict=True) if pid in existing]
         if not present:
             tseq = self.tenant_applied.get(tenant, 0)
@@ -509,6 +533,15 @@ class RetrievalIndex:
             {"op": "write", "tenant": tenant, "upserts": [], "deletes": present}
         )
         return WriteResult(seq, [], len(present), len(keys) - len(present), tenant_seq=tseq)
+
+    async def _hidden_from(self, writer: Writer, ids: list[str]) -> list[str]:
+        """The ids of `ids` that name documents of the writer's tenant it cannot see."""
+        by_pid = {point_id(doc_key(writer.tenant, i)): i for i in dict.fromkeys(ids)}
+        existing = await asyncio.to_thread(self.bm25.existing, writer.tenant, list(by_pid))
+        if not existing:
+            return []
+        seen = await asyncio.to_thread(self.bm25.resolve, writer.visibility, list(existing))
+        return [by_pid[pid] for pid in by_pid if pid in existing and pid not in seen]
 
     async def _write(self, record: dict, *, turn: bool = True) -> tuple[int, int]:
         """Log, then apply; returns (seq, tenant seq). Shielded: once a record may be in

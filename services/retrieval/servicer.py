@@ -18,6 +18,7 @@ from ragline_services.retrieval.index import (
     RetrievalIndex,
     SearchQuery,
 )
+from ragline_services.retrieval.permissions import Writer
 
 _MODES = {
     retrieval_pb2.SEARCH_MODE_UNSPECIFIED: HYBRID,
@@ -66,7 +67,8 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             )
             for d in request.documents
         ]
-        result = await index.upsert(current_caller().tenant, documents)
+        caller = current_caller()
+        result = await index.upsert(caller.tenant, documents, writer=Writer.of(caller))
         # The tenant's own write numbers: the global ones would show it everyone's writes.
         return retrieval_pb2.UpsertResponse(
             upserted=len(documents),
@@ -78,7 +80,8 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
 
     async def Delete(self, request, context):
         index = self.index.value
-        result = await index.delete(current_caller().tenant, list(request.ids))
+        caller = current_caller()
+        result = await index.delete(caller.tenant, list(request.ids), writer=Writer.of(caller))
         return retrieval_pb2.DeleteResponse(
             deleted=result.deleted,
             not_found=result.not_found,
@@ -91,7 +94,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         index = self.index.value
         caller = current_caller()
         visibility = Visibility(
-            caller.tenant, caller.scopes, tuple(sorted(request.attributes.items()))
+            caller.tenant, caller.visibility, tuple(sorted(request.attributes.items()))
         )
         result = await index.search(visibility, SearchQuery(
             text=request.query, k=request.k, mode=_MODES[request.mode],
@@ -123,7 +126,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
     async def DocumentVersions(self, request, context):
         caller = current_caller()
         versions, index_version = await self.index.value.document_versions(
-            Visibility(caller.tenant, caller.scopes), list(request.ids)
+            Visibility(caller.tenant, caller.visibility), list(request.ids)
         )
         return retrieval_pb2.DocumentVersionsResponse(
             versions=versions,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from ragline.identity import WRITE_SCOPE
 from ragline.v1 import (
     budget_pb2,
     budget_pb2_grpc,
@@ -128,6 +129,10 @@ class AskLoad:
         return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
 
 
+def writer(tenant: str) -> tuple[tuple[str, str], ...]:
+    return (*who(tenant), ("x-ragline-scopes", WRITE_SCOPE))
+
+
 def _reason(error: grpc.aio.AioRpcError) -> str:
     from google.rpc import error_details_pb2
     from grpc_status import rpc_status
@@ -174,7 +179,7 @@ class WriteLoad:
                     ]
                 )
                 try:
-                    await stub.Upsert(request, timeout=5, metadata=who(self.tenant))
+                    await stub.Upsert(request, timeout=5, metadata=writer(self.tenant))
                     self.acknowledged.append(doc_id)
                 except grpc.aio.AioRpcError as error:
                     self.failures.append(f"{error.code().name}: {error.details()}")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import grpc
 
+from ragline.identity import WRITE_SCOPE
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
 from ragline_app.datasets import load_squad
 from support import SQUAD_SAMPLE
@@ -27,16 +28,25 @@ def who(tenant: str, scopes: str = "", operator: bool = False) -> tuple[tuple[st
     return tuple(metadata)
 
 
+def writing(scopes: str = "") -> str:
+    """`scopes` and the permission to write."""
+    return ",".join(s for s in (scopes, WRITE_SCOPE) if s)
+
+
 class Client:
     def __init__(self, address: str) -> None:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = retrieval_pb2_grpc.RetrievalServiceStub(self.channel)
 
-    async def upsert(self, tenant, docs, scopes=""):
+    async def upsert(self, tenant, docs, scopes=None):
+        """As a writer holding `scopes` (comma-separated; by default every scope the
+        documents' acls name) and the write scope."""
         request = retrieval_pb2.UpsertRequest()
         for doc in docs:
             request.documents.add(**doc)
-        return await self.stub.Upsert(request, timeout=60, metadata=who(tenant, scopes))
+        if scopes is None:
+            scopes = ",".join(sorted({s for doc in docs for s in doc.get("acl", ())}))
+        return await self.stub.Upsert(request, timeout=60, metadata=who(tenant, writing(scopes)))
 
     async def search(self, tenant, query, mode="hybrid", k=5, scopes="", **kwargs):
         request = retrieval_pb2.SearchRequest(query=query, k=k, mode=MODES[mode], **kwargs)
@@ -51,9 +61,9 @@ class Client:
         request = retrieval_pb2.DocumentVersionsRequest(ids=ids)
         return await self.stub.DocumentVersions(request, timeout=10, metadata=who(tenant, scopes))
 
-    async def delete(self, tenant, ids):
+    async def delete(self, tenant, ids, scopes=""):
         request = retrieval_pb2.DeleteRequest(ids=ids)
-        return await self.stub.Delete(request, timeout=30, metadata=who(tenant))
+        return await self.stub.Delete(request, timeout=30, metadata=who(tenant, writing(scopes)))
 
     async def close(self):
         await self.channel.close()

@@ -50,9 +50,17 @@ async def test_tokens_decide_tenant_and_scopes_and_services_vouch_for_each_other
     documents.documents.add(
         id="pay", title="Salaries", text="Salary bands of the Warsaw office.", acl=["hr"]
     )
+    # Writing takes the write scope, and an acl only names scopes the writer holds.
+    assert await code_of(call(retrieval.address, "Upsert", documents, bearer("acme", "hr"))) == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "WRITE_SCOPE_NOT_HELD",
+    )
+    assert await code_of(
+        call(retrieval.address, "Upsert", documents, bearer("acme", "ragline:write"))
+    ) == (grpc.StatusCode.PERMISSION_DENIED, "ACL_SCOPE_NOT_HELD")
     # The documents are embedded through the embedding service: that hop carries the
     # service credential (the embedding service refuses anything else).
-    await call(retrieval.address, "Upsert", documents, bearer("acme"))
+    await call(retrieval.address, "Upsert", documents, bearer("acme", "hr", "ragline:write"))
 
     search = retrieval_pb2.SearchRequest(query="Warsaw", k=5, mode=retrieval_pb2.SEARCH_MODE_HYBRID)
     forged = (("x-ragline-tenant", "acme"), ("x-ragline-scopes", "hr"))

@@ -208,6 +208,7 @@ def test_every_recipe_of_the_client_guide_runs(all_services, grpcurl_bin):
         args = shlex.split(command, comments=True)[1:]
         args = [ports.get(a, a) for a in args]
         args = [header if a == "$T" else a for a in args]
+        args = ["x-ragline-scopes: ragline:write" if a == "$W" else a for a in args]
         args = [a for a in args if a != "-plaintext"]
         result = grpcurl(grpcurl_bin, *args)
         assert result.returncode == 0, (command, result.stderr)

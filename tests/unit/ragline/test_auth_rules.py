@@ -74,6 +74,22 @@ def test_metadata_cannot_change_the_tenant_or_add_scopes():
     assert narrowed.caller.scopes == {"eng"}
 
 
+def test_a_scope_the_next_hop_would_read_as_two_is_a_malformed_claim():
+    # Identity metadata joins scopes with commas: "hr,exec" would become two scopes on the
+    # next hop, one of which the token never held.
+    token = mint_token(KEY, "acme", scopes=["hr,exec"])
+    with pytest.raises(Unauthenticated, match="scopes"):
+        Authenticator(ON).authenticate([bearer(token)])
+
+
+def test_the_write_scope_is_a_permission_not_a_visibility_scope():
+    token = mint_token(KEY, "acme", scopes=["eng", "ragline:write"])
+    caller = Authenticator(ON).authenticate([bearer(token)]).caller
+    assert caller.may_write and caller.visibility == {"eng"}
+    reader = Authenticator(ON).authenticate([bearer(token), ("x-ragline-scopes", "eng")])
+    assert not reader.caller.may_write  # narrowed away for this call
+
+
 def test_services_pass_the_verified_caller_with_their_credential():
     credential = ServiceCredential(ON, "orchestrator").metadata()
     found = Authenticator(ON).authenticate(

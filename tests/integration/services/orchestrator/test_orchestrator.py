@@ -179,6 +179,22 @@ async def test_a_deadline_during_generation_ends_the_run_partial_and_frees_the_s
     assert await wait_until(lambda: settled(rag_stack.budget.address, task_id), timeout_s=5.0)
 
 
+async def test_a_callers_deadline_beyond_the_servers_maximum_is_held_to_it(rag_stack):
+    """RAGLINE_ORCHESTRATOR_MAX_DEADLINE_S caps what a caller may ask for: a run with a
+    60 s deadline is cut at the server's maximum, half the time its answer takes."""
+    # The default model (the tests around use the small one's single slot, warm or cold).
+    natural = await long_answer_s(rag_stack.orchestrator())
+    orchestrator = rag_stack.orchestrator(max_deadline_s=round(natural / 2, 2))
+    request = orchestrator_pb2.AskRequest(
+        question=LONG_ANSWER, max_tokens=2000, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+    )
+    started = time.monotonic()
+    result = result_of(await ask(orchestrator.address, request, deadline_s=60))
+    assert time.monotonic() - started < natural
+    assert result.status.state == common_pb2.ANSWER_STATE_PARTIAL, result.status
+    assert result.status.reason == "deadline"
+
+
 async def test_a_deadline_before_the_evidence_is_in_is_deadline_exceeded_at_once(rag_stack):
     orchestrator = rag_stack.orchestrator(small=True)
     request = orchestrator_pb2.AskRequest(
@@ -196,8 +212,7 @@ async def test_a_deadline_before_the_evidence_is_in_is_deadline_exceeded_at_once
 
 async def test_a_cancelled_ask_frees_the_generation_slot_and_settles_its_ledger(rag_stack):
     orchestrator = rag_stack.orchestrator(small=True)
-    natural = await long_answer_s(orchestrator)
-    assert natural > 2.0, f"the long answer took {natural:.1f} s: too short to cancel"
+    natural = await long_answer_s(orchestrator)  # outlasting the checks is asserted below
     task_id = f"cancel-{uuid.uuid4().hex[:8]}"
     request = orchestrator_pb2.AskRequest(
         question=LONG_ANSWER, task_id=task_id, max_tokens=2000,

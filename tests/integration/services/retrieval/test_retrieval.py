@@ -100,6 +100,7 @@ async def test_tenants_and_revoked_scopes(launcher, embedding_service, tmp_path)
                 "acl": ["finance"],
             }
         ],
+        scopes="hr,finance",  # it sees the document it moves, and holds where it moves it
     )
     for mode in ("bm25", "vector", "hybrid", "prefilter"):
         hr = await client.search("acme", "salary bands", mode, scopes="hr")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ragline.processes import free_ports
-from support.retrieval import Client
+from support.retrieval import Client, who, writing
 
 pytestmark = pytest.mark.integration
 
@@ -50,11 +50,7 @@ def test_qdrant_backend_writes_filters_and_replays_only_unseen(launcher, qdrant,
         assert hr.hits[0].id == "a2"
         globex = await client.search("globex", "x", "vector", k=5, query_vector=vectors[1])
         assert [h.id for h in globex.hits] == ["g"]
-        await client.stub.Delete(
-            __import__("ragline.v1.retrieval_pb2", fromlist=["x"]).DeleteRequest(ids=["a1"]),
-            timeout=10,
-            metadata=(("x-ragline-tenant", "acme"),),
-        )
+        await client.delete("acme", ["a1"])
         after = await client.search("acme", "x", "vector", k=3, query_vector=vectors[1])
         assert "a1" not in [h.id for h in after.hits]
         status = await client.status("acme")
@@ -121,7 +117,7 @@ def test_a_write_whose_caller_left_at_once_neither_fails_its_apply_nor_wedges_la
         hasty = retrieval_pb2.UpsertRequest()
         hasty.documents.add(id="hasty", title="", text="sent with 10 ms to live", vector=vector)
         try:  # acknowledged or not, it may already be in the log: it must not wedge
-            await client.stub.Upsert(hasty, timeout=0.01, metadata=(("x-ragline-tenant", "a"),))
+            await client.stub.Upsert(hasty, timeout=0.01, metadata=who("a", writing()))
         except grpc.aio.AioRpcError as error:
             assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         # Every later write of every tenant is applied, not queued behind a retry loop.
