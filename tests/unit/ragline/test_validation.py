@@ -149,3 +149,22 @@ def test_only_what_has_rules_is_walked_item_by_item():
     request.documents.add(id="a", text="ok", vector=[0.1] * 384)
     request.documents.add(id="", text="ok", acl=[""])
     assert set(found(request)) == {"documents[1].id", "documents[1].acl[0]"}
+
+
+def test_nan_and_infinity_are_refused_wherever_a_number_goes():
+    nan, inf = float("nan"), float("inf")
+    # NaN passes every min/max comparison: it is refused for what it is.
+    assert found(retrieval_pb2.SearchRequest(query="q", k=1, vector_weight=nan)) == {
+        "vector_weight": "is nan; it must be a finite number"
+    }
+    sampling = generation_pb2.GenerateRequest(prompt="p", max_tokens=1)
+    sampling.sampling.temperature = inf
+    assert "sampling.temperature" in found(sampling)
+    # One in a vector (no rules of its own) poisons every distance: named by its index.
+    search = retrieval_pb2.SearchRequest(query="q", k=1, query_vector=[0.1, 0.2, nan, 0.3])
+    assert found(search) == {"query_vector[2]": "must be a finite number"}
+    upsert = retrieval_pb2.UpsertRequest()
+    upsert.documents.add(id="a", text="ok", vector=[0.1] * 383 + [-inf])
+    assert found(upsert) == {"documents[0].vector[383]": "must be a finite number"}
+    upsert.documents[0].vector[383] = 3e38  # large but finite: fine
+    assert not found(upsert)
