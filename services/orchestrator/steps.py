@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -196,6 +197,11 @@ class RunContext:
         self.budget = budget
         self.settings = settings
         self.run_id = run_id
+        # Reservation ids must be this run's own: the run id may be the caller's (sent in
+        # x-ragline-run-id), and a second run reusing it would get the first's
+        # reservations replayed, uncharged. Retries inside the run keep their ids. (The run
+        # id is cut so that a 128-byte one still leaves room for the node's id.)
+        self.reservation_prefix = f"{run_id[:24]}-{uuid.uuid4().hex[:12]}"
         self.on_delta = on_delta
         self.settlements: list[asyncio.Task] = []
         self.degraded: list[str] = []
@@ -265,7 +271,9 @@ class RunContext:
         attempt = step.record.attempts
         name = f"{step.node.id}-{part}" if part else step.node.id
         reservation = self.budget.reserve(
-            amounts, stage=step.node.id, reservation_id=f"{self.run_id}-{name}-{attempt}"
+            amounts,
+            stage=step.node.id,
+            reservation_id=f"{self.reservation_prefix}-{name}-{attempt}",
         )
         await reservation.open()
         return reservation

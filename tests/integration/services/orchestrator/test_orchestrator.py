@@ -311,6 +311,28 @@ async def test_concurrent_asks_sharing_one_task_never_overspend_it(rag_stack):
     assert final.state == budget_pb2.TASK_STATE_OPEN  # a caller's task is not closed by Ask
 
 
+async def test_a_reused_run_id_does_not_replay_reservations_uncharged(rag_stack):
+    """Reservation ids are unique to each run, whatever run id the caller sends: a second
+    Ask with the same x-ragline-run-id and task id is charged again (its reservations are
+    not taken for retries of the first's)."""
+    orchestrator = rag_stack.orchestrator(small=True)
+    task_id = f"rerun-{uuid.uuid4().hex[:8]}"
+    request = orchestrator_pb2.AskRequest(
+        question=WARSAW, task_id=task_id, max_tokens=16, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+    )
+    # The longest run id a caller may send (128 bytes) still leaves reservation ids valid.
+    metadata = (*who(), ("x-ragline-run-id", "r" * 128))
+    used = []
+    async with grpc.aio.insecure_channel(orchestrator.address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        for _ in range(2):
+            [m async for m in stub.Ask(request, timeout=60, metadata=metadata)]
+            assert await wait_until(lambda: settled(rag_stack.budget.address, task_id))
+            used.append((await ledger(rag_stack.budget.address, task_id)).used)
+    assert used[0].calls > 0 and used[1].calls >= 2 * used[0].calls, used
+    assert used[1].input_tokens > used[0].input_tokens
+
+
 async def test_two_independent_branches_take_the_longer_one_not_the_sum(rag_stack):
     orchestrator = rag_stack.orchestrator()
     plan = orchestrator_pb2.Plan()
