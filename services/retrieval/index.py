@@ -758,8 +758,10 @@ class RetrievalIndex:
                 applied_sequence=self.applied_seq if operator else mine,
                 delta_documents=vectors.points - vectors.indexed_points if operator else 0,
                 vector_index_ready=vectors.ready,
-                rebuilding=vectors.building,
-                last_build_finished=self.last_build_finished,
+                # Builds follow every tenant's writes (one every N): their timing is the
+                # operators' to see, or a tenant could read the others' write rate.
+                rebuilding=vectors.building if operator else False,
+                last_build_finished=self.last_build_finished if operator else None,
                 dim=self.settings.dim,
                 apply_error=(self.apply_error or "") if operator else "",
                 reembedding_to=self.vector_model.reembedding_to,

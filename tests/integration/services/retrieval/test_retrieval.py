@@ -43,7 +43,8 @@ async def test_ingest_then_search_in_every_mode(launcher, embedding_service, tmp
 
 
 async def test_a_tenant_cannot_read_another_tenants_counters(launcher, embedding_service, tmp_path):
-    service = start_retrieval(launcher, embedding_service, tmp_path / "index")
+    # A build after every 4 writes: its timing would show acme globex's write rate.
+    service = start_retrieval(launcher, embedding_service, tmp_path / "index", rebuild_after=4)
     client = Client(service.address)
     first = await client.upsert("acme", [{"id": "a1", "text": "acme one"}])
     before = await client.status("acme")
@@ -61,6 +62,14 @@ async def test_a_tenant_cannot_read_another_tenants_counters(launcher, embedding
     assert found.index_version == 2 and {h.version for h in found.hits} == {1, 2}
     operator = await client.status("acme", operator=True)
     assert operator.total_documents == 8 and operator.log_sequence == 8
+    for _ in range(100):  # the operator sees the builds the writes started ...
+        if (await client.status("acme", operator=True)).last_build_finished.seconds:
+            break
+        await asyncio.sleep(0.1)
+    assert (await client.status("acme", operator=True)).last_build_finished.seconds
+    # ... a tenant does not
+    tenant_view = await client.status("acme")
+    assert not tenant_view.HasField("last_build_finished") and not tenant_view.rebuilding
     await client.close()
 
 
@@ -131,7 +140,7 @@ async def test_writes_are_searchable_before_the_rebuild_and_queries_run_during_i
     answered_during_build, fresh = 0, None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        status = await client.status("acme")
+        status = await client.status("acme", operator=True)
         probe = await client.search(
             "acme", "probe", "vector", k=3, query_vector=vectors[42].tolist()
         )
