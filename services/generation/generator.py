@@ -87,6 +87,15 @@ class GenerationRequest:
     prompt: str | None = None
     chat: list[dict[str, str]] | None = None
     sampling: dict = field(default_factory=dict)
+    # The caller's visibility scopes: its prompt holds evidence only they may see.
+    visibility: frozenset[str] = frozenset()
+
+    @property
+    def cache_owner(self) -> str:
+        """Who may reuse this prompt's cached prefix (a warm slot, a stored state): the
+        same tenant with the same visibility. A principal who sees less must not learn,
+        from a matched prefix's length or speed, the evidence of one who sees more."""
+        return f"{self.tenant}|{','.join(sorted(self.visibility))}"
 
 
 @dataclass
@@ -225,9 +234,9 @@ class Generator:
             )
         speculate = tier.speculation.mode != "none" and not tier.speculation.fell_back
         deadline = deadlines.current_deadline()
-        lease = await tier.scheduler.acquire(request.tenant, deadline)
+        lease = await tier.scheduler.acquire(request.tenant, deadline, owner=request.cache_owner)
         try:
-            store = await self._use_store(rendered, lease, request.tenant)
+            store = await self._use_store(rendered, lease, request.cache_owner)
         except BaseException:
             tier.scheduler.release(lease.slot)
             raise
@@ -305,7 +314,7 @@ class Generator:
             store=store,
         )
 
-    async def _use_store(self, rendered: Rendered, lease: Lease, tenant: str) -> StoreOutcome:
+    async def _use_store(self, rendered: Rendered, lease: Lease, owner: str) -> StoreOutcome:
         """Restores the longest stored prefix into the leased slot (unless the slot already
         holds more of this prompt), then saves the hot prefixes not yet stored."""
         outcome = StoreOutcome()
@@ -313,11 +322,11 @@ class Generator:
         if store is None or ids is None:
             return outcome
         warm = common_prefix(lease.slot.tokens, ids) if lease.warm else 0
-        candidates = store.candidates(tenant, ids, rendered.boundaries)
+        candidates = store.candidates(owner, ids, rendered.boundaries)
         if not candidates:
             return outcome
         # Sightings count even in a warm slot: the state must outlive the slot.
-        await store.look_up(tenant, candidates)
+        await store.look_up(owner, candidates)
         engine = rendered.tier.engine
         slot = lease.slot
         held = warm
@@ -352,16 +361,16 @@ class Generator:
         for candidate in sorted(candidates, key=lambda c: c.tokens):
             # Prefilling a prefix shorter than what the slot holds cuts the cache back to
             # it, and this request prefills the rest again: only for a few tokens (a chat's
-            # system part in a slot warm with the same tenant's previous question).
+            # system part in a slot warm with the same owner's previous question).
             rewind = held - candidate.tokens
             if candidate.hot and candidate.stored is None and rewind <= SAVE_REWIND_TOKENS:
-                await self._save(rendered, slot.index, tenant, candidate, outcome)
+                await self._save(rendered, slot.index, owner, candidate, outcome)
                 slot.tokens = tuple(ids[: candidate.tokens])
                 held = candidate.tokens
         if outcome.restored_tokens or outcome.saved_tokens:
             log.info(
                 "generation.prefix_store",
-                tenant=tenant,
+                owner=owner,
                 tier=rendered.tier.name,
                 restored=outcome.restored_tokens,
                 saved=outcome.saved_tokens,
@@ -374,7 +383,7 @@ class Generator:
         self,
         rendered: Rendered,
         slot: int,
-        tenant: str,
+        owner: str,
         candidate: Candidate,
         outcome: StoreOutcome,
     ) -> None:
@@ -387,10 +396,10 @@ class Generator:
             await engine.prefill(slot, rendered.token_ids[: candidate.tokens])  # type: ignore[attr-defined]
             saved = await engine.save_slot(slot, file)  # type: ignore[attr-defined]
         except Unavailable as error:
-            log.warning("generation.prefix_save_failed", tenant=tenant, error=str(error))
+            log.warning("generation.prefix_save_failed", owner=owner, error=str(error))
             entry = None
         else:
-            entry = await store.saved(tenant, candidate, file, saved)
+            entry = await store.saved(owner, candidate, file, saved)
         if entry is not None:
             outcome.saved_tokens += entry.tokens
         outcome.save_s += time.monotonic() - began

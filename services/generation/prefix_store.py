@@ -7,14 +7,18 @@ messages and the end of the conversation before the last message (the orchestrat
 fixed system prompt; a repeated question; a conversation's history), each as exact token
 ids, at least `min_tokens` long (shorter ones are cheaper to prefill than to restore).
 
-When a prefix is hot: seen `hot_after` times (default 2) by the same tenant within the TTL,
+The owner of a prefix is a tenant and the visibility scopes of the caller whose prompt it
+is (`GenerationRequest.cache_owner`): a principal who sees less never reuses, or times, a
+prefix holding evidence of one who sees more.
+
+When a prefix is hot: seen `hot_after` times (default 2) by the same owner within the TTL,
 counted in the cache backend. A hot prefix without a stored state is prefilled alone in the
 request's slot, saved, then the request continues from it (no prefill is done twice).
 
-Key: sha256 of (tenant, engine identity, token ids). The engine identity is the model
+Key: sha256 of (owner, engine identity, token ids). The engine identity is the model
 version, the llama.cpp build, the KV cache types and flash attention, so a state is never
-restored into an engine whose KV layout differs. A state is restored only for the tenant
-that saved it (the tenant is in the key and checked again in the entry).
+restored into an engine whose KV layout differs. A state is restored only for the owner
+that saved it (the owner is in the key and checked again in the entry).
 
 Index entries (file, tokens, bytes, sha256, last use) live in the kit's cache backend with a
 TTL (default 5 minutes) that every use renews; a size bound evicts the least recently used.

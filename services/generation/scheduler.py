@@ -13,10 +13,13 @@ waiting tenants in turn, so a tenant's single request waits behind at most one r
 each other tenant, never behind a flood.
 
 Prefix-cache isolation: each slot keeps the KV cache of its last prompt and belongs to the
-tenant that wrote it. A request prefers a free slot its own tenant owns (a warm prefix),
-then an empty one; a slot that another tenant owns is erased before it is handed over.
-An erase that fails or is cancelled leaves the slot its previous owner's, so the next
-other tenant erases it again: no tenant can hit, or time, another tenant's cached prefix.
+owner that wrote it: a tenant and the visibility scopes its caller held (the prompt holds
+evidence only they may see). A request prefers a free slot its own owner holds (a warm
+prefix), then an empty one; a slot another owner holds is erased before it is handed
+over. An erase that fails or is cancelled leaves the slot its previous owner's, so the
+next other owner erases it again: nobody can hit, or time, a prefix cached for another
+tenant, or for a principal of its own tenant who sees more. The queues and their turns
+are per tenant.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ _HOLDS_BEFORE_ESTIMATING = 4
 @dataclass
 class Slot:
     index: int
-    owner: str | None = None  # tenant whose prompt the slot's cache holds
+    owner: str | None = None  # whose prompt the slot's cache holds (tenant + visibility)
     busy: bool = False
     last_used: float = 0.0
     # The prompt tokens the slot's cache starts with (set by the generator; empty when
@@ -51,13 +54,14 @@ class Slot:
 class Lease:
     slot: Slot
     waited_s: float
-    warm: bool  # the slot already held this tenant's cache
-    erased: bool  # the slot was taken from another tenant and erased first
+    warm: bool  # the slot already held this owner's cache
+    erased: bool  # the slot was taken from another owner and erased first
 
 
 @dataclass
 class _Waiter:
     tenant: str
+    owner: str
     deadline: float | None
     future: asyncio.Future = field(repr=False)
 
@@ -136,23 +140,26 @@ class SlotScheduler:
             metadata={"queue": "generation"},
         )
 
-    def _pick(self, tenant: str) -> Slot | None:
+    def _pick(self, owner: str) -> Slot | None:
         if self._paused:
             return None
         free = [s for s in self.slots if not s.busy]
         if not free:
             return None
-        own = [s for s in free if s.owner == tenant]
+        own = [s for s in free if s.owner == owner]
         if own:
             return max(own, key=lambda s: s.last_used)
         empty = [s for s in free if s.owner is None]
         if empty:
             return empty[0]
-        return min(free, key=lambda s: s.last_used)  # least recently used other tenant's
+        return min(free, key=lambda s: s.last_used)  # least recently used other owner's
 
-    async def acquire(self, tenant: str, deadline: float | None) -> Lease:
+    async def acquire(self, tenant: str, deadline: float | None, owner: str = "") -> Lease:
+        """A slot for a request of `tenant` (its queue and turn); `owner` (the tenant
+        itself by default) decides whose cached prefix it may reuse."""
+        owner = owner or tenant
         started = time.monotonic()
-        slot = self._pick(tenant) if not self._queues else None
+        slot = self._pick(owner) if not self._queues else None
         if slot is None:
             mine = len(self._queues.get(tenant, ()))
             if mine >= self.max_queue_per_tenant:
@@ -160,7 +167,7 @@ class SlotScheduler:
             if self.waiting >= self.max_queue:
                 raise self._refuse(self.waiting, self.max_queue, "all tenants")
             self._refuse_if_it_would_only_time_out(tenant, deadline)
-            waiter = _Waiter(tenant, deadline, asyncio.get_running_loop().create_future())
+            waiter = _Waiter(tenant, owner, deadline, asyncio.get_running_loop().create_future())
             self._queues.setdefault(tenant, deque()).append(waiter)
             try:
                 timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
@@ -177,19 +184,19 @@ class SlotScheduler:
         slot.busy = True
         slot.taken_at = time.monotonic()
         self._idle.clear()
-        warm = slot.owner == tenant
+        warm = slot.owner == owner
         erased = False
-        if slot.owner not in (None, tenant):
+        if slot.owner not in (None, owner):
             try:
                 await self.erase(slot.index)
             except BaseException:
                 # Failed or cancelled part-way: the cache holds the previous owner's prefix
-                # or nothing. It stays that owner's, so the next other tenant erases again.
+                # or nothing. It stays that owner's, so the next other owner erases again.
                 self.release(slot)
                 raise
             erased = True
             slot.tokens = ()
-        slot.owner = tenant
+        slot.owner = owner
         return Lease(slot, time.monotonic() - started, warm, erased)
 
     def _abandon(self, waiter: _Waiter) -> None:
@@ -237,7 +244,7 @@ class SlotScheduler:
                 if not queue:
                     del self._queues[tenant]
                 continue
-            slot = self._pick(waiter.tenant)
+            slot = self._pick(waiter.owner)
             if slot is None:
                 return
             queue.popleft()

@@ -62,7 +62,9 @@ def _chat(request) -> list[dict[str, str]] | None:
     return [{"role": _ROLES[m.role], "content": m.content} for m in request.chat.messages]
 
 
-def generation_request(request: generation_pb2.GenerateRequest, tenant: str) -> GenerationRequest:
+def generation_request(
+    request: generation_pb2.GenerateRequest, tenant: str, visibility: frozenset[str] = frozenset()
+) -> GenerationRequest:
     # The speculation field is advisory: llama.cpp fixes speculation per engine process,
     # so the tier decides and the final message's SpeculationStats says what ran.
     chat = _chat(request)
@@ -73,6 +75,7 @@ def generation_request(request: generation_pb2.GenerateRequest, tenant: str) -> 
         prompt=request.prompt if chat is None else None,
         chat=chat,
         sampling=_sampling(request.sampling),
+        visibility=visibility,
     )
 
 
@@ -94,7 +97,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def Generate(self, request, context):
         generator = self.generator.value
         clock = current_clock()
-        domain = generation_request(request, current_caller().tenant)
+        caller = current_caller()
+        domain = generation_request(request, caller.tenant, caller.visibility)
         index = 0
         async with contextlib.aclosing(generator.generate(domain)) as events:
             async for event in events:

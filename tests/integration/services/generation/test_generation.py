@@ -167,6 +167,26 @@ async def test_prefix_reuse_is_per_tenant(generation_service):
     assert again.timing.first_token.ToNanoseconds() < first.timing.first_token.ToNanoseconds()
 
 
+async def test_prefix_reuse_is_per_visibility_within_a_tenant(generation_service):
+    """A principal who sees less gets nothing of a prefix cached for one who sees more
+    (its length and speed would tell the evidence in it); the same visibility shares it."""
+    prompt = f"Evidence: {EVIDENCE}\nQuestion: Who holds the salary bands?\nAnswer:"
+
+    async def final_of(scopes: str):
+        metadata = (*tenant("scoped"), ("x-ragline-scopes", scopes)) if scopes else tenant("scoped")
+        request = prompt_request(prompt, 4)
+        return (await collect(generation_service.address, request, metadata=metadata))[-1].final
+
+    await final_of("hr")
+    hr_again = await final_of("hr")
+    assert hr_again.usage.cached_input_tokens >= 0.8 * hr_again.usage.input_tokens
+    # A permission is no visibility: a principal of hr that may also write shares it.
+    writer = await final_of("hr,ragline:write")
+    assert writer.usage.cached_input_tokens >= 0.8 * writer.usage.input_tokens
+    assert (await final_of("")).usage.cached_input_tokens == 0  # sees less: nothing reused
+    assert (await final_of("hr,eng")).usage.cached_input_tokens == 0  # another view
+
+
 async def test_a_failed_erase_never_hands_a_warm_slot_to_another_tenant(launcher, external_llama):
     proxy, url = external_llama
     env = {

@@ -203,3 +203,16 @@ async def test_no_refusal_on_an_estimate_before_enough_leases_were_seen():
     with pytest.raises(DeadlineExceeded):  # waited its deadline out, as before
         await scheduler.acquire("acme", time.monotonic() + 0.05)
     scheduler.release(held.slot)
+
+
+async def test_a_slot_is_warm_only_for_its_owner_within_a_tenant():
+    eraser = Eraser()
+    scheduler = SlotScheduler(1, 4, eraser)
+    hr = await scheduler.acquire("acme", None, owner="acme|hr")
+    scheduler.release(hr.slot)
+    again = await scheduler.acquire("acme", None, owner="acme|hr")
+    assert again.warm and not eraser.erased
+    scheduler.release(again.slot)
+    public = await scheduler.acquire("acme", None, owner="acme|")
+    assert not public.warm and public.erased and eraser.erased == [0]
+    scheduler.release(public.slot)
