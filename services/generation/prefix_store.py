@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import struct
 import time
 import uuid
@@ -59,6 +60,11 @@ class StoreSettings:
     namespace: str = "ragline:kv:"
 
 
+# The name of every state file the store makes (new_file_name): a key's first 32 hex
+# characters, a unique suffix.
+_FILE_NAME = re.compile(r"[0-9a-f]{32}-[0-9a-f]{12}\.bin")
+
+
 @dataclass(frozen=True)
 class StoredPrefix:
     key: str
@@ -74,7 +80,16 @@ class StoredPrefix:
 
     @staticmethod
     def decode(data: bytes) -> StoredPrefix:
-        return StoredPrefix(**json.loads(data))
+        """An entry read back from the shared index, trusted only once checked: its file
+        must be a state file named for its own key (a name this store made for it, inside
+        its directory), so an entry cannot point one owner's key at another's state or
+        any other path (ValueError otherwise)."""
+        entry = StoredPrefix(**json.loads(data))
+        if not isinstance(entry.file, str) or not _FILE_NAME.fullmatch(entry.file):
+            raise ValueError(f"entry names a file this store never makes: {entry.file!r}")
+        if not entry.file.startswith(f"{entry.key[:32]}-"):
+            raise ValueError(f"entry of key {entry.key[:12]} names another key's file")
+        return entry
 
 
 @dataclass
@@ -269,5 +284,7 @@ class PrefixStore:
                     path.unlink()
 
     async def _remove_file(self, file: str) -> None:
+        if not _FILE_NAME.fullmatch(file):  # never a path: only what this store names
+            return
         with contextlib.suppress(OSError):
             await asyncio.to_thread(os.unlink, self.settings.directory / file)

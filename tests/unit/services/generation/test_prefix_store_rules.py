@@ -68,6 +68,35 @@ async def test_a_stored_state_is_found_for_its_tenant_only(tmp_path):
         assert (candidate.stored.tokens if candidate.stored else None) == expected
 
 
+async def test_an_entry_pointing_at_another_owners_state_or_any_path_is_ignored(tmp_path):
+    """The shared index is not trusted as written: an entry names only a state file made
+    for its own key, inside the store's directory; anything else is ignored, and no file
+    it names is ever deleted."""
+    store = make_store(tmp_path)
+    anns = await save(store, "ann", 200)
+    [bobs] = store.candidates("bob", TOKENS, [200])
+    outside = tmp_path / "precious.txt"
+    outside.write_text("not a state")
+    for file in (anns.file, str(outside), "../precious.txt"):
+        # bob's key and tenant, with ann's state (it would restore ann's evidence) or a path
+        forged = StoredPrefix(**{**anns.__dict__, "key": bobs.key, "tenant": "bob", "file": file})
+        await store.cache.set(store._index + bobs.key, forged.encode(), 60)
+        await store.look_up("bob", [bobs])
+        assert bobs.stored is None, file
+    assert (store.settings.directory / anns.file).exists()
+
+
+async def test_eviction_never_deletes_a_path_a_forged_entry_names(tmp_path):
+    store = make_store(tmp_path, max_bytes=1500)
+    outside = tmp_path / "precious.txt"
+    outside.write_text("not a state")
+    [bobs] = store.candidates("bob", TOKENS, [200])
+    forged = StoredPrefix(bobs.key, "bob", str(outside), 200, 1000, "0" * 64, last_use=0.0)
+    await store.cache.set(store._index + bobs.key, forged.encode(), 60)
+    await save(store, "ann", 100, size=1000)  # over the bound: the oldest entry would go
+    assert outside.read_text() == "not a state"
+
+
 async def test_an_entry_naming_another_tenant_is_ignored(tmp_path):
     store = make_store(tmp_path)
     entry = await save(store, "ann", 200)
