@@ -23,11 +23,18 @@ nothing that writes is ever served from here (the orchestrator only reads).
 
 Backends: the kit's `ragline.cache` (in-process LRU when embedded, Redis shared by the
 replicas with RAGLINE_ORCHESTRATOR_CACHE_URL). A failing backend is a miss.
+
+What the backend returns is not trusted as found: every entry carries the key it was
+stored under (an entry copied to another key, another tenant's or view's, is refused),
+and with a signing key (derived from RAGLINE_AUTH_SERVICE_KEY, which every replica holds)
+an HMAC over both, so an entry written by anything but a ragline service is refused. A
+refused entry is a miss, and is dropped.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import re
 import unicodedata
@@ -93,17 +100,45 @@ class CacheUse:
 
 class OrchestratorCaches:
     def __init__(
-        self, backend: CacheBackend, ttls: CacheTtls, namespace: str = "ragline:orch:"
+        self,
+        backend: CacheBackend,
+        ttls: CacheTtls,
+        namespace: str = "ragline:orch:",
+        signing_key: bytes = b"",
     ) -> None:
         self.backend = backend
         self.ttls = ttls
         self.namespace = namespace
         self.counters = {layer: LayerCounters() for layer in (ANSWER, RETRIEVAL, TOOL)}
+        self._signing_key = signing_key
 
     def key(self, layer: str, viewer: Viewer, *parts: object) -> str:
         # The tenant and scopes lead every key: no entry is ever another view's.
         material = json.dumps([layer, *viewer.parts(), *parts], sort_keys=True, default=str)
         return f"{self.namespace}{layer}:{hashlib.sha256(material.encode()).hexdigest()}"
+
+    def _seal(self, key: str, entry: dict) -> bytes:
+        body = json.dumps({"key": key, "entry": entry}).encode()
+        return self._mac(body) + b"." + body
+
+    def _mac(self, body: bytes) -> bytes:
+        if not self._signing_key:
+            return b"-"
+        return hmac.new(self._signing_key, body, hashlib.sha256).hexdigest().encode()
+
+    def _opened(self, key: str, data: bytes) -> dict | None:
+        """The entry stored under `key` by a ragline service, or None."""
+        mac, _, body = data.partition(b".")
+        if not hmac.compare_digest(mac, self._mac(body)):
+            return None
+        try:
+            sealed = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(sealed, dict) or sealed.get("key") != key:
+            return None
+        entry = sealed.get("entry")
+        return entry if isinstance(entry, dict) else None
 
     async def get(self, layer: str, key: str) -> dict | None:
         try:
@@ -111,12 +146,10 @@ class OrchestratorCaches:
         except Unavailable as error:
             log.warning("cache.unavailable", layer=layer, op="get", error=str(error))
             data = None
-        entry = None
-        if data:
-            try:
-                entry = json.loads(data)
-            except ValueError:
-                entry = None
+        entry = self._opened(key, data) if data else None
+        if data and entry is None:
+            await self.drop(layer, key, "not an entry this key was given by a ragline service")
+            return None
         counters = self.counters[layer]
         if entry is None:
             counters.misses += 1
@@ -127,7 +160,7 @@ class OrchestratorCaches:
 
     async def put(self, layer: str, key: str, entry: dict) -> None:
         try:
-            await self.backend.set(key, json.dumps(entry).encode(), self.ttls.of(layer))
+            await self.backend.set(key, self._seal(key, entry), self.ttls.of(layer))
         except Unavailable as error:
             log.warning("cache.unavailable", layer=layer, op="set", error=str(error))
 
@@ -143,6 +176,14 @@ class OrchestratorCaches:
 
     async def close(self) -> None:
         await self.backend.close()
+
+
+def signing_key(service_key: str) -> bytes:
+    """The key cache entries are signed with: derived from the service key (one secret
+    fewer to hand out, and never the key itself); none when there is no service key."""
+    if not service_key:
+        return b""
+    return hmac.new(service_key.encode(), b"ragline orchestrator cache v1", hashlib.sha256).digest()
 
 
 def stale_documents(cached: dict[str, int], current: dict[str, int]) -> list[str]:

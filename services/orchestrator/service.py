@@ -7,6 +7,7 @@ import asyncio
 import grpc
 from pydantic import Field
 
+from ragline.auth import AuthConfig
 from ragline.budget import Amounts
 from ragline.cache import open_cache
 from ragline.clients import connect
@@ -21,7 +22,7 @@ from ragline.v1 import (
     rerank_pb2_grpc,
     retrieval_pb2_grpc,
 )
-from ragline_services.orchestrator.caches import CacheTtls, OrchestratorCaches
+from ragline_services.orchestrator.caches import CacheTtls, OrchestratorCaches, signing_key
 from ragline_services.orchestrator.core import Orchestrator, OrchestratorSettings
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.servicer import OrchestratorServicer
@@ -158,6 +159,7 @@ class OrchestratorService(Service):
             caches = OrchestratorCaches(
                 open_cache(cfg.cache_url, max_bytes=cfg.cache_max_mb << 20),
                 CacheTtls(cfg.answer_cache_ttl_s, cfg.retrieval_cache_ttl_s, cfg.tool_cache_ttl_s),
+                signing_key=signing_key(AuthConfig().service_key),
             )
         self._caches = caches
         self._servicer.orchestrator.set(Orchestrator(clients, settings, caches))
