@@ -118,8 +118,9 @@ class ServiceConfig(EmptyMeansUnset):
     max_request_bytes: int = Field(16 * MiB, ge=1024)
     # Deadline applied when a caller sends none; 0 disables it.
     default_deadline_s: float = Field(120.0, ge=0)
-    # Calls handled at once; beyond it gRPC answers RESOURCE_EXHAUSTED. 0 = unlimited.
-    max_concurrent_rpcs: int = Field(0, ge=0)
+    # Calls handled at once; beyond it gRPC answers RESOURCE_EXHAUSTED. 0 = unlimited. With
+    # max_message_bytes it bounds what requests in flight can hold before any check.
+    max_concurrent_rpcs: int = Field(256, ge=0)
     # One JSON log line per finished call.
     access_log: bool = True
 

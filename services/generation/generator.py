@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -144,12 +146,31 @@ def common_prefix(a: tuple[int, ...] | list[int], b: list[int]) -> int:
     return n
 
 
+# No token of any vocabulary served here spans more bytes than this: an input longer than
+# the context window times it is refused before it is rendered or tokenized (a request of
+# many MiB would otherwise be sent to the engine, and its ids held, only to be refused).
+MAX_BYTES_PER_TOKEN = 128
+# Renders and tokenizations sent to the engines at once (llama-server's /apply-template
+# and /tokenize take a request's whole text; without a bound a flood of them holds it all).
+RENDERS_AT_ONCE = 4
+# Bytes of token ids kept for leading parts of chats (a Python int in a list: ~36 bytes).
+PARTIAL_TOKENS_BYTES = 32 << 20
+
+
+def _ids_size(ids: list[int]) -> int:
+    return 36 * len(ids) + 64
+
+
 class Generator:
     def __init__(self, tiers: dict[str, Tier]) -> None:
         self.tiers = tiers
         self._background: set[asyncio.Future] = set()
-        # Token ids of rendered leading parts of chats (system prompts repeat verbatim).
-        self._partial_tokens: LRUCache[tuple, list[int]] = LRUCache(maxsize=512)
+        # Token ids of rendered leading parts of chats (system prompts repeat verbatim),
+        # by a digest of the part (never the text itself as a key), bounded in bytes.
+        self._partial_tokens: LRUCache[bytes, list[int]] = LRUCache(
+            maxsize=PARTIAL_TOKENS_BYTES, getsizeof=_ids_size
+        )
+        self._renders = asyncio.Semaphore(RENDERS_AT_ONCE)
 
     def tier(self, name: str) -> Tier:
         try:
@@ -159,8 +180,29 @@ class Generator:
                 "tier", f"tier {name!r} is not served here; available: {', '.join(self.tiers)}"
             ) from None
 
+    def _refuse_if_it_cannot_fit(self, request: GenerationRequest, tier: Tier) -> None:
+        """Refused from its size alone, before any engine sees it: at least one token per
+        MAX_BYTES_PER_TOKEN bytes, more than the context window holds."""
+        if request.chat is not None:
+            size = sum(len(m["content"].encode()) for m in request.chat)
+        else:
+            size = len((request.prompt or "").encode())
+        at_least = size // MAX_BYTES_PER_TOKEN
+        if at_least >= tier.context_window:
+            field_name = "chat" if request.chat is not None else "prompt"
+            raise InvalidArgument(
+                field_name,
+                f"is {size} bytes: at least {at_least} tokens, more than model "
+                f"{tier.model}'s {tier.context_window}-token context window",
+            )
+
     async def render(self, request: GenerationRequest, *, for_store: bool = True) -> Rendered:
         tier = self.tier(request.tier)
+        self._refuse_if_it_cannot_fit(request, tier)
+        async with self._renders:
+            return await self._render(tier, request, for_store)
+
+    async def _render(self, tier: Tier, request: GenerationRequest, for_store: bool) -> Rendered:
         tokenize = getattr(tier.engine, "tokenize", None)
         token_ids = None
         if request.chat is not None and tokenize is not None:
@@ -196,18 +238,17 @@ class Generator:
         for upto in {system, len(chat) - 1}:
             if not 0 < upto < len(chat):
                 continue
-            memo = (
-                tier.name,
-                tier.model_version,
-                *((m["role"], m["content"]) for m in chat[:upto]),
-            )
+            memo = hashlib.sha256(
+                json.dumps([tier.name, tier.model_version, chat[:upto]]).encode()
+            ).digest()
             partial = self._partial_tokens.get(memo)
             if partial is None:
                 try:
                     _, partial = await tokenize_chat(tier.engine, chat[:upto])  # type: ignore[arg-type]
                 except Unavailable:
                     continue  # a template that can't render a part: no boundary there
-                self._partial_tokens[memo] = partial
+                with contextlib.suppress(ValueError):  # larger than the whole bound
+                    self._partial_tokens[memo] = partial
             cuts.append(common_prefix(partial, ids))
         return cuts
 

@@ -12,7 +12,7 @@ import structlog
 from pydantic import Field
 
 from ragline.cache import CacheBackend, open_cache
-from ragline.config import ServiceConfig
+from ragline.config import MiB, ServiceConfig
 from ragline.cores import usable_cores
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
@@ -58,6 +58,10 @@ class GenerationConfig(ServiceConfig):
     # One tenant's share of the queue (0: half of it), so no tenant can fill it for all.
     max_queue_per_tenant: int = Field(0, ge=0)
     context_per_seq: int = Field(4096, ge=256)
+    # A prompt the context holds is tens of KiB: larger requests are refused before they
+    # are parsed (transport cap) or looked at (application cap), not buffered by the MiB.
+    max_message_bytes: int = Field(4 * MiB, ge=1024)
+    max_request_bytes: int = Field(2 * MiB, ge=1024)
     # How often each llama-server is checked (process alive, /health): a dead one turns the
     # service NOT_SERVING and is started again; an external one is only reported.
     engine_probe_s: float = Field(2.0, gt=0)

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from ragline.allocator import fix_mmap_threshold
 from ragline.auth import AuthConfig, Authenticator
 from ragline.config import CommonConfig, ServiceConfig
 from ragline.cores import limit_blas_threads
@@ -165,6 +166,7 @@ async def serve(
     common = common or CommonConfig()
     configure_logging(spec.name, common.log_level, common.log_format)
     limit_blas_threads(common.blas_threads)
+    fix_mmap_threshold()
     runner = ServerRunner(spec, config, common)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

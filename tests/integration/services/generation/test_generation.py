@@ -377,3 +377,25 @@ def test_speculation_falls_back_to_plain_decoding_when_acceptance_is_low(launche
     assert after.speculation.drafted_tokens == 0 and after.speculation.fell_back
     assert after.usage.output_tokens > 0
     assert "generation.speculation_fallback" in handle.log()
+
+
+async def test_an_input_too_large_for_the_context_is_refused_from_its_size_alone(
+    generation_service,
+):
+    """A chat of MiBs is refused before it is rendered or tokenized (the engine never
+    holds it): at least one token per 128 bytes is more than the window. One beyond the
+    service's message cap (4 MiB) is refused by the transport, before it is parsed."""
+
+    def chat_of(messages: int) -> generation_pb2.GenerateRequest:
+        chat = generation_pb2.GenerateRequest(max_tokens=4)
+        for _ in range(messages):  # messages of 224 KiB, within the per-message limit
+            chat.chat.messages.add(role=generation_pb2.ROLE_USER, content="warsaw " * (32 << 10))
+        return chat
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(generation_service.address, chat_of(7), metadata=tenant("big"))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "bytes: at least" in caught.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(generation_service.address, chat_of(72), metadata=tenant("big"))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
