@@ -187,6 +187,12 @@ class IndexSettings:
     # When the embedding service runs another model than the index's vectors came from:
     # re-embed every document with it in the background (False: refuse such writes).
     reembed_on_model_change: bool = True
+    # The write log is compacted (wal.py) once it is larger than this and twice what the
+    # last compaction left; 0: never for size.
+    wal_compact_bytes: int = 256 << 20
+    # ... and once a delete is this old, so that deleted text leaves the log within it
+    # (0: only for size).
+    forget_after_s: float = 3600.0
 
 
 APPLY_RETRY_FIRST_S, APPLY_RETRY_MAX_S = 0.05, 5.0
@@ -227,6 +233,10 @@ class RetrievalIndex:
         self._apply_turn = asyncio.Condition()
         self._writes: set[asyncio.Task] = set()
         self.last_build_finished: float | None = None
+        # What the last compaction left, and since when a logged delete waits for one.
+        self._compacted_bytes = 0
+        self._delete_pending_since: float | None = None
+        self.compactions = 0
         # Searches run here, one hop each; never queued behind writes or builds.
         self._query_pool = ThreadPoolExecutor(
             max_workers=settings.query_threads, thread_name_prefix="retrieval-search"
@@ -269,6 +279,8 @@ class RetrievalIndex:
             self._bm25_apply_final(self.applied_seq, final)
         self.applied_seq = max(self.applied_seq, self.wal.last_seq)
         self.tenant_applied = dict(self.wal.tenant_last)  # everything logged is applied now
+        if self.wal.holds_deletes:
+            self._delete_pending_since = time.monotonic()  # their age is unknown: from now
         return count
 
     def _bm25_apply_final(self, seq: int, final: dict[str, StoredDocument | None]) -> None:
@@ -532,6 +544,8 @@ class RetrievalIndex:
         seq, tseq = await self._write(
             {"op": "write", "tenant": tenant, "upserts": [], "deletes": present}
         )
+        if self._delete_pending_since is None:
+            self._delete_pending_since = time.monotonic()
         return WriteResult(seq, [], len(present), len(keys) - len(present), tenant_seq=tseq)
 
     async def _hidden_from(self, writer: Writer, ids: list[str]) -> list[str]:
@@ -771,6 +785,46 @@ class RetrievalIndex:
             )
 
         return await asyncio.to_thread(read)
+
+    # -- write-log compaction -------------------------------------------------------------
+
+    async def maybe_compact(self) -> bool:
+        """Compacts the write log when it has grown past `wal_compact_bytes` (and twice
+        what the last compaction left), or a delete has waited `forget_after_s`."""
+        settings, size = self.settings, self.wal.size
+        by_size = bool(settings.wal_compact_bytes) and size > max(
+            settings.wal_compact_bytes, 2 * self._compacted_bytes
+        )
+        pending = self._delete_pending_since
+        by_age = (
+            bool(settings.forget_after_s)
+            and pending is not None
+            and time.monotonic() - pending >= settings.forget_after_s
+        )
+        if not (by_size or by_age):
+            return False
+        await self.compact_log("size" if by_size else "forget")
+        return True
+
+    async def compact_log(self, why: str = "asked") -> tuple[int, int]:
+        """Rewrites the log with only what a replay can need (wal.py): the text of
+        deleted and overwritten documents leaves it. Returns (bytes before, after)."""
+        applied_by_all = min(self.bm25_seq, self.vectors.built_seq)
+        started = time.monotonic()
+        before, after, dropped = await asyncio.to_thread(self.wal.compact, applied_by_all)
+        self._compacted_bytes = after
+        self._delete_pending_since = None  # deleted text is gone; tombstones hold only ids
+        self.compactions += 1
+        log.info(
+            "retrieval.log_compacted",
+            why=why,
+            bytes_before=before,
+            bytes_after=after,
+            records_dropped=dropped,
+            tombstones_kept_after=applied_by_all,
+            seconds=round(time.monotonic() - started, 3),
+        )
+        return before, after
 
     # -- background HNSW builds -------------------------------------------------------------
 

@@ -43,6 +43,12 @@ class RetrievalConfig(ServiceConfig):
     exact_limit: int = Field(20_000, ge=1)
     rebuild_after: int = Field(2_000, ge=1)
     build_check_s: float = Field(2.0, gt=0)
+    # The write log is rewritten with only what a replay needs once it is larger than
+    # this (and twice what the last rewrite left); 0: never for size.
+    wal_compact_mb: int = Field(256, ge=0)
+    # ... and once a delete is this old: deleted text leaves the log within it (0: only
+    # for size).
+    forget_after_s: float = Field(3600.0, ge=0)
     # The HNSW builder's threads (0: every core), CPU niceness and Linux's idle class
     # (SCHED_IDLE: a core runs it only when nothing else wants it; qdrant's build thread
     # can raise its own niceness, not leave the class): a build is background work and
@@ -219,6 +225,8 @@ class RetrievalService(Service):
             query_threads=cfg.query_threads,
             parallel_hybrid=cfg.parallel_hybrid,
             reembed_on_model_change=cfg.reembed_on_model_change,
+            wal_compact_bytes=cfg.wal_compact_mb << 20,
+            forget_after_s=cfg.forget_after_s,
         )
         index = RetrievalIndex(directory, vectors, settings, self.embed)
         replayed = index.replay()
@@ -249,6 +257,7 @@ class RetrievalService(Service):
     async def _maybe_build(self) -> None:
         # A failed build is logged by Periodic and leaves the current index serving.
         await self.index.maybe_build()
+        await self.index.maybe_compact()
 
     async def stop(self) -> None:
         await self._builder.stop()

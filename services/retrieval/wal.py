@@ -16,6 +16,14 @@ sequence would show them how much everyone else writes); operators see both.
 
 Record framing: 4-byte little-endian payload length, 4-byte CRC32 of the payload, payload
 (compact JSON with "seq").
+
+Compaction (`compact`) rewrites the log with only what a replay still needs: the latest
+write of each live document (at its own seq and tseq, so versions do not change) and the
+deletes the indexes may not have applied yet (newer than what both persisted). A
+superseded version and a delete both indexes hold are dropped, and with them the text of
+deleted and overwritten documents. A "marks" record heads the rewritten log with the last
+seq and each tenant's last tseq, so numbering goes on from where it was. The new log is
+written beside the old, fsynced and renamed over it: a crash leaves one or the other.
 """
 
 from __future__ import annotations
@@ -33,9 +41,15 @@ from pathlib import Path
 
 from ragline.errors import StartRefused
 from ragline.files import fsync_directory, write_all
-from ragline_services.retrieval.documents import split_key
+from ragline_services.retrieval.documents import doc_key, split_key
 
 _HEADER = struct.Struct("<II")
+MARKS = "marks"  # the op of the record heading a compacted log
+
+
+def _frame(record: dict) -> bytes:
+    payload = json.dumps(record, separators=(",", ":")).encode()
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 class CorruptLog(StartRefused):
@@ -108,6 +122,7 @@ class WriteLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         created = not path.exists()
         self.tenant_last: dict[str, int] = {}  # the last "tseq" of each tenant
+        self.holds_deletes = False  # a delete is logged (a compaction would forget text)
         self.last_seq, valid_bytes = self._scan()
         with path.open("ab") as handle:
             if handle.tell() != valid_bytes:
@@ -123,11 +138,63 @@ class WriteLog:
     def _scan(self) -> tuple[int, int]:
         last, valid = 0, 0
         for seq, record, end in self._records(check_tail=True):
-            last, valid = seq, end
+            last, valid = max(last, seq, record.get("last_seq", 0)), end
+            for tenant, tseq in record.get("tenant_last", {}).items():  # a compacted log's
+                self.tenant_last[tenant] = max(self.tenant_last.get(tenant, 0), tseq)
             tenant = tenant_of(record)
             if tenant is not None:
                 self.tenant_last[tenant] = max(self.tenant_last.get(tenant, 0), tenant_seq(record))
+            self.holds_deletes = self.holds_deletes or bool(record.get("deletes"))
         return last, valid
+
+    @property
+    def size(self) -> int:
+        return os.fstat(self._fd).st_size
+
+    def compact(self, applied_by_all: int) -> tuple[int, int, int]:
+        """Rewrites the log keeping only what a replay after `applied_by_all` (the seq
+        every index has persisted) can need; returns (bytes before, bytes after, records
+        dropped). Appends wait meanwhile. Runs in a thread: it reads the whole log twice."""
+        with self._lock:
+            before = self.size
+            latest: dict[str, int] = {}  # the seq of each key's last write or delete
+            for seq, record, _ in self._records():
+                for item in record.get("upserts", ()):
+                    latest[doc_key(item["tenant"], item["id"])] = seq
+                for key in record.get("deletes", ()):
+                    latest[key] = seq
+            target = self.path.with_name(self.path.name + ".compact")
+            dropped, kept_deletes = 0, False
+            with target.open("wb") as out:
+                marks = {"op": MARKS, "seq": 0, "last_seq": self.last_seq,
+                         "tenant_last": self.tenant_last}  # fmt: skip
+                out.write(_frame(marks))
+                for seq, record, _ in self._records():
+                    if record.get("op") == MARKS:
+                        continue
+                    upserts = [
+                        item
+                        for item in record.get("upserts", ())
+                        if latest.get(doc_key(item["tenant"], item["id"])) == seq
+                    ]
+                    deletes = [
+                        key
+                        for key in record.get("deletes", ())
+                        if latest.get(key) == seq and seq > applied_by_all
+                    ]
+                    if not upserts and not deletes:
+                        dropped += 1
+                        continue
+                    kept_deletes = kept_deletes or bool(deletes)
+                    out.write(_frame({**record, "upserts": upserts, "deletes": deletes}))
+                out.flush()
+                self._fsync(out.fileno())
+            os.replace(target, self.path)
+            fsync_directory(self.path.parent)
+            os.close(self._fd)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            self.holds_deletes = kept_deletes
+            return before, self.size, dropped
 
     def _records(self, check_tail: bool = False) -> Iterator[tuple[int, dict, int]]:
         if not self.path.exists():
@@ -185,8 +252,7 @@ class WriteLog:
                 if "tenant" in record:
                     tseq = tenant_last.get(record["tenant"], 0) + 1
                     tenant_last[record["tenant"]] = numbered["tseq"] = tseq
-                payload = json.dumps(numbered, separators=(",", ":")).encode()
-                frames.append(_HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+                frames.append(_frame(numbered))
                 seqs.append((seq, tseq))
             size = os.lseek(self._fd, 0, os.SEEK_END)
             try:
@@ -198,6 +264,7 @@ class WriteLog:
                 raise
             self.last_seq = seqs[-1][0]
             self.tenant_last = tenant_last
+            self.holds_deletes = self.holds_deletes or any(r.get("deletes") for r in records)
             return seqs
 
     async def append(self, record: dict) -> int:

@@ -512,3 +512,40 @@ async def test_document_versions_follow_writes_deletes_and_visibility(
     assert dict((await client.versions("globex", ["pay"])).versions) == {}
     assert set((await client.versions("globex", ["open"])).versions) == {"open"}
     await client.close()
+
+
+async def test_deleted_and_overwritten_text_leaves_the_write_log_and_a_restart_loses_nothing(
+    launcher, embedding_service, tmp_path
+):
+    """With RAGLINE_RETRIEVAL_FORGET_AFTER_S, the log is compacted once a delete is that
+    old: the deleted document's text and an overwritten version's leave the file, and a
+    restart replays the compacted log to the same documents, versions and numbering."""
+    index_dir = tmp_path / "index"
+    service = start_retrieval(launcher, embedding_service, index_dir, forget_after_s=0.5)
+    client = Client(service.address)
+    await client.upsert("acme", [{"id": "memo", "title": "", "text": "zebrafish budget memo"}])
+    await client.upsert("acme", [{"id": "keep", "title": "", "text": "okapi first draft"}])
+    await client.upsert("acme", [{"id": "keep", "title": "", "text": "okapi final text"}])
+    await client.delete("acme", ["memo"])
+    log_file = index_dir / "write.log"
+    for _ in range(100):
+        if b"zebrafish" not in log_file.read_bytes():
+            break
+        await asyncio.sleep(0.1)
+    data = log_file.read_bytes()
+    assert b"zebrafish" not in data and b"okapi first draft" not in data
+    assert b"okapi final text" in data
+    before = (await client.versions("acme", ["keep", "memo"])).versions
+    await client.close()
+    launcher.forget(service)
+    assert service.stop() == 0
+
+    restarted = start_retrieval(launcher, embedding_service, index_dir)
+    client = Client(restarted.address)
+    assert (await client.versions("acme", ["keep", "memo"])).versions == before == {"keep": 3}
+    found = await client.search("acme", "okapi", "hybrid", include_text=True)
+    assert [(h.id, h.text) for h in found.hits] == [("keep", "okapi final text")]
+    assert not (await client.search("acme", "zebrafish", "bm25")).hits
+    again = await client.upsert("acme", [{"id": "new", "title": "", "text": "numbered on"}])
+    assert again.log_sequence == 5  # the tenant's numbering goes on where it was
+    await client.close()

@@ -154,3 +154,49 @@ async def test_a_long_torn_tail_is_crossed_in_linear_time(tmp_path, monkeypatch)
     # Only offsets before a "{" were tried (1,000 of them), not one per byte.
     assert len(tried) < 2_000, len(tried)
     reopened.close()
+
+
+def _doc(doc_id: str, text: str) -> dict:
+    return {"tenant": "acme", "id": doc_id, "title": "", "text": text, "acl": [], "version": 0}
+
+
+async def test_compaction_keeps_what_a_replay_needs_and_forgets_the_rest(tmp_path):
+    path = tmp_path / "write.log"
+    log = WriteLog(path)
+
+    async def write(upserts=(), deletes=()):
+        record = {
+            "op": "write",
+            "tenant": "acme",
+            "upserts": list(upserts),
+            "deletes": list(deletes),
+        }
+        return await log.append_numbered(record)
+
+    await write([_doc("a", "alpha secret"), _doc("b", "bravo secret")])  # seq 1
+    await write([_doc("a", "alpha now")])  # seq 2: overwrites a
+    await write(deletes=["acme\x1fb"])  # seq 3: deletes b
+    await write([_doc("c", "charlie")])  # seq 4
+    await log.append_numbered({"op": "write", "tenant": "globex", "upserts": [], "deletes": []})
+
+    # The indexes hold up to seq 2: b's delete (seq 3) may still have to be replayed.
+    before, after, dropped = await asyncio.to_thread(log.compact, 2)
+    assert after < before and dropped == 2  # seq 1 (both superseded) and the empty seq 5
+    data = path.read_bytes()
+    assert b"alpha secret" not in data and b"bravo secret" not in data
+    records = [r for r in WriteLog.read(path) if r.get("op") == "write"]
+    assert [(r["seq"], r["tseq"]) for r in records] == [(2, 2), (3, 3), (4, 4)]
+    assert records[1]["deletes"] == ["acme\x1fb"]  # a tombstone an index may still need
+
+    # Once every index holds the delete, it goes too; numbering carries on.
+    await asyncio.to_thread(log.compact, 5)
+    assert [r["seq"] for r in WriteLog.read(path) if r.get("op") == "write"] == [2, 4]
+    assert not log.holds_deletes
+    log.close()
+    reopened = WriteLog(path)
+    assert reopened.last_seq == 5 and reopened.tenant_last == {"acme": 4, "globex": 1}
+    assert await reopened.append_numbered(
+        {"op": "write", "tenant": "acme", "upserts": [_doc("d", "delta")], "deletes": []}
+    ) == (6, 5)
+    assert [r["id"] for r in reopened.replay() for r in r.get("upserts", ())] == ["a", "c", "d"]
+    reopened.close()
