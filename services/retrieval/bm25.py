@@ -18,15 +18,17 @@ per query (which cost more than the text query itself at 254k documents).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from ragline.files import atomic_write_text
+from ragline.files import atomic_write_text, fsync_directory, fsync_tree
 from ragline.stopwords import STOP_WORDS, without_stop_words
 from ragline_services.retrieval import keymap
 from ragline_services.retrieval.documents import (
@@ -74,6 +76,13 @@ class LexicalIndex(Protocol):
 
     def versions(self, tenant: str, pids: list[int]) -> dict[int, int]:
         """The current version of each of `pids` that is a document of `tenant`."""
+
+    def rewrite(
+        self,
+        tenants: set[str],
+        read_live: Callable[[set[str]], dict[str, list[StoredDocument]]],
+    ) -> None:
+        """Each tenant's index again with only its live documents: no trace of others."""
 
     def close(self) -> None: ...
 
@@ -252,6 +261,41 @@ class Bm25Index:
                 self.keys.apply(tenant, tenant_upserts, tenant_deletes)
                 index.apply(tenant_upserts, tenant_deletes)
                 self._counts[tenant] = index.count()
+
+    def rewrite(
+        self,
+        tenants: set[str],
+        read_live: Callable[[set[str]], dict[str, list[StoredDocument]]],
+    ) -> None:
+        """Replaces each tenant's index by one holding only its live documents, as
+        `read_live` reads them from the write log: tantivy keeps the stored text of a
+        deleted or overwritten document in its segment until it merges it, which a small
+        index may never do. Applies wait meanwhile (the log read under the lock holds at
+        least what they applied); searches keep the old index until the swap."""
+        with self._write_lock:
+            for tenant, documents in read_live(tenants).items():
+                self._rewrite_one(tenant, documents)
+
+    def _rewrite_one(self, tenant: str, live: list[StoredDocument]) -> None:
+        path = _tenant_directory(self.directory, tenant)
+        if not path.exists():
+            return
+        fresh = path.with_name(path.name + ".rewrite")
+        shutil.rmtree(fresh, ignore_errors=True)
+        index = _TenantIndex(self._tantivy, self.schema, fresh, self.heap_bytes)
+        index.apply(live, [])
+        del index
+        fsync_tree(fresh)
+        aside = path.with_name(path.name + ".old")
+        shutil.rmtree(aside, ignore_errors=True)
+        with self._lock:
+            self._open.pop(tenant, None)
+            os.replace(path, aside)
+            os.replace(fresh, path)
+        fsync_directory(self.directory)
+        shutil.rmtree(aside, ignore_errors=True)
+        reopened = self._tenant(tenant, create=False)
+        self._counts[tenant] = reopened.count() if reopened is not None else 0
 
     def search(self, query: str, visibility: Visibility, k: int) -> list[Candidate]:
         text = " ".join(without_stop_words(sanitise(query).split(), self.stop_words))

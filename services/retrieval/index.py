@@ -811,7 +811,15 @@ class RetrievalIndex:
         deleted and overwritten documents leaves it. Returns (bytes before, after)."""
         applied_by_all = min(self.bm25_seq, self.vectors.built_seq)
         started = time.monotonic()
-        before, after, dropped = await asyncio.to_thread(self.wal.compact, applied_by_all)
+        before, after, dropped, forgotten = await asyncio.to_thread(
+            self.wal.compact, applied_by_all
+        )
+        if forgotten:
+            # The engines keep what they no longer show until they merge or rebuild: BM25
+            # is rewritten for these tenants from the compacted log, the HNSW shard is
+            # built again from it.
+            await asyncio.to_thread(self.bm25.rewrite, forgotten, self._live_documents)
+            self.vectors.request_build()
         self._compacted_bytes = after
         self._delete_pending_since = None  # deleted text is gone; tombstones hold only ids
         self.compactions += 1
@@ -821,10 +829,26 @@ class RetrievalIndex:
             bytes_before=before,
             bytes_after=after,
             records_dropped=dropped,
+            tenants_rewritten=len(forgotten),
             tombstones_kept_after=applied_by_all,
             seconds=round(time.monotonic() - started, 3),
         )
         return before, after
+
+    def _live_documents(self, tenants: set[str]) -> dict[str, list[StoredDocument]]:
+        """Every live document of `tenants`, from the write log."""
+        live: dict[str, dict[str, StoredDocument]] = {tenant: {} for tenant in tenants}
+        for record in WriteLog.read(self.wal.path):
+            version = tenant_seq(record)
+            for key in record.get("deletes", ()):
+                tenant = split_key(key)[0]
+                if tenant in live:
+                    live[tenant].pop(key, None)
+            for item in record.get("upserts", ()):
+                if item["tenant"] in live:
+                    doc = StoredDocument.from_record({**item, "version": version})
+                    live[item["tenant"]][doc.key] = doc
+        return {tenant: list(documents.values()) for tenant, documents in live.items()}
 
     # -- background HNSW builds -------------------------------------------------------------
 

@@ -165,6 +165,9 @@ class QdrantServerIndex:
     def needs_build(self) -> bool:
         return False
 
+    def request_build(self) -> None:
+        """Nothing to build: Qdrant applies deletes itself (its optimizer vacuums them)."""
+
     def build(self, upto_seq: int) -> None:
         """Nothing to do: the Qdrant server builds its HNSW segments itself."""
 

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -89,6 +90,10 @@ class VectorIndex(Protocol):
         """Whether vector search can answer now (a flag: no I/O, called on every search)."""
 
     def needs_build(self) -> bool: ...
+
+    def request_build(self) -> None:
+        """A build from the (compacted) log soon, whatever the delta: the files of the
+        current one hold documents since deleted."""
 
     def build(self, upto_seq: int) -> None:
         """Builds a new HNSW index covering the log up to `upto_seq`, then swaps it in."""
@@ -225,6 +230,7 @@ class EdgeVectorIndex:
         self._shard_points = 0
         self.built_seq = 0
         self.building = False
+        self._build_requested = False
         self._builder: subprocess.Popen | None = None
         self._load_current()
 
@@ -245,15 +251,22 @@ class EdgeVectorIndex:
         return ShardProcess(str(path)) if self.search_process else LocalShard(str(path))
 
     def needs_build(self) -> bool:
-        return not self.building and len(self._delta) >= (
-            1 if self._shard is None else self.rebuild_after
+        return not self.building and (
+            (self._build_requested and self._shard is not None)
+            or len(self._delta) >= (1 if self._shard is None else self.rebuild_after)
         )
+
+    def request_build(self) -> None:
+        self._build_requested = True
 
     def build(self, upto_seq: int) -> None:
         """Runs in a worker thread: the build itself is a separate process."""
         self.building = True
+        self._build_requested = False
         try:
-            name = f"hnsw-{upto_seq}"
+            # Unique: a build asked for after a compaction may cover the same seq as the
+            # shard being searched, whose directory must stay until it is swapped out.
+            name = f"hnsw-{upto_seq}-{time.time_ns()}"
             target = self.directory / name
             if target.exists():
                 shutil.rmtree(target)

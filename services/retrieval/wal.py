@@ -151,10 +151,11 @@ class WriteLog:
     def size(self) -> int:
         return os.fstat(self._fd).st_size
 
-    def compact(self, applied_by_all: int) -> tuple[int, int, int]:
+    def compact(self, applied_by_all: int) -> tuple[int, int, int, set[str]]:
         """Rewrites the log keeping only what a replay after `applied_by_all` (the seq
         every index has persisted) can need; returns (bytes before, bytes after, records
-        dropped). Appends wait meanwhile. Runs in a thread: it reads the whole log twice."""
+        dropped, tenants whose deleted or overwritten text was dropped). Appends wait
+        meanwhile. Runs in a thread: it reads the whole log twice."""
         with self._lock:
             before = self.size
             latest: dict[str, int] = {}  # the seq of each key's last write or delete
@@ -164,7 +165,7 @@ class WriteLog:
                 for key in record.get("deletes", ()):
                     latest[key] = seq
             target = self.path.with_name(self.path.name + ".compact")
-            dropped, kept_deletes = 0, False
+            dropped, kept_deletes, forgotten = 0, False, set()
             with target.open("wb") as out:
                 marks = {"op": MARKS, "seq": 0, "last_seq": self.last_seq,
                          "tenant_last": self.tenant_last}  # fmt: skip
@@ -177,6 +178,8 @@ class WriteLog:
                         for item in record.get("upserts", ())
                         if latest.get(doc_key(item["tenant"], item["id"])) == seq
                     ]
+                    if len(upserts) < len(record.get("upserts", ())):
+                        forgotten.update(item["tenant"] for item in record["upserts"])
                     deletes = [
                         key
                         for key in record.get("deletes", ())
@@ -194,7 +197,7 @@ class WriteLog:
             os.close(self._fd)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
             self.holds_deletes = kept_deletes
-            return before, self.size, dropped
+            return before, self.size, dropped, forgotten
 
     def _records(self, check_tail: bool = False) -> Iterator[tuple[int, dict, int]]:
         if not self.path.exists():

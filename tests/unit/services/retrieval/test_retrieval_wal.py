@@ -180,8 +180,9 @@ async def test_compaction_keeps_what_a_replay_needs_and_forgets_the_rest(tmp_pat
     await log.append_numbered({"op": "write", "tenant": "globex", "upserts": [], "deletes": []})
 
     # The indexes hold up to seq 2: b's delete (seq 3) may still have to be replayed.
-    before, after, dropped = await asyncio.to_thread(log.compact, 2)
+    before, after, dropped, forgotten = await asyncio.to_thread(log.compact, 2)
     assert after < before and dropped == 2  # seq 1 (both superseded) and the empty seq 5
+    assert forgotten == {"acme"}  # whose deleted or overwritten text left the log
     data = path.read_bytes()
     assert b"alpha secret" not in data and b"bravo secret" not in data
     records = [r for r in WriteLog.read(path) if r.get("op") == "write"]
