@@ -45,6 +45,9 @@ class RerankConfig(ServiceConfig):
     # RAGLINE_DATA_DIR/rerank).
     token_store_mb: int = Field(2048, ge=0)
     token_store_dir: Path | None = None
+    # An entry unused this long is deleted (0: only the size bound): the vectors of a
+    # deleted document leave the disk within it.
+    token_store_retention_s: float = Field(7 * 86400.0, ge=0)
     # MaxSim averages over the query's tokens except stop words and punctuation (measured:
     # hybrid + stage 1 on SQuAD dev 0.924 -> 0.927 nDCG@10).
     query_skip_stop_words: bool = True
@@ -226,7 +229,9 @@ class RerankService(Service):
             return None
         directory = cfg.token_store_dir or (self.common.data_dir / "rerank")
         name = store_name(models.version(cfg.token_model), cfg.token_dim, PROJECTION_SEED)
-        token_store = TokenStore(directory / name, cfg.token_store_mb << 20)
+        token_store = TokenStore(
+            directory / name, cfg.token_store_mb << 20, cfg.token_store_retention_s
+        )
         try:
             await token_store.open()
         except (OSError, sqlite3.Error) as error:  # a read-only disk: memory only

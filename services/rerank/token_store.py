@@ -40,10 +40,19 @@ def store_name(model_version: str, dim: int, projection_seed: int) -> str:
     return f"tokens-{digest[:16]}.sqlite"
 
 
+# Retention is enforced at most this often (on a write, or a read).
+_SWEEP_EVERY_S = 60.0
+
+
 class TokenStore:
-    def __init__(self, path: Path, max_bytes: int) -> None:
+    def __init__(self, path: Path, max_bytes: int, retention_s: float = 0.0) -> None:
+        """`retention_s`: an entry unused this long is deleted (0: kept until the size
+        bound needs its room), so the vectors of a deleted document leave the disk within
+        it; deleted rows are overwritten with zeros (SQLite's secure_delete)."""
         self.path = path
         self.max_bytes = max_bytes
+        self.retention_s = retention_s
+        self._swept = 0.0
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokens")
         self._db: sqlite3.Connection | None = None
         self.bytes = 0
@@ -69,6 +78,7 @@ class TokenStore:
         db = sqlite3.connect(self.path, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA secure_delete=ON")
         db.execute(
             "CREATE TABLE IF NOT EXISTS tokens (tenant TEXT, id TEXT, digest TEXT, "
             "rows BLOB, scales BLOB, tokens INTEGER, bytes INTEGER, used REAL, "
@@ -77,7 +87,23 @@ class TokenStore:
         db.execute("CREATE INDEX IF NOT EXISTS tokens_used ON tokens (used)")
         (total,) = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM tokens").fetchone()
         self.bytes = int(total)
+        self._sweep(db)
         return db
+
+    def _sweep(self, db: sqlite3.Connection) -> None:
+        """Deletes the entries unused for `retention_s`."""
+        now = time.time()
+        if not self.retention_s or now - self._swept < _SWEEP_EVERY_S:
+            return
+        self._swept = now
+        cutoff = now - self.retention_s
+        (gone,) = db.execute(
+            "SELECT COALESCE(SUM(bytes), 0) FROM tokens WHERE used < ?", (cutoff,)
+        ).fetchone()
+        if gone:
+            db.execute("DELETE FROM tokens WHERE used < ?", (cutoff,))
+            self.bytes -= int(gone)
+            log.info("rerank.token_store_expired", bytes=int(gone))
 
     async def _run(self, function, *args):
         loop = asyncio.get_running_loop()
@@ -111,6 +137,7 @@ class TokenStore:
                 "UPDATE tokens SET used = ? WHERE tenant = ? AND id = ? AND digest = ?",
                 [(now, *key) for key in stale],
             )
+        self._sweep(self._db)
         return found
 
     async def put_many(self, entries: dict[Key, Entry]) -> None:
@@ -137,6 +164,7 @@ class TokenStore:
                 db.execute("INSERT OR REPLACE INTO tokens VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
                 self.bytes += row[6] - int(old)
             self._evict(db)
+            self._sweep(db)
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")

@@ -55,3 +55,25 @@ async def test_another_models_file_is_removed_and_a_damaged_one_set_aside(tmp_pa
     await store.put_many({("acme", "d", "x"): entry(3, 0)})
     assert await store.get_many([("acme", "d", "x")])
     store.close()
+
+
+async def test_an_entry_unused_past_its_retention_leaves_the_file(tmp_path, monkeypatch):
+    import time as clock
+
+    from ragline_services.rerank import token_store
+
+    path = tmp_path / "tokens-a.sqlite"
+    store = TokenStore(path, max_bytes=1 << 20, retention_s=3600)
+    await store.open()
+    gone, kept = entry(8, 3), entry(8, 4)
+    await store.put_many({("acme", "deleted-doc", "x"): gone})
+    marker = gone[0].tobytes()[:64]
+    later = clock.time() + 7200
+    monkeypatch.setattr(token_store.time, "time", lambda: later)  # two hours on
+    await store.put_many({("acme", "live-doc", "x"): kept})  # a write sweeps
+    assert not await store.get_many([("acme", "deleted-doc", "x")])
+    assert await store.get_many([("acme", "live-doc", "x")])
+    assert store.bytes == kept[0].nbytes + kept[1].nbytes
+    store.close()
+    # Zeroed, not only unlinked from the table: its bytes are in no file of the store.
+    assert not any(marker in f.read_bytes() for f in tmp_path.iterdir() if f.is_file())
