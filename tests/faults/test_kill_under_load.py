@@ -10,7 +10,8 @@ one writer run against real processes while one part is killed outright, left do
   reserved) within `SETTLED_WITHIN_S`, but where the orchestrator that held it was killed;
 - no engine process outlives a killed service;
 - COMPLETE answers come again within `RECOVERY_S` of the restart (generation: once its
-  model is loaded, within `RECOVERY_AFTER_LOAD_S`).
+  model is loaded, within `RECOVERY_AFTER_LOAD_S`);
+- without an optional stage (embedding, rerank) at least 60% of asks are still answered.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from support.processes import all_gone, children
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 DOWN_S = 3.0
+DOWN_OPTIONAL_S = 10.0
 RECOVERY_S = 20.0
 RECOVERY_AFTER_LOAD_S = 5.0
 SETTLED_WITHIN_S = 15.0
+# Optional stages: asks go on being answered (PARTIAL, naming what is missing) without them.
+ANSWERED_WITHOUT = ("embedding", "rerank")
 PARTS = ["embedding", "retrieval", "rerank", "generation", "budget", "orchestrator", "etcd"]
 
 
@@ -60,7 +64,8 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
         await asyncio.to_thread(stack.kill, part)
         if engines:
             assert await asyncio.to_thread(all_gone, engines, 5.0), "the engine outlived it"
-        await asyncio.sleep(DOWN_S)
+        # Long enough, without an optional stage, for the share answered to mean something.
+        await asyncio.sleep(DOWN_OPTIONAL_S if part in ANSWERED_WITHOUT else DOWN_S)
         restarted_at = time.monotonic()
         await asyncio.to_thread(stack.restart, part)
         serving_s = time.monotonic() - restarted_at
@@ -75,8 +80,11 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
         await asks.stop()
         await writes.stop()
 
+    down = asks.between(killed_at, restarted_at)
+    answered = [o for o in down if o.outcome in ("COMPLETE", "PARTIAL")]
     print(
-        f"\n{part}: serving {serving_s:.1f} s after the restart, COMPLETE again after "
+        f"\n{part}: while down {len(answered)} of {len(down)} asks answered; "
+        f"serving {serving_s:.1f} s after the restart, COMPLETE again after "
         f"{recovered_s:.1f} s; asks {asks.summary()}; writes acknowledged "
         f"{len(writes.acknowledged)}, failed {len(writes.failures)}: "
         f"{sorted(set(writes.failures))[:3]}"
@@ -84,6 +92,8 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
     assert not asks.bugs(), [(o.outcome, o.reason) for o in asks.bugs()]
     assert not asks.late(0.5), [(o.outcome, round(o.seconds, 2)) for o in asks.late(0.5)]
     assert recovered_s <= allowed_s, f"COMPLETE again only after {recovered_s:.1f} s"
+    if part in ANSWERED_WITHOUT:  # an optional stage: its absence degrades, not fails
+        assert len(answered) >= 0.6 * len(down), [(o.outcome, o.reason) for o in down]
     assert 0 < written_before < len(writes.acknowledged), "writes before and after the kill"
     missing = await absent(stack.parts["retrieval"].address, writes.acknowledged)
     assert not missing, f"{len(missing)} acknowledged writes lost: {missing[:5]}"
