@@ -38,6 +38,7 @@ import hmac
 import json
 import re
 import unicodedata
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -46,6 +47,9 @@ from ragline.cache import CacheBackend
 from ragline.errors import Unavailable
 
 log = structlog.get_logger("ragline.orchestrator.caches")
+
+# The current versions of documents in a view (retrieval's DocumentVersions).
+VersionsOf = Callable[["Viewer", list[str]], Awaitable[dict[str, int]]]
 
 ANSWER, RETRIEVAL, TOOL = "answer", "retrieval", "tool"
 _TRAILING = re.compile(r"[\s?!.]+$")
@@ -117,8 +121,11 @@ class OrchestratorCaches:
         material = json.dumps([layer, *viewer.parts(), *parts], sort_keys=True, default=str)
         return f"{self.namespace}{layer}:{hashlib.sha256(material.encode()).hexdigest()}"
 
-    def _seal(self, key: str, entry: dict) -> bytes:
-        body = json.dumps({"key": key, "entry": entry}).encode()
+    def _seal(self, key: str, entry: dict, viewer: Viewer | None) -> bytes:
+        sealed = {"key": key, "entry": entry}
+        if viewer is not None:  # whose view it is: what a sweep asks retrieval with
+            sealed["viewer"] = [viewer.tenant, sorted(viewer.scopes)]
+        body = json.dumps(sealed).encode()
         return self._mac(body) + b"." + body
 
     def _mac(self, body: bytes) -> bytes:
@@ -126,8 +133,8 @@ class OrchestratorCaches:
             return b"-"
         return hmac.new(self._signing_key, body, hashlib.sha256).hexdigest().encode()
 
-    def _opened(self, key: str, data: bytes) -> dict | None:
-        """The entry stored under `key` by a ragline service, or None."""
+    def _unsealed(self, key: str, data: bytes) -> dict | None:
+        """The sealed record stored under `key` by a ragline service, or None."""
         mac, _, body = data.partition(b".")
         if not hmac.compare_digest(mac, self._mac(body)):
             return None
@@ -137,8 +144,12 @@ class OrchestratorCaches:
             return None
         if not isinstance(sealed, dict) or sealed.get("key") != key:
             return None
-        entry = sealed.get("entry")
-        return entry if isinstance(entry, dict) else None
+        return sealed if isinstance(sealed.get("entry"), dict) else None
+
+    def _opened(self, key: str, data: bytes) -> dict | None:
+        """The entry stored under `key` by a ragline service, or None."""
+        sealed = self._unsealed(key, data)
+        return sealed["entry"] if sealed is not None else None
 
     async def get(self, layer: str, key: str) -> dict | None:
         try:
@@ -158,9 +169,9 @@ class OrchestratorCaches:
     def hit(self, layer: str) -> None:
         self.counters[layer].hits += 1
 
-    async def put(self, layer: str, key: str, entry: dict) -> None:
+    async def put(self, layer: str, key: str, entry: dict, viewer: Viewer | None = None) -> None:
         try:
-            await self.backend.set(key, self._seal(key, entry), self.ttls.of(layer))
+            await self.backend.set(key, self._seal(key, entry, viewer), self.ttls.of(layer))
         except Unavailable as error:
             log.warning("cache.unavailable", layer=layer, op="set", error=str(error))
 
@@ -173,6 +184,41 @@ class OrchestratorCaches:
             await self.backend.delete(key)
         except Unavailable as error:
             log.warning("cache.unavailable", layer=layer, op="delete", error=str(error))
+
+    async def sweep(self, versions: VersionsOf) -> int:
+        """Drops every answer and retrieval entry that cites a document deleted, changed
+        or hidden since (asking `versions` in the entry's own view), so that a deleted
+        document's text leaves the backend without waiting for the TTL. Returns how many."""
+        by_viewer: dict[tuple[str, tuple[str, ...]], list[tuple[str, str, dict[str, int]]]] = {}
+        for layer in (ANSWER, RETRIEVAL):
+            try:
+                keys = await self.backend.keys(f"{self.namespace}{layer}:")
+            except Unavailable as error:
+                log.warning("cache.unavailable", layer=layer, op="sweep", error=str(error))
+                return 0
+            for key in keys:
+                try:
+                    data = await self.backend.get(key)
+                except Unavailable:
+                    return 0
+                sealed = self._unsealed(key, data) if data else None
+                viewer = sealed.get("viewer") if sealed else None
+                if not sealed or not isinstance(viewer, list) or len(viewer) != 2:
+                    continue  # a foreign or old entry: refused when met
+                entry = sealed["entry"]
+                cited = entry.get("documents") or {p[0]: p[3] for p in entry.get("passages", ())}
+                by_viewer.setdefault((viewer[0], tuple(viewer[1])), []).append(
+                    (layer, key, cited)
+                )
+        dropped = 0
+        for (tenant, scopes), entries in by_viewer.items():
+            ids = sorted({doc for _, _, cited in entries for doc in cited})
+            current = await versions(Viewer(tenant, frozenset(scopes)), ids)
+            for layer, key, cited in entries:
+                if stale_documents(cited, current):
+                    await self.drop(layer, key, "a document it cites changed or is gone")
+                    dropped += 1
+        return dropped
 
     async def close(self) -> None:
         await self.backend.close()

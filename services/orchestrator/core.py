@@ -189,7 +189,7 @@ class Orchestrator:
                 with deadlines.deadline_scope(scope):
                     outcome = await self._run(request, emit, received, admitted, run_id, plan)
         if key and request.cache_policy != "bypass" and outcome.state == COMPLETE:
-            await self._remember_answer(key, outcome)
+            await self._remember_answer(key, outcome, request.viewer)
         return outcome
 
     # -- the answer cache ---------------------------------------------------------------------
@@ -268,7 +268,7 @@ class Orchestrator:
             subqueries=entry.get("subqueries", []),
         )
 
-    async def _remember_answer(self, key: str, outcome: AskOutcome) -> None:
+    async def _remember_answer(self, key: str, outcome: AskOutcome, viewer: Viewer) -> None:
         assert self.caches is not None
 
         def rows(items: list[ev.EvidenceItem]) -> list[list]:
@@ -303,7 +303,7 @@ class Orchestrator:
             "model": outcome.model, "model_version": outcome.model_version,
             "tier": outcome.tier, "saved": saved, "route": outcome.route,
             "subqueries": outcome.subqueries,
-        })  # fmt: skip
+        }, viewer=viewer)  # fmt: skip
 
     async def _run(
         self,

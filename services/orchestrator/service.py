@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import structlog
 from pydantic import Field
 
+from ragline import deadlines, identity
 from ragline.auth import AuthConfig
 from ragline.budget import Amounts
 from ragline.cache import open_cache
-from ragline.clients import connect
+from ragline.clients import ServiceClient, connect
 from ragline.config import ServiceConfig
-from ragline.server import Service, ServiceSpec
+from ragline.server import Periodic, Service, ServiceSpec
 from ragline.v1 import (
     budget_pb2_grpc,
     embedding_pb2_grpc,
@@ -20,6 +22,7 @@ from ragline.v1 import (
     orchestrator_pb2,
     orchestrator_pb2_grpc,
     rerank_pb2_grpc,
+    retrieval_pb2,
     retrieval_pb2_grpc,
 )
 from ragline_services.orchestrator.caches import CacheTtls, OrchestratorCaches, signing_key
@@ -27,6 +30,8 @@ from ragline_services.orchestrator.core import Orchestrator, OrchestratorSetting
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.servicer import OrchestratorServicer
 from ragline_services.orchestrator.steps import Clients
+
+log = structlog.get_logger("ragline.orchestrator")
 
 
 class OrchestratorConfig(ServiceConfig):
@@ -101,6 +106,9 @@ class OrchestratorConfig(ServiceConfig):
     retrieval_cache_ttl_s: float = Field(600.0, gt=0)
     # The freshness bound of tool results (query embeddings, reranks).
     tool_cache_ttl_s: float = Field(300.0, gt=0)
+    # How often cached answers and retrievals are checked against the documents they cite
+    # (a deleted document's text leaves the cache then, not at the TTL); 0: never.
+    cache_sweep_s: float = Field(300.0, ge=0)
 
 
 class OrchestratorService(Service):
@@ -110,6 +118,7 @@ class OrchestratorService(Service):
         super().__init__(config, common)
         self._servicer = OrchestratorServicer(config)
         self._caches: OrchestratorCaches | None = None
+        self._sweeper: Periodic | None = None
 
     def register(self, server: grpc.aio.Server) -> None:
         orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(self._servicer, server)
@@ -163,8 +172,35 @@ class OrchestratorService(Service):
             )
         self._caches = caches
         self._servicer.orchestrator.set(Orchestrator(clients, settings, caches))
+        if caches is not None and cfg.cache_sweep_s:
+            self._sweeper = Periodic(
+                cfg.cache_sweep_s, lambda: self._sweep(caches, clients.retrieval), "cache-sweep"
+            )
+            self._sweeper.start()
+
+    @staticmethod
+    async def _sweep(caches: OrchestratorCaches, retrieval) -> None:
+        async def versions(viewer, ids: list[str]) -> dict[str, int]:
+            client = ServiceClient(
+                retrieval_pb2_grpc.RetrievalServiceStub,
+                retrieval.target,
+                caller=identity.Caller(viewer.tenant, scopes=viewer.scopes),
+            )
+            found: dict[str, int] = {}
+            for start in range(0, len(ids), 1024):
+                request = retrieval_pb2.DocumentVersionsRequest(ids=ids[start : start + 1024])
+                with deadlines.deadline_scope(10.0):
+                    reply = await client.unary("DocumentVersions", request)
+                found.update(reply.versions)
+            return found
+
+        dropped = await caches.sweep(versions)
+        if dropped:
+            log.info("orchestrator.cache_swept", dropped=dropped)
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            await self._sweeper.stop()
         if self._caches is not None:
             await self._caches.close()
 

@@ -240,7 +240,7 @@ class RunContext:
             started = step.record.started or step.record.call_start
             if started is not None:
                 entry["time_s"] = time.monotonic() - started
-            await self.caches.put(layer, key, entry)
+            await self.caches.put(layer, key, entry, viewer=self.viewer)
 
     # -- calls ------------------------------------------------------------------------------
 

@@ -145,3 +145,41 @@ async def test_a_second_replica_hits_the_answer_the_first_cached_in_redis(rag_st
     shared = await ask(second.address, WARSAW, tenant=tenant)
     assert shared.cache.answer_hit and shared.answer == answered.answer
     await documents.close()
+
+
+async def test_a_deleted_documents_text_leaves_redis_at_the_next_sweep(rag_stack, redis_server):
+    """RAGLINE_ORCHESTRATOR_CACHE_SWEEP_S: cached answers and retrievals are checked against
+    the documents they cite, so a deleted document's text (its snippet in an answer, its
+    passage in a retrieval) is in no Redis key after the next sweep, not after the TTL."""
+    import asyncio
+
+    import redis.asyncio as redis
+
+    orchestrator = rag_stack.orchestrator(cache_url=redis_server.url, cache_sweep_s=0.5)
+    tenant = f"forget-{uuid.uuid4().hex[:8]}"
+    documents = Client(rag_stack.retrieval.address)
+    secret = "The Gdansk vault code is held by the night porter."
+    await documents.upsert(tenant, [{"id": "vault", "title": "Vault", "text": secret}])
+    await documents.upsert(tenant, [{"id": "other", "title": "Lunch", "text": "Lunch is at one."}])
+    answered = await ask(orchestrator.address, "Who holds the Gdansk vault code?", tenant=tenant)
+    assert answered.status.state == COMPLETE
+
+    client = redis.from_url(redis_server.url)
+
+    async def keys_holding(text: bytes) -> list[bytes]:
+        found = []
+        async for key in client.scan_iter(count=500):
+            value = await client.get(key)
+            if value and text in value:
+                found.append(key)
+        return found
+
+    assert await keys_holding(b"Gdansk vault code")  # the answer and the retrieval
+    await documents.delete(tenant, ["vault"])
+    for _ in range(100):
+        if not await keys_holding(b"Gdansk vault code"):
+            break
+        await asyncio.sleep(0.1)
+    assert not await keys_holding(b"Gdansk vault code")
+    await client.aclose()
+    await documents.close()
