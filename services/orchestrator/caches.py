@@ -207,9 +207,7 @@ class OrchestratorCaches:
                     continue  # a foreign or old entry: refused when met
                 entry = sealed["entry"]
                 cited = entry.get("documents") or {p[0]: p[3] for p in entry.get("passages", ())}
-                by_viewer.setdefault((viewer[0], tuple(viewer[1])), []).append(
-                    (layer, key, cited)
-                )
+                by_viewer.setdefault((viewer[0], tuple(viewer[1])), []).append((layer, key, cited))
         dropped = 0
         for (tenant, scopes), entries in by_viewer.items():
             ids = sorted({doc for _, _, cited in entries for doc in cited})
