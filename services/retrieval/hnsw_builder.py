@@ -25,33 +25,41 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from ragline.files import fsync_tree
-from ragline_services.retrieval.documents import StoredDocument, point_id
+from ragline_services.retrieval.documents import StoredDocument, doc_key, point_id
 from ragline_services.retrieval.vectors import HNSW_EF_CONSTRUCT, HNSW_M, POINT_IDS_FILE
 from ragline_services.retrieval.wal import WriteLog
 
 
-def latest_documents(wal: Path, upto_seq: int) -> dict[str, StoredDocument]:
-    live: dict[str, StoredDocument] = {}
+def latest_documents(wal: Path, upto_seq: int) -> Iterator[StoredDocument]:
+    """Each live document as of `upto_seq`, read from the log twice so that only keys
+    are held in memory, never the corpus: first which write of each key is its last (a
+    delete drops it), then those writes, decoded one at a time."""
+    last: dict[str, int] = {}
     for record in WriteLog.read(wal):
         if record["seq"] > upto_seq:
             break
         for key in record.get("deletes", ()):
-            live.pop(key, None)
+            last.pop(key, None)
         for item in record.get("upserts", ()):
-            doc = StoredDocument.from_record(item)
-            live[doc.key] = doc
-    return live
+            last[doc_key(item["tenant"], item["id"])] = record["seq"]
+    for record in WriteLog.read(wal):
+        seq = record["seq"]
+        if seq > upto_seq:
+            break
+        for item in record.get("upserts", ()):
+            if last.get(doc_key(item["tenant"], item["id"])) == seq:
+                yield StoredDocument.from_record(item)
 
 
 def build(wal: Path, upto_seq: int, target: Path, dim: int, threads: int = 1) -> int:
     import qdrant_edge as qe
 
-    docs = latest_documents(wal, upto_seq)
     config = qe.EdgeConfig(
         vectors=qe.EdgeVectorParams(size=dim, distance=qe.Distance.Cosine),
         hnsw_config=qe.HnswIndexConfig(
@@ -65,8 +73,9 @@ def build(wal: Path, upto_seq: int, target: Path, dim: int, threads: int = 1) ->
     shard = qe.EdgeShard.create(str(target), config)
     for field in ("tenant", "scope", "attr", "key"):
         shard.update(qe.UpdateOperation.create_field_index(field, qe.PayloadSchemaType.Keyword))
-    batch = []
-    for doc in docs.values():
+    batch, ids = [], []
+    for doc in latest_documents(wal, upto_seq):
+        ids.append(point_id(doc.key))
         batch.append(qe.Point(point_id(doc.key), doc.vector.tolist(), {
             "key": doc.key, "tenant": doc.tenant, "scope": list(doc.scopes),
             "attr": doc.attribute_terms,
@@ -79,12 +88,11 @@ def build(wal: Path, upto_seq: int, target: Path, dim: int, threads: int = 1) ->
     shard.optimize()
     shard.flush()
     shard.close()
-    ids = np.sort(np.fromiter((point_id(key) for key in docs), dtype=np.int64, count=len(docs)))
-    np.save(target / POINT_IDS_FILE, ids)
+    np.save(target / POINT_IDS_FILE, np.sort(np.array(ids, dtype=np.int64)))
     # The service points current.json at this directory next: it must be on disk first,
     # or a power loss leaves the manifest naming a shard that is not there.
     fsync_tree(target)
-    return len(docs)
+    return len(ids)
 
 
 def lower_priority(niceness: int, idle: bool) -> str:

@@ -52,3 +52,33 @@ def test_without_the_idle_class_the_threads_keep_the_normal_class_at_the_nicenes
     seen = probe(idle=False)
     assert seen["mode"] == "normal"
     assert seen["threads"] == [[os.SCHED_OTHER, 19]] * 3
+
+
+async def test_the_live_documents_are_streamed_as_of_the_seq_asked(tmp_path):
+    """What the builder indexes: each live document's last write up to `upto_seq`, a
+    delete dropping it, later writes not seen (read twice: the corpus is never held)."""
+    from ragline_services.retrieval.documents import encode_vector
+    from ragline_services.retrieval.hnsw_builder import latest_documents
+    from ragline_services.retrieval.wal import WriteLog
+
+    log = WriteLog(tmp_path / "write.log")
+
+    def doc(doc_id: str, text: str) -> dict:
+        return {"tenant": "acme", "id": doc_id, "title": "", "text": text, "acl": [],
+                "attributes": {}, "vector": encode_vector([0.1, 0.2]), "version": 0,
+                "model": "m"}  # fmt: skip
+
+    for upserts, deletes in (
+        ([doc("a", "a1"), doc("b", "b1")], []),  # 1
+        ([doc("a", "a2")], []),  # 2
+        ([], ["acme\x1fb"]),  # 3
+        ([doc("b", "b2"), doc("c", "c1")], []),  # 4
+        ([doc("a", "a3")], []),  # 5: after the seq asked
+    ):
+        await log.append_numbered(
+            {"op": "write", "tenant": "acme", "upserts": upserts, "deletes": deletes}
+        )
+    seen = {d.key.split("\x1f")[1]: d.text for d in latest_documents(log.path, 4)}
+    assert seen == {"a": "a2", "b": "b2", "c": "c1"}
+    assert {d.text for d in latest_documents(log.path, 3)} == {"a2"}
+    log.close()
