@@ -55,7 +55,8 @@ from ragline_services.retrieval.reembed import (
     CALLER_VECTOR,
     VectorModel,
     WriteTurns,
-    stale_documents,
+    stale_batches,
+    stale_keys,
 )
 from ragline_services.retrieval.vectors import VectorIndex
 from ragline_services.retrieval.wal import WriteLog, tenant_seq
@@ -470,23 +471,23 @@ class RetrievalIndex:
     async def _reembed_pass(self, target: str) -> bool:
         """Rewrites every live document whose vector another model made; False when the
         embedding service stopped answering with `target` on the way."""
-        work = await asyncio.to_thread(stale_documents, self.wal.path, target)
-        self.reembed_remaining = sum(len(stale) for stale in work.values())
-        for tenant, stale in work.items():
-            for start in range(0, len(stale), _REEMBED_BATCH):
-                batch = stale[start : start + _REEMBED_BATCH]
-                texts = [passage_text(s.item["title"], s.item["text"]) for s in batch]
-                embedded = await self._embed(texts, "bulk")
-                if embedded.model_version != target:
-                    await self._check_vector_model(embedded.model_version, writing=True)
-                    return False
-                # Its own task: once the versions are checked, the write must land before
-                # any caller's, even if this re-embed is cancelled meanwhile.
-                self._reembed_batch = asyncio.ensure_future(
-                    self._rewrite(tenant, batch, embedded.vectors, target)
-                )
-                await asyncio.shield(self._reembed_batch)
-                self.reembed_remaining -= len(batch)
+        stale = await asyncio.to_thread(stale_keys, self.wal.path, target)
+        self.reembed_remaining = len(stale)
+        batches = stale_batches(self.wal.path, stale, _REEMBED_BATCH)
+        while (found := await asyncio.to_thread(next, batches, None)) is not None:
+            tenant, batch = found
+            texts = [passage_text(s.item["title"], s.item["text"]) for s in batch]
+            embedded = await self._embed(texts, "bulk")
+            if embedded.model_version != target:
+                await self._check_vector_model(embedded.model_version, writing=True)
+                return False
+            # Its own task: once the versions are checked, the write must land before
+            # any caller's, even if this re-embed is cancelled meanwhile.
+            self._reembed_batch = asyncio.ensure_future(
+                self._rewrite(tenant, batch, embedded.vectors, target)
+            )
+            await asyncio.shield(self._reembed_batch)
+            self.reembed_remaining -= len(batch)
         return True
 
     async def _rewrite(self, tenant: str, batch, vectors: np.ndarray, target: str) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,24 +66,38 @@ class Stale:
     item: dict  # the logged document
 
 
-def stale_documents(wal: Path, target: str) -> dict[str, list[Stale]]:
-    """Per tenant, the live documents of the log whose vector came from a model other than
-    `target` (caller vectors left alone). Reads the whole log: run it in a thread."""
-    live: dict[str, Stale] = {}
+def stale_keys(wal: Path, target: str) -> dict[str, int]:
+    """The live documents of the log whose vector came from a model other than `target`
+    (caller vectors left alone), as key -> seq of their last write. Only keys are held,
+    never the corpus. Reads the whole log: run it in a thread."""
+    last: dict[str, tuple[int, bool]] = {}
     for record in WriteLog.read(wal):
         for key in record.get("deletes", ()):
-            live.pop(key, None)
+            last.pop(key, None)
+        for item in record.get("upserts", ()):
+            model = item.get("model")
+            stale = model not in (target, CALLER_VECTOR)
+            last[doc_key(item["tenant"], item["id"])] = (record["seq"], stale)
+    return {key: seq for key, (seq, stale) in last.items() if stale}
+
+
+def stale_batches(wal: Path, stale: dict[str, int], size: int) -> Iterator[tuple[str, list[Stale]]]:
+    """The documents of `stale` read from the log (their last write), as batches of one
+    tenant of at most `size`: what is held is a batch per tenant, not the corpus. Each
+    `next()` reads on: call it in a thread."""
+    buffers: dict[str, list[Stale]] = {}
+    for record in WriteLog.read(wal):
         version = tenant_seq(record)
         for item in record.get("upserts", ()):
             key = doc_key(item["tenant"], item["id"])
-            live[key] = Stale(key, version, item)
-    out: dict[str, list[Stale]] = {}
-    for stale in live.values():
-        model = stale.item.get("model")
-        if model == target or model == CALLER_VECTOR:
-            continue
-        out.setdefault(stale.item["tenant"], []).append(stale)
-    return out
+            if stale.get(key) != record["seq"]:
+                continue
+            buffer = buffers.setdefault(item["tenant"], [])
+            buffer.append(Stale(key, version, item))
+            if len(buffer) == size:
+                yield item["tenant"], buffers.pop(item["tenant"])
+    for tenant, buffer in buffers.items():
+        yield tenant, buffer
 
 
 class WriteTurns:

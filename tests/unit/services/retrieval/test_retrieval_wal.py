@@ -201,3 +201,32 @@ async def test_compaction_keeps_what_a_replay_needs_and_forgets_the_rest(tmp_pat
     ) == (6, 5)
     assert [r["id"] for r in reopened.replay() for r in r.get("upserts", ())] == ["a", "c", "d"]
     reopened.close()
+
+
+async def test_a_reembed_reads_the_stale_documents_in_batches_of_one_tenant(tmp_path):
+    """Which documents a re-embed rewrites (their last write; caller vectors and the
+    target's own left alone), streamed in batches of one tenant of at most `size`."""
+    from ragline_services.retrieval.reembed import CALLER_VECTOR, stale_batches, stale_keys
+
+    log = WriteLog(tmp_path / "write.log")
+
+    def item(tenant: str, doc_id: str, model: str, text: str = "x") -> dict:
+        return {"tenant": tenant, "id": doc_id, "title": "", "text": text, "model": model}
+
+    for tenant, upserts, deletes in (
+        ("acme", [item("acme", f"a{i}", "old") for i in range(5)], []),
+        ("globex", [item("globex", "g0", "old"), item("globex", "g1", CALLER_VECTOR)], []),
+        ("acme", [item("acme", "a0", "new"), item("acme", "a1", "old", "a1 again")], []),
+        ("acme", [], ["acme\x1fa2"]),
+    ):
+        await log.append_numbered(
+            {"op": "write", "tenant": tenant, "upserts": upserts, "deletes": deletes}
+        )
+    stale = stale_keys(log.path, "new")
+    assert sorted(stale) == ["acme\x1fa1", "acme\x1fa3", "acme\x1fa4", "globex\x1fg0"]
+    batches = list(stale_batches(log.path, stale, 2))
+    assert all(len(batch) <= 2 and {s.item["tenant"] for s in batch} == {t} for t, batch in batches)
+    found = {s.key: s.item["text"] for _, batch in batches for s in batch}
+    assert found == {"acme\x1fa1": "a1 again", "acme\x1fa3": "x", "acme\x1fa4": "x",
+                     "globex\x1fg0": "x"}  # fmt: skip
+    log.close()
