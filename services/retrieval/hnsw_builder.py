@@ -25,36 +25,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from ragline.files import fsync_tree
-from ragline_services.retrieval.documents import StoredDocument, doc_key, point_id
+from ragline_services.retrieval.documents import point_id
 from ragline_services.retrieval.vectors import HNSW_EF_CONSTRUCT, HNSW_M, POINT_IDS_FILE
-from ragline_services.retrieval.wal import WriteLog
-
-
-def latest_documents(wal: Path, upto_seq: int) -> Iterator[StoredDocument]:
-    """Each live document as of `upto_seq`, read from the log twice so that only keys
-    are held in memory, never the corpus: first which write of each key is its last (a
-    delete drops it), then those writes, decoded one at a time."""
-    last: dict[str, int] = {}
-    for record in WriteLog.read(wal):
-        if record["seq"] > upto_seq:
-            break
-        for key in record.get("deletes", ()):
-            last.pop(key, None)
-        for item in record.get("upserts", ()):
-            last[doc_key(item["tenant"], item["id"])] = record["seq"]
-    for record in WriteLog.read(wal):
-        seq = record["seq"]
-        if seq > upto_seq:
-            break
-        for item in record.get("upserts", ()):
-            if last.get(doc_key(item["tenant"], item["id"])) == seq:
-                yield StoredDocument.from_record(item)
+from ragline_services.retrieval.wal import live_documents
 
 
 def build(wal: Path, upto_seq: int, target: Path, dim: int, threads: int = 1) -> int:
@@ -74,7 +52,7 @@ def build(wal: Path, upto_seq: int, target: Path, dim: int, threads: int = 1) ->
     for field in ("tenant", "scope", "attr", "key"):
         shard.update(qe.UpdateOperation.create_field_index(field, qe.PayloadSchemaType.Keyword))
     batch, ids = [], []
-    for doc in latest_documents(wal, upto_seq):
+    for doc in live_documents(wal, upto_seq):
         ids.append(point_id(doc.key))
         batch.append(qe.Point(point_id(doc.key), doc.vector.tolist(), {
             "key": doc.key, "tenant": doc.tenant, "scope": list(doc.scopes),

@@ -59,7 +59,7 @@ from ragline_services.retrieval.reembed import (
     stale_keys,
 )
 from ragline_services.retrieval.vectors import VectorIndex
-from ragline_services.retrieval.wal import WriteLog, tenant_seq
+from ragline_services.retrieval.wal import WriteLog, live_documents, tenant_seq
 
 log = structlog.get_logger("ragline.retrieval")
 
@@ -534,11 +534,11 @@ class RetrievalIndex:
             check_may_write(writer, "Delete")
         keys = [doc_key(tenant, i) for i in dict.fromkeys(ids)]
         pids = [point_id(k) for k in keys]
-        existing = await asyncio.to_thread(self.bm25.existing, tenant, pids)
-        if writer is not None and existing:
-            seen = await asyncio.to_thread(self.bm25.resolve, writer.visibility, list(existing))
-            existing = set(seen)
-        present = [k for k, pid in zip(keys, pids, strict=True) if pid in existing]
+        if writer is None:
+            deletable = await asyncio.to_thread(self.bm25.existing, tenant, pids)
+        else:
+            _, deletable = await self._existing_and_seen(writer, pids)
+        present = [k for k, pid in zip(keys, pids, strict=True) if pid in deletable]
         if not present:
             tseq = self.tenant_applied.get(tenant, 0)
             return WriteResult(self.applied_seq, [], 0, len(keys), tenant_seq=tseq)
@@ -549,14 +549,21 @@ class RetrievalIndex:
             self._delete_pending_since = time.monotonic()
         return WriteResult(seq, [], len(present), len(keys) - len(present), tenant_seq=tseq)
 
+    async def _existing_and_seen(
+        self, writer: Writer, pids: list[int]
+    ) -> tuple[set[int], set[int]]:
+        """Which of `pids` are documents of the writer's tenant, and which of those it sees."""
+        existing = await asyncio.to_thread(self.bm25.existing, writer.tenant, pids)
+        if not existing:
+            return existing, set()
+        seen = await asyncio.to_thread(self.bm25.resolve, writer.visibility, list(existing))
+        return existing, set(seen)
+
     async def _hidden_from(self, writer: Writer, ids: list[str]) -> list[str]:
         """The ids of `ids` that name documents of the writer's tenant it cannot see."""
         by_pid = {point_id(doc_key(writer.tenant, i)): i for i in dict.fromkeys(ids)}
-        existing = await asyncio.to_thread(self.bm25.existing, writer.tenant, list(by_pid))
-        if not existing:
-            return []
-        seen = await asyncio.to_thread(self.bm25.resolve, writer.visibility, list(existing))
-        return [by_pid[pid] for pid in by_pid if pid in existing and pid not in seen]
+        existing, seen = await self._existing_and_seen(writer, list(by_pid))
+        return [by_pid[pid] for pid in by_pid if pid in existing - seen]
 
     async def _write(self, record: dict, *, turn: bool = True) -> tuple[int, int]:
         """Log, then apply; returns (seq, tenant seq). Shielded: once a record may be in
@@ -838,18 +845,11 @@ class RetrievalIndex:
 
     def _live_documents(self, tenants: set[str]) -> dict[str, list[StoredDocument]]:
         """Every live document of `tenants`, from the write log."""
-        live: dict[str, dict[str, StoredDocument]] = {tenant: {} for tenant in tenants}
-        for record in WriteLog.read(self.wal.path):
-            version = tenant_seq(record)
-            for key in record.get("deletes", ()):
-                tenant = split_key(key)[0]
-                if tenant in live:
-                    live[tenant].pop(key, None)
-            for item in record.get("upserts", ()):
-                if item["tenant"] in live:
-                    doc = StoredDocument.from_record({**item, "version": version})
-                    live[item["tenant"]][doc.key] = doc
-        return {tenant: list(documents.values()) for tenant, documents in live.items()}
+        live: dict[str, list[StoredDocument]] = {tenant: [] for tenant in tenants}
+        for doc in live_documents(self.wal.path):
+            if doc.tenant in live:
+                live[doc.tenant].append(doc)
+        return live
 
     # -- background HNSW builds -------------------------------------------------------------
 

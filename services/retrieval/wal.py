@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ragline.errors import StartRefused
 from ragline.files import fsync_directory, write_all
-from ragline_services.retrieval.documents import doc_key, split_key
+from ragline_services.retrieval.documents import StoredDocument, doc_key, split_key
 
 _HEADER = struct.Struct("<II")
 MARKS = "marks"  # the op of the record heading a compacted log
@@ -306,6 +306,29 @@ class WriteLog:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def live_documents(path: Path, upto_seq: int | None = None) -> Iterator[StoredDocument]:
+    """Each live document of the log as of `upto_seq` (None: its end), at its version,
+    read twice so that only keys are held in memory, never the corpus: first which write
+    of each key is its last (a delete drops it), then those writes, one at a time."""
+
+    def records() -> Iterator[dict]:
+        for record in WriteLog.read(path):
+            if upto_seq is not None and record["seq"] > upto_seq:
+                return
+            yield record
+
+    last: dict[str, int] = {}
+    for record in records():
+        for key in record.get("deletes", ()):
+            last.pop(key, None)
+        for item in record.get("upserts", ()):
+            last[doc_key(item["tenant"], item["id"])] = record["seq"]
+    for record in records():
+        for item in record.get("upserts", ()):
+            if last.get(doc_key(item["tenant"], item["id"])) == record["seq"]:
+                yield StoredDocument.from_record({**item, "version": tenant_seq(record)})
 
 
 def repair(path: Path) -> str:

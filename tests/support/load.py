@@ -20,6 +20,7 @@ from ragline.v1 import (
     retrieval_pb2,
     retrieval_pb2_grpc,
 )
+from support import error_info
 from support.orchestrator import who
 
 QUESTIONS = (
@@ -134,16 +135,11 @@ def writer(tenant: str) -> tuple[tuple[str, str], ...]:
 
 
 def _reason(error: grpc.aio.AioRpcError) -> str:
-    from google.rpc import error_details_pb2
-    from grpc_status import rpc_status
-
-    status = rpc_status.from_call(error)
-    for detail in status.details if status else ():
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            return info.reason
-    return ""
+    """The ErrorInfo reason of a failed call; "" when it has none (no server reached)."""
+    try:
+        return error_info(error)[0]
+    except AssertionError:
+        return ""
 
 
 @dataclass

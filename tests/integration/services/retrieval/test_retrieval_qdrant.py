@@ -13,14 +13,20 @@ from support.retrieval import Client, who, writing
 pytestmark = pytest.mark.integration
 
 
-def test_qdrant_backend_writes_filters_and_replays_only_unseen(launcher, qdrant, tmp_path):
-    url, fake = qdrant
-    env = {
+def qdrant_env(url: str, tmp_path) -> dict[str, str]:
+    """A retrieval service on the Qdrant backend; its embedding address leads nowhere
+    (the tests send vectors)."""
+    return {
         "RAGLINE_RETRIEVAL_VECTOR_BACKEND": "qdrant",
         "RAGLINE_RETRIEVAL_QDRANT_URL": url,
         "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path / "index"),
         "RAGLINE_EMBEDDING_ADDR": f"127.0.0.1:{free_ports(1)[0]}",
-    }  # vectors are sent
+    }
+
+
+def test_qdrant_backend_writes_filters_and_replays_only_unseen(launcher, qdrant, tmp_path):
+    url, fake = qdrant
+    env = qdrant_env(url, tmp_path)
     service = launcher.start("retrieval", env=env)
     rng = np.random.default_rng(3)
     vectors = rng.normal(size=(6, 384)).tolist()
@@ -103,12 +109,7 @@ def test_a_write_whose_caller_left_at_once_neither_fails_its_apply_nor_wedges_la
     from ragline.v1 import retrieval_pb2
 
     url, _ = qdrant
-    env = {
-        "RAGLINE_RETRIEVAL_VECTOR_BACKEND": "qdrant",
-        "RAGLINE_RETRIEVAL_QDRANT_URL": url,
-        "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path / "index"),
-        "RAGLINE_EMBEDDING_ADDR": f"127.0.0.1:{free_ports(1)[0]}",
-    }
+    env = qdrant_env(url, tmp_path)
     service = launcher.start("retrieval", env=env)
     vector = np.random.default_rng(5).normal(size=384).tolist()
 

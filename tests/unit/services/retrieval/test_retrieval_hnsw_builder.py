@@ -58,8 +58,7 @@ async def test_the_live_documents_are_streamed_as_of_the_seq_asked(tmp_path):
     """What the builder indexes: each live document's last write up to `upto_seq`, a
     delete dropping it, later writes not seen (read twice: the corpus is never held)."""
     from ragline_services.retrieval.documents import encode_vector
-    from ragline_services.retrieval.hnsw_builder import latest_documents
-    from ragline_services.retrieval.wal import WriteLog
+    from ragline_services.retrieval.wal import WriteLog, live_documents
 
     log = WriteLog(tmp_path / "write.log")
 
@@ -78,7 +77,7 @@ async def test_the_live_documents_are_streamed_as_of_the_seq_asked(tmp_path):
         await log.append_numbered(
             {"op": "write", "tenant": "acme", "upserts": upserts, "deletes": deletes}
         )
-    seen = {d.key.split("\x1f")[1]: d.text for d in latest_documents(log.path, 4)}
+    seen = {d.key.split("\x1f")[1]: d.text for d in live_documents(log.path, 4)}
     assert seen == {"a": "a2", "b": "b2", "c": "c1"}
-    assert {d.text for d in latest_documents(log.path, 3)} == {"a2"}
+    assert {d.text for d in live_documents(log.path, 3)} == {"a2"}
     log.close()
