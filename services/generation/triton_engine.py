@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 from ragline import control_tokens, deadlines
+from ragline.clients import RECONNECT_OPTIONS
 from ragline.errors import InvalidArgument, Unavailable
 from ragline_services.generation.engine import StreamEvent
 
@@ -83,7 +84,7 @@ class TritonGenerationEngine:
         from tritonclient.grpc import service_pb2, service_pb2_grpc
 
         self._pb = service_pb2
-        self._channel = grpc.aio.insecure_channel(url)
+        self._channel = grpc.aio.insecure_channel(url, options=RECONNECT_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self.url = url
         self.model = model

@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 
 from ragline import deadlines
+from ragline.clients import RECONNECT_OPTIONS
 from ragline.errors import DeadlineExceeded, Unavailable
 from ragline.files import atomic_write_text
 from ragline_services.retrieval.documents import (
@@ -50,7 +51,7 @@ class QdrantServerIndex:
         self.collection = collection
         self.dim = dim
         self._timeout = timeout_s
-        self._channel = grpc.insecure_channel(url)
+        self._channel = grpc.insecure_channel(url, options=RECONNECT_OPTIONS)
         self._points = q.PointsStub(self._channel)
         self._collections = q.CollectionsStub(self._channel)
         self._state_path = state_path

@@ -10,7 +10,8 @@ one writer run against real processes while one part is killed outright, left do
   reserved) within `SETTLED_WITHIN_S`, but where the orchestrator that held it was killed;
 - no engine process outlives a killed service;
 - COMPLETE answers come again within `RECOVERY_S` of the restart (generation: once its
-  model is loaded, within `RECOVERY_AFTER_LOAD_S`);
+  model is loaded, within `RECOVERY_AFTER_LOAD_S`), and acknowledged writes within
+  `WRITES_BACK_S` of the restarted part serving;
 - without an optional stage (embedding, rerank) at least 60% of asks are still answered.
 """
 
@@ -30,6 +31,7 @@ DOWN_S = 3.0
 DOWN_OPTIONAL_S = 10.0
 RECOVERY_S = 20.0
 RECOVERY_AFTER_LOAD_S = 5.0
+WRITES_BACK_S = 5.0
 SETTLED_WITHIN_S = 15.0
 # Optional stages: asks go on being answered (PARTIAL, naming what is missing) without them.
 ANSWERED_WITHOUT = ("embedding", "rerank")
@@ -76,6 +78,12 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
             f"a COMPLETE answer after the restart of {part}",
         )
         recovered_s = asks.first_complete_after(restarted_at) - restarted_at
+        await wait_for(
+            lambda: writes.first_acknowledged_after(restarted_at) is not None,
+            max(0.0, restarted_at + RECOVERY_S - time.monotonic()),
+            f"a write acknowledged after the restart of {part}",
+        )
+        writes_back_s = writes.first_acknowledged_after(restarted_at) - restarted_at
     finally:
         await asks.stop()
         await writes.stop()
@@ -85,13 +93,15 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
     print(
         f"\n{part}: while down {len(answered)} of {len(down)} asks answered; "
         f"serving {serving_s:.1f} s after the restart, COMPLETE again after "
-        f"{recovered_s:.1f} s; asks {asks.summary()}; writes acknowledged "
+        f"{recovered_s:.1f} s, writes again after {writes_back_s:.1f} s; "
+        f"asks {asks.summary()}; writes acknowledged "
         f"{len(writes.acknowledged)}, failed {len(writes.failures)}: "
         f"{sorted(set(writes.failures))[:3]}"
     )
     assert not asks.bugs(), [(o.outcome, o.reason) for o in asks.bugs()]
     assert not asks.late(0.5), [(o.outcome, round(o.seconds, 2)) for o in asks.late(0.5)]
     assert recovered_s <= allowed_s, f"COMPLETE again only after {recovered_s:.1f} s"
+    assert writes_back_s <= serving_s + WRITES_BACK_S, f"writes again after {writes_back_s:.1f} s"
     if part in ANSWERED_WITHOUT:  # an optional stage: its absence degrades, not fails
         assert len(answered) >= 0.6 * len(down), [(o.outcome, o.reason) for o in down]
     assert 0 < written_before < len(writes.acknowledged), "writes before and after the kill"

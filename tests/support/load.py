@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from ragline.clients import RECONNECT_OPTIONS
 from ragline.identity import WRITE_SCOPE
 from ragline.v1 import (
     budget_pb2,
@@ -73,7 +74,8 @@ class AskLoad:
         await asyncio.gather(*self._tasks)
 
     async def _worker(self, run: str, worker: int) -> None:
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        # The service's own reconnection rule, so a restart is measured, not this backoff.
+        async with grpc.aio.insecure_channel(self.address, options=RECONNECT_OPTIONS) as channel:
             stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
             while not self._stopping:
                 number = next(self._numbers)
@@ -145,11 +147,12 @@ def _reason(error: grpc.aio.AioRpcError) -> str:
 @dataclass
 class WriteLoad:
     """One writer upserting small documents to retrieval, one per call; `acknowledged`
-    holds every id whose Upsert returned OK."""
+    holds every id whose Upsert returned OK, `acknowledged_at` when (monotonic)."""
 
     address: str
     tenant: str = "default"
     acknowledged: list[str] = field(default_factory=list)
+    acknowledged_at: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # code: message of each failed write
     _task: asyncio.Task | None = None
     _stopping: bool = False
@@ -162,8 +165,12 @@ class WriteLoad:
         if self._task is not None:
             await self._task
 
+    def first_acknowledged_after(self, moment: float) -> float | None:
+        return next((t for t in self.acknowledged_at if t >= moment), None)
+
     async def _write(self, run: str) -> None:
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        # The service's own reconnection rule, so a restart is measured, not this backoff.
+        async with grpc.aio.insecure_channel(self.address, options=RECONNECT_OPTIONS) as channel:
             stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
             for number in itertools.count():
                 if self._stopping:
@@ -177,6 +184,7 @@ class WriteLoad:
                 try:
                     await stub.Upsert(request, timeout=5, metadata=writer(self.tenant))
                     self.acknowledged.append(doc_id)
+                    self.acknowledged_at.append(time.monotonic())
                 except grpc.aio.AioRpcError as error:
                     self.failures.append(f"{error.code().name}: {error.details()}")
                     await asyncio.sleep(0.2)
