@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-from ragline.errors import InvalidArgument, Unauthenticated
+from ragline.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
 TENANT_KEY = "x-ragline-tenant"
 PRINCIPAL_KEY = "x-ragline-principal"
@@ -64,6 +64,16 @@ class Caller:
         if self.operator:
             pairs.append((OPERATOR_KEY, "true"))
         return pairs
+
+
+def write_scope_missing(what: str) -> PermissionDenied:
+    """The refusal of a call that changes stored data to a caller without WRITE_SCOPE."""
+    return PermissionDenied(
+        f"{what} needs the scope {WRITE_SCOPE}, which this caller does not hold (a "
+        "token's scopes claim; with authentication off, metadata x-ragline-scopes)",
+        reason="WRITE_SCOPE_NOT_HELD",
+        metadata={"scope": WRITE_SCOPE},
+    )
 
 
 _caller: ContextVar[Caller | None] = ContextVar("ragline_caller", default=None)

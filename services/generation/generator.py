@@ -91,6 +91,8 @@ class GenerationRequest:
     sampling: dict = field(default_factory=dict)
     # The caller's visibility scopes: its prompt holds evidence only they may see.
     visibility: frozenset[str] = frozenset()
+    # What the prompt holds (document ids): its saved KV states name them, to be forgotten.
+    sources: tuple[str, ...] = ()
 
     @property
     def cache_owner(self) -> str:
@@ -179,6 +181,19 @@ class Generator:
             raise InvalidArgument(
                 "tier", f"tier {name!r} is not served here; available: {', '.join(self.tiers)}"
             ) from None
+
+    async def forget(self, tenant: str, sources: list[str]) -> int:
+        """Drops the saved KV states of `tenant` whose prompts named any of `sources`, in
+        every tier's prefix store. Returns how many."""
+        forgotten = 0
+        for store in self.prefix_stores():
+            forgotten += await store.forget(tenant, sources)
+        return forgotten
+
+    def prefix_stores(self) -> list[PrefixStore]:
+        """Each tier's prefix store, once (tiers may share one)."""
+        stores = {id(t.prefix_store): t.prefix_store for t in self.tiers.values()}
+        return [store for store in stores.values() if store is not None]
 
     def _refuse_if_it_cannot_fit(self, request: GenerationRequest, tier: Tier) -> None:
         """Refused from its size alone, before any engine sees it: at least one token per
@@ -277,7 +292,7 @@ class Generator:
         deadline = deadlines.current_deadline()
         lease = await tier.scheduler.acquire(request.tenant, deadline, owner=request.cache_owner)
         try:
-            store = await self._use_store(rendered, lease, request.cache_owner)
+            store = await self._use_store(rendered, lease, request.cache_owner, request.sources)
         except BaseException:
             tier.scheduler.release(lease.slot)
             raise
@@ -355,7 +370,9 @@ class Generator:
             store=store,
         )
 
-    async def _use_store(self, rendered: Rendered, lease: Lease, owner: str) -> StoreOutcome:
+    async def _use_store(
+        self, rendered: Rendered, lease: Lease, owner: str, sources: tuple[str, ...] = ()
+    ) -> StoreOutcome:
         """Restores the longest stored prefix into the leased slot (unless the slot already
         holds more of this prompt), then saves the hot prefixes not yet stored."""
         outcome = StoreOutcome()
@@ -405,7 +422,7 @@ class Generator:
             # system part in a slot warm with the same owner's previous question).
             rewind = held - candidate.tokens
             if candidate.hot and candidate.stored is None and rewind <= SAVE_REWIND_TOKENS:
-                await self._save(rendered, slot.index, owner, candidate, outcome)
+                await self._save(rendered, slot.index, owner, candidate, outcome, sources)
                 slot.tokens = tuple(ids[: candidate.tokens])
                 held = candidate.tokens
         if outcome.restored_tokens or outcome.saved_tokens:
@@ -427,6 +444,7 @@ class Generator:
         owner: str,
         candidate: Candidate,
         outcome: StoreOutcome,
+        sources: tuple[str, ...] = (),
     ) -> None:
         store, engine = rendered.tier.prefix_store, rendered.tier.engine
         assert store is not None and rendered.token_ids is not None
@@ -440,7 +458,10 @@ class Generator:
             log.warning("generation.prefix_save_failed", owner=owner, error=str(error))
             entry = None
         else:
-            entry = await store.saved(owner, candidate, file, saved)
+            # Every prefix carries all of the prompt's sources, the system part's too:
+            # which tokens quote which document is not known here, and forgetting a state
+            # too many costs one save.
+            entry = await store.saved(owner, candidate, file, saved, sources)
         if entry is not None:
             outcome.saved_tokens += entry.tokens
         outcome.save_s += time.monotonic() - began

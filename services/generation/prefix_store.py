@@ -24,7 +24,12 @@ Index entries (file, tokens, bytes, sha256, last use) live in the kit's cache ba
 TTL (default 5 minutes) that every use renews; a size bound evicts the least recently used.
 Before a restore the file's size and sha256 are checked against the entry: a corrupt,
 truncated or replaced file is discarded (entry and file), never loaded. Files whose entry
-expired are deleted by a sweep after each save.
+expired are deleted by a sweep after each save and every `sweep_s` (`sweep_expired`).
+
+Each entry also names what its prompt held (`GenerateRequest.sources`: the orchestrator
+sends the ids of the documents its evidence quotes); `forget` drops every state of a tenant
+naming one of them, so a deleted document's text leaves the store at once (the retrieval
+service calls ForgetSources after each delete and overwrite).
 """
 
 from __future__ import annotations
@@ -74,6 +79,8 @@ class StoredPrefix:
     bytes: int
     sha256: str
     last_use: float  # wall-clock seconds, comparable across replicas
+    # What the prompt held (GenerateRequest.sources): a ForgetSources naming one drops it.
+    sources: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -84,7 +91,10 @@ class StoredPrefix:
         must be a state file named for its own key (a name this store made for it, inside
         its directory), so an entry cannot point one owner's key at another's state or
         any other path (ValueError otherwise)."""
-        entry = StoredPrefix(**json.loads(data))
+        fields = json.loads(data)
+        entry = StoredPrefix(**{**fields, "sources": tuple(fields.get("sources", ()))})
+        if not all(isinstance(source, str) for source in entry.sources):
+            raise ValueError("entry names sources that are not strings")
         if not isinstance(entry.file, str) or not _FILE_NAME.fullmatch(entry.file):
             raise ValueError(f"entry names a file this store never makes: {entry.file!r}")
         if not entry.file.startswith(f"{entry.key[:32]}-"):
@@ -120,6 +130,11 @@ class StoreOutcome:
     saved_tokens: int = 0
     restore_s: float = 0.0
     save_s: float = 0.0
+
+
+def owner_tenant(owner: str) -> str:
+    """The tenant of a cache owner (`GenerationRequest.cache_owner`: "tenant|scopes")."""
+    return owner.split("|", 1)[0]
 
 
 def _file_digest(path: Path) -> tuple[int, str]:
@@ -223,7 +238,12 @@ class PrefixStore:
         return f"{key[:32]}-{uuid.uuid4().hex[:12]}.bin"
 
     async def saved(
-        self, tenant: str, candidate: Candidate, file: str, tokens: int
+        self,
+        tenant: str,
+        candidate: Candidate,
+        file: str,
+        tokens: int,
+        sources: Sequence[str] = (),
     ) -> StoredPrefix | None:
         """Records a state that llama-server wrote to `file`, then enforces the size bound
         and sweeps expired files. Returns None (and deletes the file) when it can't."""
@@ -236,7 +256,9 @@ class PrefixStore:
         if tokens != candidate.tokens or size > self.settings.max_bytes:
             await self._remove_file(file)
             return None
-        entry = StoredPrefix(candidate.key, tenant, file, tokens, size, digest, time.time())
+        entry = StoredPrefix(
+            candidate.key, tenant, file, tokens, size, digest, time.time(), tuple(sources)
+        )
         stored = await self._guarded(
             "set",
             self.cache.set(self._index + entry.key, entry.encode(), self.settings.ttl_s),
@@ -249,8 +271,34 @@ class PrefixStore:
         await self._evict_and_sweep(keep=entry)
         return entry
 
-    async def _entries(self) -> list[StoredPrefix]:
-        keys = await self._guarded("keys", self.cache.keys(self._index), [])
+    async def forget(self, tenant: str, sources: Sequence[str]) -> int:
+        """Drops every state of `tenant` (any of its owners) whose prompt named one of
+        `sources`, entry and file. Returns how many."""
+        wanted = set(sources)
+        forgotten = 0
+        # Unguarded: a forget the index could not take must fail, for its caller to retry.
+        keys = await self.cache.keys(self._index)
+        for entry in await self._entries(keys):
+            if owner_tenant(entry.tenant) == tenant and wanted.intersection(entry.sources):
+                await self._guarded("delete", self.cache.delete(self._index + entry.key))
+                await self._remove_file(entry.file)
+                forgotten += 1
+        if forgotten:
+            log.info("prefix_store.forgotten", tenant=tenant, states=forgotten)
+        return forgotten
+
+    async def sweep_expired(self) -> None:
+        """Deletes the files of entries that expired (their TTL passed unused) also when
+        no save comes to sweep after it."""
+        keys = await self._guarded("keys", self.cache.keys(self._index), None)
+        if keys is None:
+            return  # the index is unreachable: which files are live is unknown
+        live = {e.file for e in await self._entries(keys)}
+        await asyncio.to_thread(self._sweep, live)
+
+    async def _entries(self, keys: list[str] | None = None) -> list[StoredPrefix]:
+        if keys is None:
+            keys = await self._guarded("keys", self.cache.keys(self._index), [])
         entries = []
         for key in keys:
             data = await self._guarded("get", self.cache.get(key))

@@ -116,6 +116,9 @@ class GenerationConfig(ServiceConfig):
     triton_preprocessing_model: str = "preprocessing"
 
 
+KV_SWEEP_EVERY_S = 60.0
+
+
 class GenerationService(Service):
     config: GenerationConfig
 
@@ -126,6 +129,10 @@ class GenerationService(Service):
         self._memory_budget = 0
         self._cache: CacheBackend | None = None
         self._watch = Periodic(config.engine_probe_s, self._watch_engines, "engine-watch")
+        # Expired state files go within a minute of their TTL also when no save sweeps.
+        self._kv_sweep = Periodic(
+            min(config.kv_store_ttl_s, KV_SWEEP_EVERY_S), self._sweep_kv_store, "kv-store-sweep"
+        )
         self._engine_problem = ""  # what the last probe found wrong ("" while serving)
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -258,7 +265,14 @@ class GenerationService(Service):
 
     async def ready(self) -> bool:
         self._watch.start()
+        if self.config.kv_store:
+            self._kv_sweep.start()
         return True
+
+    async def _sweep_kv_store(self) -> None:
+        if self._servicer.generator.ready:
+            for store in self._servicer.generator.value.prefix_stores():
+                await store.sweep_expired()
 
     async def _watch_engines(self) -> None:
         """Health follows the engines: NOT_SERVING while one cannot serve (named in the
@@ -380,6 +394,7 @@ class GenerationService(Service):
 
     async def stop(self) -> None:
         await self._watch.stop()
+        await self._kv_sweep.stop()
         for engine in self.engines:
             await engine.close()
         if self._cache is not None:

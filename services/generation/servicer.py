@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ragline.identity import current_caller
+from ragline.identity import current_caller, write_scope_missing
 from ragline.server import Deferred
 from ragline.timing import current_clock
 from ragline.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -76,6 +76,7 @@ def generation_request(
         chat=chat,
         sampling=_sampling(request.sampling),
         visibility=visibility,
+        sources=tuple(request.sources),
     )
 
 
@@ -164,3 +165,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             model=tier.model,
             model_version=tier.model_version,
         )
+
+    async def ForgetSources(self, request, context):
+        caller = current_caller()
+        if not caller.may_write:
+            raise write_scope_missing("ForgetSources")
+        forgotten = await self.generator.value.forget(caller.tenant, list(request.sources))
+        return generation_pb2.ForgetSourcesResponse(forgotten=forgotten)

@@ -799,6 +799,8 @@ async def _answer(
         max_tokens=max_tokens,
         tier=_TIERS[tier],
         sampling=generation_pb2.Sampling(stop=["\n"]),
+        # Saved KV states of this prompt name its documents, so forgetting one reaches them.
+        sources=sorted({item.passage.id for item in evidence.items}),
     )
     final, used = await _generate_reserved(
         ctx, step, request, tier, prompt_tokens, emit=emit, part=part

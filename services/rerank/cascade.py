@@ -114,6 +114,13 @@ class TokenCache:
         alike (also when the entry is evicted at once by a bound smaller than one batch)."""
         return self.put_entry(key, quantize(vectors))
 
+    def forget(self, tenant: str, ids: set[str]) -> int:
+        """Drops every entry of `tenant`'s documents `ids`, whatever their text."""
+        gone = [k for k in self._entries if k[0] == tenant and k[1] in ids]
+        for key in gone:
+            self.bytes -= _nbytes(self._entries.pop(key))
+        return len(gone)
+
     def put_entry(self, key, entry: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
         """Keeps an entry already int8 (from the disk store); returns it as vectors."""
         if key in self._entries:
@@ -432,6 +439,16 @@ class Reranker:
             await self.store.put_many(entries)
         except Exception as error:
             log.warning("rerank.token_store_write_failed", entries=len(entries), error=str(error))
+
+    async def forget(self, tenant: str, ids: list[str]) -> int:
+        """Drops the token vectors of `tenant`'s documents `ids` (every text of each) from
+        memory and disk; disk writes in flight land first, so none brings them back."""
+        wanted = set(ids)
+        forgotten = self.cache.forget(tenant, wanted)
+        if self.store is not None:
+            await self.flush()
+            forgotten += await self.store.forget(tenant, sorted(wanted))
+        return forgotten
 
     async def flush(self) -> None:
         """Waits for the disk writes behind earlier answers (a clean stop loses none)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ragline.identity import current_caller
+from ragline.identity import current_caller, write_scope_missing
 from ragline.server import Deferred
 from ragline.timing import current_clock
 from ragline.v1 import common_pb2, embedding_pb2, rerank_pb2, rerank_pb2_grpc
@@ -77,6 +77,13 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
             ],
             embedding_model_version=reranker.embedding_model_version,
         )
+
+    async def ForgetDocuments(self, request, context):
+        caller = current_caller()
+        if not caller.may_write:
+            raise write_scope_missing("ForgetDocuments")
+        forgotten = await self.reranker.value.forget(caller.tenant, list(request.ids))
+        return rerank_pb2.ForgetDocumentsResponse(forgotten=forgotten)
 
 
 def _finished_clock(queue_wait_s: float, stage_seconds):

@@ -172,6 +172,37 @@ class TokenStore:
             self.bytes = int(total)
             raise
 
+    async def forget(self, tenant: str, ids: list[str]) -> int:
+        """Deletes every entry of `tenant`'s documents `ids`; their bytes are overwritten
+        in the file (secure_delete) and the write-ahead file is emptied, so the vectors
+        are in neither file afterwards. Returns how many entries went."""
+        if not ids or self._db is None:
+            return 0
+        return await self._run(self._forget, tenant, ids)
+
+    def _forget(self, tenant: str, ids: list[str]) -> int:
+        assert self._db is not None
+        db = self._db
+        gone = 0
+        for start in range(0, len(ids), 500):  # SQLite's bound on variables per statement
+            chunk = ids[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            count, size = db.execute(
+                f"SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM tokens "
+                f"WHERE tenant = ? AND id IN ({marks})",
+                (tenant, *chunk),
+            ).fetchone()
+            if count:
+                db.execute(
+                    f"DELETE FROM tokens WHERE tenant = ? AND id IN ({marks})", (tenant, *chunk)
+                )
+                self.bytes -= int(size)
+                gone += int(count)
+        if gone:
+            # Until a checkpoint, the pages as they were stay in the -wal file.
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return gone
+
     def _evict(self, db: sqlite3.Connection) -> None:
         while self.bytes > self.max_bytes:
             victims = db.execute(

@@ -74,6 +74,7 @@ class Embedded:
 
 # (texts, input kind "query" | "passage") -> vectors; raises Unavailable when it can't.
 Embed = Callable[[list[str], str], Awaitable[Embedded]]
+Changed = Callable[[str, list[str]], None]  # (tenant, ids of documents replaced or deleted)
 
 
 def _timed(stages: list[tuple[str, float]], name: str, fn, *args):
@@ -201,9 +202,17 @@ APPLY_RETRY_FIRST_S, APPLY_RETRY_MAX_S = 0.05, 5.0
 
 class RetrievalIndex:
     def __init__(
-        self, directory: Path, vectors: VectorIndex, settings: IndexSettings, embed: Embed | None
+        self,
+        directory: Path,
+        vectors: VectorIndex,
+        settings: IndexSettings,
+        embed: Embed | None,
+        changed: Changed | None = None,
     ) -> None:
+        """`changed(tenant, ids)` is told the documents each acknowledged delete or
+        overwrite replaced (forget_notices.py: the services keeping copies drop theirs)."""
         self.directory = directory
+        self._changed = changed
         directory.mkdir(parents=True, exist_ok=True)
         self.settings = settings
         self.wal = WriteLog(directory / "write.log")
@@ -319,8 +328,7 @@ class RetrievalIndex:
                     f"documents[{index}].id", f"{doc.id!r} appears twice in one request"
                 )
             seen.add(doc.id)
-        if writer is not None:
-            refuse_hidden_overwrites(await self._hidden_from(writer, [d.id for d in documents]))
+        overwritten = await self._overwritten(tenant, [d.id for d in documents], writer)
         for named in sorted({d.vector_model for d in documents if d.vector and d.vector_model}):
             await self._check_named_vectors(named)
         missing = [i for i, d in enumerate(documents) if not d.vector]
@@ -350,6 +358,7 @@ class RetrievalIndex:
         seq, tseq = await self._write(
             {"op": "write", "tenant": tenant, "upserts": records, "deletes": []}
         )
+        self._tell_changed(tenant, overwritten)
         return WriteResult(seq, [tseq] * len(records), tenant_seq=tseq)
 
     async def _check_vector_model(self, model_version: str, *, writing: bool) -> bool:
@@ -545,6 +554,7 @@ class RetrievalIndex:
         seq, tseq = await self._write(
             {"op": "write", "tenant": tenant, "upserts": [], "deletes": present}
         )
+        self._tell_changed(tenant, [split_key(k)[1] for k in present])
         if self._delete_pending_since is None:
             self._delete_pending_since = time.monotonic()
         return WriteResult(seq, [], len(present), len(keys) - len(present), tenant_seq=tseq)
@@ -559,11 +569,20 @@ class RetrievalIndex:
         seen = await asyncio.to_thread(self.bm25.resolve, writer.visibility, list(existing))
         return existing, set(seen)
 
-    async def _hidden_from(self, writer: Writer, ids: list[str]) -> list[str]:
-        """The ids of `ids` that name documents of the writer's tenant it cannot see."""
-        by_pid = {point_id(doc_key(writer.tenant, i)): i for i in dict.fromkeys(ids)}
-        existing, seen = await self._existing_and_seen(writer, list(by_pid))
-        return [by_pid[pid] for pid in by_pid if pid in existing - seen]
+    async def _overwritten(self, tenant: str, ids: list[str], writer: Writer | None) -> list[str]:
+        """The ids of `ids` that name existing documents of `tenant`; a `writer` that
+        cannot see one of them is refused (it may not overwrite it)."""
+        by_pid = {point_id(doc_key(tenant, i)): i for i in dict.fromkeys(ids)}
+        if writer is None:
+            existing = await asyncio.to_thread(self.bm25.existing, tenant, list(by_pid))
+        else:
+            existing, seen = await self._existing_and_seen(writer, list(by_pid))
+            refuse_hidden_overwrites([by_pid[pid] for pid in by_pid if pid in existing - seen])
+        return [by_pid[pid] for pid in by_pid if pid in existing]
+
+    def _tell_changed(self, tenant: str, ids: list[str]) -> None:
+        if ids and self._changed is not None:
+            self._changed(tenant, ids)
 
     async def _write(self, record: dict, *, turn: bool = True) -> tuple[int, int]:
         """Log, then apply; returns (seq, tenant seq). Shielded: once a record may be in

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ragline.errors import InvalidArgument, PermissionDenied
-from ragline.identity import RESERVED_SCOPE_PREFIX, WRITE_SCOPE, Caller
+from ragline.identity import RESERVED_SCOPE_PREFIX, Caller, write_scope_missing
 from ragline_services.retrieval.documents import Visibility
 
 
@@ -35,12 +35,7 @@ class Writer:
 
 def check_may_write(writer: Writer, what: str) -> None:
     if not writer.may_write:
-        raise PermissionDenied(
-            f"{what} needs the scope {WRITE_SCOPE}, which this caller does not hold (a "
-            "token's scopes claim; with authentication off, metadata x-ragline-scopes)",
-            reason="WRITE_SCOPE_NOT_HELD",
-            metadata={"scope": WRITE_SCOPE},
-        )
+        raise write_scope_missing(what)
 
 
 def check_acls(writer: Writer, acls: list[tuple[str, ...]]) -> None:

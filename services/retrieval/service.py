@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -13,13 +14,25 @@ import numpy as np
 import structlog
 from pydantic import Field
 
-from ragline.clients import connect
-from ragline.config import ServiceConfig
+from ragline import deadlines
+from ragline.clients import ServiceClient, connect
+from ragline.config import ConfigError, ServiceConfig
 from ragline.cores import usable_cores
 from ragline.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from ragline.identity import WRITE_SCOPE, Caller
 from ragline.retry import DEFAULT_POLICY
 from ragline.server import Periodic, Service, ServiceSpec
-from ragline.v1 import embedding_pb2, embedding_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
+from ragline.v1 import (
+    embedding_pb2,
+    embedding_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    rerank_pb2,
+    rerank_pb2_grpc,
+    retrieval_pb2,
+    retrieval_pb2_grpc,
+)
+from ragline_services.retrieval.forget_notices import ForgetNotices, ForgetTarget
 from ragline_services.retrieval.index import Embedded, IndexSettings, RetrievalIndex
 from ragline_services.retrieval.query_encoder import LocalQueryEncoder
 from ragline_services.retrieval.servicer import RetrievalServicer
@@ -86,6 +99,11 @@ class RetrievalConfig(ServiceConfig):
     # While queries are embedded here, the embedding service is asked its model this often,
     # so that a change of model is noticed (and the index re-embedded) as before.
     embedding_check_s: float = Field(10.0, gt=0)
+    # After a delete or overwrite, the rerank and generation services (those whose
+    # RAGLINE_<NAME>_ADDR is set) are told to drop what they keep of the old text; one that
+    # cannot be reached is tried again for this long (0: never told; their own expiry then
+    # removes it).
+    forget_notice_retry_s: float = Field(600.0, ge=0)
 
 
 class RetrievalService(Service):
@@ -97,6 +115,10 @@ class RetrievalService(Service):
         self.embedding_version = ""
         self._probe: asyncio.Future | None = None
         self._embedder = connect("embedding", embedding_pb2_grpc.EmbeddingServiceStub, common)
+        self.notices = ForgetNotices(
+            forget_targets(common) if config.forget_notice_retry_s else [],
+            retry_for_s=config.forget_notice_retry_s,
+        )
         # The model of the index's vectors once it has made some, else the one serving.
         self._servicer = RetrievalServicer(
             lambda: (
@@ -228,7 +250,7 @@ class RetrievalService(Service):
             wal_compact_bytes=cfg.wal_compact_mb << 20,
             forget_after_s=cfg.forget_after_s,
         )
-        index = RetrievalIndex(directory, vectors, settings, self.embed)
+        index = RetrievalIndex(directory, vectors, settings, self.embed, self.notices.notify)
         replayed = index.replay()
         log.info("retrieval.replayed", records=replayed, index_version=index.applied_seq)
         return index
@@ -240,6 +262,7 @@ class RetrievalService(Service):
         self._probe = asyncio.ensure_future(self._probe_embedding_model())
         self._builder.start()
         self._model_check.start()
+        self.notices.start()
 
     async def _probe_embedding_model(self) -> None:
         """Asks the embedding service its model once it answers, so that a change of
@@ -261,6 +284,7 @@ class RetrievalService(Service):
 
     async def stop(self) -> None:
         await self._builder.stop()
+        await self.notices.stop()
         await self._model_check.stop()
         if self._probe is not None:
             self._probe.cancel()
@@ -274,6 +298,49 @@ class RetrievalService(Service):
             await self.index.stop_reembed()
             await self.index.drain_writes()
             self.index.close()
+
+
+def forget_targets(common) -> list[ForgetTarget]:
+    """The services keeping copies of document text that this deployment runs (an address
+    set), each told as the tenant, with only the write scope."""
+
+    def caller_client(name: str, stub) -> Callable[[str], ServiceClient] | None:
+        try:
+            target = common.address_of(name)
+        except ConfigError:
+            return None
+        return lambda tenant: ServiceClient(
+            stub,
+            target,
+            hop_margin_s=common.hop_margin_s,
+            caller=Caller(tenant, principal="retrieval", scopes=frozenset({WRITE_SCOPE})),
+        )
+
+    targets = []
+    rerank = caller_client("rerank", rerank_pb2_grpc.RerankServiceStub)
+    if rerank is not None:
+
+        async def forget_documents(tenant: str, ids: list[str]) -> None:
+            with deadlines.deadline_scope(FORGET_CALL_S):
+                await rerank(tenant).unary(
+                    "ForgetDocuments", rerank_pb2.ForgetDocumentsRequest(ids=ids)
+                )
+
+        targets.append(ForgetTarget("rerank", forget_documents))
+    generation = caller_client("generation", generation_pb2_grpc.GenerationServiceStub)
+    if generation is not None:
+
+        async def forget_sources(tenant: str, ids: list[str]) -> None:
+            with deadlines.deadline_scope(FORGET_CALL_S):
+                await generation(tenant).unary(
+                    "ForgetSources", generation_pb2.ForgetSourcesRequest(sources=ids)
+                )
+
+        targets.append(ForgetTarget("generation", forget_sources))
+    return targets
+
+
+FORGET_CALL_S = 10.0
 
 
 SPEC = ServiceSpec(

@@ -185,3 +185,57 @@ async def test_a_failing_cache_backend_is_a_miss_not_an_error(tmp_path):
 @pytest.mark.parametrize("tokens", [0, 5])
 def test_prefixes_shorter_than_the_minimum_are_not_candidates(tmp_path, tokens):
     assert make_store(tmp_path).candidates("ann", TOKENS, [tokens]) == []
+
+
+async def test_forgetting_a_source_drops_the_states_that_named_it_for_that_tenant_only(tmp_path):
+    store = make_store(tmp_path)
+
+    async def save_naming(owner: str, tokens: int, sources: tuple[str, ...]) -> StoredPrefix:
+        [candidate] = store.candidates(owner, TOKENS, [tokens])
+        file = store.new_file_name(candidate.key)
+        (store.settings.directory / file).write_bytes(os.urandom(100))
+        entry = await store.saved(owner, candidate, file, tokens, sources)
+        assert entry is not None
+        return entry
+
+    quoting = await save_naming("ann|hr", 200, ("payroll", "intro"))
+    quoting_too = await save_naming("ann|", 100, ("payroll",))
+    unrelated = await save_naming("ann|", 50, ("intro",))
+    other_tenant = await save_naming("bob|", 200, ("payroll",))
+    assert await store.forget("ann", ["payroll"]) == 2
+    names = {p.name for p in store.settings.directory.iterdir()}
+    assert quoting.file not in names and quoting_too.file not in names
+    assert {unrelated.file, other_tenant.file} <= names
+    for owner, tokens, expected in (("ann|hr", 200, None), ("ann|", 50, 50), ("bob|", 200, 200)):
+        [candidate] = store.candidates(owner, TOKENS, [tokens])
+        await store.look_up(owner, [candidate])
+        assert (candidate.stored.tokens if candidate.stored else None) == expected
+
+
+async def test_a_forget_the_index_cannot_take_fails_for_its_caller_to_retry(tmp_path):
+    store = make_store(tmp_path)
+
+    async def down(prefix):
+        raise Unavailable("cache backend: down")
+
+    store.cache.keys = down
+    with pytest.raises(Unavailable):
+        await store.forget("ann", ["payroll"])
+
+
+async def test_expired_files_are_swept_without_a_save(tmp_path, monkeypatch):
+    """sweep_expired (run every minute by the service): a state whose entry expired
+    leaves the disk also when no later save would sweep."""
+    from ragline_services.generation import prefix_store
+
+    store = make_store(tmp_path, ttl_s=60)
+    entry = await save(store, "ann", 200)
+    path = store.settings.directory / entry.file
+    await store.sweep_expired()
+    assert path.exists()  # its entry is live
+    later = time.time() + 120
+    os.utime(path, (later - 90, later - 90))
+    monkeypatch.setattr(prefix_store.time, "time", lambda: later)
+    await store.cache.delete(*(await store.cache.keys("")))  # the TTL passed
+    await store.sweep_expired()
+    assert not path.exists()

@@ -77,3 +77,22 @@ async def test_an_entry_unused_past_its_retention_leaves_the_file(tmp_path, monk
     store.close()
     # Zeroed, not only unlinked from the table: its bytes are in no file of the store.
     assert not any(marker in f.read_bytes() for f in tmp_path.iterdir() if f.is_file())
+
+
+async def test_forgetting_a_document_leaves_no_byte_of_its_vectors_in_any_file(tmp_path):
+    """ForgetDocuments: every text of the ids goes, of that tenant only, and while the
+    store stays open (the write-ahead file emptied too, not only the table)."""
+    store = TokenStore(tmp_path / "tokens-a.sqlite", max_bytes=1 << 20)
+    await store.open()
+    old, new, others = entry(8, 5), entry(8, 6), entry(8, 7)
+    await store.put_many({("acme", "doc", "v1"): old})
+    await store.put_many({("acme", "doc", "v2"): new, ("globex", "doc", "v1"): others})
+    await store.put_many({("acme", "kept", "x"): entry(8, 8)})
+    assert await store.forget("acme", ["doc", "never-written"]) == 2
+    assert not await store.get_many([("acme", "doc", "v1"), ("acme", "doc", "v2")])
+    assert await store.get_many([("globex", "doc", "v1"), ("acme", "kept", "x")])
+    files = [f.read_bytes() for f in tmp_path.iterdir() if f.is_file()]
+    for vectors in (old, new):
+        assert not any(vectors[0].tobytes()[:64] in data for data in files)
+    assert any(others[0].tobytes()[:64] in data for data in files)
+    store.close()

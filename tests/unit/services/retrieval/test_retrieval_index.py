@@ -354,6 +354,24 @@ async def test_delete_and_not_found(tmp_path):
         assert "paris" not in ids(await index.search(ACME, SearchQuery("Paris Seine", 10, mode)))
 
 
+async def test_the_documents_a_delete_or_an_overwrite_replaced_are_told(tmp_path):
+    """What forget_notices.py sends to rerank and generation: ids whose old text is gone
+    (deleted, or overwritten), never ids written for the first time or absent."""
+    vectors = EdgeVectorIndex(tmp_path / "vectors", DIM, tmp_path / "write.log")
+    told: list[tuple[str, list[str]]] = []
+    index = RetrievalIndex(
+        tmp_path, vectors, IndexSettings(dim=DIM), toy_embed, lambda t, ids: told.append((t, ids))
+    )
+    index.replay()
+    await index.upsert("acme", DOCS)
+    await index.upsert("globex", DOCS[:1])
+    assert told == []  # all new
+    await index.upsert("acme", [DOCS[0], DocumentInput("fresh", "", "new text")])
+    await index.delete("acme", ["paris", "absent"])
+    assert told == [("acme", ["warsaw"]), ("acme", ["paris"])]
+    index.close()
+
+
 async def test_restart_replays_without_duplicates(tmp_path):
     index = open_index(tmp_path)
     await index.upsert("acme", DOCS)
