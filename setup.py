@@ -63,7 +63,7 @@ setup(
             "models/bundled/*/*",
             "models/calibration/*",
         ],
-        "ragline_app": ["data/*.json", "data/*.md"],
+        "ragline_app": ["data/*.json", "data/*.md", "data/zh_eval/*.txt", "data/zh_eval/*.md"],
     },
     cmdclass={"build_py": BuildPyWithStubs},
 )

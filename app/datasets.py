@@ -1,4 +1,5 @@
-"""Readers for the evaluation collections (SQuAD-format JSON)."""
+"""Readers for the evaluation collections: SQuAD-format JSON, and the project's own
+Chinese set (`app/data/zh_eval`, a plain-text format read by `load_zh_eval`)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,17 @@ class Question:
     text: str
     passage_id: str  # the paragraph it was written from (the one relevant passage)
     answers: tuple[str, ...]
+    # Asked in another language than its paragraph's (an English question over a Chinese
+    # paragraph, or the reverse).
+    cross_lingual: bool = False
 
 
 def load_squad(path: Path, split: str | None = None) -> tuple[list[Passage], list[Question]]:
+    """Paragraphs and the questions they answer (a `.txt` path: the Chinese set's format,
+    its unanswerable questions left out)."""
+    if Path(path).suffix == ".txt":
+        collection = load_zh_eval(path, split)
+        return collection.passages, collection.questions
     data = json.loads(Path(path).read_text())
     split = split or Path(path).stem
     passages, questions = [], []
@@ -41,6 +50,53 @@ def load_squad(path: Path, split: str | None = None) -> tuple[list[Passage], lis
                     )
                 )
     return passages, questions
+
+
+@dataclass(frozen=True)
+class EvalCollection:
+    passages: list[Passage]
+    questions: list[Question]  # each answered by its passage
+    unanswerable: list[Question]  # answered by no passage (passage_id "")
+
+
+def load_zh_eval(path: Path, split: str | None = None) -> EvalCollection:
+    """The Chinese evaluation set's text format (its header says how it is written):
+    "## title" opens an article, "P:" a paragraph, then "Q:" (same language) and "X:"
+    (cross-lingual) questions as "question || answer || another accepted answer", and
+    "U:" lines questions no paragraph answers."""
+    split = split or Path(path).stem
+    passages: list[Passage] = []
+    questions: list[Question] = []
+    unanswerable: list[Question] = []
+    title, article, paragraph = "", -1, -1
+    for number, raw in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("# "):
+            continue
+        kind, _, body = line.partition(" ")
+        if kind == "##":
+            title, article, paragraph = body.split(" | ")[0].strip(), article + 1, -1
+        elif kind == "P:":
+            paragraph += 1
+            passages.append(Passage(f"{split}:{article}:{paragraph}", title, body.strip()))
+        elif kind in ("Q:", "X:") and passages:
+            question, *answers = (part.strip() for part in body.split("||"))
+            if not answers:
+                raise ValueError(f"{path}:{number}: a question without an answer")
+            questions.append(
+                Question(
+                    f"{split}-q{len(questions)}",
+                    question,
+                    passages[-1].id,
+                    tuple(answers),
+                    cross_lingual=kind == "X:",
+                )
+            )
+        elif kind == "U:":
+            unanswerable.append(Question(f"{split}-u{len(unanswerable)}", body.strip(), "", ()))
+        else:
+            raise ValueError(f"{path}:{number}: not a line of this format: {raw[:40]!r}")
+    return EvalCollection(passages, questions, unanswerable)
 
 
 @dataclass(frozen=True)

@@ -46,3 +46,31 @@ def token_f1(prediction: str, gold: str) -> float:
         return 0.0
     precision, recall = overlap / len(predicted), overlap / len(expected)
     return 2 * precision * recall / (precision + recall)
+
+
+# Chinese answers: words are not space-separated, so F1 is over characters (as CMRC 2018
+# and DuReader score), punctuation and spaces of either script left out.
+_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+_NOT_COUNTED = set(string.punctuation) | set(
+    "，。！？；：、（）《》【】…—·「」『』 \t\n\u201c\u201d\u2018\u2019"
+)
+
+
+def has_cjk(text: str) -> bool:
+    return bool(_CJK.search(text))
+
+
+def char_f1(prediction: str, gold: str) -> float:
+    predicted = [c for c in prediction.lower() if c not in _NOT_COUNTED]
+    expected = [c for c in gold.lower() if c not in _NOT_COUNTED]
+    common = collections.Counter(predicted) & collections.Counter(expected)
+    overlap = sum(common.values())
+    if not overlap:
+        return 0.0
+    precision, recall = overlap / len(predicted), overlap / len(expected)
+    return 2 * precision * recall / (precision + recall)
+
+
+def answer_f1(prediction: str, gold: str) -> float:
+    """SQuAD's token F1, or character F1 when the gold answer is Chinese."""
+    return char_f1(prediction, gold) if has_cjk(gold) else token_f1(prediction, gold)

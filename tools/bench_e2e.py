@@ -42,7 +42,7 @@ from ragline.clients import ChannelPool, ServiceClient
 from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from ragline_app.benchmarks import ensure_ingested, start_stack
 from ragline_app.datasets import held_out_split, load_squad, write_jsonl
-from ragline_app.evaluation import normalise, token_f1
+from ragline_app.evaluation import answer_f1, normalise
 from ragline_services.orchestrator.evidence import strip_markers
 from ragline_services.orchestrator.plan import default_rag_plan
 from ragline_services.orchestrator.servicer import plan_message
@@ -132,7 +132,7 @@ def multipart_questions(questions, count: int, seed: int) -> list[MultiPart]:
 def part_f1(answer: str, gold: str) -> float:
     """The best token F1 of `gold` against one `;`-separated part of the answer (or all)."""
     pieces = [strip_markers(p) for p in answer.split(";")] + [strip_markers(answer)]
-    return max(token_f1(p, gold) for p in pieces)
+    return max(answer_f1(p, gold) for p in pieces)
 
 
 async def ask_one(
@@ -178,8 +178,8 @@ async def ask_one(
     outcome.answerable = getattr(question, "answerable", True)
     answer = strip_markers(result.answer)
     draft = strip_markers(result.answer or result.draft_answer)
-    outcome.draft_f1 = max((token_f1(draft, gold) for gold in question.answers), default=0.0)
-    outcome.f1 = max((token_f1(answer, gold) for gold in question.answers), default=0.0)
+    outcome.draft_f1 = max((answer_f1(draft, gold) for gold in question.answers), default=0.0)
+    outcome.f1 = max((answer_f1(answer, gold) for gold in question.answers), default=0.0)
     outcome.em = max(
         (float(normalise(answer) == normalise(g)) for g in question.answers), default=0.0
     )

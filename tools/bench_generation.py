@@ -304,7 +304,7 @@ def buried_cases(passages, questions, count: int, distractors: int):
 def kv_type_rows(args, passages, questions, logs: Path, base_env: dict, rows: list[str]) -> None:
     """Per KV cache type: engine memory, decode tok/s and answer F1 with the gold paragraph
     buried in about `--long-tokens` tokens of other passages."""
-    from ragline_app.evaluation import token_f1
+    from ragline_app.evaluation import answer_f1
     from ragline_services.orchestrator.evidence import strip_markers
 
     cases = buried_cases(passages, questions, args.long_questions, distractors=40)
@@ -341,7 +341,7 @@ def kv_type_rows(args, passages, questions, logs: Path, base_env: dict, rows: li
                         tenant = uuid.uuid4().hex
                         final = (await run_one(stub, request, tenant=tenant))["final"]
                         answer = strip_markers(final.text).strip()
-                        f1s.append(max(token_f1(answer, g) for g in question.answers))
+                        f1s.append(max(answer_f1(answer, g) for g in question.answers))
                         tokens.append(final.usage.input_tokens)
                         # decode speed at long context: 64 tokens after the same prompt
                         # (same tenant: the prompt's KV is reused, only decoding is new)
@@ -495,7 +495,7 @@ def weights_rows(args, passages, questions, logs: Path, base_env: dict, rows: li
     model, so the comparison is across models at the precision each ships): SQuAD dev
     answer F1 with the gold paragraph as the evidence, prefill and decode tok/s."""
     from ragline.models import ModelStore
-    from ragline_app.evaluation import token_f1
+    from ragline_app.evaluation import answer_f1
     from ragline_services.orchestrator.evidence import strip_markers
 
     by_id = {p.id: p for p in passages}
@@ -520,7 +520,7 @@ def weights_rows(args, passages, questions, logs: Path, base_env: dict, rows: li
                         _, request = answer_request(evidence, q.text)
                         final = (await run_one(stub, request, tenant=uuid.uuid4().hex))["final"]
                         answer = strip_markers(final.text).strip()
-                        f1s.append(max(token_f1(answer, g) for g in q.answers))
+                        f1s.append(max(answer_f1(answer, g) for g in q.answers))
                         prefill.append(final.usage.input_tokens / stage_s(final, "prefill"))
                         if final.usage.output_tokens >= 4:
                             decode.append(final.decode_tokens_per_second)
