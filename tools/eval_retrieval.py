@@ -88,7 +88,6 @@ async def evaluate(path: Path, args) -> list[tuple[str, dict]]:
             file=sys.stderr,
         )
         visibility = Visibility("eval")
-        relevant = [q.passage_id for q in questions]
         base = [m for m in (BM25, VECTOR, PREFILTER) if m in args.modes.split(",")]
         runs = [(mode, 0.0) for mode in base]
         if HYBRID in args.modes.split(","):
@@ -101,7 +100,6 @@ async def evaluate(path: Path, args) -> list[tuple[str, dict]]:
             chosen = sorted(random.Random(args.seed).sample(range(len(questions)), count))
             questions = [questions[i] for i in chosen]
             q_vecs = q_vecs[chosen]
-            relevant = [q.passage_id for q in questions]
         texts = {p.id: f"{p.title}. {p.text}" for p in passages}
         rows = []
         rerankers = {r: await _reranker(r == "stage1+2") for r in reranks}
@@ -117,28 +115,52 @@ async def evaluate(path: Path, args) -> list[tuple[str, dict]]:
         for mode, weight in runs:
             rankings, scores = [], []
             for q, vector in zip(questions, q_vecs, strict=True):
-                result = await index.search(visibility, SearchQuery(
-                    q.text, 100, mode, vector=tuple(vector), fusion=args.fusion,
-                    vector_weight=weight, candidates=100,
-                ))  # fmt: skip
+                result = await index.search(
+                    visibility,
+                    SearchQuery(
+                        q.text,
+                        100,
+                        mode,
+                        vector=tuple(vector),
+                        fusion=args.fusion,
+                        vector_weight=weight,
+                        candidates=100,
+                    ),
+                )
                 rankings.append([h.id for h in result.hits])
                 scores.append({h.id: h.score for h in result.hits})
             label = mode if mode != HYBRID else f"hybrid ({args.fusion}, vector weight {weight})"
-            rows.append((label, ranking_metrics(rankings, relevant)))
+            rows += metric_rows(label, rankings, questions)
             for name, built in rerankers.items():
                 started = time.monotonic()
                 reranked = await rerank_rankings(
                     built.reranker, questions, rankings, scores, texts, args
                 )
                 per_query = (time.monotonic() - started) / max(len(questions), 1)
-                rows.append(
-                    (f"{label} + {name} ({per_query * 1000:.0f} ms/query)",
-                     ranking_metrics(reranked, relevant))
-                )  # fmt: skip
+                rows += metric_rows(
+                    f"{label} + {name} ({per_query * 1000:.0f} ms/query)", reranked, questions
+                )
         for built in rerankers.values():
             await built.close()
         index.close()
         return rows
+
+
+def metric_rows(label: str, rankings, questions) -> list[tuple[str, dict]]:
+    """The row of every question, and where some cross languages (the Chinese set), one
+    row for those asked in their paragraph's language and one for the others."""
+    relevant = [q.passage_id for q in questions]
+    rows = [(label, ranking_metrics(rankings, relevant))]
+    if any(q.cross_lingual for q in questions):
+        for name, cross in (("same language", False), ("cross-lingual", True)):
+            chosen = [i for i, q in enumerate(questions) if q.cross_lingual == cross]
+            rows.append(
+                (
+                    f"{label}, {name} ({len(chosen)})",
+                    ranking_metrics([rankings[i] for i in chosen], [relevant[i] for i in chosen]),
+                )
+            )
+    return rows
 
 
 async def _reranker(with_cross_encoder: bool):

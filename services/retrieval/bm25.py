@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -29,8 +28,9 @@ from pathlib import Path
 from typing import Protocol
 
 from ragline.files import atomic_write_text, fsync_directory, fsync_tree
-from ragline.stopwords import STOP_WORDS, without_stop_words
+from ragline.stopwords import STOP_WORDS
 from ragline_services.retrieval import keymap
+from ragline_services.retrieval.analysis import ANALYSIS, Analyzer
 from ragline_services.retrieval.documents import (
     Candidate,
     ResolvedHit,
@@ -40,17 +40,13 @@ from ragline_services.retrieval.documents import (
     split_key,
 )
 
-_NOT_WORD = re.compile(r"[^\w]+", re.UNICODE)
+# Which analysis (analysis.py) made a tenant's index: one made by another is re-indexed.
+ANALYSIS_FILE = "analysis.json"
 # Version of the on-disk layout; an index of another layout is set aside and rebuilt from
 # the write log. 1: one index per tenant. 2: adds the point-id and version fast fields.
 # 3: adds the key map (keys.sqlite).
 LAYOUT = 3
 LAYOUT_FILE = "layout.json"
-
-
-def sanitise(query: str) -> str:
-    """Plain words only: the query grammar's operators and fields are not for callers."""
-    return _NOT_WORD.sub(" ", query).lower().strip()
 
 
 class LexicalIndex(Protocol):
@@ -84,6 +80,12 @@ class LexicalIndex(Protocol):
     ) -> None:
         """Each tenant's index again with only its live documents: no trace of others."""
 
+    def outdated_tenants(self) -> list[str]:
+        """Tenants whose index an earlier analysis made (to be rewritten)."""
+
+    def warm(self) -> None:
+        """Loads what analysis needs (jieba's dictionary) before the first query."""
+
     def close(self) -> None: ...
 
 
@@ -102,11 +104,17 @@ def _schema(tantivy):
 class _TenantIndex:
     """One tenant's tantivy index."""
 
-    def __init__(self, tantivy, schema, directory: Path, heap_bytes: int) -> None:
+    def __init__(
+        self, tantivy, schema, directory: Path, heap_bytes: int, analyzer: Analyzer
+    ) -> None:
         self._tantivy = tantivy
         self.schema = schema
+        self.analyzer = analyzer
+        new = not (directory / "meta.json").exists()
         directory.mkdir(parents=True, exist_ok=True)
         self.index = tantivy.Index(schema, path=str(directory))
+        if new:
+            atomic_write_text(directory / ANALYSIS_FILE, json.dumps({"analysis": ANALYSIS}))
         self.heap_bytes = heap_bytes
 
     def apply(self, upserts: list[StoredDocument], deletes: list[str]) -> None:
@@ -117,11 +125,18 @@ class _TenantIndex:
                 writer.delete_documents_by_term("key", key)
             for doc in upserts:
                 writer.delete_documents_by_term("key", doc.key)
-                writer.add_document(tantivy.Document(
-                    key=doc.key, pid=point_id(doc.key), scope=list(doc.scopes),
-                    attr=doc.attribute_terms, title=doc.title, text=doc.text,
+                document = tantivy.Document(
+                    key=doc.key,
+                    pid=point_id(doc.key),
+                    scope=list(doc.scopes),
+                    attr=doc.attribute_terms,
                     version=doc.version,
-                ))  # fmt: skip
+                )
+                # Stored as written, indexed as analysed (Chinese segmented by jieba).
+                analyse = self.analyzer.pre_tokenized
+                document.add_pre_tokenized_text("title", analyse(tantivy, doc.title))
+                document.add_pre_tokenized_text("text", analyse(tantivy, doc.text))
+                writer.add_document(document)
             writer.commit()
             writer.wait_merging_threads()  # releases the writer (and its lock) now
         finally:
@@ -189,11 +204,17 @@ class Bm25Index:
     """Tantivy behind the LexicalIndex interface, one index per tenant."""
 
     def __init__(
-        self, directory: Path, *, heap_bytes: int = 15_000_000, max_open: int = 256
+        self,
+        directory: Path,
+        *,
+        heap_bytes: int = 15_000_000,
+        max_open: int = 256,
+        analyzer: Analyzer | None = None,
     ) -> None:
         import tantivy
 
         self._tantivy = tantivy
+        self.analyzer = analyzer or Analyzer()
         self.schema = _schema(tantivy)
         self.directory = directory
         self.heap_bytes = heap_bytes
@@ -235,7 +256,7 @@ class Bm25Index:
         path = _tenant_directory(self.directory, tenant)
         if not create and not (path / "meta.json").exists():
             return None
-        opened = _TenantIndex(self._tantivy, self.schema, path, self.heap_bytes)
+        opened = _TenantIndex(self._tantivy, self.schema, path, self.heap_bytes, self.analyzer)
         with self._lock:
             found = self._open.setdefault(tenant, opened)
             self._open.move_to_end(tenant)
@@ -282,7 +303,7 @@ class Bm25Index:
             return
         fresh = path.with_name(path.name + ".rewrite")
         shutil.rmtree(fresh, ignore_errors=True)
-        index = _TenantIndex(self._tantivy, self.schema, fresh, self.heap_bytes)
+        index = _TenantIndex(self._tantivy, self.schema, fresh, self.heap_bytes, self.analyzer)
         index.apply(live, [])
         del index
         fsync_tree(fresh)
@@ -298,7 +319,7 @@ class Bm25Index:
         self._counts[tenant] = reopened.count() if reopened is not None else 0
 
     def search(self, query: str, visibility: Visibility, k: int) -> list[Candidate]:
-        text = " ".join(without_stop_words(sanitise(query).split(), self.stop_words))
+        text = " ".join(self.analyzer.query_words(query, self.stop_words))
         if not text:
             return []
         index = self._tenant(visibility.tenant, create=False)
@@ -315,6 +336,19 @@ class Bm25Index:
             index = self._tenant(tenant, create=False)
             self._counts[tenant] = 0 if index is None else index.count()
         return self._counts[tenant]
+
+    def warm(self) -> None:
+        self.analyzer.warm()
+
+    def outdated_tenants(self) -> list[str]:
+        """Tenants whose index another analysis made (re-indexed by `rewrite`)."""
+        outdated = []
+        for tenant in self.tenants():
+            marker = _tenant_directory(self.directory, tenant) / ANALYSIS_FILE
+            made_by = json.loads(marker.read_text())["analysis"] if marker.exists() else 1
+            if made_by != ANALYSIS:
+                outdated.append(tenant)
+        return outdated
 
     def tenants(self) -> list[str]:
         return [p.name[2:] for p in self.directory.glob("t-*") if (p / "meta.json").exists()]

@@ -247,6 +247,7 @@ class RetrievalIndex:
         self._compacted_bytes = 0
         self._delete_pending_since: float | None = None
         self.compactions = 0
+        self._reanalysis_stopped = False
         # Searches run here, one hop each; never queued behind writes or builds.
         self._query_pool = ThreadPoolExecutor(
             max_workers=settings.query_threads, thread_name_prefix="retrieval-search"
@@ -832,6 +833,30 @@ class RetrievalIndex:
             return False
         await self.compact_log("size" if by_size else "forget")
         return True
+
+    def stop_reanalysis(self) -> None:
+        """The re-indexing stops after its current pass (what is left: at the next start)."""
+        self._reanalysis_stopped = True
+
+    async def reanalyse(self, tenants_per_pass: int = 16) -> int:
+        """Re-indexes in the background each tenant's BM25 index that an earlier lexical
+        analysis made (analysis.py), from the write log; each answers as before until its
+        new index is swapped in. Returns how many tenants it re-indexed."""
+        outdated = await asyncio.to_thread(self.bm25.outdated_tenants)
+        started = time.monotonic()
+        for start in range(0, len(outdated), tenants_per_pass):
+            if self._reanalysis_stopped:
+                return start
+            # One read of the log per pass, holding the live documents of these tenants.
+            chosen = set(outdated[start : start + tenants_per_pass])
+            await asyncio.to_thread(self.bm25.rewrite, chosen, self._live_documents)
+        if outdated:
+            log.info(
+                "retrieval.bm25_reanalysed",
+                tenants=len(outdated),
+                seconds=round(time.monotonic() - started, 3),
+            )
+        return len(outdated)
 
     async def compact_log(self, why: str = "asked") -> tuple[int, int]:
         """Rewrites the log with only what a replay can need (wal.py): the text of

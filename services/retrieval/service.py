@@ -114,6 +114,7 @@ class RetrievalService(Service):
         self.index: RetrievalIndex | None = None
         self.embedding_version = ""
         self._probe: asyncio.Future | None = None
+        self._reanalysing: asyncio.Future | None = None
         self._embedder = connect("embedding", embedding_pb2_grpc.EmbeddingServiceStub, common)
         self.notices = ForgetNotices(
             forget_targets(common) if config.forget_notice_retry_s else [],
@@ -251,6 +252,7 @@ class RetrievalService(Service):
             forget_after_s=cfg.forget_after_s,
         )
         index = RetrievalIndex(directory, vectors, settings, self.embed, self.notices.notify)
+        index.bm25.warm()  # jieba's dictionary, before the first query pays for it
         replayed = index.replay()
         log.info("retrieval.replayed", records=replayed, index_version=index.applied_seq)
         return index
@@ -263,6 +265,7 @@ class RetrievalService(Service):
         self._builder.start()
         self._model_check.start()
         self.notices.start()
+        self._reanalysing = asyncio.ensure_future(self.index.reanalyse())
 
     async def _probe_embedding_model(self) -> None:
         """Asks the embedding service its model once it answers, so that a change of
@@ -288,6 +291,11 @@ class RetrievalService(Service):
         await self._model_check.stop()
         if self._probe is not None:
             self._probe.cancel()
+        if self._reanalysing is not None:
+            # A pass runs in a thread a cancel would not stop: the current one ends first.
+            self.index.stop_reanalysis()
+            with contextlib.suppress(Exception):
+                await self._reanalysing
         if self._adopting is not None:
             self._adopting.cancel()
             with contextlib.suppress(asyncio.CancelledError):

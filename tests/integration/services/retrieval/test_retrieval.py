@@ -46,6 +46,45 @@ async def test_ingest_then_search_in_every_mode(launcher, embedding_service, tmp
     await client.close()
 
 
+async def test_chinese_and_mixed_questions_find_their_passage(
+    launcher, embedding_service, tmp_path
+):
+    """Chinese segmented for BM25 (jieba), in the service as deployed: a Chinese question
+    and a mixed Chinese-English one find their passage in BM25 and HYBRID, and the text
+    comes back as written."""
+    service = start_retrieval(launcher, embedding_service, tmp_path / "index")
+    client = Client(service.address)
+    docs = [
+        {
+            "id": "kv",
+            "title": "KV Cache 设计",
+            "text": "高频 query 的 KV Cache 存放在 Redis 中，TTL 为 10 分钟，每次命中都会续期。",
+        },
+        {
+            "id": "hnsw",
+            "title": "检索笔记",
+            "text": "HNSW 重建期间为了不阻塞查询，采用双缓冲索引：新索引在后台构建。",
+        },
+        {
+            "id": "river",
+            "title": "长江",
+            "text": "长江是中国第一长河，全长约6300公里，最终在上海注入东海。",
+        },
+        *squad_docs(10)[0],
+    ]
+    await client.upsert("acme", docs)
+    for mode in ("bm25", "hybrid"):
+        for question, expected in (
+            ("哪条河最终注入东海？", "river"),
+            ("HNSW 重建会阻塞查询吗？", "hnsw"),
+            ("KV Cache 的 TTL 是多少？", "kv"),
+        ):
+            result = await client.search("acme", question, mode, k=3, include_text=True)
+            assert [h.id for h in result.hits][:1] == [expected], (mode, question)
+    assert result.hits[0].text == docs[0]["text"]  # stored as written, not as segmented
+    await client.close()
+
+
 async def test_a_tenant_cannot_read_another_tenants_counters(launcher, embedding_service, tmp_path):
     # A build after every 4 writes: its timing would show acme globex's write rate.
     service = start_retrieval(launcher, embedding_service, tmp_path / "index", rebuild_after=4)
@@ -271,10 +310,14 @@ def test_kill_9_while_writes_are_in_flight_loses_none_acknowledged_and_tears_non
         for round_ in range(10_000):
             ids = [f"w{number}-r{round_}-{i}" for i in range(batch)]
             docs = [
-                {"id": doc_id, "title": "", "text": f"{doc_id} payload " * 20,
-                 "vector": rng.normal(size=384).tolist()}
+                {
+                    "id": doc_id,
+                    "title": "",
+                    "text": f"{doc_id} payload " * 20,
+                    "vector": rng.normal(size=384).tolist(),
+                }
                 for doc_id in ids
-            ]  # fmt: skip
+            ]
             in_flight += 1
             try:
                 await client.upsert("acme", docs)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ragline.errors import FailedPrecondition, InvalidArgument
+from ragline_services.retrieval.analysis import Analyzer
 from ragline_services.retrieval.documents import (
     Visibility,
     doc_key,
@@ -694,3 +695,70 @@ async def test_stopping_waits_for_a_write_whose_caller_went_away(tmp_path):
     found = await reopened.search(ACME, SearchQuery("written while stopping", 1, BM25))
     assert [h.id for h in found.hits] == ["late"]
     reopened.close()
+
+
+CHINESE = [
+    DocumentInput(
+        "kv", "KV Cache 设计", "高频 query 的 KV Cache 存放在 Redis 中，TTL 为 10 分钟。"
+    ),
+    DocumentInput(
+        "hnsw", "检索笔记", "HNSW 重建期间为了不阻塞查询，采用双缓冲索引，新索引后台构建。"
+    ),
+    DocumentInput("river", "长江", "长江是中国第一长河，全长约6300公里，最终在上海注入东海。"),
+    DocumentInput("paris", "Paris", "Paris is the capital of France on the Seine river."),
+]
+
+
+@pytest.mark.parametrize(
+    ("question", "expected"),
+    [
+        ("长江在哪里注入东海？", "river"),  # Chinese
+        ("HNSW 重建会阻塞查询吗", "hnsw"),  # mixed, spaced
+        ("HNSW重建", "hnsw"),  # mixed, unspaced
+        ("KV Cache 的 TTL 是多少", "kv"),
+        ("Which river flows through Paris?", "paris"),  # English beside them
+    ],
+)
+async def test_chinese_and_mixed_questions_find_their_passage_in_bm25(tmp_path, question, expected):
+    index = open_index(tmp_path)
+    await index.upsert("acme", CHINESE)
+    assert ids(await index.search(ACME, SearchQuery(question, 1, BM25))) == [expected]
+    index.close()
+
+
+class FirstAnalysis(Analyzer):
+    """How indexes were made before Chinese segmentation (analysis 1): tantivy's en_stem
+    over the raw text, where a run of Chinese between punctuation was one token."""
+
+    def document_tokens(self, text):
+        self._segmenter()
+        return [(word, 0, 0) for word in self._english.analyze(text)]
+
+
+async def test_an_index_made_by_the_old_analysis_answers_and_is_reindexed(tmp_path):
+    """An index built before Chinese segmentation keeps answering English as before, and
+    `reanalyse` (started in the background at start) re-indexes it from the log, after
+    which Chinese questions find their passage."""
+    import json
+
+    index = open_index(tmp_path)
+    index.bm25.analyzer = FirstAnalysis()  # the tenant's index is made with it
+    await index.upsert("acme", CHINESE)
+    marker = tmp_path / "bm25" / "t-acme" / "analysis.json"
+    marker.write_text(json.dumps({"analysis": 1}))
+    index.close()
+
+    index = open_index(tmp_path)
+
+    async def top(question: str) -> list[str]:
+        return ids(await index.search(ACME, SearchQuery(question, 1, BM25)))
+
+    assert await top("Which river flows through Paris?") == ["paris"]
+    assert await top("哪条河注入东海？") == []  # the old index holds sentences, not words
+    assert index.bm25.outdated_tenants() == ["acme"]
+    assert await index.reanalyse() == 1
+    assert await top("哪条河注入东海？") == ["river"]
+    assert await top("Which river flows through Paris?") == ["paris"]
+    assert index.bm25.outdated_tenants() == []
+    assert await index.reanalyse() == 0
+    index.close()
