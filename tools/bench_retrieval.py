@@ -67,9 +67,10 @@ def pct(values, q):
 
 
 def query_vectors(questions: list[str], model: str) -> np.ndarray:
+    from ragline.embedder import QUERY
     from ragline_services.embedding.offline import load_embedder
 
-    return load_embedder(model).embed(questions)
+    return load_embedder(model).embed(questions, kind=QUERY)
 
 
 SOURCE_ENV: dict[str, str] = {}  # PYTHONPATH of the code under test (baseline runs)

@@ -116,12 +116,13 @@ def hard_negatives(
         return {
             q.id: [pid for pid, _ in bm25[q.id] if pid != q.passage_id][:depth] for q in questions
         }
+    from ragline.embedder import QUERY
     from ragline.ranking import score_fusion
     from ragline_services.embedding.offline import load_embedder
 
     embedder = load_embedder(vector_model, threads=threads)
     p_vecs = embedder.embed([f"{p.title}. {p.text}" for p in passages])
-    q_vecs = embedder.embed([q.text for q in questions])
+    q_vecs = embedder.embed([q.text for q in questions], kind=QUERY)
     ids = [p.id for p in passages]
     out = {}
     for q, vector in zip(questions, q_vecs, strict=True):

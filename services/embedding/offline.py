@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ragline.batching import bucket_groups, pad
-from ragline.embedder import texts_per_run
+from ragline.embedder import PASSAGE, QUERY, input_prefixes, texts_per_run
 from ragline.embedding_backends import OnnxRuntimeBackend
 from ragline.models import ModelSpec, ModelStore
 from ragline.tokenization import Tokenizer
@@ -22,9 +22,13 @@ class OfflineEmbedder:
     tokenizer: Tokenizer
     spec: ModelSpec
 
-    def embed(self, texts: list[str], batch: int = 32) -> np.ndarray:
+    def embed(self, texts: list[str], batch: int = 32, kind: str = PASSAGE) -> np.ndarray:
         """Vectors of `texts` (L2-normalised), batched by length bucket like the service,
-        and, like it, only as many per run as the model allows: the service's vectors."""
+        and, like it, only as many per run as the model allows, each after the prefix the
+        model wants for its `kind` (an e5 model's "query: "): the service's vectors."""
+        prefix = input_prefixes(self.spec.extra).get(kind, "")
+        if prefix:
+            texts = [prefix + text for text in texts]
         batch = texts_per_run(self.spec, batch)
         tokens = self.tokenizer.encode(texts, refuse_over_limit=False)
         out = np.empty((len(texts), self.backend.dim), dtype=np.float32)
@@ -65,7 +69,7 @@ def squad_vectors(
     embedder = load_embedder(model, threads=threads)
     started = time.monotonic()
     p = embedder.embed([f"{x.title}. {x.text}" for x in passages])
-    q = embedder.embed([x.text for x in questions])
+    q = embedder.embed([x.text for x in questions], kind=QUERY)
     print(
         f"embedded {len(p)} passages, {len(q)} questions in {time.monotonic() - started:.0f} s",
         file=sys.stderr,

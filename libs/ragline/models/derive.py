@@ -211,7 +211,14 @@ def smoothed_dynamic_int8(store, spec, target_dir: Path, log: Callable[[str], No
     return _derived(store, spec, target_dir, log, quantize)
 
 
+def e5_q4_onnx(store, spec, target_dir: Path, log: Callable[[str], None]) -> dict:
+    from ragline.models import e5_q4
+
+    return e5_q4.derive(store, spec, target_dir, log)
+
+
 RECIPES = {
+    "e5-q4-onnx": e5_q4_onnx,
     "static-int8-qdq": static_int8_qdq,
     "dynamic-int8": dynamic_int8,
     "smoothed-dynamic-int8": smoothed_dynamic_int8,

@@ -463,15 +463,12 @@ def derive(store, spec, target_dir: Path, log) -> dict:
     return report
 
 
-def held_out_texts(path: Path, english: int = 60) -> list[str]:
-    """Chinese and mixed lines of `held_out_zh.txt`, and the first Wikipedia leads of the
-    calibration file named (English), each cut to what one 512-token window holds."""
+def held_out_texts(path: Path) -> list[str]:
+    """The Chinese and mixed lines of `held_out_zh.txt` beside the calibration file, and its
+    held-out English Wikipedia leads, each cut to what one 512-token window holds."""
     zh = (path.parent / "held_out_zh.txt").read_text(encoding="utf-8").splitlines()
-    leads = json.loads(path.read_text(encoding="utf-8"))
-    if isinstance(leads, dict):
-        leads = list(leads.values())
-    leads = [lead if isinstance(lead, str) else lead.get("extract", "") for lead in leads]
-    return [t for t in zh if t.strip()] + [lead[:1500] for lead in leads[:english] if lead]
+    english = json.loads(path.read_text(encoding="utf-8"))["held_out"]
+    return [t for t in zh if t.strip()] + [lead[:1500] for lead in english if lead]
 
 
 def _graph_vectors(directory: Path, texts: list[str], extra: dict) -> np.ndarray:
