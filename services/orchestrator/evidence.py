@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ragline import control_tokens
+from ragline import control_tokens, words
 
 if TYPE_CHECKING:
     from ragline_services.orchestrator.answerability import Signals
@@ -36,6 +36,9 @@ SYSTEM_PROMPT = (
 )
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]?\s+(?=[A-Z0-9\"'(\[])")
+# Chinese sentences end at 。！？； (closing quotes and brackets kept with them), with or
+# without a space after.
+_SENTENCE_END_ZH = re.compile(r"(?<=[。！？；])[\u201d\u2019」』）]?(?=\S)")
 _WORD = re.compile(r"[A-Za-z0-9]+(?:'[a-z]+)?")
 _MARKER = re.compile(r"\[(\d{1,3})\]")
 # Function words carry no evidence of an answer (they match nearly every sentence).
@@ -48,19 +51,30 @@ STOPWORDS = frozenset(
 
 
 def tokens_estimate(text: str) -> int:
-    """Prompt tokens of `text` for the generation models (BPE on English prose averages
-    about 4 characters a token; rounding up keeps the budget honest)."""
-    return max(1, math.ceil(len(text) / 3.8))
+    """Prompt tokens of `text` for the generation models: BPE on English prose averages
+    about 4 characters a token, a Chinese character up to one; rounding up keeps the
+    budget honest."""
+    han = sum(len(run) for run in words.HAN.findall(text))
+    return max(1, han + math.ceil((len(text) - han) / 3.8))
 
 
 def content_words(text: str) -> list[str]:
-    return [w for w in (m.lower() for m in _WORD.findall(text)) if w not in STOPWORDS]
+    """English words without function words, then the terms of any Chinese in `text`
+    (`ragline.words.han_terms`: character bigrams of its words, question words out)."""
+    found = [w for w in (m.lower() for m in _WORD.findall(text)) if w not in STOPWORDS]
+    return found + words.han_terms(text) if words.has_han(text) else found
 
 
 def split_sentences(text: str) -> list[str]:
-    """Sentences, cut at sentence ends and at line breaks (a line is never two sentences'
-    halves: lists, headings and quoted turns end with their line)."""
-    return [s.strip() for line in text.splitlines() for s in _SENTENCE_END.split(line) if s.strip()]
+    """Sentences, cut at sentence ends (English and Chinese) and at line breaks (a line is
+    never two sentences' halves: lists, headings and quoted turns end with their line)."""
+    return [
+        s.strip()
+        for line in text.splitlines()
+        for english in _SENTENCE_END.split(line)
+        for s in _SENTENCE_END_ZH.split(english)
+        if s.strip()
+    ]
 
 
 @dataclass(frozen=True)
@@ -135,7 +149,7 @@ def candidate_sentences(passages: list[Passage]) -> list[Sentence]:
     for p_index, passage in enumerate(passages):
         for position, text in enumerate(split_sentences(passage.text)):
             text = as_data(text)
-            if addresses_the_model(text) or not _WORD.search(text):
+            if addresses_the_model(text) or not (_WORD.search(text) or words.has_han(text)):
                 continue
             out.append(Sentence(p_index, position, text, tokens_estimate(text)))
     return out

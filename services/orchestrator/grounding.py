@@ -5,7 +5,8 @@ answer against its own citations.
 
 An answer is built to be short ("a few words copied from the evidence"), so copying is
 what is checked: every number exactly, and at least `MIN_WORD_SHARE` of the content words
-(light stemming: "rivers" matches "river"). A bare yes or no copies nothing; it is
+(light stemming: "rivers" matches "river"; Chinese as the character bigrams of its words,
+`ragline.words`). A bare yes or no copies nothing; it is
 supported when the cited text holds the question's own terms (it speaks of what was asked).
 """
 
@@ -15,6 +16,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ragline.words import has_han
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
 
@@ -61,7 +63,13 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
             return Support(False, ("anything the question does not already say",))
     missing_numbers = sorted(_numbers(text) - _numbers(source))
     wanted = list(dict.fromkeys(answerability.terms(text)))
-    missing_words = [w for w in wanted if w not in source_terms and not w.isdigit()]
+    # A Chinese term is copied when the cited text holds its characters (jieba may have
+    # cut the passage around them otherwise: "全长约" is one word there, "约" one here).
+    missing_words = [
+        w
+        for w in wanted
+        if w not in source_terms and not w.isdigit() and not (has_han(w) and w in source)
+    ]
     counted = [w for w in wanted if not w.isdigit()]
     share = 1.0 - len(missing_words) / len(counted) if counted else 1.0
     if not counted and not _numbers(text):

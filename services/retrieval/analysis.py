@@ -20,11 +20,11 @@ background (bm25.py), and answers meanwhile as before.
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 import unicodedata
 
+from ragline import words
 from ragline.stopwords import CHINESE_STOP_WORDS, STOP_WORDS
 
 # 1: tantivy's en_stem over the raw text (a Chinese sentence was one token). 2: this.
@@ -32,7 +32,7 @@ ANALYSIS = 2
 
 # CJK Unified Ideographs, Extension A and the Compatibility block: the characters jieba
 # segments; kana and Hangul stay with en_stem (one token per run, as before).
-_HAN = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
+_HAN = words.HAN
 _NOT_WORD = re.compile(r"[^\w]+", re.UNICODE)
 _MAX_TOKEN_BYTES = 40  # en_stem's remove_long
 
@@ -53,14 +53,8 @@ class Analyzer:
         if self._jieba is None:
             with self._lock:
                 if self._jieba is None:
-                    import jieba
                     import tantivy
 
-                    jieba.setLogLevel(logging.WARNING)
-                    segmenter = jieba.Tokenizer()
-                    # It caches its parsed dictionary in the temp directory when it can
-                    # (and parses it again, about a second, when it cannot).
-                    segmenter.initialize()
                     self._english = (
                         tantivy.TextAnalyzerBuilder(tantivy.Tokenizer.simple())
                         .filter(tantivy.Filter.remove_long(_MAX_TOKEN_BYTES))
@@ -68,7 +62,7 @@ class Analyzer:
                         .filter(tantivy.Filter.stemmer("english"))
                         .build()
                     )
-                    self._jieba = segmenter
+                    self._jieba = words.segmenter()
         return self._jieba
 
     def document_tokens(self, text: str) -> list[tuple[str, int, int]]:
@@ -100,15 +94,15 @@ class Analyzer:
         `stop_words`: the English set (tools compare others)."""
         segmenter = self._segmenter()
         text = unicodedata.normalize("NFKC", query).lower()
-        words: list[str] = []
+        found: list[str] = []
         for start, end, han in _runs(text):
             run = text[start:end]
             if han:
-                words.extend(segmenter.lcut_for_search(run))
+                found.extend(segmenter.lcut_for_search(run))
             else:
-                words.extend(_NOT_WORD.sub(" ", run).split())
-        kept = [w for w in words if w not in stop_words and w not in CHINESE_STOP_WORDS]
-        return kept or words
+                found.extend(_NOT_WORD.sub(" ", run).split())
+        kept = [w for w in found if w not in stop_words and w not in CHINESE_STOP_WORDS]
+        return kept or found
 
 
 def _runs(text: str):

@@ -47,3 +47,19 @@ def test_an_answer_that_only_repeats_the_question_is_not_supported():
     question = "Which river flows through Warsaw?"
     assert not support("The river flows through Warsaw. [1]", CITED, question).supported
     assert support("The Vistula River [1]", CITED, question).supported
+
+
+ZH_CITED = [item("长江是中国第一长河，全长约6300公里，最终在上海注入东海。", "长江")]
+
+
+def test_a_chinese_answer_is_checked_by_its_words():
+    """Chinese has no spaces: its terms are jieba's words as character bigrams, so what an
+    answer copies is found whatever jieba cut around it in the passage."""
+    assert support("上海 [1]", ZH_CITED, "长江在哪里注入东海？").supported
+    assert support("约6300公里", ZH_CITED, "长江全长多少？").supported
+    assert support("在上海注入东海", ZH_CITED, "长江流向哪里？").supported
+    wrong = support("北京 [1]", ZH_CITED, "长江在哪里注入东海？")
+    assert not wrong.supported and "北京" in wrong.missing
+    assert not support("约5000公里", ZH_CITED, "长江全长多少？").supported  # the number
+    # Naming only what the question already said is no answer.
+    assert not support("长江 [1]", ZH_CITED, "长江在哪里注入东海？").supported

@@ -110,3 +110,23 @@ def test_document_text_reaches_the_prompt_as_data():
     for fact in ("The river flows north.", "Ignore the noise in the data.",
                  "They answered with a song.", "The system was designed in 1990."):  # fmt: skip
         assert not ev.addresses_the_model(fact), fact
+
+
+def test_chinese_passages_split_into_sentences_and_are_selected_by_their_words():
+    text = "长江是中国第一长河，全长约6300公里。长江最终在上海注入东海！流域面积约180万平方公里。"
+    assert ev.split_sentences(text) == [
+        "长江是中国第一长河，全长约6300公里。",
+        "长江最终在上海注入东海！",
+        "流域面积约180万平方公里。",
+    ]
+    sentences = ev.candidate_sentences([ev.Passage("river", "长江", text)])
+    assert len(sentences) == 3  # no sentence dropped for having no Latin word
+    scores = ev.lexical_scores("长江在哪里注入东海？", sentences)
+    assert int(scores.argmax()) == 1
+
+
+def test_chinese_text_is_counted_as_a_token_a_character():
+    """Qwen's tokenizer spends up to a token per Chinese character: a budget counted as
+    English prose (4 characters a token) would overrun the context by three times."""
+    assert ev.tokens_estimate("长江是中国第一长河") == 9
+    assert ev.tokens_estimate("The Yangtze is long") == 5  # English as before
