@@ -34,6 +34,18 @@ SYSTEM_PROMPT = (
     "Answer the question from the evidence. Give only the answer: a few words copied from the "
     "evidence, no sentence. Then the passage number in brackets."
 )
+# A question written in Chinese gets the evidence and question labelled in Chinese; the
+# instruction stays English: measured with the small model on 20 questions of the Chinese
+# set (gold passage as evidence), character F1 0.713 so, 0.688 all English, 0.473 with the
+# instruction in Chinese (it then wrote sentences, or only the passage number).
+_LABELS = {"en": ("Evidence:", "Question:", "Answer only this part of it:"),
+           "zh": ("证据：", "问题：", "只回答其中这一部分：")}  # fmt: skip
+
+
+def language_of(question: str) -> str:
+    """The language a question is answered in: "zh" when it holds Chinese, else "en"."""
+    return "zh" if words.has_han(question) else "en"
+
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]?\s+(?=[A-Z0-9\"'(\[])")
 # Chinese sentences end at 。！？； (closing quotes and brackets kept with them), with or
@@ -238,13 +250,14 @@ def user_message(question: str, evidence: Evidence, *, part: str = "") -> str:
     """The prompt's user turn; `part`: the one part of `question` to answer (a lookup of a
     several-part question), which the small model answers well only beside the whole
     question (alone, a lookup like "river through Warsaw" is echoed, not answered)."""
+    evidence_label, question_label, part_label = _LABELS[language_of(question)]
     if part and part.strip().lower() != question.strip().lower():
-        question = f"{question}\nAnswer only this part of it: {part}"
-    lines = ["Evidence:"]
+        question = f"{question}\n{part_label} {part}"
+    lines = [evidence_label]
     for item in evidence.items:
         title = f"{as_data(item.passage.title)}: " if item.passage.title else ""
         lines.append(f"{item.marker} {title}{item.text}")
-    lines += ["", f"Question: {question}"]
+    lines += ["", f"{question_label} {question}"]
     return "\n".join(lines)
 
 

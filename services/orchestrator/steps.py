@@ -558,11 +558,14 @@ async def rerank(ctx: RunContext, step: Step) -> Ranked:
             Amounts(input_tokens=tokens, calls=1),
             lambda r: Amounts(input_tokens=r.usage.input_tokens, calls=1),
         )
-        for skipped in reply.skipped:
+        # A stage whose model does not read the question's language is left out on
+        # purpose (the ranking is the better for it), not for want of time or a model.
+        lacking = [s for s in reply.skipped if not s.reason.startswith("language:")]
+        for skipped in lacking:
             stage = rerank_pb2.RerankStage.Name(skipped.stage).removeprefix("RERANK_STAGE_")
             ctx.degraded.append(f"{stage.lower()}_skipped")
         results = [[h.id, h.score, dict(h.scores)] for h in reply.results]
-        if key and not reply.skipped:  # a degraded ranking is not worth keeping
+        if key and not lacking:  # a degraded ranking is not worth keeping
             entry = {"results": results, "input_tokens": reply.usage.input_tokens}
             await ctx.remember(step, TOOL, key, entry)
     by_id = {p.id: p for p in passages}

@@ -39,6 +39,7 @@ from ragline import deadlines
 from ragline.batching import MicroBatcher
 from ragline.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from ragline.tokenization import Tokenizer
+from ragline.words import has_han
 from ragline_services.rerank.models import dequantize, maxsim_many, quantize
 from ragline_services.rerank.token_store import TokenStore
 
@@ -80,6 +81,19 @@ class RerankOutput:
     input_tokens: int = 0
     stage_seconds: list[tuple[str, float]] = field(default_factory=list)
     queue_wait_s: float = 0.0
+
+
+def reads(scripts: frozenset[str], text: str) -> bool:
+    """Whether a model reading `scripts` (empty: any) reads `text`: one trained on Latin
+    script alone does not read Chinese."""
+    return not scripts or "Han" in scripts or not has_han(text)
+
+
+def language_skip(scripts: frozenset[str]) -> str:
+    return (
+        f"language: the model reads {', '.join(sorted(scripts))} script only, not the "
+        "query's; the candidates keep their order"
+    )
 
 
 class TokenCache:
@@ -241,6 +255,8 @@ class Reranker:
         skip_query_tokens: frozenset[int] = frozenset(),
         embedding_model_version: str = "",
         passage_prefix: str = "",
+        token_scripts: frozenset[str] = frozenset(),
+        pair_scripts: frozenset[str] = frozenset(),
     ) -> None:
         """`embedding_model_version`: how the embedding service names the token model's
         vectors; `passage_prefix`: what that model puts before a passage it embeds (then a
@@ -261,11 +277,25 @@ class Reranker:
         self.skip_query_tokens = skip_query_tokens
         self.embedding_model_version = embedding_model_version
         self.passage_prefix = passage_prefix
+        # The scripts each stage's model reads (the manifest's `scripts`; empty: any).
+        self.token_scripts = token_scripts
+        self.pair_scripts = pair_scripts
         self.costs = {LATE_INTERACTION: StageCost(), CROSS_ENCODER: StageCost()}
 
     async def rerank(self, request: RerankInput) -> RerankOutput:
         _check_ids(request.candidates, "candidates")
         output = RerankOutput(results=[])
+        if not reads(self.token_scripts, request.query):
+            # An English model scoring a Chinese question reorders at random (measured on
+            # the Chinese set: hybrid nDCG@10 0.797, 0.743 after it): the order stands.
+            output.skipped.append((LATE_INTERACTION, language_skip(self.token_scripts)))
+            if not request.late_interaction_only and self.pair_batcher is not None:
+                output.skipped.append((CROSS_ENCODER, language_skip(self.token_scripts)))
+            output.results = [
+                Scored(c.id, float(c.first_stage_score), {})
+                for c in request.candidates[: request.top_k]
+            ]
+            return output
         survivors, stage1 = await self._late_interaction(request, output)
         results = [
             Scored(c.id, float(stage1[c.id]), {LATE_INTERACTION: float(stage1[c.id])})
@@ -275,6 +305,8 @@ class Reranker:
             pass  # the caller's choice: nothing skipped, nothing to report
         elif self.pair_batcher is None:
             output.skipped.append((CROSS_ENCODER, "disabled"))
+        elif not reads(self.pair_scripts, request.query):
+            output.skipped.append((CROSS_ENCODER, language_skip(self.pair_scripts)))
         else:
             chosen = survivors[: self.cross_encoder_candidates]
             reason = self._cannot_afford(CROSS_ENCODER, len(chosen))

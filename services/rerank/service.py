@@ -194,6 +194,12 @@ async def build_reranker(
         cross_encoder_candidates=cfg.cross_encoder_candidates,
         embedding_model_version=store.version(cfg.token_model),
         passage_prefix=input_prefixes(token_spec.extra).get(PASSAGE, ""),
+        token_scripts=frozenset(token_spec.extra.get("scripts", ())),
+        pair_scripts=frozenset(
+            store.spec(cfg.cross_encoder_model).extra.get("scripts", ())
+            if cfg.cross_encoder_model
+            else ()
+        ),
     )
     return Built(reranker, batchers, models)
 

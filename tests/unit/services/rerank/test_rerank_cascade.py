@@ -377,3 +377,31 @@ async def test_a_restarted_reranker_reads_prepared_vectors_from_disk(tmp_path):
     await restarted.flush()  # what a rerank encoded reaches the disk behind its answer
     assert await store.get_many([TokenCache.key("acme", fresh)])
     store.close()
+
+
+async def test_a_question_the_models_do_not_read_keeps_the_order_it_came_in():
+    """English models (scripts = ["Latin"]) do not score a Chinese question: measured on the
+    Chinese set, they lowered hybrid nDCG@10 from 0.797 to 0.743. The candidates keep their
+    first-stage order, each stage reported skipped for the language, and no model runs."""
+    models = Models()
+    reranker = await make(
+        models, token_scripts=frozenset({"Latin"}), pair_scripts=frozenset({"Latin"})
+    )
+    out = await reranker.rerank(RerankInput("acme", "哪条河流经华沙", CANDIDATES, top_k=3))
+    assert [r.id for r in out.results] == ["far", "near", "gold"]
+    assert [stage for stage, _ in out.skipped] == [LATE_INTERACTION, CROSS_ENCODER]
+    assert all(reason.startswith("language:") for _, reason in out.skipped)
+    assert models.token_texts == 0 and models.pairs == 0
+    # An English question is reranked by the same models as before.
+    english = await reranker.rerank(
+        RerankInput("acme", "which river flows through warsaw", CANDIDATES, top_k=2)
+    )
+    assert not english.skipped and english.results[0].id == "gold"
+
+
+async def test_only_the_stage_whose_model_does_not_read_the_question_is_skipped():
+    models = Models()
+    reranker = await make(models, pair_scripts=frozenset({"Latin"}))  # token model: any
+    out = await reranker.rerank(RerankInput("acme", "华沙 river", CANDIDATES, top_k=2))
+    assert out.stages_run == [LATE_INTERACTION]
+    assert [(stage, reason[:9]) for stage, reason in out.skipped] == [(CROSS_ENCODER, "language:")]
