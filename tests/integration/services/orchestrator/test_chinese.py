@@ -64,7 +64,8 @@ async def test_a_chinese_question_is_answered_in_chinese_from_its_passage(
     await documents.close()
     orchestrator = rag_stack.orchestrator()
     result = await ask(orchestrator.address, question, tenant)
-    assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, (result.status, [(e.marker, e.title, e.snippet) for e in result.evidence])
+    evidence = [(e.marker, e.title, e.snippet) for e in result.evidence]
+    assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, (result.status, evidence)
     assert answer.lower() in result.answer.lower(), result.answer
     assert {c.document_id for c in result.citations} == {document}, result.citations
     # The English rerank models leave a Chinese question alone, and that is no degradation.
