@@ -11,8 +11,9 @@ is then run through the orchestrator's own plan steps (embed, BM25, vector searc
 rerank, evidence selection: the executors of services/orchestrator/steps.py, in process,
 against the real services) up to the gate, never generating:
 - answerable: questions about the ingested articles;
-- unanswerable: questions about its held-out articles, and the other collections'
-  questions (asked in this collection's tenant).
+- unanswerable: questions about its held-out articles and those written to have no answer
+  (the Chinese set's), then the other collections' questions (asked in this collection's
+  tenant), as many as the answerable ones.
 
 Writes every question's signals to --out (JSONL), fits the gate's logistic weights on the
 first collection (`--fit`), and reports for each collection the trade-off at each threshold:
@@ -48,7 +49,7 @@ from ragline.v1 import (
     retrieval_pb2_grpc,
 )
 from ragline_app.benchmarks import ensure_ingested, start_stack
-from ragline_app.datasets import held_out_split, load_squad, write_jsonl
+from ragline_app.datasets import held_out_split, load_squad, load_zh_eval, write_jsonl
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator.plan import Kind, Plan, default_rag_plan
 from ragline_services.orchestrator.runner import SUCCEEDED, PlanRunner
@@ -295,6 +296,9 @@ def measure(args) -> list[dict]:
     datasets = args.data or [REPO.parent / "shared/data/squaddev_v1.1.json"]
     loaded = {path.stem: load_squad(path) for path in datasets}
     splits = {name: held_out_split(*found, every=args.hold_out) for name, found in loaded.items()}
+    written_unanswerable = {
+        path.stem: load_zh_eval(path).unanswerable for path in datasets if path.suffix == ".txt"
+    }
     overrides = dict(item.split("=", 1) for item in args.env)
     process, addresses = start_stack(
         args.workdir, overrides, only="budget,embedding,retrieval,rerank"
@@ -306,12 +310,21 @@ def measure(args) -> list[dict]:
             data = write_jsonl(split.passages, args.workdir / "data" / f"{name}.jsonl")
             asyncio.run(ensure_ingested(data, addresses, args.workdir, len(split.passages), tenant))
             rng = random.Random(args.seed)
-            asked = [(q, "answerable") for q in rng.sample(split.answerable, args.questions)]
-            outside = list(split.unanswerable)
-            for other, other_split in splits.items():
-                if other != name:
-                    outside += other_split.answerable + other_split.unanswerable
-            asked += [(q, "unanswerable") for q in rng.sample(outside, args.questions)]
+            count = min(args.questions, len(split.answerable))
+            asked = [(q, "answerable") for q in rng.sample(split.answerable, count)]
+            # Unanswerable: first the collection's own (held-out articles, and questions
+            # written to have no answer, as the Chinese set's), in its language; then
+            # other collections' questions, up to as many as the answerable ones.
+            own = list(split.unanswerable) + list(written_unanswerable.get(name, ()))
+            inside = rng.sample(own, min(count, len(own)))
+            outside = [
+                q
+                for other, other_split in splits.items()
+                if other != name
+                for q in other_split.answerable + other_split.unanswerable
+            ]
+            inside += rng.sample(outside, min(count - len(inside), len(outside)))
+            asked += [(q, "unanswerable") for q in inside]
             found = asyncio.run(collect(addresses, tenant, asked, args.concurrency))
             rows += [{**row, "collection": name} for row in found]
     finally:
