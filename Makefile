@@ -32,7 +32,6 @@ $(TRITON_STAMP):
 llama-server: install
 	$(BIN)/python tools/build_llama_server.py --jobs $$(nproc)
 
-# UP_ARGS: extra `ragline up` options (for example --base-port 0).
 # The models the services' settings name, prepared ahead (downloads, and the derived
 # static int8 graph: ~1 min once per machine) so that no service starts by making one.
 models: install
@@ -43,8 +42,11 @@ models: install
 test-models: install
 	$(BIN)/ragline models prepare qwen2.5-coder-1.5b
 
+# BASE_PORT=0: free ports instead of the default 50100-50105 (`make up BASE_PORT=0`);
+# UP_ARGS: any other `ragline up` options (`make up UP_ARGS="--only budget,embedding"`).
+BASE_PORT ?=
 up: install llama-server models
-	$(BIN)/ragline up $(UP_ARGS)
+	$(BIN)/ragline up $(if $(BASE_PORT),--base-port $(BASE_PORT)) $(UP_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,4 +1,5 @@
-"""README's first command, as a newcomer types it: `make up`, then `ragline ask`.
+"""README's first command, as a newcomer types it: `make up BASE_PORT=0` (README's form
+for free ports), then `ragline ask`.
 
 It runs the default model (Qwen2.5-Coder-0.5B) on the demo corpus that `make up` ingests
 on first start, and expects the right answer with the right source.
@@ -27,10 +28,10 @@ def test_make_up_then_ragline_ask_answers_with_a_citation(tmp_path):
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "RAGLINE_DATA_DIR": str(tmp_path / "data"),
-        "UP_ARGS": "--base-port 0",  # CI may hold the default ports
     }
     up = subprocess.Popen(
-        ["make", "up"],
+        # README's variant for a machine whose default ports are taken (CI's may be).
+        ["make", "up", "BASE_PORT=0"],
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,
