@@ -85,6 +85,46 @@ async def test_chinese_and_mixed_questions_find_their_passage(
     await client.close()
 
 
+async def test_a_multilingual_model_finds_chinese_by_meaning_and_across_languages(
+    launcher, tmp_path
+):
+    """With me5-small-int8 (multilingual-e5-small) as the embedding model: VECTOR search
+    finds a Chinese passage for a Chinese question that shares few of its words, and for an
+    English question about it (the English model ranks by script, not meaning)."""
+    embedding = launcher.start("embedding", env={"RAGLINE_EMBEDDING_MODEL": "me5-small-int8"})
+    service = start_retrieval(launcher, embedding, tmp_path / "index")
+    client = Client(service.address)
+    docs = [
+        {
+            "id": "river",
+            "title": "长江",
+            "text": "长江是中国第一长河，全长约6300公里，最终在上海注入东海。",
+        },
+        {
+            "id": "panda",
+            "title": "大熊猫",
+            "text": "大熊猫是中国特有的哺乳动物，以竹子为主要食物。",
+        },
+        {
+            "id": "tea",
+            "title": "茶",
+            "text": "乌龙茶属于半发酵茶，绿茶是不发酵茶，红茶是全发酵茶。",
+        },
+        {"id": "rail", "title": "高铁", "text": "京沪高铁全长约1318公里，连接北京和上海。"},
+    ]
+    await client.upsert("acme", docs)
+    for question, expected in (
+        ("熊猫平时吃什么？", "panda"),
+        ("What does the giant panda eat?", "panda"),
+        ("Which river is the longest in China?", "river"),
+        ("Which kind of tea is fully fermented?", "tea"),
+    ):
+        result = await client.search("acme", question, "vector", k=1)
+        assert [h.id for h in result.hits] == [expected], question
+        assert result.embedding_model_version.startswith("me5-small-int8@")
+    await client.close()
+
+
 async def test_a_tenant_cannot_read_another_tenants_counters(launcher, embedding_service, tmp_path):
     # A build after every 4 writes: its timing would show acme globex's write rate.
     service = start_retrieval(launcher, embedding_service, tmp_path / "index", rebuild_after=4)
