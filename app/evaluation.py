@@ -8,6 +8,8 @@ import re
 import string
 from collections.abc import Sequence
 
+from ragline.words import has_han
+
 
 def rank_of(ranked: Sequence[str], relevant: str) -> int:
     """1-based rank of the relevant id in `ranked`, 0 when absent."""
@@ -39,7 +41,11 @@ def normalise(text: str) -> str:
 
 
 def token_f1(prediction: str, gold: str) -> float:
-    predicted, expected = normalise(prediction).split(), normalise(gold).split()
+    return _bag_f1(normalise(prediction).split(), normalise(gold).split())
+
+
+def _bag_f1(predicted: list[str], expected: list[str]) -> float:
+    """F1 of the multiset overlap of two bags (of words, or of characters)."""
     common = collections.Counter(predicted) & collections.Counter(expected)
     overlap = sum(common.values())
     if not overlap:
@@ -50,27 +56,18 @@ def token_f1(prediction: str, gold: str) -> float:
 
 # Chinese answers: words are not space-separated, so F1 is over characters (as CMRC 2018
 # and DuReader score), punctuation and spaces of either script left out.
-_CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
 _NOT_COUNTED = set(string.punctuation) | set(
     "，。！？；：、（）《》【】…—·「」『』 \t\n\u201c\u201d\u2018\u2019"
 )
 
 
-def has_cjk(text: str) -> bool:
-    return bool(_CJK.search(text))
-
-
 def char_f1(prediction: str, gold: str) -> float:
-    predicted = [c for c in prediction.lower() if c not in _NOT_COUNTED]
-    expected = [c for c in gold.lower() if c not in _NOT_COUNTED]
-    common = collections.Counter(predicted) & collections.Counter(expected)
-    overlap = sum(common.values())
-    if not overlap:
-        return 0.0
-    precision, recall = overlap / len(predicted), overlap / len(expected)
-    return 2 * precision * recall / (precision + recall)
+    return _bag_f1(
+        [c for c in prediction.lower() if c not in _NOT_COUNTED],
+        [c for c in gold.lower() if c not in _NOT_COUNTED],
+    )
 
 
 def answer_f1(prediction: str, gold: str) -> float:
     """SQuAD's token F1, or character F1 when the gold answer is Chinese."""
-    return char_f1(prediction, gold) if has_cjk(gold) else token_f1(prediction, gold)
+    return char_f1(prediction, gold) if has_han(gold) else token_f1(prediction, gold)

@@ -42,6 +42,15 @@ class Notice:
     first_failed: float | None = None
     attempts: int = 0
 
+    def described(self) -> dict:
+        """What a log line says of it."""
+        return {
+            "target": self.target.name,
+            "tenant": self.tenant,
+            "ids": len(self.ids),
+            "attempts": self.attempts,
+        }
+
 
 @dataclass
 class NoticeCounts:
@@ -153,10 +162,7 @@ class ForgetNotices:
             self.counts.pending_ids -= len(notice.ids)
             log.warning(
                 "retrieval.forget_notice_given_up",
-                target=notice.target.name,
-                tenant=notice.tenant,
-                ids=len(notice.ids),
-                attempts=notice.attempts,
+                **notice.described(),
                 error=error,
                 then="the target's own expiry removes what it keeps of them",
             )
@@ -164,11 +170,4 @@ class ForgetNotices:
         self.counts.retried += 1
         notice.due = now + min(LAST_RETRY_S, FIRST_RETRY_S * 2 ** (notice.attempts - 1))
         self._pending.append(notice)
-        log.info(
-            "retrieval.forget_notice_retry",
-            target=notice.target.name,
-            tenant=notice.tenant,
-            ids=len(notice.ids),
-            attempts=notice.attempts,
-            error=error,
-        )
+        log.info("retrieval.forget_notice_retry", **notice.described(), error=error)

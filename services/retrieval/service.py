@@ -308,47 +308,49 @@ class RetrievalService(Service):
             self.index.close()
 
 
+FORGET_CALL_S = 10.0
+# Who keeps copies of document text, and how each is told: (service, stub, method, request).
+_FORGET_CALLS = (
+    (
+        "rerank",
+        rerank_pb2_grpc.RerankServiceStub,
+        "ForgetDocuments",
+        lambda ids: rerank_pb2.ForgetDocumentsRequest(ids=ids),
+    ),
+    (
+        "generation",
+        generation_pb2_grpc.GenerationServiceStub,
+        "ForgetSources",
+        lambda ids: generation_pb2.ForgetSourcesRequest(sources=ids),
+    ),
+)
+
+
 def forget_targets(common) -> list[ForgetTarget]:
     """The services keeping copies of document text that this deployment runs (an address
     set), each told as the tenant, with only the write scope."""
-
-    def caller_client(name: str, stub) -> Callable[[str], ServiceClient] | None:
-        try:
-            target = common.address_of(name)
-        except ConfigError:
-            return None
-        return lambda tenant: ServiceClient(
-            stub,
-            target,
-            hop_margin_s=common.hop_margin_s,
-            caller=Caller(tenant, principal="retrieval", scopes=frozenset({WRITE_SCOPE})),
-        )
-
     targets = []
-    rerank = caller_client("rerank", rerank_pb2_grpc.RerankServiceStub)
-    if rerank is not None:
-
-        async def forget_documents(tenant: str, ids: list[str]) -> None:
-            with deadlines.deadline_scope(FORGET_CALL_S):
-                await rerank(tenant).unary(
-                    "ForgetDocuments", rerank_pb2.ForgetDocumentsRequest(ids=ids)
-                )
-
-        targets.append(ForgetTarget("rerank", forget_documents))
-    generation = caller_client("generation", generation_pb2_grpc.GenerationServiceStub)
-    if generation is not None:
-
-        async def forget_sources(tenant: str, ids: list[str]) -> None:
-            with deadlines.deadline_scope(FORGET_CALL_S):
-                await generation(tenant).unary(
-                    "ForgetSources", generation_pb2.ForgetSourcesRequest(sources=ids)
-                )
-
-        targets.append(ForgetTarget("generation", forget_sources))
+    for name, stub, method, request in _FORGET_CALLS:
+        try:
+            address = common.address_of(name)
+        except ConfigError:
+            continue
+        targets.append(ForgetTarget(name, _forget_call(common, address, stub, method, request)))
     return targets
 
 
-FORGET_CALL_S = 10.0
+def _forget_call(common, address: str, stub, method: str, request) -> Callable:
+    async def forget(tenant: str, ids: list[str]) -> None:
+        client = ServiceClient(
+            stub,
+            address,
+            hop_margin_s=common.hop_margin_s,
+            caller=Caller(tenant, principal="retrieval", scopes=frozenset({WRITE_SCOPE})),
+        )
+        with deadlines.deadline_scope(FORGET_CALL_S):
+            await client.unary(method, request(ids))
+
+    return forget
 
 
 SPEC = ServiceSpec(

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from ragline.words import has_han
 from ragline_app.datasets import load_squad, load_zh_eval
-from ragline_app.evaluation import answer_f1, char_f1, has_cjk
+from ragline_app.evaluation import answer_f1, char_f1
 from support import REPO_ROOT
 
 SET = REPO_ROOT / "app" / "data" / "zh_eval" / "zh_eval_v1.txt"
@@ -18,7 +19,7 @@ def collection():
 
 
 def test_the_set_holds_what_it_must_measure(collection):
-    chinese = [p for p in collection.passages if has_cjk(p.text)]
+    chinese = [p for p in collection.passages if has_han(p.text)]
     assert len(chinese) >= 100
     assert len(collection.questions) + len(collection.unanswerable) >= 300
     assert sum(q.cross_lingual for q in collection.questions) >= 50
@@ -40,9 +41,9 @@ def test_a_same_language_answer_is_quoted_from_its_paragraph(collection):
 
 
 def test_cross_lingual_questions_are_in_the_other_language(collection):
-    chinese_paragraph = {p.id: has_cjk(p.text) for p in collection.passages}
+    chinese_paragraph = {p.id: has_han(p.text) for p in collection.passages}
     for question in collection.questions:
-        same = has_cjk(question.text) == chinese_paragraph[question.passage_id]
+        same = has_han(question.text) == chinese_paragraph[question.passage_id]
         assert same != question.cross_lingual, question.text
 
 
