@@ -37,7 +37,7 @@ from cachetools import TTLCache
 
 from ragline import deadlines
 from ragline.batching import MicroBatcher
-from ragline.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from ragline.errors import DeadlineExceeded, InvalidArgument
 from ragline.tokenization import Tokenizer
 from ragline.words import has_han
 from ragline_services.rerank.models import dequantize, maxsim_many, quantize
@@ -89,10 +89,18 @@ def reads(scripts: frozenset[str], text: str) -> bool:
     return not scripts or "Han" in scripts or not has_han(text)
 
 
-def language_skip(scripts: frozenset[str]) -> str:
+def language_skip(scripts: frozenset[str], query: str, candidates: list[Candidate]) -> str | None:
+    """Why a model reading `scripts` cannot score the query against the candidates (None:
+    it can): it must read the query and every candidate it would score."""
+    if not reads(scripts, query):
+        what = "the query"
+    elif not all(reads(scripts, c.text) for c in candidates):
+        what = "every candidate"
+    else:
+        return None
     return (
-        f"language: the model reads {', '.join(sorted(scripts))} script only, not the "
-        "query's; the candidates keep their order"
+        f"language: the model reads {', '.join(sorted(scripts))} script only, not "
+        f"{what}; the candidates keep their order"
     )
 
 
@@ -254,13 +262,16 @@ class Reranker:
         deadline_margin_s: float = 0.005,
         skip_query_tokens: frozenset[int] = frozenset(),
         embedding_model_version: str = "",
+        query_prefix: str = "",
         passage_prefix: str = "",
         token_scripts: frozenset[str] = frozenset(),
         pair_scripts: frozenset[str] = frozenset(),
     ) -> None:
         """`embedding_model_version`: how the embedding service names the token model's
-        vectors; `passage_prefix`: what that model puts before a passage it embeds (then a
-        plain run of the passage is not its embedding, and none is offered)."""
+        vectors; `query_prefix` / `passage_prefix`: what that model puts before a query / a
+        passage it embeds ("query: ", "passage: " for multilingual-e5). Texts are run with
+        them, as the model was trained to read them, so that a passage's run is also its
+        embedding; the prefix's own token vectors are left out of what MaxSim reads."""
         self.token_tokenizer = token_tokenizer
         self.token_batcher = token_batcher
         self.pair_tokenizer = pair_tokenizer
@@ -276,7 +287,10 @@ class Reranker:
         self.deadline_margin_s = deadline_margin_s
         self.skip_query_tokens = skip_query_tokens
         self.embedding_model_version = embedding_model_version
-        self.passage_prefix = passage_prefix
+        self.query_prefix, self.passage_prefix = query_prefix, passage_prefix
+        self._prefix_rows = {
+            prefix: self._leading_tokens(prefix) for prefix in {query_prefix, passage_prefix}
+        }
         # The scripts each stage's model reads (the manifest's `scripts`; empty: any).
         self.token_scripts = token_scripts
         self.pair_scripts = pair_scripts
@@ -285,12 +299,13 @@ class Reranker:
     async def rerank(self, request: RerankInput) -> RerankOutput:
         _check_ids(request.candidates, "candidates")
         output = RerankOutput(results=[])
-        if not reads(self.token_scripts, request.query):
+        unread = language_skip(self.token_scripts, request.query, request.candidates)
+        if unread:
             # An English model scoring a Chinese question reorders at random (measured on
             # the Chinese set: hybrid nDCG@10 0.797, 0.743 after it): the order stands.
-            output.skipped.append((LATE_INTERACTION, language_skip(self.token_scripts)))
+            output.skipped.append((LATE_INTERACTION, unread))
             if not request.late_interaction_only and self.pair_batcher is not None:
-                output.skipped.append((CROSS_ENCODER, language_skip(self.token_scripts)))
+                output.skipped.append((CROSS_ENCODER, unread))
             output.results = [
                 Scored(c.id, float(c.first_stage_score), {})
                 for c in request.candidates[: request.top_k]
@@ -305,8 +320,10 @@ class Reranker:
             pass  # the caller's choice: nothing skipped, nothing to report
         elif self.pair_batcher is None:
             output.skipped.append((CROSS_ENCODER, "disabled"))
-        elif not reads(self.pair_scripts, request.query):
-            output.skipped.append((CROSS_ENCODER, language_skip(self.pair_scripts)))
+        elif unread := language_skip(
+            self.pair_scripts, request.query, survivors[: self.cross_encoder_candidates]
+        ):
+            output.skipped.append((CROSS_ENCODER, unread))
         else:
             chosen = survivors[: self.cross_encoder_candidates]
             reason = self._cannot_afford(CROSS_ENCODER, len(chosen))
@@ -348,12 +365,6 @@ class Reranker:
                 "documents", "is empty and no query was given; send documents, a query or both"
             )
         _check_ids(documents, "documents")
-        if embeddings and self.passage_prefix:
-            raise FailedPrecondition(
-                f"the token model embeds passages after the prefix {self.passage_prefix!r}, "
-                "so its token run is not a passage's embedding; call EmbeddingService.Embed",
-                reason="EMBEDDINGS_UNAVAILABLE",
-            )
         output = PrepareOutput()
         if query:
             key = QueryCache.key(tenant, query)
@@ -397,7 +408,9 @@ class Reranker:
             return None
 
     async def _encode_query(self, tenant: str, query: str, deadline: float | None) -> EncodedQuery:
-        tokenized = self.token_tokenizer.encode([query], refuse_over_limit=False)
+        tokenized = self.token_tokenizer.encode(
+            [self.query_prefix + query], refuse_over_limit=False
+        )
         batch = await self.token_batcher.submit(tokenized, deadline, tenant, urgent=True)
         return EncodedQuery(
             self._query_rows(batch.rows[0].tokens, tokenized[0]), tokenized[0].length
@@ -426,7 +439,9 @@ class Reranker:
                 if entry is not None:
                     found[documents[index].id] = self.cache.put_entry(keys[index], entry)
             missing = [i for i in missing if keys[i] not in stored]
-        texts = ([query] if query is not None else []) + [documents[i].text for i in missing]
+        texts = ([self.query_prefix + query] if query is not None else []) + [
+            self.passage_prefix + documents[i].text for i in missing
+        ]
         if not texts:
             return None, found, 0
         tokenized = self.token_tokenizer.encode(texts, refuse_over_limit=False)
@@ -439,7 +454,8 @@ class Reranker:
         offset = 1 if query is not None else 0
         encoded = {}
         for position, index in enumerate(missing, start=offset):
-            entry = encoded[keys[index]] = quantize(batch.rows[position].tokens)
+            rows = self._text_rows(batch.rows[position].tokens, self.passage_prefix)
+            entry = encoded[keys[index]] = quantize(rows)
             found[documents[index].id] = self.cache.put_entry(keys[index], entry)
         if embeddings:  # every document was encoded, in order
             output.embeddings = [
@@ -487,12 +503,30 @@ class Reranker:
         if self._persisting:
             await asyncio.gather(*self._persisting, return_exceptions=True)
 
+    def _leading_tokens(self, prefix: str) -> int:
+        """How many tokens `prefix` adds before a text (0 for none)."""
+        if not prefix:
+            return 0
+        alone, prefixed = self.token_tokenizer.encode(["x", prefix + "x"], refuse_over_limit=False)
+        return max(prefixed.length - alone.length, 0)
+
+    def _text_rows(self, rows: np.ndarray, prefix: str) -> np.ndarray:
+        """A run's token vectors without those of the prefix the text was run with (unless
+        that would leave none: a text cut to nothing by the model's limit)."""
+        skip = self._prefix_rows.get(prefix, 0)
+        return rows[skip:] if len(rows) > skip else rows
+
     def _query_rows(self, rows: np.ndarray, tokenized) -> np.ndarray:
-        """The query's token vectors without the tokens MaxSim should not average over
-        (`skip_query_tokens`: stop words, punctuation), unless that would leave none."""
+        """The query's token vectors without its prefix's and without the tokens MaxSim
+        should not average over (`skip_query_tokens`: stop words, punctuation), unless that
+        would leave none."""
+        skip = self._prefix_rows.get(self.query_prefix, 0)
+        if len(rows) <= skip:
+            skip = 0
+        rows = rows[skip:]
         if not self.skip_query_tokens:
             return rows
-        ids = tokenized.ids[1 : 1 + len(rows)]  # rows leave [CLS] and [SEP] out
+        ids = tokenized.ids[1 + skip : 1 + skip + len(rows)]  # rows leave [CLS], [SEP] out
         keep = np.array([int(i) not in self.skip_query_tokens for i in ids], dtype=bool)
         return rows[keep] if keep.any() else rows
 

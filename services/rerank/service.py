@@ -14,11 +14,11 @@ from pydantic import Field
 from ragline.batching import MicroBatcher
 from ragline.config import ServiceConfig
 from ragline.cores import parallel_runs
-from ragline.embedder import PASSAGE, input_prefixes, texts_per_run
+from ragline.embedder import PASSAGE, QUERY, input_prefixes, texts_per_run
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelSpec, ModelStore
 from ragline.server import Service, ServiceSpec
-from ragline.stopwords import STOP_WORDS
+from ragline.stopwords import CHINESE_STOP_WORDS, STOP_WORDS
 from ragline.tokenization import Tokenizer
 from ragline.v1 import rerank_pb2, rerank_pb2_grpc
 from ragline_services.rerank.cascade import Reranker, TokenCache
@@ -33,7 +33,7 @@ class RerankConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("rerank")
     # Stage 1: an embedding model of the manifest with per-token outputs; the embedding
     # service's model, so that ingest takes a passage's embedding from this run.
-    token_model: str = "minilm-l6-int8-sq"
+    token_model: str = "me5-small-int8"
     # Token vectors are stored projected to this many components, int8. Measured on all of
     # SQuAD dev (10,565 questions, hybrid + stage 1 over the top 30): 128-d 0.924 nDCG@10,
     # 384-d (no projection) 0.926; other 128-d projections in place of the seeded one: PCA
@@ -93,13 +93,20 @@ class RerankConfig(ServiceConfig):
     max_queue_texts_per_tenant: int = Field(0, ge=0)
 
 
+# SentencePiece vocabularies (XLM-R's, multilingual-e5's) mark a word's start with this.
+_WORD_START = "\u2581"
+_SKIPPED_WORDS = STOP_WORDS | CHINESE_STOP_WORDS
+
+
 def skipped_query_tokens(tokenizer: Tokenizer) -> frozenset[int]:
-    """Ids of the tokens late interaction leaves out of a query: stop words, and tokens
-    without a letter or digit (punctuation, special tokens)."""
+    """Ids of the tokens late interaction leaves out of a query: stop words (English and
+    Chinese, as WordPiece or SentencePiece spells them), and tokens without a letter or
+    digit (punctuation, special tokens)."""
     return frozenset(
         token_id
         for token, token_id in tokenizer.vocabulary().items()
-        if token.lower() in STOP_WORDS or not any(c.isalnum() for c in token)
+        if token.removeprefix(_WORD_START).lower() in _SKIPPED_WORDS
+        or not any(c.isalnum() for c in token)
     )
 
 
@@ -193,6 +200,7 @@ async def build_reranker(
         cross_encoder_weight=cfg.cross_encoder_weight,
         cross_encoder_candidates=cfg.cross_encoder_candidates,
         embedding_model_version=store.version(cfg.token_model),
+        query_prefix=input_prefixes(token_spec.extra).get(QUERY, ""),
         passage_prefix=input_prefixes(token_spec.extra).get(PASSAGE, ""),
         token_scripts=frozenset(token_spec.extra.get("scripts", ())),
         pair_scripts=frozenset(
@@ -234,7 +242,10 @@ class RerankService(Service):
         if not cfg.token_store_mb:
             return None
         directory = cfg.token_store_dir or (self.common.data_dir / "rerank")
-        name = store_name(models.version(cfg.token_model), cfg.token_dim, PROJECTION_SEED)
+        # The prefixes are part of what a run encodes: another prefix, another store.
+        prefixes = input_prefixes(models.spec(cfg.token_model).extra)
+        version = "|".join([models.version(cfg.token_model), *sorted(prefixes.values())])
+        name = store_name(version, cfg.token_dim, PROJECTION_SEED)
         token_store = TokenStore(
             directory / name, cfg.token_store_mb << 20, cfg.token_store_retention_s
         )

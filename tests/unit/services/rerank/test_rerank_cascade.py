@@ -10,7 +10,7 @@ import pytest
 
 from ragline import deadlines
 from ragline.batching import MicroBatcher
-from ragline.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from ragline.errors import DeadlineExceeded, InvalidArgument
 from ragline.tokenization import TokenizedText
 from ragline_services.rerank.cascade import (
     CROSS_ENCODER,
@@ -194,12 +194,24 @@ async def test_prepare_with_embeddings_returns_the_run_s_embedding_of_every_docu
     assert (await reranker.prepare("acme", CANDIDATES)).embeddings == []
 
 
-async def test_prepare_refuses_embeddings_when_the_model_embeds_passages_with_a_prefix():
-    reranker = await make(Models(), passage_prefix="passage: ")
-    with pytest.raises(FailedPrecondition, match="prefix") as caught:
-        await reranker.prepare("acme", CANDIDATES, embeddings=True)
-    assert caught.value.reason == "EMBEDDINGS_UNAVAILABLE"
-    assert (await reranker.prepare("acme", CANDIDATES)).prepared == len(CANDIDATES)
+async def test_a_model_trained_with_prefixes_reads_texts_with_them_and_matches_without():
+    """multilingual-e5 reads "query: ..." and "passage: ...": texts are run so, so that a
+    passage's run is also its embedding (one model run per passage at ingest), and the
+    prefix's own token vectors are left out of MaxSim (every passage has them)."""
+    models = Models()
+    reranker = await make(models, query_prefix="query: ", passage_prefix="passage: ")
+    prepared = await reranker.prepare("acme", CANDIDATES, "river warsaw", embeddings=True)
+    expected = await models.tokens(
+        WordTokenizer().encode(["passage: " + c.text for c in CANDIDATES])
+    )
+    for got, want in zip(prepared.embeddings, expected, strict=True):
+        np.testing.assert_array_equal(got.vector, want.embedding)
+    for candidate in CANDIDATES:
+        kept = reranker.cache.get(TokenCache.key("acme", candidate))
+        assert len(kept) == len(candidate.text.split())  # the passage's words alone
+        assert not kept[:, word_id("passage:")].any()
+    query = await reranker.queries.get(QueryCache.key("acme", "river warsaw"))
+    assert len(query.rows) == 2 and not query.rows[:, word_id("query:")].any()
 
 
 QUESTION = "which river flows through warsaw"
@@ -405,3 +417,23 @@ async def test_only_the_stage_whose_model_does_not_read_the_question_is_skipped(
     out = await reranker.rerank(RerankInput("acme", "华沙 river", CANDIDATES, top_k=2))
     assert out.stages_run == [LATE_INTERACTION]
     assert [(stage, reason[:9]) for stage, reason in out.skipped] == [(CROSS_ENCODER, "language:")]
+
+
+async def test_an_english_question_over_chinese_candidates_is_not_scored_by_english_models():
+    """An English model reads a Chinese passage as unknown tokens: it scores an English
+    question against it no better than at random. A stage scores only what its model
+    reads, the query and every candidate it would score; cross-lingual candidates keep
+    the order a multilingual retrieval gave them."""
+    models = Models()
+    reranker = await make(
+        models, token_scripts=frozenset({"Latin"}), pair_scripts=frozenset({"Latin"})
+    )
+    chinese = [
+        Candidate("far", "华沙是波兰的首都。", 0.9),
+        Candidate("gold", "维斯瓦河流经华沙。", 0.5),
+    ]
+    out = await reranker.rerank(RerankInput("acme", "which river flows through warsaw", chinese))
+    assert [r.id for r in out.results] == ["far", "gold"]
+    assert [stage for stage, _ in out.skipped] == [LATE_INTERACTION, CROSS_ENCODER]
+    assert all("every candidate" in reason for _, reason in out.skipped)
+    assert models.token_texts == 0 and models.pairs == 0
