@@ -29,18 +29,46 @@ from ragline_services.orchestrator.runner import Abstain
 
 NO_RELEVANT_EVIDENCE = "no_relevant_evidence"
 
-# The logistic model over (similarity, coverage, key_terms), fitted by
-# `tools/calibrate_gate.py` on SQuAD dev (every 4th article held out; 600 answerable and 600
-# unanswerable questions, seed 11) with the default stack's embedding model
-# (minilm-l6-int8-sq); new_wiki was the held-out check. Refit when the embedding model
-# changes: `similarity` is that model's cosine. The curve and figures: docs/answer-states.md.
-WEIGHTS = (18.417, 4.433, 1.288)
-BIAS = -13.234
-# Without the similarity (the embedding service down: evidence chosen by words alone), the
-# same fit over (coverage, key_terms). Weaker: at 0.25 it lets through 39% of SQuAD dev's
-# unanswerable questions (the full model 15%); the answer is PARTIAL then anyway.
-LEXICAL_WEIGHTS = (7.804, 2.189)
-LEXICAL_BIAS = -5.564
+
+@dataclass(frozen=True)
+class GateModel:
+    """A logistic model over signals: one weight per signal, in order, and a bias."""
+
+    weights: tuple[float, ...]
+    bias: float
+
+    def probability(self, values: Sequence[float]) -> float:
+        z = self.bias + sum(w * x for w, x in zip(self.weights, values, strict=True))
+        return 1 / (1 + math.exp(-z))
+
+
+# The logistic model over (similarity, coverage, key_terms), one per embedding model family:
+# `similarity` is that model's cosine, and its scale is the model's own (a question and an
+# unrelated sentence score ~0.3 with MiniLM, ~0.75 with multilingual-e5). Builds of one model
+# (fp32, int8, 4-bit) share its scale and its fit. Each is fitted by `tools/calibrate_gate.py`
+# on SQuAD dev alone (every 4th article held out; 600 answerable against 600 unanswerable
+# questions, seed 11) with the default stack of its time; new_wiki and the Chinese set are
+# the held-out checks. Figures: docs/answer-states.md.
+FITTED: dict[str, GateModel] = {
+    "minilm-l6": GateModel((18.417, 4.433, 1.288), -13.234),
+    "me5-small": GateModel((70.462, 6.232, 0.877), -63.121),
+}
+# Without the similarity (the embedding service down: evidence chosen by words alone; or an
+# embedding model no fit above knows), the same fit over (coverage, key_terms). Weaker: at
+# 0.25 it lets through 39% of SQuAD dev's unanswerable questions (the full model 15%).
+LEXICAL = GateModel((7.804, 2.189), -5.564)
+LEXICAL_GATE = "lexical"
+
+
+def family_of(model_version: str) -> str:
+    """The fitted family an embedding model ("name@sha256") belongs to, else LEXICAL_GATE:
+    its cosines have no calibrated meaning here."""
+    name = model_version.split("@", 1)[0]
+    for family in FITTED:
+        if name == family or name.startswith(family + "-"):
+            return family
+    return LEXICAL_GATE
+
 
 # Words that open a sentence or name nothing, even in capitals.
 _NOT_KEY = ev.STOPWORDS | frozenset(
@@ -84,16 +112,15 @@ class Signals:
     coverage: float
     key_terms: float  # 1.0 when the question has none
     key_count: int
+    # The fit that judges them: the embedding model's family, or LEXICAL_GATE.
+    gate: str = LEXICAL_GATE
 
     @property
     def probability(self) -> float:
         """The model's estimate that the evidence answers the question."""
-        if self.similarity is None:
-            values, weights, bias = (self.coverage, self.key_terms), LEXICAL_WEIGHTS, LEXICAL_BIAS
-        else:
-            values, weights, bias = (self.similarity, self.coverage, self.key_terms), WEIGHTS, BIAS
-        z = bias + sum(w * x for w, x in zip(weights, values, strict=True))
-        return 1 / (1 + math.exp(-z))
+        if self.similarity is None or self.gate not in FITTED:
+            return LEXICAL.probability((self.coverage, self.key_terms))
+        return FITTED[self.gate].probability((self.similarity, self.coverage, self.key_terms))
 
     def as_dict(self) -> dict[str, float | None]:
         return {
@@ -101,6 +128,7 @@ class Signals:
             "coverage": round(self.coverage, 4),
             "key_terms": round(self.key_terms, 4),
             "key_count": self.key_count,
+            "gate": self.gate,
             "probability": round(self.probability, 4),
         }
 
@@ -119,6 +147,8 @@ class NotAnswerable(Abstain):
                 "no sentence could be embedded"
                 if found.similarity is None
                 else f"best sentence similarity {found.similarity:.2f}"
+                if found.gate in FITTED
+                else "judged by words alone: no gate is fitted to the embedding model"
             )
             + f", question terms covered {found.coverage:.0%}, key terms found "
             f"{found.key_terms:.0%}); nothing was generated",
@@ -133,11 +163,14 @@ def gate(found: Signals, threshold: float, *, part: str = "") -> None:
 
 
 def signals(
-    question: str, passages: Sequence[ev.Passage], similarities: Sequence[float] | None
+    question: str,
+    passages: Sequence[ev.Passage],
+    similarities: Sequence[float] | None,
+    embedding_model: str = "",
 ) -> Signals:
     """The signals of `question` against the candidate passages (the ones whose sentences
     competed for the prompt) and the cosines of the sentences that were embedded (None:
-    none could be)."""
+    none could be) by `embedding_model` ("name@version"; the gate is the one fitted to it)."""
     asked = list(dict.fromkeys(terms(question)))
     bags = [set(terms(f"{p.title} {p.text}")) for p in passages]
     coverage = 0.0
@@ -150,4 +183,6 @@ def signals(
     found = set().union(*bags) if bags else set()
     key_share = sum(k in found for k in keys) / len(keys) if keys else 1.0
     best = None if similarities is None else max((float(x) for x in similarities), default=0.0)
-    return Signals(best, coverage, key_share, len(keys))
+    if best is None:
+        return Signals(None, coverage, key_share, len(keys))
+    return Signals(best, coverage, key_share, len(keys), family_of(embedding_model))

@@ -610,7 +610,15 @@ def ev_text(passage: ev.Passage) -> str:
     return f"{passage.title}. {passage.text}" if passage.title else passage.text
 
 
-async def _embedded(ctx: RunContext, step: Step, texts: list[str]) -> np.ndarray:
+@dataclass(frozen=True)
+class _Embedded:
+    """Rows embedded in one call, and the model ("name@version") that embedded them."""
+
+    values: np.ndarray
+    model: str
+
+
+async def _embedded(ctx: RunContext, step: Step, texts: list[str]) -> _Embedded:
     """`texts` embedded in one call (a model call of the step's), one row each."""
     request = embedding_pb2.EmbedRequest(texts=texts, input_type=embedding_pb2.INPUT_TYPE_PASSAGE)
     reply = await ctx.model_call(
@@ -621,7 +629,9 @@ async def _embedded(ctx: RunContext, step: Step, texts: list[str]) -> np.ndarray
         Amounts(input_tokens=sum(ev.tokens_estimate(t) + 2 for t in texts), calls=1),
         lambda r: Amounts(input_tokens=r.usage.input_tokens, calls=1),
     )
-    return np.asarray([e.values for e in reply.embeddings], np.float32)
+    return _Embedded(
+        np.asarray([e.values for e in reply.embeddings], np.float32), reply.model_version
+    )
 
 
 async def select_evidence(ctx: RunContext, step: Step) -> ev.Evidence:
@@ -632,8 +642,8 @@ async def select_evidence(ctx: RunContext, step: Step) -> ev.Evidence:
     sentences = ev.shortlist(s.question, ev.candidate_sentences(passages), s.embed_sentences)
     if not sentences:
         return ev.Evidence((), 0, 0)
-    similarity = await _sentence_similarity(ctx, step, sentences)
-    found = answerability.signals(s.question, passages, similarity)
+    similarity, model = await _sentence_similarity(ctx, step, sentences)
+    found = answerability.signals(s.question, passages, similarity, model)
     # The gate: evidence that plainly cannot answer ends the run here, before any model
     # writes an answer (the generate step is skipped, no model budget is spent).
     answerability.gate(found, s.answerable_threshold)
@@ -647,7 +657,7 @@ _NO_EMBEDDING = frozenset(
 )
 
 
-async def _embedded_or_none(ctx: RunContext, step: Step, texts: list[str]) -> np.ndarray | None:
+async def _embedded_or_none(ctx: RunContext, step: Step, texts: list[str]) -> _Embedded | None:
     """`_embedded`, or None when the embedding service cannot answer (the run goes on
     without: degraded, `evidence_embedding_unavailable`)."""
     try:
@@ -662,20 +672,22 @@ async def _embedded_or_none(ctx: RunContext, step: Step, texts: list[str]) -> np
 
 async def _sentence_similarity(
     ctx: RunContext, step: Step, sentences: list[ev.Sentence]
-) -> np.ndarray | None:
+) -> tuple[np.ndarray | None, str]:
     """Each sentence's cosine to the question (the embed step's vector, else embedded here
-    beside the sentences); None when the embedding service cannot answer: the answer then
-    stands on lexical evidence, degraded (`evidence_embedding_unavailable`)."""
+    beside the sentences), and the model that embedded them; None when the embedding
+    service cannot answer: the answer then stands on lexical evidence, degraded
+    (`evidence_embedding_unavailable`)."""
     texts = [sentence.text for sentence in sentences]
     question = step.upstream(Kind.EMBED)
     if not isinstance(question, QueryVector):
         texts = [ctx.settings.question, *texts]
-    vectors = await _embedded_or_none(ctx, step, texts)
-    if vectors is None:
-        return None
+    embedded = await _embedded_or_none(ctx, step, texts)
+    if embedded is None:
+        return None, ""
+    vectors = embedded.values
     if isinstance(question, QueryVector):
-        return vectors @ question.values
-    return vectors[1:] @ vectors[0]
+        return vectors @ question.values, embedded.model
+    return vectors[1:] @ vectors[0], embedded.model
 
 
 def _evidence_of(ctx: RunContext, inputs: list[object]) -> ev.Evidence:
@@ -891,6 +903,7 @@ class _Part:
     passages: list[ev.Passage]
     sentences: list[ev.Sentence]
     similarity: np.ndarray | None = None
+    embedding_model: str = ""
 
 
 async def _synthesize(ctx: RunContext, step: Step) -> Answer:
@@ -917,7 +930,9 @@ async def _synthesize(ctx: RunContext, step: Step) -> Answer:
         try:
             if not part.sentences:
                 raise NoEvidence(f"no visible passage answers the part {part.query!r}")
-            found = answerability.signals(part.query, part.passages, part.similarity)
+            found = answerability.signals(
+                part.query, part.passages, part.similarity, part.embedding_model
+            )
             answerability.gate(found, s.answerable_threshold, part=part.query)
         except (NoEvidence, answerability.NotAnswerable):
             if part.required and not s.allow_degrade:
@@ -963,9 +978,10 @@ async def _part_similarities(ctx: RunContext, step: Step, parts: list[_Part]) ->
     ]
     if not texts:
         return parts
-    vectors = await _embedded_or_none(ctx, step, texts)
-    if vectors is None:
+    embedded = await _embedded_or_none(ctx, step, texts)
+    if embedded is None:
         return parts  # each part's evidence is then chosen by its words alone
+    vectors = embedded.values
     out, row = [], 0
     for part in parts:
         if not part.sentences:
@@ -973,7 +989,7 @@ async def _part_similarities(ctx: RunContext, step: Step, parts: list[_Part]) ->
             continue
         query, sentences = vectors[row], vectors[row + 1 : row + 1 + len(part.sentences)]
         row += 1 + len(part.sentences)
-        out.append(replace(part, similarity=sentences @ query))
+        out.append(replace(part, similarity=sentences @ query, embedding_model=embedded.model))
     return out
 
 

@@ -9,6 +9,7 @@ from ragline_services.orchestrator import evidence as ev
 
 WARSAW = ev.Passage("w", "Warsaw", "The Vistula River divides Warsaw. Warsaw has many parks.")
 SKY = ev.Passage("s", "Sky", "Sky UK launched Sky Q in 2016.")
+MINILM = "minilm-l6"
 
 
 def test_key_terms_are_names_and_numbers_after_the_first_word():
@@ -31,8 +32,8 @@ def test_signals_read_coverage_and_key_terms_from_the_candidates():
 
 
 def test_the_gate_abstains_below_its_threshold_and_says_why():
-    relevant = answerability.Signals(similarity=0.75, coverage=0.9, key_terms=1.0, key_count=1)
-    unrelated = answerability.Signals(similarity=0.3, coverage=0.1, key_terms=0.0, key_count=2)
+    relevant = answerability.Signals(0.75, coverage=0.9, key_terms=1.0, key_count=1, gate=MINILM)
+    unrelated = answerability.Signals(0.3, coverage=0.1, key_terms=0.0, key_count=2, gate=MINILM)
     assert relevant.probability > 0.9 > 0.05 > unrelated.probability
     answerability.gate(relevant, 0.35)
     answerability.gate(unrelated, 0.0)  # 0: the gate is off
@@ -51,3 +52,30 @@ def test_without_embeddings_the_gate_reads_words_alone():
     with pytest.raises(answerability.NotAnswerable) as raised:
         answerability.gate(missing, 0.25)
     assert "no sentence could be embedded" in raised.value.detail
+
+
+def test_each_embedding_model_is_judged_by_the_fit_made_for_its_cosines():
+    assert answerability.family_of("minilm-l6-int8-sq@9f2c") == "minilm-l6"
+    assert answerability.family_of("minilm-l6-fp32@77aa") == "minilm-l6"
+    assert answerability.family_of("me5-small-int8@01bc") == "me5-small"
+    assert answerability.family_of("me5-small-q4") == "me5-small"
+    assert answerability.family_of("bge-m3@0000") == answerability.LEXICAL_GATE
+    question, passages = "Which river flows through Warsaw?", [SKY, WARSAW]
+    minilm = answerability.signals(question, passages, [0.6], "minilm-l6-int8-sq@9f2c")
+    me5 = answerability.signals(question, passages, [0.6], "me5-small-int8@01bc")
+    assert (minilm.gate, me5.gate) == ("minilm-l6", "me5-small")
+    # 0.6 is a close match for MiniLM and an unrelated pair for multilingual-e5, whose
+    # cosines sit in ~0.7-0.95
+    assert minilm.probability > 0.5 > me5.probability
+
+
+def test_an_embedding_model_without_a_fit_leaves_the_gate_to_words():
+    unknown = answerability.signals(
+        "Who won the 2030 FIFA World Cup?", [SKY, WARSAW], [0.99], "x@1"
+    )
+    assert unknown.gate == answerability.LEXICAL_GATE and unknown.similarity == 0.99
+    words_alone = answerability.signals("Who won the 2030 FIFA World Cup?", [SKY, WARSAW], None)
+    assert unknown.probability == words_alone.probability < 0.25
+    with pytest.raises(answerability.NotAnswerable) as raised:
+        answerability.gate(unknown, 0.25)
+    assert "no gate is fitted to the embedding model" in raised.value.detail
