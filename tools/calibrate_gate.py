@@ -209,7 +209,7 @@ def report(by_collection: dict[str, list[dict]], fit_on: str, plot_path: Path | 
     print(f"fitted on {fit_on} ({len(rows)} questions):")
     print("  weights " + ", ".join(f"{f} {w:.3f}" for f, w in zip(FEATURES, weights, strict=True)))
     print(f"  bias {bias:.3f}")
-    # The gate's model for runs where no sentence could be embedded (LEXICAL_WEIGHTS).
+    # The gate's model for runs where no sentence could be embedded (answerability.LEXICAL).
     lexical = FEATURES[1:]
     lexical_weights, lexical_bias = fit_logistic(*matrix(rows, lexical))
     print("  without similarity: weights " + ", ".join(

