@@ -18,7 +18,8 @@ time to first token and to the complete answer (p50/p95/p99),
 answers per second, refusals (RESOURCE_EXHAUSTED), failures and deadline misses,
 measured / lower bound of the timing report, SQuAD exact match and token F1 (max over the
 gold answers, citation markers stripped) and how often the gold paragraph reached the
-prompt. --env KEY=VALUE (repeatable) sets service settings for an A/B run.
+prompt, and how often a COMPLETE or PARTIAL answer cited it. --env KEY=VALUE (repeatable)
+sets service settings for an A/B run.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Outcome:
     f1: float = 0.0
     em: float = 0.0
     gold_in_prompt: bool = False
+    gold_cited: bool = False  # a COMPLETE or PARTIAL answer cites the question's paragraph
     answerable: bool = True  # the question's paragraph was ingested
     reason: str = ""
     citations: int = 0
@@ -184,6 +186,9 @@ async def ask_one(
         (float(normalise(answer) == normalise(g)) for g in question.answers), default=0.0
     )
     outcome.gold_in_prompt = any(c.document_id == question.passage_id for c in result.evidence)
+    outcome.gold_cited = outcome.state in ("COMPLETE", "PARTIAL") and any(
+        c.document_id == question.passage_id for c in result.citations
+    )
     return outcome
 
 
@@ -234,8 +239,8 @@ def table(runs: list[Run]) -> str:
     lines = [
         "| configuration | asked | complete / partial / incomplete | refused | failed | "
         "first token p50/p95/p99 (s) | complete p50/p95/p99 (s) | answers/s | "
-        "measured / lower bound p50 | EM | F1 | gold in prompt |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "measured / lower bound p50 | EM | F1 | gold in prompt | gold cited |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         ok = [o for o in run.outcomes if o.ok]
@@ -259,6 +264,7 @@ def table(runs: list[Run]) -> str:
             f"{sum(o.em for o in run.outcomes) / n:.3f}",
             f"{sum(o.f1 for o in run.outcomes) / n:.3f}",
             f"{sum(o.gold_in_prompt for o in run.outcomes) / n:.2f}",
+            f"{sum(o.gold_cited for o in run.outcomes) / n:.2f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -643,7 +643,9 @@ async def select_evidence(ctx: RunContext, step: Step) -> ev.Evidence:
     if not sentences:
         return ev.Evidence((), 0, 0)
     similarity, model = await _sentence_similarity(ctx, step, sentences)
-    found = answerability.signals(s.question, passages, similarity, model)
+    found = answerability.signals(
+        s.question, passages, similarity, model, [x.text for x in sentences]
+    )
     # The gate: evidence that plainly cannot answer ends the run here, before any model
     # writes an answer (the generate step is skipped, no model budget is spent).
     answerability.gate(found, s.answerable_threshold)
@@ -931,7 +933,11 @@ async def _synthesize(ctx: RunContext, step: Step) -> Answer:
             if not part.sentences:
                 raise NoEvidence(f"no visible passage answers the part {part.query!r}")
             found = answerability.signals(
-                part.query, part.passages, part.similarity, part.embedding_model
+                part.query,
+                part.passages,
+                part.similarity,
+                part.embedding_model,
+                [x.text for x in part.sentences],
             )
             answerability.gate(found, s.answerable_threshold, part=part.query)
         except (NoEvidence, answerability.NotAnswerable):

@@ -79,3 +79,25 @@ def test_an_embedding_model_without_a_fit_leaves_the_gate_to_words():
     with pytest.raises(answerability.NotAnswerable) as raised:
         answerability.gate(unknown, 0.25)
     assert "no gate is fitted to the embedding model" in raised.value.detail
+
+
+def test_a_chinese_pair_is_read_on_the_scale_the_fit_was_made_on():
+    """multilingual-e5 scores a Chinese question and a Chinese sentence ~0.07 higher than
+    an English pair of the same kind, and its fit was made on English: without the offset
+    a Chinese question about an unrelated passage reads as a close match."""
+    river = ev.Passage("r", "长江", "长江全长约6300公里。")
+    offset = answerability.FITTED["me5-small"].chinese_offset
+    assert offset < 0
+    me5 = "me5-small-int8@01bc"
+    chinese = answerability.signals("长江有多长？", [river], [0.86], me5, ["长江全长约6300公里。"])
+    assert chinese.similarity == pytest.approx(0.86 + offset)
+    # a Chinese question against an English sentence, an English question, another model:
+    # read as they are
+    english_sentence = answerability.signals("长江有多长？", [river], [0.86], me5, ["It is long."])
+    assert english_sentence.similarity == pytest.approx(0.86)
+    assert answerability.signals("How long?", [river], [0.86], me5, ["长江"]).similarity == 0.86
+    minilm = answerability.signals("长江有多长？", [river], [0.86], "minilm-l6-x@1", ["长江"])
+    assert minilm.similarity == 0.86
+    # the best sentence after the offset is the one read
+    both = answerability.signals("长江有多长？", [river], [0.86, 0.83], me5, ["长江", "It is."])
+    assert both.similarity == pytest.approx(0.83)
