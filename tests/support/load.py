@@ -79,7 +79,8 @@ class AskLoad:
             stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
             while not self._stopping:
                 number = next(self._numbers)
-                outcome = await self._ask(stub, f"{run}-{number}", QUESTIONS[number % 6])
+                question = QUESTIONS[number % len(QUESTIONS)]
+                outcome = await self._ask(stub, f"{run}-{number}", question)
                 self.outcomes.append(outcome)
                 if outcome.seconds < 0.2 and outcome.outcome != "COMPLETE":
                     await asyncio.sleep(0.2)  # failed at once: do not spin
@@ -119,6 +120,25 @@ class AskLoad:
     def between(self, start: float, end: float) -> list[Outcome]:
         """The asks that started in [start, end)."""
         return [o for o in self.outcomes if start <= o.started < end]
+
+    @staticmethod
+    def question_of(outcome: Outcome) -> str:
+        return QUESTIONS[int(outcome.task_id.rsplit("-", 1)[1]) % len(QUESTIONS)]
+
+    def not_as_without(self, start: float, end: float) -> list[Outcome]:
+        """The asks started in [start, end) that were not answered (COMPLETE or PARTIAL)
+        and ended otherwise than the same question ever did outside that window: what a
+        fault in it did. (A question the model answers ungrounded is so with or without.)"""
+        usual: dict[str, set[tuple[str, str]]] = {}
+        for o in self.outcomes:
+            if not start <= o.started < end:
+                usual.setdefault(self.question_of(o), set()).add((o.outcome, o.reason))
+        return [
+            o
+            for o in self.between(start, end)
+            if o.outcome not in ("COMPLETE", "PARTIAL")
+            and (o.outcome, o.reason) not in usual.get(self.question_of(o), set())
+        ]
 
     def first_complete_after(self, moment: float) -> float | None:
         """When the first COMPLETE answer asked after `moment` ended."""

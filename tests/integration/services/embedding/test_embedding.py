@@ -11,7 +11,10 @@ import grpc
 import numpy as np
 import pytest
 
+from ragline.embedder import PASSAGE, input_prefixes
+from ragline.models import ModelStore
 from ragline.processes import free_ports
+from ragline.tokenization import Tokenizer
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc
 from ragline_app.datasets import load_squad
 from ragline_services.embedding.service import EmbeddingConfig
@@ -20,6 +23,15 @@ from support import REPO_ROOT, SQUAD_SAMPLE, field_violations
 pytestmark = pytest.mark.integration
 
 DEFAULT_MODEL = EmbeddingConfig.model_fields["model"].default
+PASSAGE_PREFIX = input_prefixes(ModelStore().spec(DEFAULT_MODEL).extra).get(PASSAGE, "")
+MAX_TOKENS = ModelStore().spec(DEFAULT_MODEL).max_tokens
+
+
+def model_token_counts(texts: list[str]) -> list[int]:
+    """Tokens of each text as the default model's tokenizer counts them."""
+    spec = ModelStore().spec(DEFAULT_MODEL)
+    tokenizer = Tokenizer(ModelStore().file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
+    return [t.length for t in tokenizer.encode(texts, refuse_over_limit=False)]
 
 
 def sample_texts(n: int) -> list[str]:
@@ -53,8 +65,10 @@ async def test_embeds_with_usage_version_and_timing(embedding_service):
     vectors = as_array(reply)
     assert vectors.shape == (2, 384) and reply.dim == 384
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
-    assert [e.token_count for e in reply.embeddings] == [4, 4]
-    assert reply.usage.input_tokens == 8
+    # what the model read: the text after the model's passage prefix, with its own tokenizer
+    counts = model_token_counts([f"{PASSAGE_PREFIX}hello world", f"{PASSAGE_PREFIX}a b"])
+    assert [e.token_count for e in reply.embeddings] == counts
+    assert reply.usage.input_tokens == sum(counts)
     assert reply.model == DEFAULT_MODEL
     assert reply.model_version.startswith(f"{DEFAULT_MODEL}@")
     stages = [s.name for s in reply.timing.stages]
@@ -242,7 +256,7 @@ def test_triton_path_equals_the_onnx_runtime_path(triton, launcher):
         },
     )
     via_ort = launcher.start("embedding")
-    texts = [*sample_texts(20), " ".join(["long"] * 300)]
+    texts = [*sample_texts(20), " ".join(["long"] * (MAX_TOKENS + 40))]
 
     async def both():
         request = embedding_pb2.EmbedRequest(texts=texts)

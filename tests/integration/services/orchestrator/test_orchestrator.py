@@ -222,7 +222,6 @@ async def test_a_deadline_before_the_evidence_is_in_is_deadline_exceeded_at_once
 async def test_a_cancelled_ask_frees_the_generation_slot_and_settles_its_ledger(rag_stack):
     orchestrator = rag_stack.orchestrator(small=True)
     natural = await long_answer_s(orchestrator)
-    assert natural > 1.5, f"the long answer took {natural:.2f} s uncut: too short to cancel"
     task_id = f"cancel-{uuid.uuid4().hex[:8]}"
     request = orchestrator_pb2.AskRequest(
         question=LONG_ANSWER, task_id=task_id, max_tokens=2000,
@@ -238,12 +237,14 @@ async def test_a_cancelled_ask_frees_the_generation_slot_and_settles_its_ledger(
                 break  # generating: cancel mid-stream
         call.cancel()
         cancelled_at = time.monotonic()
-    # The cancel reached the engine: the slot is free within a second, long before the
-    # answer would have ended by itself.
+    # The cancel reached the engine: the slot is free well before the answer would have
+    # ended by itself (within 60% of the time it had left, and at most a second).
+    left = natural - (cancelled_at - started)
+    window = min(1.0, 0.6 * left)
+    assert window >= 0.3, f"the long answer took {natural:.2f} s uncut: too short to cancel"
     assert await wait_until(
-        lambda: generation_slot_free(rag_stack.small_generation.address), timeout_s=1.0
-    )
-    assert cancelled_at - started + 1.0 < natural
+        lambda: generation_slot_free(rag_stack.small_generation.address), timeout_s=window
+    ), f"the slot was still busy {window:.2f} s after the cancel"
     assert await wait_until(lambda: settled(rag_stack.budget.address, task_id), timeout_s=5.0)
     found = await ledger(rag_stack.budget.address, task_id)
     generate = [r for r in found.reservations if r.stage == "generate"]

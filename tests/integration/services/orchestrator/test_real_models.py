@@ -64,4 +64,5 @@ async def test_the_small_model_writes_the_agent_plan_and_each_part_is_answered(r
     plan = next(n for n in result.timing.nodes if n.node_id == "plan")
     assert plan.state == orchestrator_pb2.NODE_STATE_SUCCEEDED and plan.attempts >= 1
     assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, (result.status, result)
-    assert "vistula" in result.answer.lower() and "bajerska" in result.answer.lower()
+    evidence = [(e.marker, e.snippet) for e in result.evidence]
+    assert "vistula" in result.answer.lower() and "bajerska" in result.answer.lower(), evidence
