@@ -78,6 +78,8 @@ class CommonConfig(EmptyMeansUnset):
     # 384x128 token projections ran on OpenBLAS threads that took a third of the process's
     # CPU (128 s -> 84 s for 2,067 passages with one thread).
     blas_threads: int = Field(1, ge=0)
+    # Tenants that are label values in metrics (comma-separated); any other is "other".
+    metrics_tenants: str = ""
     # Where each service listens: RAGLINE_<NAME>_ADDR (host:port), keyed by name.
     _addresses: dict[str, str] = PrivateAttr(default_factory=dict)
 
@@ -90,6 +92,9 @@ class CommonConfig(EmptyMeansUnset):
             if match and value.strip():
                 self._addresses[match.group(1).lower()] = value.strip()
         return self
+
+    def metrics_tenant_names(self) -> list[str]:
+        return [t.strip() for t in self.metrics_tenants.split(",") if t.strip()]
 
     def address_of(self, service: str) -> str:
         """host:port of `service`; ConfigError naming the variable when it is not set."""
@@ -123,6 +128,9 @@ class ServiceConfig(EmptyMeansUnset):
     max_concurrent_rpcs: int = Field(256, ge=0)
     # One JSON log line per finished call.
     access_log: bool = True
+    # Prometheus metrics on this HTTP port (`GET /metrics`, docs/operations.md); unset:
+    # none served; 0: a free port (logged).
+    metrics_port: Port | None = None
 
     @staticmethod
     def env_for(name: str) -> SettingsConfigDict:

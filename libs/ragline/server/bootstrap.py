@@ -25,6 +25,7 @@ from ragline.auth import AuthConfig, Authenticator
 from ragline.config import CommonConfig, ServiceConfig
 from ragline.cores import limit_blas_threads
 from ragline.logs import configure_logging
+from ragline.metrics import ProcessMetrics
 from ragline.server.interceptor import RaglineServerInterceptor
 
 log = structlog.get_logger("ragline.server")
@@ -57,6 +58,8 @@ class Service(abc.ABC):
         self.config = config
         self.common = common
         self.health: HealthReporter | None = None
+        # The process's metrics when a metrics port is set (a service adds its own).
+        self.metrics: ProcessMetrics | None = None
 
     @abc.abstractmethod
     def register(self, server: grpc.aio.Server) -> None:
@@ -91,12 +94,16 @@ class ServerRunner:
         self.config = config
         self.common = common
         self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._metrics: ProcessMetrics | None = None
         self._server: grpc.aio.Server | None = None
         self._service: Service | None = None
         self._health = health_aio.HealthServicer()
 
     async def start(self) -> int:
         cfg = self.config
+        if cfg.metrics_port is not None:
+            self._metrics = ProcessMetrics(self.common.metrics_tenant_names())
         server = grpc.aio.server(
             interceptors=[
                 RaglineServerInterceptor(
@@ -104,6 +111,7 @@ class ServerRunner:
                     max_request_bytes=cfg.max_request_bytes,
                     access_log=cfg.access_log,
                     authenticator=Authenticator(AuthConfig()),
+                    metrics=None if self._metrics is None else self._metrics.grpc,
                 )
             ],
             options=[
@@ -117,6 +125,7 @@ class ServerRunner:
         )
         service = self.spec.service_factory(cfg, self.common)
         service.health = HealthReporter(self._health, self.spec.grpc_service)
+        service.metrics = self._metrics
         service.register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -138,6 +147,15 @@ class ServerRunner:
         await server.start()
         self._server, self._service, self.port = server, service, port
         log.info("service.listening", host=cfg.host, port=port, grpc_service=self.spec.grpc_service)
+        if self._metrics is not None:
+            try:
+                self.metrics_port = self._metrics.serve(cfg.host, cfg.metrics_port or 0)
+            except OSError as error:
+                raise OSError(
+                    f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {error} "
+                    "(is the port in use?)"
+                ) from error
+            log.info("metrics.listening", host=cfg.host, metrics_port=self.metrics_port)
         await service.start()
         ready = await service.ready()
         await service.health.set_serving(ready, reason="started" if ready else "backend not ready")
@@ -154,6 +172,9 @@ class ServerRunner:
         await self._server.stop(self.config.grace_s)
         if self._service is not None:
             await self._service.stop()
+        if self._metrics is not None:
+            # its server thread polls for shutdown every half second: off the event loop
+            await asyncio.to_thread(self._metrics.close)
         log.info("service.stopped")
         self._server = None
 

@@ -21,6 +21,7 @@ from grpc_status import rpc_status
 from ragline import deadlines, identity, timing
 from ragline.auth import AuthConfig, Authenticator
 from ragline.errors import DeadlineExceeded, to_rpc_status
+from ragline.metrics import SERVER_STREAM, UNARY, GrpcServerMetrics
 from ragline.validation import check_size, validate
 
 log = structlog.get_logger("ragline.rpc")
@@ -38,8 +39,10 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
         max_request_bytes: int,
         access_log: bool = True,
         authenticator: Authenticator | None = None,
+        metrics: GrpcServerMetrics | None = None,
     ) -> None:
         self._authenticator = authenticator or Authenticator(AuthConfig(mode="off"))
+        self._metrics = metrics
         self._default_deadline_s = default_deadline_s
         self._max_request_bytes = max_request_bytes
         self._access_log = access_log
@@ -70,7 +73,7 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_unary(self, behavior, method: str, received: float):
         async def unary(request, context: grpc.aio.ServicerContext):
-            scope = _CallScope(self, method, received, context)
+            scope = _CallScope(self, method, received, context, UNARY)
             try:
                 scope.enter(request)
                 async with asyncio.timeout_at(scope.backstop):
@@ -84,7 +87,7 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_stream(self, behavior, method: str, received: float):
         async def stream(request, context: grpc.aio.ServicerContext) -> AsyncIterator:
-            scope = _CallScope(self, method, received, context)
+            scope = _CallScope(self, method, received, context, SERVER_STREAM)
             result = None
             try:
                 scope.enter(request)
@@ -117,10 +120,12 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
 class _CallScope:
     """Context variables, logging and error mapping around one call."""
 
-    def __init__(self, owner, method: str, received: float, context) -> None:
+    def __init__(self, owner, method: str, received: float, context, grpc_type: str) -> None:
         self.owner = owner
         self.method = method
         self.context = context
+        metrics = owner._metrics
+        self._counted = None if metrics is None else metrics.call_started(method, grpc_type)
         self.clock = timing.RequestClock(received=received)
         self.run_id = ""
         self.backstop: float | None = None
@@ -154,6 +159,13 @@ class _CallScope:
             validate(request)
         deadlines.check(self.method)
 
+    def _code(self) -> str:
+        """The status code name the caller got (a handler's own abort: the code it set)."""
+        if self._outcome != "ABORTED_BY_HANDLER":
+            return self._outcome
+        code = self.context.code()
+        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+
     async def fail(self, error: BaseException) -> None:
         if isinstance(error, grpc.aio.AbortError):
             self._outcome = "ABORTED_BY_HANDLER"
@@ -174,6 +186,10 @@ class _CallScope:
 
     def exit(self) -> None:
         self.clock.mark_finished()
+        if self._counted is not None:
+            self.owner._metrics.call_finished(
+                self._counted, self._code(), self.clock.finished - self.clock.received
+            )
         if self.owner._access_log:
             log.info(
                 "rpc",
