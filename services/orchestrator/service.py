@@ -27,6 +27,7 @@ from ragline.v1 import (
 )
 from ragline_services.orchestrator.caches import CacheTtls, OrchestratorCaches, signing_key
 from ragline_services.orchestrator.core import Orchestrator, OrchestratorSettings
+from ragline_services.orchestrator.metrics import OrchestratorMetrics
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.servicer import OrchestratorServicer
 from ragline_services.orchestrator.steps import Clients
@@ -124,6 +125,8 @@ class OrchestratorService(Service):
         orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server(self._servicer, server)
 
     async def start(self) -> None:
+        if self.metrics is not None:
+            self._servicer.metrics = OrchestratorMetrics(self.metrics)
         cfg, common = self.config, self.common
         clients = Clients(
             embedding=connect("embedding", embedding_pb2_grpc.EmbeddingServiceStub, common),

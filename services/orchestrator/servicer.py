@@ -23,6 +23,7 @@ from ragline_services.orchestrator.core import (
     NodeChanged,
     Orchestrator,
 )
+from ragline_services.orchestrator.metrics import OrchestratorMetrics
 from ragline_services.orchestrator.runner import (
     CANCELLED,
     FAILED,
@@ -178,6 +179,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     def __init__(self, config) -> None:
         self.config = config
         self.orchestrator: Deferred[Orchestrator] = Deferred("the orchestrator")
+        self.metrics: OrchestratorMetrics | None = None  # when the process serves metrics
 
     async def Ask(self, request, context):
         orchestrator = self.orchestrator.value
@@ -226,6 +228,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 else:
                     yield orchestrator_pb2.AskResponse(node=_node_event(event))
             outcome = run.result()
+            if self.metrics is not None:
+                self.metrics.record(
+                    outcome, caller.tenant, answer_looked_up=ask.cache_policy == "use"
+                )
             yield orchestrator_pb2.AskResponse(result=_result(outcome, current_run_id() or ""))
         finally:
             if not run.done():

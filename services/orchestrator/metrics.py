@@ -1,0 +1,71 @@
+"""What the orchestrator tells its operators (docs/operations.md): answers by state and
+reason, each plan node's time by kind, cache lookups by layer, escalations by signal. Read
+from a finished run's outcome; label values are bounded (a reason's kind, never its text)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+from ragline.metrics import LATENCY_BUCKETS, ProcessMetrics
+from ragline_services.orchestrator.core import AskOutcome
+
+
+def reason_kind(reason: str) -> str:
+    """ "degraded: rerank_unavailable, ..." -> "degraded": the label, never a run's details
+    (a part's text, a list of stages)."""
+    return reason.split(":", 1)[0].strip() or "none"
+
+
+class OrchestratorMetrics:
+    def __init__(self, process: ProcessMetrics) -> None:
+        registry = process.registry
+        self.tenant = process.tenant
+        self.answers = Counter(
+            "ragline_orchestrator_answers_total",
+            "Ask results by answer state, the kind of their reason, and tenant.",
+            ("state", "reason", "tenant"),
+            registry=registry,
+        )
+        self.node_seconds = Histogram(
+            "ragline_orchestrator_node_seconds",
+            "Time of each plan node that ran, from its reservation or call to its end.",
+            ("kind", "state"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.cache_lookups = Counter(
+            "ragline_orchestrator_cache_lookups_total",
+            "Cache lookups by layer (answer, retrieval, tool) and result (hit, miss).",
+            ("cache", "result"),
+            registry=registry,
+        )
+        self.escalations = Counter(
+            "ragline_orchestrator_escalations_total",
+            "Answers sent to the large tier, by the first signal that fired on the small one.",
+            ("signal",),
+            registry=registry,
+        )
+
+    def record(self, outcome: AskOutcome, tenant: str, *, answer_looked_up: bool) -> None:
+        # States as the API names them (ANSWER_STATE_COMPLETE, NODE_STATE_SUCCEEDED, ...).
+        state, reason = outcome.state.upper(), reason_kind(outcome.reason)
+        self.answers.labels(state, reason, self.tenant(tenant)).inc()
+        for record in outcome.records.values():
+            if record.started is not None and record.finished is not None:
+                self.node_seconds.labels(record.node.kind.value, record.state.upper()).observe(
+                    max(record.finished - record.started, 0.0)
+                )
+        use = outcome.cache
+        if answer_looked_up:
+            self.cache_lookups.labels("answer", "hit" if use.answer_hit else "miss").inc()
+        for layer, hits, misses in (
+            ("retrieval", use.retrieval_hits, use.retrieval_misses),
+            ("tool", use.tool_hits, use.tool_misses),
+        ):
+            if hits:
+                self.cache_lookups.labels(layer, "hit").inc(hits)
+            if misses:
+                self.cache_lookups.labels(layer, "miss").inc(misses)
+        if outcome.escalated:
+            first = outcome.signals[0] if outcome.signals else "unknown"
+            self.escalations.labels(reason_kind(first)).inc()

@@ -1,0 +1,71 @@
+"""The orchestrator's own metrics, read from its /metrics after real asks: answers by state
+and reason kind (bounded labels), plan node times by kind, answer-cache lookups."""
+
+from __future__ import annotations
+
+import urllib.request
+import uuid
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ragline.processes import free_ports
+from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+WARSAW = "Which river flows through Warsaw?"
+ELSEWHERE = "Who won the 2030 FIFA World Cup final in Ulaanbaatar?"
+
+
+async def ask(address: str, question: str) -> orchestrator_pb2.AskResult:
+    request = orchestrator_pb2.AskRequest(question=question, task_id=uuid.uuid4().hex)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        call = stub.Ask(request, timeout=120, metadata=(("x-ragline-tenant", "default"),))
+        messages = [m async for m in call]
+    return messages[-1].result
+
+
+def samples(port: int, name: str, suffix: str = "_total") -> list:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    return [s for s in families.get(name, []) if s.name.endswith(suffix)]
+
+
+async def test_answers_node_times_and_cache_lookups_are_counted(rag_stack):
+    port = free_ports(1)[0]
+    orchestrator = rag_stack.orchestrator(metrics_port=port)
+    answered = await ask(orchestrator.address, WARSAW)
+    again = await ask(orchestrator.address, WARSAW)  # from the answer cache
+    refused = await ask(orchestrator.address, ELSEWHERE)
+    assert answered.status.state == common_pb2.ANSWER_STATE_COMPLETE and again.cache.answer_hit
+    assert refused.status.reason == "no_relevant_evidence", refused.status
+
+    answers = {
+        (s.labels["state"], s.labels["reason"], s.labels["tenant"]): s.value
+        for s in samples(port, "ragline_orchestrator_answers")
+    }
+    # the default tenant is not named in RAGLINE_METRICS_TENANTS: "other"
+    assert answers == {
+        ("COMPLETE", "none", "other"): 2.0,
+        ("INCOMPLETE", "no_relevant_evidence", "other"): 1.0,
+    }
+    lookups = {
+        (s.labels["cache"], s.labels["result"]): s.value
+        for s in samples(port, "ragline_orchestrator_cache_lookups")
+    }
+    assert lookups[("answer", "hit")] == 1.0 and lookups[("answer", "miss")] == 2.0
+    nodes = {
+        (s.labels["kind"], s.labels["state"]): s.value
+        for s in samples(port, "ragline_orchestrator_node_seconds", "_count")
+    }
+    assert nodes[("generate", "SUCCEEDED")] == 1.0  # the refused question generated nothing
+    assert nodes[("bm25", "SUCCEEDED")] == 2.0
+    # and the calls themselves, as every service counts them
+    handled = samples(port, "grpc_server_handled")
+    assert [(s.labels["grpc_method"], s.labels["grpc_code"], s.value) for s in handled] == [
+        ("Ask", "OK", 3.0)
+    ]
