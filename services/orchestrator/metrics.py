@@ -4,9 +4,10 @@ from a finished run's outcome; label values are bounded (a reason's kind, never 
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from ragline.metrics import LATENCY_BUCKETS, ProcessMetrics
+from ragline_services.orchestrator.admission import Admission
 from ragline_services.orchestrator.core import AskOutcome
 
 
@@ -14,6 +15,17 @@ def reason_kind(reason: str) -> str:
     """ "degraded: rerank_unavailable, ..." -> "degraded": the label, never a run's details
     (a part's text, a list of stages)."""
     return reason.split(":", 1)[0].strip() or "none"
+
+
+def _read(value) -> float:
+    """A value the event loop changes, read from the scrape's thread: a read torn by a
+    change (a dict resized under it) is tried again."""
+    for _ in range(3):
+        try:
+            return float(value())
+        except RuntimeError:
+            continue
+    return float("nan")
 
 
 class OrchestratorMetrics:
@@ -39,12 +51,43 @@ class OrchestratorMetrics:
             ("cache", "result"),
             registry=registry,
         )
+        self.refusals = Counter(
+            "ragline_orchestrator_refusals_total",
+            "Asks refused before running, by reason (QUEUE_FULL, DEADLINE_TOO_SHORT_FOR_QUEUE).",
+            ("reason",),
+            registry=registry,
+        )
+        self._registry = registry
         self.escalations = Counter(
             "ragline_orchestrator_escalations_total",
             "Answers sent to the large tier, by the first signal that fired on the small one.",
             ("signal",),
             registry=registry,
         )
+
+    def watch(self, admission: Admission) -> None:
+        """Admission's state, read when scraped (nothing to update on the request path)."""
+        in_flight = Gauge(
+            "ragline_orchestrator_runs_in_flight",
+            "Runs holding a place now.",
+            registry=self._registry,
+        )
+        in_flight.set_function(lambda: _read(lambda: admission.in_flight))
+        waiting = Gauge(
+            "ragline_orchestrator_runs_waiting",
+            "Asks queued for a place now.",
+            registry=self._registry,
+        )
+        waiting.set_function(lambda: _read(lambda: admission.waiting))
+        places = Gauge(
+            "ragline_orchestrator_run_places",
+            "Runs that may be in flight at once.",
+            registry=self._registry,
+        )
+        places.set_function(lambda: _read(lambda: admission.max_in_flight))
+
+    def refused(self, reason: str) -> None:
+        self.refusals.labels(reason).inc()
 
     def record(self, outcome: AskOutcome, tenant: str, *, answer_looked_up: bool) -> None:
         # States as the API names them (ANSWER_STATE_COMPLETE, NODE_STATE_SUCCEEDED, ...).

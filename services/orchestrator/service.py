@@ -174,7 +174,10 @@ class OrchestratorService(Service):
                 signing_key=signing_key(AuthConfig().service_key),
             )
         self._caches = caches
-        self._servicer.orchestrator.set(Orchestrator(clients, settings, caches))
+        orchestrator = Orchestrator(clients, settings, caches)
+        if self._servicer.metrics is not None:
+            self._servicer.metrics.watch(orchestrator.admission)
+        self._servicer.orchestrator.set(orchestrator)
         if caches is not None and cfg.cache_sweep_s:
             self._sweeper = Periodic(
                 cfg.cache_sweep_s, lambda: self._sweep(caches, clients.retrieval), "cache-sweep"

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 
 from ragline.budget import AMOUNT_FIELDS, Amounts
+from ragline.errors import ResourceExhausted
 from ragline.identity import current_caller, current_run_id
 from ragline.server import Deferred
 from ragline.timing import current_clock, duration
@@ -227,7 +228,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                     yield orchestrator_pb2.AskResponse(delta=event.text)
                 else:
                     yield orchestrator_pb2.AskResponse(node=_node_event(event))
-            outcome = run.result()
+            try:
+                outcome = run.result()
+            except ResourceExhausted as refused:
+                if self.metrics is not None:
+                    self.metrics.refused(refused.reason)
+                raise
             if self.metrics is not None:
                 self.metrics.record(
                     outcome, caller.tenant, answer_looked_up=ask.cache_policy == "use"

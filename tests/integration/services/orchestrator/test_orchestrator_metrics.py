@@ -69,3 +69,30 @@ async def test_answers_node_times_and_cache_lookups_are_counted(rag_stack):
     assert [(s.labels["grpc_method"], s.labels["grpc_code"], s.value) for s in handled] == [
         ("Ask", "OK", 3.0)
     ]
+
+
+async def test_admission_is_watched_and_refusals_are_counted_by_reason(rag_stack):
+    port = free_ports(1)[0]
+    orchestrator = rag_stack.orchestrator(
+        small=True, max_in_flight=1, max_queue=0, metrics_port=port
+    )
+
+    def gauge(name: str) -> float:
+        return samples(port, name, "")[0].value
+
+    assert gauge("ragline_orchestrator_run_places") == 1.0
+    assert gauge("ragline_orchestrator_runs_in_flight") == 0.0
+    long = orchestrator_pb2.AskRequest(question=WARSAW, max_tokens=2000)
+    metadata = (("x-ragline-tenant", "default"),)
+    async with grpc.aio.insecure_channel(orchestrator.address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        running = stub.Ask(long, timeout=60, metadata=metadata)
+        await running.read()  # admitted: it holds the only place
+        assert gauge("ragline_orchestrator_runs_in_flight") == 1.0
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Ask(long, timeout=60, metadata=metadata):
+                pass
+        running.cancel()
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    refusals = {s.labels["reason"]: s.value for s in samples(port, "ragline_orchestrator_refusals")}
+    assert refusals == {"QUEUE_FULL": 1.0}
