@@ -94,6 +94,7 @@ class CacheUse:
     """One run's use of the caches, for its report."""
 
     answer_hit: bool = False
+    answer_miss: bool = False  # looked up, not found
     retrieval_hits: int = 0
     retrieval_misses: int = 0
     tool_hits: int = 0

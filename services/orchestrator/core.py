@@ -173,7 +173,8 @@ class Orchestrator:
     ) -> AskOutcome:
         plan = request.plan or default_plan
         key = self._answer_key(request, plan)
-        if key and request.cache_policy == "use":
+        looked_up = bool(key) and request.cache_policy == "use"
+        if looked_up:
             # Before admission: a hit is a few cheap calls, it never queues behind runs.
             cached = await self._cached_answer(key, request, plan, received)
             if cached is not None:
@@ -188,6 +189,7 @@ class Orchestrator:
                 scope = None if left is None else max(left - self.settings.answer_margin_s, 0.001)
                 with deadlines.deadline_scope(scope):
                     outcome = await self._run(request, emit, received, admitted, run_id, plan)
+        outcome.cache.answer_miss = looked_up
         if key and request.cache_policy != "bypass" and outcome.state == COMPLETE:
             await self._remember_answer(key, outcome, request.viewer)
         return outcome

@@ -4,6 +4,8 @@ from a finished run's outcome; label values are bounded (a reason's kind, never 
 
 from __future__ import annotations
 
+from functools import partial
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from ragline.metrics import LATENCY_BUCKETS, ProcessMetrics
@@ -30,7 +32,7 @@ def _read(value) -> float:
 
 class OrchestratorMetrics:
     def __init__(self, process: ProcessMetrics) -> None:
-        registry = process.registry
+        registry = self._registry = process.registry
         self.tenant = process.tenant
         self.answers = Counter(
             "ragline_orchestrator_answers_total",
@@ -57,7 +59,6 @@ class OrchestratorMetrics:
             ("reason",),
             registry=registry,
         )
-        self._registry = registry
         self.escalations = Counter(
             "ragline_orchestrator_escalations_total",
             "Answers sent to the large tier, by the first signal that fired on the small one.",
@@ -67,29 +68,29 @@ class OrchestratorMetrics:
 
     def watch(self, admission: Admission) -> None:
         """Admission's state, read when scraped (nothing to update on the request path)."""
-        in_flight = Gauge(
-            "ragline_orchestrator_runs_in_flight",
-            "Runs holding a place now.",
-            registry=self._registry,
-        )
-        in_flight.set_function(lambda: _read(lambda: admission.in_flight))
-        waiting = Gauge(
-            "ragline_orchestrator_runs_waiting",
-            "Asks queued for a place now.",
-            registry=self._registry,
-        )
-        waiting.set_function(lambda: _read(lambda: admission.waiting))
-        places = Gauge(
-            "ragline_orchestrator_run_places",
-            "Runs that may be in flight at once.",
-            registry=self._registry,
-        )
-        places.set_function(lambda: _read(lambda: admission.max_in_flight))
+        for name, meaning, read in (
+            (
+                "ragline_orchestrator_runs_in_flight",
+                "Runs holding a place now.",
+                lambda: admission.in_flight,
+            ),
+            (
+                "ragline_orchestrator_runs_waiting",
+                "Asks queued for a place now.",
+                lambda: admission.waiting,
+            ),
+            (
+                "ragline_orchestrator_run_places",
+                "Runs that may be in flight at once.",
+                lambda: admission.max_in_flight,
+            ),
+        ):
+            Gauge(name, meaning, registry=self._registry).set_function(partial(_read, read))
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()
 
-    def record(self, outcome: AskOutcome, tenant: str, *, answer_looked_up: bool) -> None:
+    def record(self, outcome: AskOutcome, tenant: str) -> None:
         # States as the API names them (ANSWER_STATE_COMPLETE, NODE_STATE_SUCCEEDED, ...).
         state, reason = outcome.state.upper(), reason_kind(outcome.reason)
         self.answers.labels(state, reason, self.tenant(tenant)).inc()
@@ -99,9 +100,8 @@ class OrchestratorMetrics:
                     max(record.finished - record.started, 0.0)
                 )
         use = outcome.cache
-        if answer_looked_up:
-            self.cache_lookups.labels("answer", "hit" if use.answer_hit else "miss").inc()
         for layer, hits, misses in (
+            ("answer", use.answer_hit, use.answer_miss),
             ("retrieval", use.retrieval_hits, use.retrieval_misses),
             ("tool", use.tool_hits, use.tool_misses),
         ):

@@ -235,9 +235,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                     self.metrics.refused(refused.reason)
                 raise
             if self.metrics is not None:
-                self.metrics.record(
-                    outcome, caller.tenant, answer_looked_up=ask.cache_policy == "use"
-                )
+                self.metrics.record(outcome, caller.tenant)
             yield orchestrator_pb2.AskResponse(result=_result(outcome, current_run_id() or ""))
         finally:
             if not run.done():

@@ -510,19 +510,21 @@ class Reranker:
         alone, prefixed = self.token_tokenizer.encode(["x", prefix + "x"], refuse_over_limit=False)
         return max(prefixed.length - alone.length, 0)
 
-    def _text_rows(self, rows: np.ndarray, prefix: str) -> np.ndarray:
-        """A run's token vectors without those of the prefix the text was run with (unless
-        that would leave none: a text cut to nothing by the model's limit)."""
+    def _prefix_skip(self, rows: np.ndarray, prefix: str) -> int:
+        """How many of a run's leading token vectors are the prefix's it was run with (0
+        when that would leave none: a text cut to nothing by the model's limit)."""
         skip = self._prefix_rows.get(prefix, 0)
-        return rows[skip:] if len(rows) > skip else rows
+        return skip if len(rows) > skip else 0
+
+    def _text_rows(self, rows: np.ndarray, prefix: str) -> np.ndarray:
+        """A run's token vectors without those of the prefix the text was run with."""
+        return rows[self._prefix_skip(rows, prefix) :]
 
     def _query_rows(self, rows: np.ndarray, tokenized) -> np.ndarray:
         """The query's token vectors without its prefix's and without the tokens MaxSim
         should not average over (`skip_query_tokens`: stop words, punctuation), unless that
         would leave none."""
-        skip = self._prefix_rows.get(self.query_prefix, 0)
-        if len(rows) <= skip:
-            skip = 0
+        skip = self._prefix_skip(rows, self.query_prefix)
         rows = rows[skip:]
         if not self.skip_query_tokens:
             return rows

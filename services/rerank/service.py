@@ -184,6 +184,7 @@ async def build_reranker(
             min(cfg.cross_encoder_max_tokens or spec.max_tokens, spec.max_tokens),
         )
         pair_batcher = await batcher(cross.run)
+    prefixes = input_prefixes(token_spec.extra)
     reranker = Reranker(
         skip_query_tokens=skipped_query_tokens(token_tokenizer)
         if cfg.query_skip_stop_words
@@ -200,8 +201,8 @@ async def build_reranker(
         cross_encoder_weight=cfg.cross_encoder_weight,
         cross_encoder_candidates=cfg.cross_encoder_candidates,
         embedding_model_version=store.version(cfg.token_model),
-        query_prefix=input_prefixes(token_spec.extra).get(QUERY, ""),
-        passage_prefix=input_prefixes(token_spec.extra).get(PASSAGE, ""),
+        query_prefix=prefixes.get(QUERY, ""),
+        passage_prefix=prefixes.get(PASSAGE, ""),
         token_scripts=frozenset(token_spec.extra.get("scripts", ())),
         pair_scripts=frozenset(
             store.spec(cfg.cross_encoder_model).extra.get("scripts", ())

@@ -149,7 +149,7 @@ class ServerRunner:
         log.info("service.listening", host=cfg.host, port=port, grpc_service=self.spec.grpc_service)
         if self._metrics is not None:
             try:
-                self.metrics_port = self._metrics.serve(cfg.host, cfg.metrics_port or 0)
+                self.metrics_port = self._metrics.serve(cfg.host, cfg.metrics_port)
             except OSError as error:
                 raise OSError(
                     f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {error} "

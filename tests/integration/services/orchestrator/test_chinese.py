@@ -63,6 +63,14 @@ async def ask(address: str, question: str, tenant: str):
     return messages[-1].result
 
 
+def assert_complete_from(result, document: str) -> None:
+    """COMPLETE, citing `document` alone, and not degraded."""
+    evidence = [(e.marker, e.title, e.snippet) for e in result.evidence]
+    assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, (result.status, evidence)
+    assert {c.document_id for c in result.citations} == {document}, (result.citations, evidence)
+    assert not result.degraded, result.degraded
+
+
 @pytest.mark.parametrize(
     ("question", "document", "answer"),
     [
@@ -74,12 +82,9 @@ async def test_a_chinese_question_is_answered_in_chinese_from_its_passage(
     rag_stack, question, document, answer
 ):
     result = await answered(rag_stack, question)
-    evidence = [(e.marker, e.title, e.snippet) for e in result.evidence]
-    assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, (result.status, evidence)
-    assert answer.lower() in result.answer.lower(), result.answer
-    assert {c.document_id for c in result.citations} == {document}, result.citations
     # The English cross-encoder leaves a Chinese question alone, and that is no degradation.
-    assert not result.degraded, result.degraded
+    assert_complete_from(result, document)
+    assert answer.lower() in result.answer.lower(), result.answer
     assert has_han(result.answer) or answer.isascii(), result.answer  # not translated away
 
 
@@ -94,8 +99,5 @@ async def test_a_question_about_a_passage_in_the_other_language_is_answered_from
     rag_stack, question, document, answer
 ):
     result = await answered(rag_stack, question)
-    evidence = [(e.marker, e.title, e.snippet) for e in result.evidence]
-    assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, (result.status, evidence)
+    assert_complete_from(result, document)
     assert answer.lower() in result.answer.lower().replace(",", ""), result.answer
-    assert {c.document_id for c in result.citations} == {document}, (result.citations, evidence)
-    assert not result.degraded, result.degraded
