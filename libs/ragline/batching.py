@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -33,6 +34,16 @@ from ragline.tokenization import TokenizedText
 RunBatch = Callable[[Sequence[TokenizedText]], Awaitable[np.ndarray]]
 
 URGENT, BULK = 0, 1
+LANE_NAMES = {URGENT: "urgent", BULK: "bulk"}
+
+
+class BatchObserver(Protocol):
+    """Told of every model run (the process's metrics, when it serves them)."""
+
+    def batch_ran(
+        self, batcher: str, lane: str, texts: int, run_s: float, waits: Iterable[float]
+    ) -> None: ...
+
 
 # Token-length bucket edges: texts of one bucket are padded to the bucket's longest text.
 DEFAULT_BUCKETS = (8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512)
@@ -148,7 +159,11 @@ class MicroBatcher:
         # Recent throughput, for the retry hint of a full queue.
         self._texts_per_s = 100.0
         self.batches = 0
-        self.dropped = 0
+        # Requests dropped before compute, by why (cancelled, deadline); refused at once,
+        # by whose queue was full (tenant, all).
+        self.dropped: Counter[str] = Counter()
+        self.refusals: Counter[str] = Counter()
+        self.observer: BatchObserver | None = None
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name=self.name)
@@ -178,8 +193,13 @@ class MicroBatcher:
     def queued_texts_of(self, tenant: str) -> int:
         return self._queued_by_tenant.get(tenant, 0)
 
+    @property
+    def runs_in_flight(self) -> int:
+        return len(self._running)
+
     def _refuse(self, waiting: int, limit: int, whose: str) -> ResourceExhausted:
         backlog_s = waiting / max(self._texts_per_s, 1.0)
+        self.refusals["tenant" if whose == "this tenant" else "all"] += 1
         return ResourceExhausted(
             f"{self.name} queue is full for {whose} ({waiting} texts waiting, limit {limit}); "
             f"retry in about {backlog_s * 1000:.0f} ms",
@@ -224,15 +244,16 @@ class MicroBatcher:
                 # A batch forms only once a runner is free: what arrives meanwhile joins it.
                 await self._runners.acquire()
                 batch: list[_Item] = []
+                lane = URGENT
                 try:
                     if self._queues:
                         await self._gather()
-                        batch = self._take()
+                        batch, lane = self._take()
                 finally:
                     if not batch:
                         self._runners.release()
                 if batch:
-                    task = asyncio.ensure_future(self._run_batch(batch))
+                    task = asyncio.ensure_future(self._run_batch(batch, lane))
                     self._running.add(task)
                     task.add_done_callback(self._batch_done)
 
@@ -276,7 +297,8 @@ class MicroBatcher:
             del self._queued_by_tenant[tenant]
         return item
 
-    def _take(self) -> list[_Item]:
+    def _take(self) -> tuple[list[_Item], int]:
+        """The next batch and its lane."""
         batch: list[_Item] = []
         texts = 0
         now = time.monotonic()
@@ -291,10 +313,10 @@ class MicroBatcher:
                 break
             item = self._pop(key)
             if item.future.done():  # cancelled by its caller
-                self.dropped += 1
+                self.dropped["cancelled"] += 1
                 continue
             if item.deadline is not None and item.deadline <= now:
-                self.dropped += 1
+                self.dropped["deadline"] += 1
                 item.future.set_exception(
                     DeadlineExceeded(
                         f"deadline passed after {(now - item.enqueued) * 1000:.0f} ms in the "
@@ -305,9 +327,9 @@ class MicroBatcher:
             batch.append(item)
             texts += len(item.texts)
             lane = key[0]
-        return batch
+        return batch, URGENT if lane is None else lane
 
-    async def _run_batch(self, batch: list[_Item]) -> None:
+    async def _run_batch(self, batch: list[_Item], lane: int = URGENT) -> None:
         started = time.monotonic()
         flat = [text for item in batch for text in item.texts]
         rows: list = [None] * len(flat)
@@ -332,6 +354,14 @@ class MicroBatcher:
             raise
         compute_s = time.monotonic() - started
         self.batches += 1
+        if self.observer is not None:
+            self.observer.batch_ran(
+                self.name,
+                LANE_NAMES[lane],
+                len(flat),
+                compute_s,
+                (started - item.enqueued for item in batch),
+            )
         # The service's rate: this batch's, times the batches running beside it.
         rate = len(flat) / max(compute_s, 1e-6) * max(1, len(self._running))
         self._texts_per_s = 0.8 * self._texts_per_s + 0.2 * rate

@@ -15,11 +15,14 @@ other tenant is `other`, so a label never grows with the number of tenants.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector
 
 UNARY, SERVER_STREAM = "unary", "server_stream"
 OTHER_TENANT = "other"
@@ -35,6 +38,58 @@ def split_method(full_method: str) -> tuple[str, str]:
     """("ragline.v1.BudgetService", "Reserve") from "/ragline.v1.BudgetService/Reserve"."""
     service, _, method = full_method.lstrip("/").rpartition("/")
     return service or "unknown", method or "unknown"
+
+
+# What a reading returns: one value, or one value per tuple of label values.
+Read = Callable[[], "float | dict[tuple[str, ...], float]"]
+
+
+def read_safely(read: Callable[[], object]) -> object:
+    """A value the event loop changes, read from the scrape's thread: a read torn by a
+    change (a dict resized under it) is tried again."""
+    for _ in range(3):
+        try:
+            return read()
+        except RuntimeError:
+            continue
+    return float("nan")
+
+
+class Readings(Collector):
+    """A metric whose values are read from live objects when Prometheus scrapes (a queue's
+    length, a counter a domain object keeps): the request path records nothing for it.
+    Each `add`ed source contributes its samples (several batchers to one family)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        kind: Literal["gauge", "counter"],
+        labels: tuple[str, ...] = (),
+    ) -> None:
+        self.name, self.documentation, self.kind, self.labels = name, documentation, kind, labels
+        self._sources: list[tuple[tuple[str, ...], Read]] = []
+
+    def add(self, read: Read, *label_values: str) -> None:
+        """`read` gives one value (labelled `label_values`) or a dict from the remaining
+        labels' values to values."""
+        self._sources.append((label_values, read))
+
+    def _family(self):
+        family = GaugeMetricFamily if self.kind == "gauge" else CounterMetricFamily
+        return family(self.name, self.documentation, labels=self.labels)
+
+    def describe(self):
+        return [self._family()]
+
+    def collect(self):
+        family = self._family()
+        for fixed, read in self._sources:
+            value = read_safely(read)
+            rows = value.items() if isinstance(value, dict) else [((), value)]
+            for rest, number in rows:
+                family.add_metric([*fixed, *rest], float(number))
+        yield family
 
 
 class TenantLabel:
@@ -107,6 +162,28 @@ class ProcessMetrics:
         self.grpc = GrpcServerMetrics(self.registry)
         self.tenant = TenantLabel(tenants)
         self._server = None
+        self._readings: dict[str, Readings] = {}
+        self._batchers: BatcherMetrics | None = None
+
+    def reading(
+        self,
+        name: str,
+        documentation: str,
+        kind: Literal["gauge", "counter"] = "gauge",
+        labels: tuple[str, ...] = (),
+    ) -> Readings:
+        """The process's metric `name` read at scrape time (made on first use, then shared)."""
+        if name not in self._readings:
+            self._readings[name] = Readings(name, documentation, kind, labels)
+            self.registry.register(self._readings[name])
+        return self._readings[name]
+
+    @property
+    def batchers(self) -> BatcherMetrics:
+        """The metrics of the process's micro-batchers (embedding, rerank)."""
+        if self._batchers is None:
+            self._batchers = BatcherMetrics(self)
+        return self._batchers
 
     def serve(self, host: str, port: int) -> int:
         """Serves /metrics on host:port in a thread of its own (0: a free port); the port."""
@@ -118,3 +195,76 @@ class ProcessMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+# Texts per model run: one (a lone query) to a full bulk batch.
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class BatcherMetrics:
+    """What a micro-batcher (ragline.batching) does, by batcher name: texts per run, run
+    time, queue wait by lane; its queue and refusals read at scrape time."""
+
+    def __init__(self, process: ProcessMetrics) -> None:
+        registry = process.registry
+        self.texts = Histogram(
+            "ragline_batch_texts",
+            "Texts per model run.",
+            ("batcher", "lane"),
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.run_seconds = Histogram(
+            "ragline_batch_run_seconds",
+            "Time of one model run (all its length buckets).",
+            ("batcher", "lane"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "ragline_batch_queue_wait_seconds",
+            "Time a request waited in the batcher's queue before its run started.",
+            ("batcher", "lane"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._queued = process.reading(
+            "ragline_batch_queued_texts", "Texts waiting for a run now.", labels=("batcher",)
+        )
+        self._runs = process.reading(
+            "ragline_batch_runs_in_flight", "Model runs going on now.", labels=("batcher",)
+        )
+        self._runners = process.reading(
+            "ragline_batch_runners", "Model runs that may go on at once.", labels=("batcher",)
+        )
+        self._refusals = process.reading(
+            "ragline_batch_refusals_total",
+            "Requests refused at once because the queue was full (scope: tenant or all).",
+            "counter",
+            ("batcher", "scope"),
+        )
+        self._dropped = process.reading(
+            "ragline_batch_dropped_total",
+            "Requests dropped before compute (reason: cancelled, deadline).",
+            "counter",
+            ("batcher", "reason"),
+        )
+
+    def watch(self, batcher) -> None:
+        """Records `batcher`'s runs from now on (a ragline.batching.MicroBatcher)."""
+        name = batcher.name
+        batcher.observer = self
+        self._queued.add(lambda: batcher.queued_texts, name)
+        self._runs.add(lambda: batcher.runs_in_flight, name)
+        self._runners.add(lambda: batcher.max_parallel_runs, name)
+        self._refusals.add(lambda: {(k,): v for k, v in dict(batcher.refusals).items()}, name)
+        self._dropped.add(lambda: {(k,): v for k, v in dict(batcher.dropped).items()}, name)
+
+    def batch_ran(
+        self, batcher: str, lane: str, texts: int, run_s: float, waits: Iterable[float]
+    ) -> None:
+        self.texts.labels(batcher, lane).observe(texts)
+        self.run_seconds.labels(batcher, lane).observe(run_s)
+        wait = self.queue_wait.labels(batcher, lane)
+        for seconds in waits:
+            wait.observe(seconds)

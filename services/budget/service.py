@@ -11,6 +11,7 @@ from ragline.errors import RaglineError
 from ragline.server import Periodic, Service, ServiceSpec
 from ragline.v1 import budget_pb2, budget_pb2_grpc
 from ragline_services.budget.ledger import TaskLedger
+from ragline_services.budget.metrics import BudgetMetrics
 from ragline_services.budget.servicer import BudgetServicer
 from ragline_services.budget.store import EtcdLedgerStore
 
@@ -47,11 +48,16 @@ class BudgetService(Service):
             max_attempts=config.max_conflict_attempts,
         )
         self._probe = Periodic(config.health_probe_s, self._update_health, "etcd-probe")
+        self._servicer = BudgetServicer(self.ledger)
+        self._etcd_reachable_now = False
 
     def register(self, server: grpc.aio.Server) -> None:
-        budget_pb2_grpc.add_BudgetServiceServicer_to_server(BudgetServicer(self.ledger), server)
+        budget_pb2_grpc.add_BudgetServiceServicer_to_server(self._servicer, server)
 
     async def start(self) -> None:
+        if self.metrics is not None:
+            metrics = self._servicer.metrics = BudgetMetrics(self.metrics)
+            metrics.watch(self.ledger, self.store, lambda: self._etcd_reachable_now)
         await self.store.connect()
 
     async def _etcd_reachable(self) -> bool:
@@ -59,7 +65,9 @@ class BudgetService(Service):
             await self.store.ping()
         except RaglineError as error:
             log.warning("budget.etcd_unreachable", error=error.message)
+            self._etcd_reachable_now = False
             return False
+        self._etcd_reachable_now = True
         return True
 
     async def ready(self) -> bool:

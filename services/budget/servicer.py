@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -13,6 +15,7 @@ from ragline.errors import to_rpc_status
 from ragline.identity import current_caller
 from ragline.v1 import budget_pb2, budget_pb2_grpc
 from ragline_services.budget.ledger import Outcome, TaskLedger
+from ragline_services.budget.metrics import BudgetMetrics, reason_of, result_of
 from ragline_services.budget.records import (
     PENDING,
     RESERVED,
@@ -25,6 +28,7 @@ from ragline_services.budget.records import (
 )
 
 log = structlog.get_logger("ragline.budget")
+T = TypeVar("T")
 
 _TASK_STATES = {
     TASK_OPEN: budget_pb2.TASK_STATE_OPEN,
@@ -83,6 +87,19 @@ def reservation_proto(task_id: str, record: ReservationRecord) -> budget_pb2.Res
 class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
     def __init__(self, ledger: TaskLedger) -> None:
         self.ledger = ledger
+        self.metrics: BudgetMetrics | None = None  # when the process serves metrics
+
+    async def _counted(self, operation: str, call: Awaitable[T]) -> T:
+        """`call`'s result, its outcome counted by operation (a Batch's items one by one)."""
+        if self.metrics is None:
+            return await call
+        try:
+            result = await call
+        except Exception as error:
+            self.metrics.done(operation, reason_of(error))
+            raise
+        self.metrics.done(operation, result_of(result))
+        return result
 
     def _outcome(self, outcome: Outcome, task_id: str):
         return (
@@ -91,24 +108,30 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
         )
 
     async def OpenTask(self, request, context):
-        task, revision, created = await self.ledger.open_task(
-            current_caller().tenant,
-            request.task_id,
-            Amounts.from_proto(request.limits),
-            request.max_in_flight,
-            request.timeout.ToNanoseconds() / 1e9,
+        task, revision, created = await self._counted(
+            "open_task",
+            self.ledger.open_task(
+                current_caller().tenant,
+                request.task_id,
+                Amounts.from_proto(request.limits),
+                request.max_in_flight,
+                request.timeout.ToNanoseconds() / 1e9,
+            ),
         )
         return budget_pb2.OpenTaskResponse(
             ledger=ledger_proto(task, revision, self.ledger.now_ns()), created=created
         )
 
     async def Reserve(self, request, context):
-        outcome = await self.ledger.reserve(
-            current_caller().tenant,
-            request.task_id,
-            request.reservation_id,
-            Amounts.from_proto(request.amounts),
-            request.stage,
+        outcome = await self._counted(
+            "reserve",
+            self.ledger.reserve(
+                current_caller().tenant,
+                request.task_id,
+                request.reservation_id,
+                Amounts.from_proto(request.amounts),
+                request.stage,
+            ),
         )
         reservation, ledger = self._outcome(outcome, request.task_id)
         return budget_pb2.ReserveResponse(
@@ -119,12 +142,15 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
         )
 
     async def Settle(self, request, context):
-        outcome = await self.ledger.settle(
-            current_caller().tenant,
-            request.task_id,
-            request.reservation_id,
-            Amounts.from_proto(request.actual),
-            request.failed,
+        outcome = await self._counted(
+            "settle",
+            self.ledger.settle(
+                current_caller().tenant,
+                request.task_id,
+                request.reservation_id,
+                Amounts.from_proto(request.actual),
+                request.failed,
+            ),
         )
         reservation, ledger = self._outcome(outcome, request.task_id)
         return budget_pb2.SettleResponse(
@@ -135,8 +161,11 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
         )
 
     async def Cancel(self, request, context):
-        outcome = await self.ledger.cancel(
-            current_caller().tenant, request.task_id, request.reservation_id, request.reason
+        outcome = await self._counted(
+            "cancel",
+            self.ledger.cancel(
+                current_caller().tenant, request.task_id, request.reservation_id, request.reason
+            ),
         )
         reservation, ledger = self._outcome(outcome, request.task_id)
         return budget_pb2.CancelResponse(
@@ -147,15 +176,20 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
         )
 
     async def GetLedger(self, request, context):
-        task, revision, reservations = await self.ledger.get(
-            current_caller().tenant,
-            request.task_id,
-            include_reservations=request.include_reservations,
+        task, revision, reservations = await self._counted(
+            "get",
+            self.ledger.get(
+                current_caller().tenant,
+                request.task_id,
+                include_reservations=request.include_reservations,
+            ),
         )
         return ledger_proto(task, revision, self.ledger.now_ns(), reservations)
 
     async def CloseTask(self, request, context):
-        task, revision = await self.ledger.close_task(current_caller().tenant, request.task_id)
+        task, revision = await self._counted(
+            "close_task", self.ledger.close_task(current_caller().tenant, request.task_id)
+        )
         return budget_pb2.CloseTaskResponse(
             ledger=ledger_proto(task, revision, self.ledger.now_ns())
         )

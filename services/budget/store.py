@@ -7,7 +7,8 @@ own deadline ran out): the ledger fails closed and never grants without a commit
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,6 +62,8 @@ class EtcdLedgerStore:
         # While etcd does not answer, calls fail at once rather than each waiting
         # `timeout_s` (ragline/breaker.py); the health probe's pings always go.
         self._breaker = Breaker(_is_silence)
+        # Told of every etcd operation: its name, "ok" or "error", and its seconds.
+        self.observe: Callable[[str, str, float], None] | None = None
         # One retry for a transient blip; more would only delay the UNAVAILABLE answer.
         self._client = etcd3aio.Etcd3Client(self.endpoints, rpc_max_attempts=2)
         # gRPC's default reconnect backoff grows to 120 s; after an etcd restart the ledger
@@ -95,10 +98,13 @@ class EtcdLedgerStore:
         import etcd3aio
 
         deadlines.check(f"etcd {operation}")
+        started, result = time.perf_counter(), "error"
         try:
             with self._breaker.attempt(probe=operation == "ping"):
                 yield
+            result = "ok"
         except BreakerOpen as error:
+            result = "breaker_open"
             raise self._unreachable(f"{operation}: {error}") from None
         except (etcd3aio.EtcdError, grpc.aio.AioRpcError, TimeoutError) as error:
             if deadlines.expired():
@@ -106,6 +112,9 @@ class EtcdLedgerStore:
                     f"the deadline passed while the budget ledger waited on etcd ({operation})"
                 ) from error
             raise self._unreachable(f"{operation}: {error}") from error
+        finally:
+            if self.observe is not None and result != "breaker_open":
+                self.observe(operation, result, time.perf_counter() - started)
 
     async def read(self, keys: Sequence[bytes]) -> list[Versioned | None]:
         kv = self._client.kv

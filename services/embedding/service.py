@@ -126,6 +126,8 @@ class EmbeddingService(Service):
             max_bulk_batch_texts=cfg.max_bulk_batch_texts,
         )
         self.batcher = embedder.batcher
+        if self.metrics is not None:
+            self.metrics.batchers.watch(embedder.batcher)
         self._servicer.embedder.set(embedder)
         log.info(
             "embedding.ready",

@@ -4,9 +4,7 @@ from a finished run's outcome; label values are bounded (a reason's kind, never 
 
 from __future__ import annotations
 
-from functools import partial
-
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
 
 from ragline.metrics import LATENCY_BUCKETS, ProcessMetrics
 from ragline_services.orchestrator.admission import Admission
@@ -19,20 +17,10 @@ def reason_kind(reason: str) -> str:
     return reason.split(":", 1)[0].strip() or "none"
 
 
-def _read(value) -> float:
-    """A value the event loop changes, read from the scrape's thread: a read torn by a
-    change (a dict resized under it) is tried again."""
-    for _ in range(3):
-        try:
-            return float(value())
-        except RuntimeError:
-            continue
-    return float("nan")
-
-
 class OrchestratorMetrics:
     def __init__(self, process: ProcessMetrics) -> None:
-        registry = self._registry = process.registry
+        registry = process.registry
+        self._process = process
         self.tenant = process.tenant
         self.answers = Counter(
             "ragline_orchestrator_answers_total",
@@ -69,23 +57,11 @@ class OrchestratorMetrics:
     def watch(self, admission: Admission) -> None:
         """Admission's state, read when scraped (nothing to update on the request path)."""
         for name, meaning, read in (
-            (
-                "ragline_orchestrator_runs_in_flight",
-                "Runs holding a place now.",
-                lambda: admission.in_flight,
-            ),
-            (
-                "ragline_orchestrator_runs_waiting",
-                "Asks queued for a place now.",
-                lambda: admission.waiting,
-            ),
-            (
-                "ragline_orchestrator_run_places",
-                "Runs that may be in flight at once.",
-                lambda: admission.max_in_flight,
-            ),
+            ("runs_in_flight", "Runs holding a place now.", lambda: admission.in_flight),
+            ("runs_waiting", "Asks queued for a place now.", lambda: admission.waiting),
+            ("run_places", "Runs that may be in flight at once.", lambda: admission.max_in_flight),
         ):
-            Gauge(name, meaning, registry=self._registry).set_function(partial(_read, read))
+            self._process.reading(f"ragline_orchestrator_{name}", meaning).add(read)
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()

@@ -16,6 +16,7 @@ from ragline.config import ServiceConfig
 from ragline.cores import parallel_runs
 from ragline.embedder import PASSAGE, QUERY, input_prefixes, texts_per_run
 from ragline.errors import FailedPrecondition
+from ragline.metrics import ProcessMetrics
 from ragline.models import ModelSpec, ModelStore
 from ragline.server import Service, ServiceSpec
 from ragline.stopwords import CHINESE_STOP_WORDS, STOP_WORDS
@@ -131,7 +132,7 @@ async def build_reranker(
     models: list = []
 
     async def batcher(
-        run, parallel_runs: int = 1, *, spec: ModelSpec | None = None
+        name: str, run, parallel_runs: int = 1, *, spec: ModelSpec | None = None
     ) -> MicroBatcher:
         """A batcher over `run`; for an embedding model `spec`, its runs hold what the
         model allows (`texts_per_run`)."""
@@ -145,7 +146,7 @@ async def build_reranker(
             max_wait_s=cfg.max_wait_ms / 1000,
             max_queue_texts=cfg.max_queue_texts,
             max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
-            name="rerank",
+            name=name,
             max_parallel_runs=parallel_runs,
             max_bulk_batch_texts=limit(cfg.max_bulk_batch_texts),
         )
@@ -183,7 +184,7 @@ async def build_reranker(
             store.file(cfg.cross_encoder_model, "tokenizer.json"),
             min(cfg.cross_encoder_max_tokens or spec.max_tokens, spec.max_tokens),
         )
-        pair_batcher = await batcher(cross.run)
+        pair_batcher = await batcher("rerank-pairs", cross.run)
     prefixes = input_prefixes(token_spec.extra)
     reranker = Reranker(
         skip_query_tokens=skipped_query_tokens(token_tokenizer)
@@ -192,7 +193,9 @@ async def build_reranker(
         token_tokenizer=token_tokenizer,
         # A text's token vectors (and the embedding ingest writes from the same run) are
         # what the embedding service gives it: runs hold what the model allows.
-        token_batcher=await batcher(encoder.run, encoder.parallel_runs, spec=token_spec),
+        token_batcher=await batcher(
+            "rerank-tokens", encoder.run, encoder.parallel_runs, spec=token_spec
+        ),
         pair_tokenizer=pair_tokenizer,
         pair_batcher=pair_batcher,
         cache=TokenCache(cfg.token_cache_mb * 1024 * 1024),
@@ -211,6 +214,22 @@ async def build_reranker(
         ),
     )
     return Built(reranker, batchers, models)
+
+
+def watch_reranker(metrics: ProcessMetrics, built: Built) -> None:
+    """The cascade's batchers and its token cache, read at scrape time."""
+    for batcher in built.batchers:
+        metrics.batchers.watch(batcher)
+    cache = built.reranker.cache
+    metrics.reading(
+        "ragline_rerank_token_cache_lookups_total",
+        "Lookups of passages' token vectors in memory, by result (hit, miss).",
+        "counter",
+        ("result",),
+    ).add(lambda: {("hit",): cache.hits, ("miss",): cache.misses})
+    metrics.reading(
+        "ragline_rerank_token_cache_bytes", "Bytes of token vectors held in memory."
+    ).add(lambda: cache.bytes)
 
 
 class RerankService(Service):
@@ -235,6 +254,8 @@ class RerankService(Service):
                 )
         self._token_store = await self._open_token_store(store)
         self._built = await build_reranker(cfg, store, self._token_store)
+        if self.metrics is not None:
+            watch_reranker(self.metrics, self._built)
         self._servicer.reranker.set(self._built.reranker)
         log.info("rerank.ready", token_model=cfg.token_model, cross_encoder=cfg.cross_encoder_model)
 

@@ -4,22 +4,15 @@ py-grpc-prometheus names them, served by the real process on its metrics port.""
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from ragline.processes import free_ports
 from ragline.v1 import budget_pb2, budget_pb2_grpc
+from support.metrics import scrape
 
 pytestmark = pytest.mark.integration
-
-
-def scrape(port: int) -> dict[str, list]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return {family.name: family.samples for family in text_string_to_metric_families(text)}
 
 
 def handled(found, method: str) -> dict[str, float]:

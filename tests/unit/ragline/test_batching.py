@@ -10,6 +10,7 @@ import pytest
 
 from ragline.batching import MicroBatcher, bucket_groups, pad
 from ragline.errors import DeadlineExceeded, ResourceExhausted
+from ragline.metrics import ProcessMetrics
 from ragline.tokenization import TokenizedText
 
 
@@ -90,7 +91,7 @@ async def test_expired_and_cancelled_requests_are_dropped_before_compute():
     await asyncio.sleep(0.01)
     await batcher.stop()
     assert model.calls == [(1, 1)]
-    assert batcher.dropped == 2
+    assert batcher.dropped == {"deadline": 1, "cancelled": 1}
 
 
 async def test_full_queue_refuses_at_once_with_a_retry_hint():
@@ -223,3 +224,34 @@ async def test_bulk_runs_are_capped_smaller_than_query_runs():
     # The queued queries share one run; the passages go two at a time.
     assert [shape[0] for shape in model.calls] == [1, 4, 2, 2, 1, 3]
     assert [r.vectors.tolist() for r in results[1:6]] == [[[float(i), 1.0]] for i in range(1, 6)]
+
+
+async def test_runs_waits_refusals_and_drops_reach_the_process_metrics():
+    metrics = ProcessMetrics()
+    model = FakeModel(delay_s=0.05)
+    batcher = MicroBatcher(
+        model, max_batch_texts=4, max_wait_s=0, max_queue_texts_per_tenant=2, name="embedding"
+    )
+    metrics.batchers.watch(batcher)
+    await batcher.start()
+    first = asyncio.create_task(batcher.submit([text(1)], None, urgent=True))
+    await asyncio.sleep(0.01)  # running
+    queued = asyncio.create_task(batcher.submit([text(2), text(3)], None))
+    await asyncio.sleep(0.01)
+
+    def value(name: str, **labels) -> float | None:
+        return metrics.registry.get_sample_value(name, {"batcher": "embedding", **labels})
+
+    assert value("ragline_batch_queued_texts") == 2
+    assert value("ragline_batch_runs_in_flight") == 1
+    with pytest.raises(ResourceExhausted):
+        await batcher.submit([text(4)], None)
+    assert value("ragline_batch_refusals_total", scope="tenant") == 1
+    await asyncio.gather(first, queued)
+    await batcher.stop()
+    assert value("ragline_batch_texts_count", lane="urgent") == 1
+    assert value("ragline_batch_texts_sum", lane="bulk") == 2  # one run of both texts
+    # the bulk request waited for the urgent run (~50 ms) before its own started
+    assert value("ragline_batch_queue_wait_seconds_sum", lane="bulk") >= 0.02
+    assert value("ragline_batch_run_seconds_count", lane="bulk") == 1
+    assert value("ragline_batch_queued_texts") == 0

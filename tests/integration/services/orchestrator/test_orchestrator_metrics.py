@@ -3,15 +3,14 @@ and reason kind (bounded labels), plan node times by kind, answer-cache lookups.
 
 from __future__ import annotations
 
-import urllib.request
 import uuid
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from ragline.processes import free_ports
 from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from support.metrics import scrape
 
 pytestmark = pytest.mark.integration
 
@@ -29,10 +28,7 @@ async def ask(address: str, question: str) -> orchestrator_pb2.AskResult:
 
 
 def samples(port: int, name: str, suffix: str = "_total") -> list:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    families = {f.name: f.samples for f in text_string_to_metric_families(text)}
-    return [s for s in families.get(name, []) if s.name.endswith(suffix)]
+    return [s for s in scrape(port).get(name, []) if s.name.endswith(suffix)]
 
 
 async def test_answers_node_times_and_cache_lookups_are_counted(rag_stack):
