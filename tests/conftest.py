@@ -53,6 +53,12 @@ class ServiceHandle:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def metrics_port(self) -> int | None:
+        """Where the process serves /metrics, when its settings give it a port."""
+        port = (self.env or {}).get(f"RAGLINE_{self.name.upper()}_METRICS_PORT")
+        return int(port) if port else None
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -470,7 +476,12 @@ def _start_rag_services(etcd, launcher, tmp_path_factory) -> RagStack:
 
     from ragline_app.ingest import DEMO_CORPUS, Checkpoint, ingest
 
-    start = launcher.start
+    def start(name: str, env: dict[str, str] | None = None) -> ServiceHandle:
+        # Every service serves its metrics (tests/integration/test_metrics_documented.py).
+        port, metrics_port = free_ports(2)  # at once: two calls could give one port twice
+        metrics = {f"RAGLINE_{name.upper()}_METRICS_PORT": str(metrics_port)}
+        return launcher.start(name, env={**(env or {}), **metrics}, port=port)
+
     embedding = start("embedding")
     retrieval = start(
         "retrieval",

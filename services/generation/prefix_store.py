@@ -110,6 +110,7 @@ class StoreCounters:
     evictions: int = 0
     discarded: int = 0  # corrupt, missing or mismatched states thrown away
     errors: int = 0  # the cache backend or a file operation failed (treated as a miss)
+    saved_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -153,6 +154,8 @@ class PrefixStore:
         self.settings = settings
         self.engine_identity = engine_identity
         self.counters = StoreCounters()
+        # Bytes of the states the index named at its last save (every replica's).
+        self.stored_bytes = 0
         self._index = f"{settings.namespace}entry:"
         self._hot = f"{settings.namespace}seen:"
         settings.directory.mkdir(parents=True, exist_ok=True)
@@ -268,6 +271,7 @@ class PrefixStore:
             await self._remove_file(file)
             return None
         self.counters.saves += 1
+        self.counters.saved_bytes += size
         await self._evict_and_sweep(keep=entry)
         return entry
 
@@ -319,6 +323,7 @@ class PrefixStore:
             self.counters.evictions += 1
             await self._guarded("delete", self.cache.delete(self._index + entry.key))
             await self._remove_file(entry.file)
+        self.stored_bytes = total
         live = {e.file for e in entries} | {keep.file}
         await asyncio.to_thread(self._sweep, live)
 

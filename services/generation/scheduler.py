@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -87,6 +87,10 @@ class SlotScheduler:
         self._queues: dict[str, deque[_Waiter]] = {}
         self._typical_request_s = typical_request_s
         self._holds: deque[float] = deque(maxlen=64)  # seconds recent leases lasted
+        # Requests refused at once, by reason (QUEUE_FULL, DEADLINE_TOO_SHORT_FOR_QUEUE),
+        # and those whose deadline passed while they waited.
+        self.refusals: Counter[str] = Counter()
+        self.expired_waiting = 0
 
     @property
     def busy(self) -> int:
@@ -98,6 +102,7 @@ class SlotScheduler:
 
     def _refuse(self, waiting: int, limit: int, whose: str) -> ResourceExhausted:
         retry = self._typical_request_s * (waiting + 1) / len(self.slots)
+        self.refusals["QUEUE_FULL"] += 1
         return ResourceExhausted(
             f"generation is at capacity for {whose}: {self.busy} sequences running, "
             f"{waiting} waiting (limit {limit}); retry in about {retry:.1f} s",
@@ -130,6 +135,7 @@ class SlotScheduler:
         wait = self.expected_wait_s(tenant)
         if wait <= left:
             return
+        self.refusals["DEADLINE_TOO_SHORT_FOR_QUEUE"] += 1
         raise ResourceExhausted(
             f"generation cannot start this request in time: it would wait about {wait:.1f} s "
             f"for a slot ({self.busy} running, {self.waiting} waiting), more than the "
@@ -174,6 +180,7 @@ class SlotScheduler:
                 slot = await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
             except TimeoutError:
                 self._abandon(waiter)
+                self.expired_waiting += 1
                 raise DeadlineExceeded(
                     f"deadline passed after {(time.monotonic() - started) * 1000:.0f} ms "
                     "waiting for a generation slot"

@@ -33,6 +33,7 @@ from ragline_services.generation.memory import (
     model_shape,
     plan_slots,
 )
+from ragline_services.generation.metrics import GenerationMetrics
 from ragline_services.generation.prefix_store import PrefixStore, StoreSettings
 from ragline_services.generation.scheduler import SlotScheduler
 from ragline_services.generation.servicer import GenerationServicer
@@ -134,6 +135,7 @@ class GenerationService(Service):
             min(config.kv_store_ttl_s, KV_SWEEP_EVERY_S), self._sweep_kv_store, "kv-store-sweep"
         )
         self._engine_problem = ""  # what the last probe found wrong ("" while serving)
+        self._engines_down: dict[str, str] = {}  # tier -> why its engine cannot serve
 
     def register(self, server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(self._servicer, server)
@@ -286,6 +288,7 @@ class GenerationService(Service):
                 why = await tier.engine.failure()
                 if why is not None:
                     problems[tier.name] = why
+        self._engines_down = problems
         if not problems:
             if self._engine_problem:
                 self._engine_problem = ""
@@ -379,7 +382,7 @@ class GenerationService(Service):
             tiers = {SMALL: await self._triton_tier(SMALL, cfg.triton_small_model)}
             if cfg.triton_large_model:
                 tiers[LARGE] = await self._triton_tier(LARGE, cfg.triton_large_model)
-            self._servicer.generator.set(Generator(tiers))
+            self._serve(Generator(tiers))
             return
         store = ModelStore(cfg.model_dir or self.common.model_dir)
         self._memory_budget = (cfg.memory_budget_mb << 20) or int(
@@ -390,7 +393,13 @@ class GenerationService(Service):
             tiers[LARGE] = await self._tier(
                 store, LARGE, cfg.large_model, cfg.large_speculation, cfg.small_model
             )
-        self._servicer.generator.set(Generator(tiers))
+        self._serve(Generator(tiers))
+
+    def _serve(self, generator: Generator) -> None:
+        if self.metrics is not None:
+            metrics = self._servicer.metrics = GenerationMetrics(self.metrics)
+            metrics.watch(generator, lambda: self._engines_down)
+        self._servicer.generator.set(generator)
 
     async def stop(self) -> None:
         await self._watch.stop()

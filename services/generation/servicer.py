@@ -16,6 +16,7 @@ from ragline_services.generation.generator import (
     Generator,
     Summary,
 )
+from ragline_services.generation.metrics import GenerationMetrics
 
 _ROLES = {
     generation_pb2.ROLE_SYSTEM: "system",
@@ -94,6 +95,7 @@ def count_request(request: generation_pb2.CountTokensRequest, tenant: str) -> Ge
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self) -> None:
         self.generator: Deferred[Generator] = Deferred("the generation engines")
+        self.metrics: GenerationMetrics | None = None  # when the process serves metrics
 
     async def Generate(self, request, context):
         generator = self.generator.value
@@ -114,7 +116,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     )
                     index += 1
                 elif isinstance(event, Summary):
-                    yield generation_pb2.GenerateResponse(index=index, final=self._final(event))
+                    final = self._final(event)
+                    if self.metrics is not None:
+                        first = clock.first_token
+                        ttft = None if first is None else first - clock.received
+                        self.metrics.record(event, ttft)
+                    yield generation_pb2.GenerateResponse(index=index, final=final)
 
     def _final(self, summary: Summary) -> generation_pb2.GenerateFinal:
         clock = current_clock()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -34,6 +35,7 @@ from ragline.v1 import (
 )
 from ragline_services.retrieval.forget_notices import ForgetNotices, ForgetTarget
 from ragline_services.retrieval.index import Embedded, IndexSettings, RetrievalIndex
+from ragline_services.retrieval.metrics import RetrievalMetrics
 from ragline_services.retrieval.query_encoder import LocalQueryEncoder
 from ragline_services.retrieval.servicer import RetrievalServicer
 from ragline_services.retrieval.vectors import EdgeVectorIndex
@@ -259,6 +261,9 @@ class RetrievalService(Service):
 
     async def start(self) -> None:
         self.index = await asyncio.to_thread(self._open_index)
+        if self.metrics is not None:
+            metrics = self._servicer.metrics = RetrievalMetrics(self.metrics)
+            metrics.watch(self.index)
         self._servicer.index.set(self.index)
         await self.index.resume_reembed()
         self._probe = asyncio.ensure_future(self._probe_embedding_model())
@@ -282,7 +287,9 @@ class RetrievalService(Service):
 
     async def _maybe_build(self) -> None:
         # A failed build is logged by Periodic and leaves the current index serving.
-        await self.index.maybe_build()
+        started = time.monotonic()
+        if await self.index.maybe_build() and self._servicer.metrics is not None:
+            self._servicer.metrics.built(time.monotonic() - started)
         await self.index.maybe_compact()
 
     async def stop(self) -> None:

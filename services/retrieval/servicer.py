@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from google.protobuf import timestamp_pb2
 
 from ragline.identity import current_caller
@@ -18,6 +20,7 @@ from ragline_services.retrieval.index import (
     RetrievalIndex,
     SearchQuery,
 )
+from ragline_services.retrieval.metrics import RetrievalMetrics
 from ragline_services.retrieval.permissions import Writer
 
 _MODES = {
@@ -52,6 +55,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
     def __init__(self, embedding_version=lambda: "") -> None:
         self.index: Deferred[RetrievalIndex] = Deferred("the retrieval index (replaying its log)")
         self._embedding_version = embedding_version
+        self.metrics: RetrievalMetrics | None = None  # when the process serves metrics
 
     async def Upsert(self, request, context):
         index = self.index.value
@@ -69,6 +73,8 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         ]
         caller = current_caller()
         result = await index.upsert(caller.tenant, documents, writer=Writer.of(caller))
+        if self.metrics is not None:
+            self.metrics.wrote("upsert", len(documents))
         # The tenant's own write numbers: the global ones would show it everyone's writes.
         return retrieval_pb2.UpsertResponse(
             upserted=len(documents),
@@ -82,6 +88,8 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         index = self.index.value
         caller = current_caller()
         result = await index.delete(caller.tenant, list(request.ids), writer=Writer.of(caller))
+        if self.metrics is not None:
+            self.metrics.wrote("delete", result.deleted)
         return retrieval_pb2.DeleteResponse(
             deleted=result.deleted,
             not_found=result.not_found,
@@ -96,12 +104,15 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         visibility = Visibility(
             caller.tenant, caller.visibility, tuple(sorted(request.attributes.items()))
         )
+        started = time.perf_counter()
         result = await index.search(visibility, SearchQuery(
             text=request.query, k=request.k, mode=_MODES[request.mode],
             vector=tuple(request.query_vector), hnsw_ef=request.hnsw_ef,
             candidates=request.candidates, fusion=_FUSION[request.fusion],
             vector_weight=request.vector_weight, include_text=request.include_text,
         ))  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.searched(result, time.perf_counter() - started)
         return retrieval_pb2.SearchResponse(
             hits=[
                 common_pb2.Hit(

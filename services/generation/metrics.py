@@ -1,0 +1,145 @@
+"""What the generation service tells its operators (docs/operations.md), by tier: requests
+by finish reason, tokens in and out, time to first token, decode rate, queue wait,
+speculation; the slots, the queue, refusals, the prefix store and the engines read at
+scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import Counter, Histogram
+
+from ragline.metrics import LATENCY_BUCKETS, ProcessMetrics
+from ragline_services.generation.generator import Generator, Summary
+
+# Tokens per second of one sequence's decode: a 1.5B model on one CPU core to a GPU.
+DECODE_RATE_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
+_STORE_EVENTS = ("lookups", "hits", "saves", "evictions", "discarded", "errors")
+
+
+class GenerationMetrics:
+    def __init__(self, process: ProcessMetrics) -> None:
+        self._process = process
+        registry = process.registry
+        self.requests = Counter(
+            "ragline_generation_requests_total",
+            "Generations that ran, by tier and finish reason (stop, length, deadline).",
+            ("tier", "finish"),
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "ragline_generation_tokens_total",
+            "Tokens by tier and kind: prompt (in), cached (prompt tokens the engine's cache "
+            "held), completion (out).",
+            ("tier", "kind"),
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "ragline_generation_time_to_first_token_seconds",
+            "From a request's arrival to its first token (queue wait and prefill included).",
+            ("tier",),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.decode_rate = Histogram(
+            "ragline_generation_decode_tokens_per_second",
+            "One sequence's decode rate (completion tokens over decode time).",
+            ("tier",),
+            buckets=DECODE_RATE_BUCKETS,
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "ragline_generation_queue_wait_seconds",
+            "Time a request waited for a slot.",
+            ("tier",),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.speculation = Counter(
+            "ragline_generation_speculation_tokens_total",
+            "Speculative decoding's tokens by tier and result (drafted, accepted): "
+            "accepted / drafted is the acceptance rate.",
+            ("tier", "result"),
+            registry=registry,
+        )
+
+    def record(self, summary: Summary, first_token_s: float | None) -> None:
+        """One generation that ran; `first_token_s`: from its arrival to its first token."""
+        tier = summary.tier
+        self.requests.labels(tier, summary.finish_reason).inc()
+        for kind, count in (
+            ("prompt", summary.prompt_tokens),
+            ("cached", summary.cached_tokens),
+            ("completion", summary.completion_tokens),
+        ):
+            self.tokens.labels(tier, kind).inc(count)
+        self.queue_wait.labels(tier).observe(summary.queue_wait_s)
+        if first_token_s is not None:
+            self.ttft.labels(tier).observe(first_token_s)
+        if summary.decode_s > 0 and summary.completion_tokens > 1:
+            self.decode_rate.labels(tier).observe(summary.completion_tokens / summary.decode_s)
+        if summary.drafted:
+            self.speculation.labels(tier, "drafted").inc(summary.drafted)
+            self.speculation.labels(tier, "accepted").inc(summary.accepted)
+
+    def watch(self, generator: Generator, engine_problems: Callable[[], dict[str, str]]) -> None:
+        """Each tier's slots, queue, refusals, prefix store and engine, read when scraped
+        (`engine_problems()`: tier -> why its engine cannot serve, for those that cannot)."""
+        reading = self._process.reading
+        slots_busy = reading(
+            "ragline_generation_slots_busy", "Slots decoding now.", labels=("tier",)
+        )
+        slots = reading("ragline_generation_slots", "Slots (sequences at once).", labels=("tier",))
+        waiting = reading(
+            "ragline_generation_requests_waiting", "Requests queued for a slot.", labels=("tier",)
+        )
+        refusals = reading(
+            "ragline_generation_refusals_total",
+            "Requests refused at once, by reason (QUEUE_FULL, DEADLINE_TOO_SHORT_FOR_QUEUE), "
+            "or whose deadline passed while they waited (DEADLINE_EXCEEDED).",
+            "counter",
+            ("tier", "reason"),
+        )
+        engine_up = reading(
+            "ragline_generation_engine_up",
+            "1 while the tier's engine serves, 0 while it cannot (health is NOT_SERVING).",
+            labels=("tier",),
+        )
+        store_events = reading(
+            "ragline_generation_prefix_store_events_total",
+            "The hot-prefix KV store's events by tier: lookups, hits, saves, evictions, "
+            "discarded (corrupt or mismatched states), errors.",
+            "counter",
+            ("tier", "event"),
+        )
+        store_bytes = reading(
+            "ragline_generation_prefix_store_bytes",
+            "Bytes of saved KV states the store holds (all replicas), as of the last save.",
+            labels=("tier",),
+        )
+        saved_bytes = reading(
+            "ragline_generation_prefix_store_saved_bytes_total",
+            "Bytes of KV states this process saved.",
+            "counter",
+            ("tier",),
+        )
+        for name, tier in generator.tiers.items():
+            scheduler = tier.scheduler
+            slots_busy.add(lambda s=scheduler: s.busy, name)
+            slots.add(lambda s=scheduler: len(s.slots), name)
+            waiting.add(lambda s=scheduler: s.waiting, name)
+            refusals.add(
+                lambda s=scheduler: {
+                    **{(reason,): count for reason, count in dict(s.refusals).items()},
+                    ("DEADLINE_EXCEEDED",): s.expired_waiting,
+                },
+                name,
+            )
+            engine_up.add(lambda n=name: 0.0 if n in engine_problems() else 1.0, name)
+            store = tier.prefix_store
+            if store is not None:
+                store_events.add(
+                    lambda c=store.counters: {(e,): getattr(c, e) for e in _STORE_EVENTS}, name
+                )
+                store_bytes.add(lambda s=store: s.stored_bytes, name)
+                saved_bytes.add(lambda c=store.counters: c.saved_bytes, name)
