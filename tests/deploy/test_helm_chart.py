@@ -4,51 +4,15 @@ ConfigMap + Secret keys equal to the variables the services read (both ways)."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 
 import pytest
-import yaml
 
-from support import REPO_ROOT, service_settings
+from support import service_settings
+from support.helm_chart import CHART, KEYS, VALUES, invalid, render
 
 pytestmark = pytest.mark.deploy
-
-CHART = REPO_ROOT / "deploy" / "k8s" / "helm" / "ragline"
-KEYS = ["--set", "auth.jwtKey=test-client-key", "--set", "auth.serviceKey=" + "s" * 40]
-VALUES = {"cpu": [], "gpu": ["-f", str(CHART / "values-gpu.yaml")]}
-
-
-@pytest.fixture(scope="module")
-def helm() -> str:
-    spec = importlib.util.spec_from_file_location("fetch_helm", REPO_ROOT / "tools/fetch_helm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return str(module.ensure_helm())
-
-
-def render(helm: str, chart=CHART, *extra: str) -> list[dict]:
-    result = subprocess.run(
-        [helm, "template", "rl", str(chart), *KEYS, *extra],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-
-
-def invalid(objects: list[dict]) -> list[str]:
-    import kubernetes_validate
-    from kubernetes_validate.utils import latest_version
-
-    version = latest_version()
-    problems = []
-    for obj in objects:
-        try:
-            kubernetes_validate.validate(obj, version, strict=True)
-        except kubernetes_validate.ValidationError as error:
-            problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {error.message}")
-    return problems
 
 
 @pytest.mark.parametrize("flavour", VALUES)
@@ -84,7 +48,9 @@ def test_the_chart_lints_renders_and_validates(helm, flavour):
         in {f"rl-{w['metadata']['labels']['app.kubernetes.io/name']}" for w in ragline}
     ]
     assert len(services) == 6
-    assert all(p["appProtocol"] == "grpc" for s in services for p in s["spec"]["ports"])
+    assert all(s["spec"]["ports"][0]["appProtocol"] == "grpc" for s in services)
+    # and each serves its metrics (docs/operations.md) on a port of its own
+    assert all(s["spec"]["ports"][1]["name"] == "metrics" for s in services)
     triton = [w for w in workloads if w["metadata"]["name"] == "rl-triton"]
     if flavour == "gpu":
         limits = triton[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
@@ -122,9 +88,10 @@ def test_a_broken_template_fails_the_check(helm, tmp_path):
 
 
 def config_keys(objects: list[dict]) -> set[str]:
+    """The variables the chart hands the services (its config ConfigMap and auth Secret)."""
     keys = set()
     for obj in objects:
-        if obj["kind"] == "ConfigMap":
+        if obj["kind"] == "ConfigMap" and obj["metadata"]["name"].endswith("-config"):
             keys |= set(obj["data"])
         elif obj["kind"] == "Secret":
             keys |= set(obj.get("stringData", {})) | set(obj.get("data", {}))
