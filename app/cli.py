@@ -98,7 +98,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack.write_state(state_path)
         width = max(len(n) for n in names)
         for svc in stack.services:
-            print(f"  {svc.name:<{width}}  {svc.address}  SERVING", flush=True)
+            metrics = f"  metrics {svc.metrics_url}" if svc.metrics_url else ""
+            print(f"  {svc.name:<{width}}  {svc.address}  SERVING{metrics}", flush=True)
+        print("ragline up: `ragline top` shows them live", flush=True)
         if args.demo and {"retrieval", "embedding"} <= set(names):
             loading = asyncio.create_task(_load_demo(stack, common))
             await asyncio.wait({loading, interrupted}, return_when=asyncio.FIRST_COMPLETED)
@@ -446,6 +448,28 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if all(s == "SERVING" for _, s in results.values()) else 1
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from ragline_app.stack import read_state_metrics
+    from ragline_app.top import run
+
+    common = CommonConfig()
+    endpoints = dict(item.split("=", 1) for item in args.metrics) or read_state_metrics(
+        common.data_dir / "up.json"
+    )
+    if not endpoints:
+        print(
+            "ragline top: no metrics endpoints: start the stack with `ragline up` (it serves "
+            "and records them), or pass --metrics NAME=URL for each service",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        run(endpoints, args.interval, frames=args.frames)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from ragline.models import ModelError, ModelStore
 
@@ -494,6 +518,13 @@ def default_models() -> list[str]:
         GenerationConfig().small_model,
     ]
     return list(dict.fromkeys(n for n in names if n))
+
+
+def _name_equals_url(value: str) -> str:
+    name, _, url = value.partition("=")
+    if not name or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected NAME=http://host:port/metrics, got {value!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -615,6 +646,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models.set_defaults(func=cmd_models)
 
+    top = sub.add_parser(
+        "top", help="live view of every service from its metrics (calls, latency, queues)"
+    )
+    top.add_argument(
+        "--metrics",
+        action="append",
+        default=[],
+        type=_name_equals_url,
+        metavar="NAME=URL",
+        help="a service's /metrics URL (repeat; default: those `ragline up` recorded)",
+    )
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between redraws")
+    top.add_argument(
+        "--frames", type=int, default=None, help="stop after this many redraws (default: Ctrl-C)"
+    )
+    top.set_defaults(func=cmd_top)
     health = sub.add_parser("health", help="health of every service")
     health.add_argument("--timeout", type=float, default=2.0)
     health.add_argument("--json", action="store_true")

@@ -21,6 +21,13 @@ from ragline_services.registry import default_address, default_port, service_nam
 
 # Client / peer ports of the local etcd that `ragline up` starts for the budget service.
 ETCD_PORT_OFFSETS = (10, 11)
+# A service's Prometheus /metrics port in the laptop layout: its gRPC port plus this.
+METRICS_PORT_OFFSET = 100
+
+
+def metrics_key(name: str) -> str:
+    """The key of a service's metrics port in a port plan."""
+    return f"{name}-metrics"
 
 
 class StackError(RuntimeError):
@@ -34,10 +41,17 @@ class ServiceProcess:
     port: int
     log_path: Path
     process: subprocess.Popen | None = None
+    metrics_port: int | None = None
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        if self.metrics_port is None:
+            return None
+        return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -49,14 +63,19 @@ class ServiceProcess:
 def plan_ports(names: list[str], base_port: int | None, host: str) -> dict[str, int]:
     """Default ports, `base_port + offset` in the default layout, or free ports (base 0).
 
-    Besides the services, the plan holds `etcd` and `etcd-peer` for the local etcd.
+    Besides the services, the plan holds each service's metrics port (`metrics_key`) and
+    `etcd` and `etcd-peer` for the local etcd.
     """
-    names = [*names, "etcd", "etcd-peer"]
+    names = [*names, *(metrics_key(name) for name in names), "etcd", "etcd-peer"]
     if base_port == 0:
         return dict(zip(names, free_ports(len(names), host), strict=True))
     base = default_port("orchestrator")
     offsets = {
         **{name: default_port(name) - base for name in service_names()},
+        **{
+            metrics_key(name): default_port(name) - base + METRICS_PORT_OFFSET
+            for name in service_names()
+        },
         "etcd": ETCD_PORT_OFFSETS[0],
         "etcd-peer": ETCD_PORT_OFFSETS[1],
     }
@@ -143,15 +162,30 @@ class Stack:
         self.log_dir = log_dir
         self.etcd = etcd
         self.services = [
-            ServiceProcess(name, host, ports[name], log_dir / f"{name}.log") for name in names
+            ServiceProcess(
+                name,
+                host,
+                ports[name],
+                log_dir / f"{name}.log",
+                metrics_port=ports.get(metrics_key(name)),
+            )
+            for name in names
         ]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         for svc in self.services:
-            env[f"RAGLINE_{svc.name.upper()}_PORT"] = str(svc.port)
-            env[f"RAGLINE_{svc.name.upper()}_HOST"] = svc.host
-            env[f"RAGLINE_{svc.name.upper()}_ADDR"] = svc.address
+            upper = svc.name.upper()
+            env[f"RAGLINE_{upper}_PORT"] = str(svc.port)
+            env[f"RAGLINE_{upper}_HOST"] = svc.host
+            env[f"RAGLINE_{upper}_ADDR"] = svc.address
+            # Metrics are on in `ragline up` (for `ragline top`), on a port the environment
+            # may choose instead.
+            configured = env.get(f"RAGLINE_{upper}_METRICS_PORT", "").strip()
+            if configured.isdigit() and int(configured):
+                svc.metrics_port = int(configured)
+            if svc.metrics_port is not None:
+                env[f"RAGLINE_{upper}_METRICS_PORT"] = str(svc.metrics_port)
         if self.etcd is not None:
             env["RAGLINE_BUDGET_ETCD_ENDPOINTS"] = self.etcd.endpoint
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -225,6 +259,7 @@ class Stack:
             "services": {
                 s.name: {
                     "address": s.address,
+                    "metrics": s.metrics_url,
                     "pid": s.process.pid if s.process else None,
                     "log": str(s.log_path),
                 }
@@ -233,6 +268,15 @@ class Stack:
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state, indent=2))
+
+
+def read_state_metrics(path: Path) -> dict[str, str]:
+    """Service -> its /metrics URL, as a running `ragline up` recorded them."""
+    try:
+        services = json.loads(path.read_text())["services"]
+    except (OSError, KeyError, ValueError):
+        return {}
+    return {name: entry["metrics"] for name, entry in services.items() if entry.get("metrics")}
 
 
 def read_state_address(path: Path, service: str) -> str | None:

@@ -56,12 +56,16 @@ def test_up_serves_six_services_and_ctrl_c_stops_them(tmp_path, grpcurl_bin):
     )
     try:
         lines = read_until(process, "ragline up: ready", timeout_s=120)
-        addresses = {}
+        addresses, metrics = {}, {}
         for line in lines:
-            match = re.match(r"^\s+(\w+)\s+(127\.0\.0\.1:\d+)\s+SERVING$", line)
+            match = re.match(
+                r"^\s+(\w+)\s+(127\.0\.0\.1:\d+)\s+SERVING\s+metrics (http://\S+/metrics)$",
+                line,
+            )
             if match:
                 addresses[match.group(1)] = match.group(2)
-        assert set(addresses) == set(service_names())
+                metrics[match.group(1)] = match.group(3)
+        assert set(addresses) == set(metrics) == set(service_names())
 
         for name, address in addresses.items():
             listed = subprocess.run(
@@ -90,6 +94,19 @@ def test_up_serves_six_services_and_ctrl_c_stops_them(tmp_path, grpcurl_bin):
         )
         state = json.loads((tmp_path / ".ragline" / "up.json").read_text())
         pids = [svc["pid"] for svc in state["services"].values()]
+        # `ragline top` reads the metrics `ragline up` printed and recorded: one frame
+        top = subprocess.run(
+            [str(BIN / "ragline"), "top", "--frames", "1", "--interval", "0.5"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "160"},
+        )
+        assert top.returncode == 0, top.stderr
+        drawn = {line.split()[1] for line in top.stdout.splitlines() if line.startswith("│")}
+        assert set(service_names()) <= drawn, top.stdout
+        assert "down" not in top.stdout, top.stdout
 
         process.send_signal(signal.SIGINT)  # what Ctrl-C sends
         output, _ = process.communicate(timeout=60)

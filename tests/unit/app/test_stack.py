@@ -17,8 +17,9 @@ def test_port_plans():
     shifted = plan_ports(names, 60100, "127.0.0.1")
     assert shifted["orchestrator"] == 60100 and shifted["budget"] == 60105
     assert shifted["etcd"] == 60110 and shifted["etcd-peer"] == 60111
+    assert shifted["orchestrator-metrics"] == 60200 and shifted["budget-metrics"] == 60205
     free = plan_ports(names, 0, "127.0.0.1")
-    assert len(set(free.values())) == 8
+    assert len(set(free.values())) == 14
 
 
 def test_unknown_service_is_named():
