@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -404,6 +404,8 @@ class RagStack:
     generation: ServiceHandle
     small_generation: ServiceHandle
     launcher: ServiceLauncher
+    # Settings every process of the stack got (an orchestrator started later gets them too).
+    env: dict[str, str] = field(default_factory=dict)
 
     def orchestrator(
         self,
@@ -423,6 +425,7 @@ class RagStack:
             "RAGLINE_RERANK_ADDR": self.rerank.address,
             "RAGLINE_GENERATION_ADDR": generation_addr or generation.address,
             "RAGLINE_BUDGET_ADDR": self.budget.address,
+            **self.env,
             **{f"RAGLINE_ORCHESTRATOR_{k.upper()}": str(v) for k, v in settings.items()},
         }
         return self.launcher.start("orchestrator", env=env)
@@ -461,6 +464,19 @@ def rag_services(etcd, tmp_path_factory) -> Iterator[RagStack]:
 
 
 @pytest.fixture(scope="module")
+def traced_stack(etcd, module_launcher, tmp_path_factory) -> RagStack:
+    """A RagStack of its own whose every process exports its spans to one file
+    (`traced_stack.env["RAGLINE_TRACES_FILE"]`, JSON lines; ragline.tracing)."""
+    spans = tmp_path_factory.mktemp("traces") / "spans.jsonl"
+    env = {
+        "OTEL_TRACES_EXPORTER": "jsonl",
+        "RAGLINE_TRACES_FILE": str(spans),
+        "OTEL_BSP_SCHEDULE_DELAY": "100",  # ms: spans reach the file soon after they end
+    }
+    return _start_rag_services(etcd, module_launcher, tmp_path_factory, env)
+
+
+@pytest.fixture(scope="module")
 def rag_stack(rag_services, module_launcher) -> RagStack:
     """The session's services; orchestrators a test starts stop with its module."""
     return replace(rag_services, launcher=module_launcher)
@@ -471,16 +487,21 @@ def _launcher_scope(directory, etcd, tmp_path_factory) -> Iterator[RagStack]:
         yield _start_rag_services(etcd, launcher, tmp_path_factory)
 
 
-def _start_rag_services(etcd, launcher, tmp_path_factory) -> RagStack:
+def _start_rag_services(
+    etcd, launcher, tmp_path_factory, env: dict[str, str] | None = None
+) -> RagStack:
+    """`env`: settings every process gets (tracing, say)."""
     import asyncio
 
     from ragline_app.ingest import DEMO_CORPUS, Checkpoint, ingest
+
+    shared = dict(env or {})
 
     def start(name: str, env: dict[str, str] | None = None) -> ServiceHandle:
         # Every service serves its metrics (tests/integration/test_metrics_documented.py).
         port, metrics_port = free_ports(2)  # at once: two calls could give one port twice
         metrics = {f"RAGLINE_{name.upper()}_METRICS_PORT": str(metrics_port)}
-        return launcher.start(name, env={**(env or {}), **metrics}, port=port)
+        return launcher.start(name, env={**shared, **(env or {}), **metrics}, port=port)
 
     embedding = start("embedding")
     retrieval = start(
@@ -505,6 +526,7 @@ def _start_rag_services(etcd, launcher, tmp_path_factory) -> RagStack:
             },
         ),
         launcher=launcher,
+        env=shared,
     )
     asyncio.run(
         ingest(

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ragline import tracing
 from ragline.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from ragline.tokenization import TokenizedText
 
@@ -231,10 +232,21 @@ class MicroBatcher:
         self._queued_texts += len(texts)
         self._wakeup.set()
         try:
-            return await future
+            result = await future
         except asyncio.CancelledError:
             future.cancel()  # the batcher drops a cancelled item before compute
             raise
+        if tracing.enabled():
+            # The request's wait and the model run it shared, as children of its call.
+            attributes = {"ragline.batcher": self.name, "ragline.batch_texts": result.batch_texts}
+            tracing.record(f"{self.name} queue", result.enqueued, result.batch_started)
+            tracing.record(
+                f"{self.name} model run",
+                result.batch_started,
+                result.batch_started + result.compute_s,
+                attributes,
+            )
+        return result
 
     async def _loop(self) -> None:
         while True:

@@ -38,7 +38,8 @@ MAX_BATCH_ITEMS = 64
 # Time a release of an abandoned reservation may take (bookkeeping after the caller left).
 RELEASE_TIMEOUT_S = 5.0
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-_NOT_IN_KEY = (identity.RUN_ID_KEY, deadlines.TIMEOUT_METADATA_KEY)
+# Per-call metadata that must not split a batch (the batch carries its first call's).
+_NOT_IN_KEY = (identity.RUN_ID_KEY, deadlines.TIMEOUT_METADATA_KEY, "traceparent", "tracestate")
 
 
 class _SendAlone(Exception):

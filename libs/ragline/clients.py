@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from ragline import auth, deadlines, identity
+from ragline import auth, deadlines, identity, tracing
 from ragline.config import TRANSPORT_CAP_BYTES, CommonConfig
 from ragline.retry import RetryPolicy, call_with_retry
 
@@ -102,8 +102,14 @@ class ServiceClient:
             self._stub_cache = (channel, self.stub_class(channel))
         return self._stub_cache[1]
 
-    def call_options(self, method: str, stage_budget_s: float | None = None):
-        """(timeout, metadata) of a call made now: the deadline rule and the identity."""
+    def full_method(self, method: str) -> str:
+        """`ragline.v1.EmbeddingService/Embed`: the stub's package and service, and `method`."""
+        package = self.stub_class.__module__.rpartition(".")[0]
+        return f"{package}.{self.service}/{method}"
+
+    def call_options(self, method: str, stage_budget_s: float | None = None, span=None):
+        """(timeout, metadata) of a call made now: the deadline rule, the identity, and
+        the trace context of `span` (the call's client span) while tracing is on."""
         timeout = deadlines.outbound_timeout(
             f"{self.service}.{method}", margin_s=self._hop_margin_s, stage_budget_s=stage_budget_s
         )
@@ -116,7 +122,11 @@ class ServiceClient:
             metadata.append((auth.AUTHORIZATION_KEY, f"Bearer {self._token}"))
         else:
             metadata.extend(auth.process_credential().metadata())
-        return timeout, (*metadata, *deadlines.timeout_metadata(timeout))
+        return timeout, (
+            *metadata,
+            *deadlines.timeout_metadata(timeout),
+            *tracing.inject(span),
+        )
 
     async def unary(
         self,
@@ -126,27 +136,46 @@ class ServiceClient:
         stage_budget_s: float | None = None,
         retry: RetryPolicy | None = None,
     ):
+        span = tracing.client_span(self.full_method(method))
+
         async def attempt():
-            timeout, metadata = self.call_options(method, stage_budget_s)
+            timeout, metadata = self.call_options(method, stage_budget_s, span)
             return await getattr(self.stub(), method)(request, timeout=timeout, metadata=metadata)
 
-        if retry is None:
-            return await attempt()
-        return await call_with_retry(
-            attempt, retry, what=f"{self.service}.{method}", margin_s=self._hop_margin_s
-        )
+        try:
+            if retry is None:
+                reply = await attempt()
+            else:
+                reply = await call_with_retry(
+                    attempt, retry, what=f"{self.service}.{method}", margin_s=self._hop_margin_s
+                )
+        except BaseException as error:
+            tracing.end_client_span(span, error)
+            raise
+        tracing.end_client_span(span)
+        return reply
 
     async def stream(
         self, method: str, request, *, stage_budget_s: float | None = None
     ) -> AsyncIterator:
-        timeout, metadata = self.call_options(method, stage_budget_s)
-        call = getattr(self.stub(), method)(request, timeout=timeout, metadata=metadata)
+        span = tracing.client_span(self.full_method(method))
+        failed: BaseException | None = None
         try:
-            async for message in call:
-                yield message
+            timeout, metadata = self.call_options(method, stage_budget_s, span)
+            call = getattr(self.stub(), method)(request, timeout=timeout, metadata=metadata)
+            try:
+                async for message in call:
+                    yield message
+            finally:
+                # The consumer stopped early or was cancelled: stop the server's work too.
+                call.cancel()
+        except (GeneratorExit, asyncio.CancelledError):
+            raise  # the consumer stopped reading: not the call's failure
+        except BaseException as error:
+            failed = error
+            raise
         finally:
-            # The consumer stopped early or was cancelled: stop the server's work too.
-            call.cancel()
+            tracing.end_client_span(span, failed)
 
 
 def connect(

@@ -80,6 +80,9 @@ class CommonConfig(EmptyMeansUnset):
     blas_threads: int = Field(1, ge=0)
     # Tenants that are label values in metrics (comma-separated); any other is "other".
     metrics_tenants: str = ""
+    # Where the `jsonl` trace exporter appends spans (OTEL_TRACES_EXPORTER=jsonl; tracing
+    # itself is configured by the standard OTEL_* variables: ragline.tracing).
+    traces_file: Path | None = None
     # Where each service listens: RAGLINE_<NAME>_ADDR (host:port), keyed by name.
     _addresses: dict[str, str] = PrivateAttr(default_factory=dict)
 

@@ -1,4 +1,5 @@
-"""structlog JSON logging; every line carries service, run id, tenant and stage when known."""
+"""structlog JSON logging; every line carries service, run id, tenant and stage when known,
+and the trace and span ids while tracing is on (a log line joins its trace on one id)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,17 @@ import sys
 from typing import TextIO
 
 import structlog
+
+from ragline import tracing
+
+
+def _trace_ids(logger, method: str, event: dict) -> dict:
+    if tracing.enabled():
+        span_context = tracing.trace.get_current_span().get_span_context()
+        if span_context.is_valid:
+            event["trace_id"] = format(span_context.trace_id, "032x")
+            event["span_id"] = format(span_context.span_id, "016x")
+    return event
 
 
 def configure_logging(
@@ -21,6 +33,7 @@ def configure_logging(
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import grpc
 
-from ragline import deadlines
+from ragline import deadlines, tracing
 from ragline.breaker import Breaker, BreakerOpen
 from ragline.errors import DeadlineExceeded, Unavailable
 
@@ -49,6 +49,9 @@ class LedgerStore(Protocol):
     async def revoke_lease(self, lease_id: int) -> None: ...
 
     async def ping(self) -> None: ...
+
+
+_ETCD_SPAN = {"db.system": "etcd"}
 
 
 class EtcdLedgerStore:
@@ -100,7 +103,10 @@ class EtcdLedgerStore:
         deadlines.check(f"etcd {operation}")
         started, result = time.perf_counter(), "error"
         try:
-            with self._breaker.attempt(probe=operation == "ping"):
+            with (
+                self._breaker.attempt(probe=operation == "ping"),
+                tracing.span(f"etcd {operation}", tracing.SpanKind.CLIENT, _ETCD_SPAN),
+            ):
                 yield
             result = "ok"
         except BreakerOpen as error:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import structlog
 from cachetools import LRUCache
 
-from ragline import deadlines
+from ragline import deadlines, tracing
 from ragline.errors import InvalidArgument, Unavailable
 from ragline_services.generation.chat_tokens import tokenize_chat
 from ragline_services.generation.engine import GenerationEngine, StreamEvent
@@ -291,6 +291,7 @@ class Generator:
         speculate = tier.speculation.mode != "none" and not tier.speculation.fell_back
         deadline = deadlines.current_deadline()
         lease = await tier.scheduler.acquire(request.tenant, deadline, owner=request.cache_owner)
+        acquired = time.monotonic()
         try:
             store = await self._use_store(rendered, lease, request.cache_owner, request.sources)
         except BaseException:
@@ -345,6 +346,8 @@ class Generator:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         decode_end = time.monotonic()
+        if tracing.enabled():
+            self._trace(tier, lease, acquired, started, first_token_at, decode_end, final)
         yield Summary(
             finish_reason=finish,
             text="".join(text_parts),
@@ -369,6 +372,26 @@ class Generator:
             fell_back=tier.speculation.fell_back,
             store=store,
         )
+
+    @staticmethod
+    def _trace(tier, lease, acquired, started, first_token_at, decode_end, final) -> None:
+        """The slot wait and the engine's call (its prefill and decode) as spans."""
+        tracing.record("generation slot wait", acquired - lease.waited_s, acquired)
+        engine = tracing.record(
+            f"{type(tier.engine).__name__} generate",
+            started,
+            decode_end,
+            {
+                "ragline.tier": tier.name,
+                "gen_ai.request.model": tier.model,
+                "ragline.slot": lease.slot.index,
+                "gen_ai.usage.input_tokens": final.prompt_tokens if final else 0,
+                "gen_ai.usage.output_tokens": final.completion_tokens if final else 0,
+            },
+        )
+        if first_token_at is not None:
+            tracing.record("prefill", started, first_token_at, parent=engine)
+            tracing.record("decode", first_token_at, decode_end, parent=engine)
 
     async def _use_store(
         self, rendered: Rendered, lease: Lease, owner: str, sources: tuple[str, ...] = ()

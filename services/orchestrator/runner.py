@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
-from ragline import deadlines
+from ragline import deadlines, tracing
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 
 PENDING, RUNNING, SUCCEEDED, FAILED, SKIPPED, CANCELLED = (
@@ -36,6 +36,7 @@ class NodeRecord:
 
     node: Node
     state: str = PENDING
+    began: float | None = None  # its task started (every input ready)
     reserve_start: float | None = None
     call_start: float | None = None
     first_byte: float | None = None
@@ -97,6 +98,10 @@ class Step:
                 self.record.first_byte = now
             return
         setattr(self.record, what, now)
+        if what == "settled":
+            # Settlement runs beside the nodes that use the result: a child span that may
+            # end after its node's.
+            self._runner.traced_settlement(self.record, now)
 
     @property
     def is_answer(self) -> bool:
@@ -146,12 +151,27 @@ class PlanRunner:
         self._stage_budget = stage_budget
         self._skip_reason = skip_reason
         self.degraded: list[str] = []
+        # Each node's span (tracing on): its calls are the span's children.
+        self._spans: dict[str, object] = {}
 
     def _set(self, record: NodeRecord, state: str) -> None:
         record.state = state
         if state in FINAL_STATES:
             record.finished = time.monotonic()
+            made = self._spans.get(record.node.id)
+            if made is not None and made.is_recording():
+                made.set_attribute("ragline.node.state", state)
+                if record.cached:
+                    made.set_attribute("ragline.node.cached", record.cached)
+                tracing.finish(made, record.finished, record.error if state == FAILED else "")
         self._on_change(record)
+
+    def traced_settlement(self, record: NodeRecord, settled: float) -> None:
+        started = record.call_end or record.started
+        if started is not None:
+            tracing.record(
+                "budget settle", started, settled, parent=self._spans.get(record.node.id)
+            )
 
     def _inputs(self, node: Node) -> list[object]:
         return [self.records[dep].output for dep in node.depends_on]
@@ -159,7 +179,15 @@ class PlanRunner:
     async def _execute(self, record: NodeRecord) -> None:
         node = record.node
         step = Step(self, record, self._inputs(node))
-        with deadlines.deadline_scope(self._stage_budget(node)):
+        record.began = time.monotonic()
+        made = tracing.start(
+            f"node {node.id}",
+            record.began,
+            {"ragline.node.id": node.id, "ragline.node.kind": node.kind.value},
+        )
+        if made is not None:
+            self._spans[node.id] = made
+        with tracing.current(made), deadlines.deadline_scope(self._stage_budget(node)):
             deadlines.check(f"step {node.id}")
             record.output = await self.executors[node.kind](step)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from ragline import tracing
 from ragline.budget import AMOUNT_FIELDS, Amounts
 from ragline.errors import ResourceExhausted
 from ragline.identity import current_caller, current_run_id
@@ -270,7 +271,15 @@ def _node_timing(record: NodeRecord, origin: float) -> orchestrator_pb2.NodeTimi
         attempts=record.attempts,
         error=record.error or record.note,
     )
-    for name in ("reserve_start", "call_start", "first_byte", "call_end", "settled"):
+    for name in (
+        "began",
+        "reserve_start",
+        "call_start",
+        "first_byte",
+        "call_end",
+        "settled",
+        "finished",
+    ):
         value = _offset(getattr(record, name), origin)
         if value is not None:
             getattr(timing, name).CopyFrom(value)
@@ -326,6 +335,7 @@ def _result(outcome: AskOutcome, run_id: str) -> orchestrator_pb2.AskResult:
         critical_path=outcome.critical.nodes,
         critical_path_lower_bound=duration(lower),
         overhead_ratio=outcome.end_to_end_s / lower if lower > 0 else 0.0,
+        trace_id=tracing.trace_id(),
     )
     result = orchestrator_pb2.AskResult(
         answer=outcome.answer,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from ragline import tracing
 from ragline.background import detached_task
 from ragline.errors import (
     DeadlineExceeded,
@@ -78,11 +80,21 @@ Changed = Callable[[str, list[str]], None]  # (tenant, ids of documents replaced
 
 
 def _timed(stages: list[tuple[str, float]], name: str, fn, *args):
-    """`fn(*args)`, its duration appended to `stages` as (name, seconds)."""
+    """`fn(*args)`, its duration appended to `stages` as (name, seconds) and, while tracing
+    is on, a span of its own (the engine's search: Tantivy, qdrant)."""
     started = time.perf_counter()
-    result = fn(*args)
+    with tracing.span(f"search {name}"):
+        result = fn(*args)
     stages.append((name, time.perf_counter() - started))
     return result
+
+
+def _in_context(fn, *args):
+    """`fn(*args)` in a copy of the caller's context (its trace) when run on a pool's
+    thread; `fn` itself while tracing is off."""
+    if not tracing.enabled():
+        return (fn, *args)
+    return (contextvars.copy_context().run, fn, *args)
 
 
 def _timed_apart(name: str, fn, *args):
@@ -667,7 +679,14 @@ class RetrievalIndex:
                     # BM25 needs no vector: it searches while the query is embedded (its
                     # own pool, whose tasks never wait on others, as for HYBRID's halves).
                     early_bm25 = self._half_pool.submit(
-                        _timed_apart, "bm25", self.bm25.search, query.text, visibility, candidates
+                        *_in_context(
+                            _timed_apart,
+                            "bm25",
+                            self.bm25.search,
+                            query.text,
+                            visibility,
+                            candidates,
+                        )
                     )
                 started = time.perf_counter()
                 try:
@@ -690,8 +709,8 @@ class RetrievalIndex:
 
         loop = asyncio.get_running_loop()
         ordered, resolved = await loop.run_in_executor(
-            self._query_pool, self._search_sync, visibility, query, mode, vector,
-            candidates, ef, stages, early_bm25,
+            self._query_pool, *_in_context(self._search_sync, visibility, query, mode, vector,
+            candidates, ef, stages, early_bm25),
         )  # fmt: skip
         hits = []
         for pid, score, parts in ordered:
@@ -752,7 +771,11 @@ class RetrievalIndex:
                 # keeps the GIL for its whole search, so the other way round the BM25 thread
                 # could not even start until the vector search had finished; this way the
                 # vector search runs while Tantivy searches without the GIL.
-                pending = self._half_pool.submit(timed, *semantic) if s.parallel_hybrid else None
+                pending = (
+                    self._half_pool.submit(*_in_context(timed, *semantic))
+                    if s.parallel_hybrid
+                    else None
+                )
                 bm25_list = timed("bm25", self.bm25.search, query.text, visibility, candidates)
                 vector_list = pending.result() if pending is not None else timed(*semantic)
             started = time.perf_counter()

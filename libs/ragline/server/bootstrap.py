@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from ragline import tracing
 from ragline.allocator import fix_mmap_threshold
 from ragline.auth import AuthConfig, Authenticator
 from ragline.config import CommonConfig, ServiceConfig
@@ -186,6 +188,8 @@ async def serve(
     config = config or spec.config_factory()
     common = common or CommonConfig()
     configure_logging(spec.name, common.log_level, common.log_format)
+    if tracing.configure(spec.name, common.traces_file):
+        log.info("tracing.on", exporter=os.environ.get("OTEL_TRACES_EXPORTER"))
     limit_blas_threads(common.blas_threads)
     fix_mmap_threshold()
     runner = ServerRunner(spec, config, common)
@@ -206,3 +210,4 @@ async def serve(
         await runner.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        await asyncio.to_thread(tracing.shutdown)  # exports what is pending

@@ -18,13 +18,19 @@ import structlog
 from google.protobuf.message import Message
 from grpc_status import rpc_status
 
-from ragline import deadlines, identity, timing
+from ragline import deadlines, identity, timing, tracing
 from ragline.auth import AuthConfig, Authenticator
 from ragline.errors import DeadlineExceeded, to_rpc_status
 from ragline.metrics import SERVER_STREAM, UNARY, GrpcServerMetrics
 from ragline.validation import check_size, validate
 
 log = structlog.get_logger("ragline.rpc")
+
+# Codes that are the server's failure, not the caller's (OpenTelemetry's rule for a gRPC
+# server span's error status).
+_SERVER_FAULTS = frozenset(
+    {"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"}
+)
 
 # The handler keeps a little time past the caller's deadline to send a final message
 # (generation reports finish reason `deadline`) before the backstop cancels it.
@@ -131,10 +137,16 @@ class _CallScope:
         self.backstop: float | None = None
         self._tokens: list = []
         self._outcome = "OK"
+        self._span: tracing.ServerSpan | None = None
 
     def enter(self, request) -> None:
         self.clock.handler_started = time.monotonic()
         metadata = self.context.invocation_metadata()
+        if tracing.enabled():
+            # The call's span, child of the caller's (traceparent); its id goes back in
+            # the trailers so that a caller can find the trace.
+            self._span = tracing.ServerSpan(self.method, metadata, self.clock.received)
+            self.context.set_trailing_metadata(((tracing.TRACE_ID_KEY, self._span.trace_id),))
         self.run_id = identity.run_id_from_metadata(metadata)
         exact_timeout = next(
             (v for k, v in metadata or () if k == deadlines.TIMEOUT_METADATA_KEY), None
@@ -182,13 +194,16 @@ class _CallScope:
             log.exception("rpc.internal_error", method=self.method)
         grpc_status = rpc_status.to_status(status)
         trailing = (*grpc_status.trailing_metadata, (identity.RUN_ID_KEY, self.run_id))
+        if self._span is not None:
+            trailing = (*trailing, (tracing.TRACE_ID_KEY, self._span.trace_id))
         await self.context.abort(code, message, trailing_metadata=trailing)
 
     def exit(self) -> None:
         self.clock.mark_finished()
+        code = self._code()
         if self._counted is not None:
             self.owner._metrics.call_finished(
-                self._counted, self._code(), self.clock.finished - self.clock.received
+                self._counted, code, self.clock.finished - self.clock.received
             )
         if self.owner._access_log:
             log.info(
@@ -210,3 +225,6 @@ class _CallScope:
             # A stream closed from another context: its variables die with that context.
             pass
         structlog.contextvars.unbind_contextvars("run_id", "stage", "tenant")
+        if self._span is not None:
+            number = grpc.StatusCode[code].value[0] if code in grpc.StatusCode.__members__ else 2
+            self._span.end(code, number, self.clock.finished, code in _SERVER_FAULTS)

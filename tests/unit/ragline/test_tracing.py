@@ -1,0 +1,51 @@
+"""The kit's tracing switch: off unless OTEL_TRACES_EXPORTER names an exporter, a clear error
+for one it cannot use, and spans written as JSON lines with parents and the W3C context."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ragline import tracing
+
+
+@pytest.fixture
+def clean(monkeypatch):
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    yield monkeypatch
+    tracing.shutdown()
+
+
+def test_off_by_default_and_then_nothing_is_made(clean):
+    assert not tracing.configure("budget")
+    assert not tracing.enabled()
+    assert tracing.inject() == [] and tracing.trace_id() == ""
+    assert tracing.record("x", 1.0, 2.0) is None and tracing.client_span("/a.B/C") is None
+    with tracing.span("y") as made:
+        assert made is None
+
+
+def test_an_exporter_it_cannot_use_is_named(clean):
+    clean.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    with pytest.raises(tracing.TracingConfigError, match="zipkin"):
+        tracing.configure("budget")
+    clean.setenv("OTEL_TRACES_EXPORTER", "jsonl")
+    with pytest.raises(tracing.TracingConfigError, match="RAGLINE_TRACES_FILE"):
+        tracing.configure("budget")
+
+
+def test_spans_go_to_the_file_with_their_parents_and_context(clean, tmp_path):
+    clean.setenv("OTEL_TRACES_EXPORTER", "jsonl")
+    path = tmp_path / "spans.jsonl"
+    assert tracing.configure("budget", path)
+    with tracing.span("outer") as outer:
+        metadata = dict(tracing.inject())
+        inner = tracing.record("inner", 10.0, 10.5)
+        trace_id = tracing.trace_id()
+    assert metadata["traceparent"].split("-")[1] == trace_id
+    tracing.shutdown()  # exports what is pending
+    spans = {s["name"]: s for s in map(json.loads, path.read_text().splitlines())}
+    assert spans["inner"]["parent_id"] == spans["outer"]["context"]["span_id"]
+    assert spans["outer"]["resource"]["attributes"]["service.name"] == "ragline-budget"
+    assert outer is not None and inner is not None
