@@ -17,11 +17,15 @@ from ragline_app.ingest import Checkpoint, ingest, prepare_rerank
 
 
 def start_stack(
-    workdir: Path, env_overrides: dict[str, str], *, only: str = ""
+    workdir: Path,
+    env_overrides: dict[str, str],
+    *,
+    only: str = "",
+    up_args: list[str] | None = None,
 ) -> tuple[subprocess.Popen, dict[str, str]]:
     """`ragline up --base-port 0 --no-demo` with its data in `workdir` (a rerun reuses the
-    index); `only`: a comma-separated subset of services. Returns the process and the
-    address of each service."""
+    index); `only`: a comma-separated subset of services; `up_args`: more of its options.
+    Returns the process and the address of each service."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "RAGLINE_DATA_DIR": str(workdir), "PYTHONUNBUFFERED": "1"}
     env.update(env_overrides)
@@ -29,6 +33,7 @@ def start_stack(
     command = [sys.executable, "-m", "ragline_app.cli", "up", "--base-port", "0", "--no-demo"]
     if only:
         command += ["--only", only]
+    command += up_args or []
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:

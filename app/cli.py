@@ -66,7 +66,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             host=args.host,
             log_path=log_dir / "etcd.log",
         )
-    stack = Stack(names, ports, log_dir, args.host, etcd=etcd)
+    stack = Stack(names, ports, log_dir, args.host, etcd=etcd, metrics=args.metrics)
     state_path = common.data_dir / "up.json"
     stop_requested = asyncio.Event()
 
@@ -548,6 +548,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="orchestrator port; the others follow it (default 50100; 0 picks free ports)",
     )
     up.add_argument("--only", help="comma-separated subset of services")
+    up.add_argument(
+        "--no-metrics",
+        dest="metrics",
+        action="store_false",
+        help="serve no /metrics port (default: each service serves one, for `ragline top`)",
+    )
     up.add_argument(
         "--no-demo",
         dest="demo",

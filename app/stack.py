@@ -157,7 +157,10 @@ class Stack:
         log_dir: Path,
         host: str = "127.0.0.1",
         etcd: EtcdServer | None = None,
+        metrics: bool = True,
     ) -> None:
+        """`metrics`: each service serves /metrics on its planned port (False: none, unless
+        the environment sets RAGLINE_<NAME>_METRICS_PORT)."""
         self.host = host
         self.log_dir = log_dir
         self.etcd = etcd
@@ -167,7 +170,7 @@ class Stack:
                 host,
                 ports[name],
                 log_dir / f"{name}.log",
-                metrics_port=ports.get(metrics_key(name)),
+                metrics_port=ports.get(metrics_key(name)) if metrics else None,
             )
             for name in names
         ]

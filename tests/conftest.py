@@ -413,9 +413,11 @@ class RagStack:
         small: bool = False,
         generation_addr: str = "",
         embedding_addr: str = "",
+        env: dict[str, str] | None = None,
         **settings,
     ) -> ServiceHandle:
         """An orchestrator over these services (`settings`: RAGLINE_ORCHESTRATOR_* values;
+        `env`: other variables;
         `generation_addr`, `embedding_addr`: another service there, a test's proxy or a
         port where nothing listens)."""
         generation = self.small_generation if small else self.generation
@@ -426,6 +428,7 @@ class RagStack:
             "RAGLINE_GENERATION_ADDR": generation_addr or generation.address,
             "RAGLINE_BUDGET_ADDR": self.budget.address,
             **self.env,
+            **(env or {}),
             **{f"RAGLINE_ORCHESTRATOR_{k.upper()}": str(v) for k, v in settings.items()},
         }
         return self.launcher.start("orchestrator", env=env)

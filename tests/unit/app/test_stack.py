@@ -36,3 +36,23 @@ def test_addresses_default_to_the_loopback_layout_unless_configured(monkeypatch,
     assert addresses["RAGLINE_BUDGET_ADDR"] == "127.0.0.1:50105"
     assert service_address("generation", tmp_path) == "gpu-node:9000"
     assert service_address("orchestrator", tmp_path) == "127.0.0.1:50100"
+
+
+def test_up_serves_metrics_on_the_planned_ports_unless_told_not_to(monkeypatch, tmp_path):
+    from ragline_app.stack import Stack
+
+    names = service_names()
+    for name in names:
+        monkeypatch.delenv(f"RAGLINE_{name.upper()}_METRICS_PORT", raising=False)
+    ports = plan_ports(names, 60100, "127.0.0.1")
+    served = Stack(names, ports, tmp_path).environment()
+    assert served["RAGLINE_RERANK_METRICS_PORT"] == "60203"
+    quiet = Stack(names, ports, tmp_path, metrics=False)
+    assert "RAGLINE_RERANK_METRICS_PORT" not in quiet.environment()
+    assert all(s.metrics_url is None for s in quiet.services)
+    monkeypatch.setenv("RAGLINE_RERANK_METRICS_PORT", "9999")  # the environment's choice wins
+    chosen = Stack(names, ports, tmp_path)
+    assert chosen.environment()["RAGLINE_RERANK_METRICS_PORT"] == "9999"
+    assert next(s for s in chosen.services if s.name == "rerank").metrics_url.endswith(
+        ":9999/metrics"
+    )

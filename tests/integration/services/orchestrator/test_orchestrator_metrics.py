@@ -3,6 +3,7 @@ and reason kind (bounded labels), plan node times by kind, answer-cache lookups.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import grpc
@@ -92,3 +93,32 @@ async def test_admission_is_watched_and_refusals_are_counted_by_reason(rag_stack
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     refusals = {s.labels["reason"]: s.value for s in samples(port, "ragline_orchestrator_refusals")}
     assert refusals == {"QUEUE_FULL": 1.0}
+
+
+async def test_a_thousand_tenants_make_two_label_values(rag_stack):
+    """Only the tenants RAGLINE_METRICS_TENANTS names are label values: 1,000 tenants asking
+    leave `acme` and `other`, however many there are."""
+    port = free_ports(1)[0]
+    orchestrator = rag_stack.orchestrator(
+        metrics_port=port, env={"RAGLINE_METRICS_TENANTS": "acme"}
+    )
+    # one budget call: each ask ends INCOMPLETE at once (budget_exhausted), cheaply
+    request = orchestrator_pb2.AskRequest(question=WARSAW, budget=common_pb2.BudgetAmounts(calls=1))
+    tenants = ["acme", *(f"tenant-{n}" for n in range(999))]
+    limit = asyncio.Semaphore(16)
+
+    async def ask_as(stub, tenant: str) -> None:
+        async with limit:
+            metadata = (("x-ragline-tenant", tenant),)
+            async for _ in stub.Ask(request, timeout=60, metadata=metadata):
+                pass
+
+    async with grpc.aio.insecure_channel(orchestrator.address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        await asyncio.gather(*(ask_as(stub, tenant) for tenant in tenants))
+    answers = samples(port, "ragline_orchestrator_answers")
+    by_tenant = {}
+    for sample in answers:
+        tenant = sample.labels["tenant"]
+        by_tenant[tenant] = by_tenant.get(tenant, 0.0) + sample.value
+    assert by_tenant == {"acme": 1.0, "other": 999.0}
