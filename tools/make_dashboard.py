@@ -37,7 +37,10 @@ def q(expr: str) -> str:
 
 def p95(metric: str, by: str, where: str = "") -> str:
     extra = f",{where}" if where else ""
-    return q(f"histogram_quantile(0.95, sum by (le, {by}) (rate({metric}_bucket{{S{extra}}}[R])))")
+    grouping = f"le, {by}" if by else "le"
+    return q(
+        f"histogram_quantile(0.95, sum by ({grouping}) (rate({metric}_bucket{{S{extra}}}[R])))"
+    )
 
 
 def ratio(numerator: str, denominator: str, by: str = "") -> str:
@@ -210,6 +213,11 @@ ROWS: list[tuple[str, list]] = [
                         "refused/s {{reason}}",
                     ),
                 ],
+            ),
+            (
+                "p95 wait for a run place",
+                "s",
+                [(p95("ragline_orchestrator_admission_wait_seconds", ""), "admission wait")],
             ),
             (
                 "Escalations/s by signal",

@@ -8,13 +8,14 @@ import sys
 from typing import TextIO
 
 import structlog
+from opentelemetry import trace
 
 from ragline import tracing
 
 
 def _trace_ids(logger, method: str, event: dict) -> dict:
     if tracing.enabled():
-        span_context = tracing.trace.get_current_span().get_span_context()
+        span_context = trace.get_current_span().get_span_context()
         if span_context.is_valid:
             event["trace_id"] = format(span_context.trace_id, "032x")
             event["span_id"] = format(span_context.span_id, "016x")

@@ -118,6 +118,19 @@ def enabled() -> bool:
     return _tracer is not None
 
 
+def _sampled(parent: trace.Span | None = None) -> bool:
+    """Whether a child of `parent` (default: the current span) is recorded. Only a call's
+    server span asks the sampler; below a trace it did not keep, nothing is made at all
+    (what a parent-based sampler would decide, without the cost of asking)."""
+    span_context = (parent or trace.get_current_span()).get_span_context()
+    return span_context.is_valid and span_context.trace_flags.sampled
+
+
+def sampled() -> bool:
+    """Whether the current trace is recorded (tracing on and the trace kept)."""
+    return _tracer is not None and _sampled()
+
+
 def epoch_ns(monotonic_s: float) -> int:
     """A time.monotonic() reading as the wall-clock nanoseconds a span records."""
     return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
@@ -136,7 +149,7 @@ def inject(made: trace.Span | None = None) -> list[tuple[str, str]]:
 def client_span(full_method: str) -> trace.Span | None:
     """The span of one outgoing call, child of the current span; not made current (a
     stream's consumer runs between its messages), so pass it to `inject`."""
-    if _tracer is None:
+    if _tracer is None or not _sampled():
         return None
     service, _, method = full_method.lstrip("/").rpartition("/")
     return _tracer.start_span(
@@ -199,8 +212,9 @@ def span(
     name: str, kind: SpanKind = SpanKind.INTERNAL, attributes: Mapping | None = None
 ) -> Iterator[trace.Span | None]:
     """A child span of the current one around a block (an engine's call), or nothing
-    while tracing is off. An exception ends it with an error status."""
-    if _tracer is None:
+    while tracing is off or the trace is not kept. An exception ends it with an error
+    status."""
+    if _tracer is None or not _sampled():
         yield None
         return
     with _tracer.start_as_current_span(name, kind=kind, attributes=attributes) as current:
@@ -218,7 +232,7 @@ def record(
 ) -> trace.Span | None:
     """A span measured after the fact (time.monotonic() readings), child of `parent` or of
     the current span; returned so that later ones can hang under it."""
-    if _tracer is None:
+    if _tracer is None or not _sampled(parent):
         return None
     context = trace.set_span_in_context(parent) if parent is not None else None
     made = _tracer.start_span(
@@ -234,7 +248,7 @@ def start(
     name: str, started: float, attributes: Mapping | None = None, *, parent=None
 ) -> trace.Span | None:
     """A span that began at `started` (a monotonic reading) and ends later (`finish`)."""
-    if _tracer is None:
+    if _tracer is None or not _sampled(parent):
         return None
     context = trace.set_span_in_context(parent) if parent is not None else None
     return _tracer.start_span(

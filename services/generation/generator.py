@@ -346,7 +346,7 @@ class Generator:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         decode_end = time.monotonic()
-        if tracing.enabled():
+        if tracing.sampled():
             self._trace(tier, lease, acquired, started, first_token_at, decode_end, final)
         yield Summary(
             finish_reason=finish,

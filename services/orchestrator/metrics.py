@@ -47,6 +47,12 @@ class OrchestratorMetrics:
             ("reason",),
             registry=registry,
         )
+        self.admission_wait = Histogram(
+            "ragline_orchestrator_admission_wait_seconds",
+            "Time an Ask waited for a run place (0 for an answer from the cache).",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.escalations = Counter(
             "ragline_orchestrator_escalations_total",
             "Answers sent to the large tier, by the first signal that fired on the small one.",
@@ -70,6 +76,7 @@ class OrchestratorMetrics:
         # States as the API names them (ANSWER_STATE_COMPLETE, NODE_STATE_SUCCEEDED, ...).
         state, reason = outcome.state.upper(), reason_kind(outcome.reason)
         self.answers.labels(state, reason, self.tenant(tenant)).inc()
+        self.admission_wait.observe(max(outcome.admitted - outcome.received, 0.0))
         for record in outcome.records.values():
             if record.started is not None and record.finished is not None:
                 self.node_seconds.labels(record.node.kind.value, record.state.upper()).observe(

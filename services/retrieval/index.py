@@ -79,11 +79,19 @@ Embed = Callable[[list[str], str], Awaitable[Embedded]]
 Changed = Callable[[str, list[str]], None]  # (tenant, ids of documents replaced or deleted)
 
 
+# Stages that are an engine's search, a span each while tracing is on (the others are
+# short enough to read as the rest of the call's span).
+_ENGINE_STAGES = {"bm25": "search bm25", "vector": "search vector"}
+
+
 def _timed(stages: list[tuple[str, float]], name: str, fn, *args):
-    """`fn(*args)`, its duration appended to `stages` as (name, seconds) and, while tracing
-    is on, a span of its own (the engine's search: Tantivy, qdrant)."""
+    """`fn(*args)`, its duration appended to `stages` as (name, seconds) and, for an
+    engine's search (Tantivy, qdrant) while tracing is on, a span of its own."""
     started = time.perf_counter()
-    with tracing.span(f"search {name}"):
+    if name in _ENGINE_STAGES and tracing.sampled():
+        with tracing.span(_ENGINE_STAGES[name]):
+            result = fn(*args)
+    else:
         result = fn(*args)
     stages.append((name, time.perf_counter() - started))
     return result
@@ -91,8 +99,8 @@ def _timed(stages: list[tuple[str, float]], name: str, fn, *args):
 
 def _in_context(fn, *args):
     """`fn(*args)` in a copy of the caller's context (its trace) when run on a pool's
-    thread; `fn` itself while tracing is off."""
-    if not tracing.enabled():
+    thread; `fn` itself while nothing is traced."""
+    if not tracing.sampled():
         return (fn, *args)
     return (contextvars.copy_context().run, fn, *args)
 

@@ -4,6 +4,7 @@ for one it cannot use, and spans written as JSON lines with parents and the W3C 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -39,13 +40,36 @@ def test_spans_go_to_the_file_with_their_parents_and_context(clean, tmp_path):
     clean.setenv("OTEL_TRACES_EXPORTER", "jsonl")
     path = tmp_path / "spans.jsonl"
     assert tracing.configure("budget", path)
+    assert tracing.record("orphan", 1.0, 2.0) is None  # outside any call: nothing
+    call = tracing.ServerSpan("/ragline.v1.BudgetService/Reserve", [], time.monotonic())
     with tracing.span("outer") as outer:
         metadata = dict(tracing.inject())
         inner = tracing.record("inner", 10.0, 10.5)
         trace_id = tracing.trace_id()
-    assert metadata["traceparent"].split("-")[1] == trace_id
+    call.end("OK", 0, time.monotonic(), server_fault=False)
+    assert metadata["traceparent"].split("-")[1] == trace_id == call.trace_id
     tracing.shutdown()  # exports what is pending
     spans = {s["name"]: s for s in map(json.loads, path.read_text().splitlines())}
     assert spans["inner"]["parent_id"] == spans["outer"]["context"]["span_id"]
+    assert (
+        spans["outer"]["parent_id"]
+        == spans["ragline.v1.BudgetService/Reserve"]["context"]["span_id"]
+    )
     assert spans["outer"]["resource"]["attributes"]["service.name"] == "ragline-budget"
     assert outer is not None and inner is not None
+
+
+def test_below_a_trace_the_sampler_did_not_keep_nothing_is_made(clean, tmp_path):
+    clean.setenv("OTEL_TRACES_EXPORTER", "jsonl")
+    clean.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    path = tmp_path / "spans.jsonl"
+    assert tracing.configure("budget", path)
+    call = tracing.ServerSpan("/ragline.v1.BudgetService/Reserve", [], time.monotonic())
+    with tracing.span("engine") as engine:
+        assert engine is None and tracing.record("run", 1.0, 2.0) is None
+        assert tracing.client_span("/ragline.v1.X/Y") is None
+        flags = tracing.inject()[0][1].rsplit("-", 1)[1]
+        assert int(flags, 16) & 1 == 0  # unsampled, as said downstream
+    call.end("OK", 0, time.monotonic(), server_fault=False)
+    tracing.shutdown()
+    assert not path.exists() or path.read_text() == ""
