@@ -85,6 +85,9 @@ class ServiceClient:
         self._caller = caller
         self._token = token
         self._stub_cache: tuple[grpc.aio.Channel, object] | None = None
+        # `ragline.v1.EmbeddingService`: the RPC service a client span names, made once.
+        package = stub_class.__module__.rpartition(".")[0]
+        self.rpc_service = f"{package}.{self.service}"
 
     @property
     def hop_margin_s(self) -> float:
@@ -101,11 +104,6 @@ class ServiceClient:
         if self._stub_cache is None or self._stub_cache[0] is not channel:
             self._stub_cache = (channel, self.stub_class(channel))
         return self._stub_cache[1]
-
-    def full_method(self, method: str) -> str:
-        """`ragline.v1.EmbeddingService/Embed`: the stub's package and service, and `method`."""
-        package = self.stub_class.__module__.rpartition(".")[0]
-        return f"{package}.{self.service}/{method}"
 
     def call_options(self, method: str, stage_budget_s: float | None = None, span=None):
         """(timeout, metadata) of a call made now: the deadline rule, the identity, and
@@ -136,7 +134,7 @@ class ServiceClient:
         stage_budget_s: float | None = None,
         retry: RetryPolicy | None = None,
     ):
-        span = tracing.client_span(self.full_method(method))
+        span = tracing.client_span(self.rpc_service, method)
 
         async def attempt():
             timeout, metadata = self.call_options(method, stage_budget_s, span)
@@ -158,7 +156,7 @@ class ServiceClient:
     async def stream(
         self, method: str, request, *, stage_budget_s: float | None = None
     ) -> AsyncIterator:
-        span = tracing.client_span(self.full_method(method))
+        span = tracing.client_span(self.rpc_service, method)
         failed: BaseException | None = None
         try:
             timeout, metadata = self.call_options(method, stage_budget_s, span)

@@ -146,12 +146,12 @@ def inject(made: trace.Span | None = None) -> list[tuple[str, str]]:
     return list(carrier.items())
 
 
-def client_span(full_method: str) -> trace.Span | None:
-    """The span of one outgoing call, child of the current span; not made current (a
-    stream's consumer runs between its messages), so pass it to `inject`."""
+def client_span(service: str, method: str) -> trace.Span | None:
+    """The span of one outgoing call (`ragline.v1.EmbeddingService`, `Embed`), child of the
+    current span; not made current (a stream's consumer runs between its messages), so
+    pass it to `inject`."""
     if _tracer is None or not _sampled():
         return None
-    service, _, method = full_method.lstrip("/").rpartition("/")
     return _tracer.start_span(
         f"{service}/{method}",
         kind=SpanKind.CLIENT,
@@ -163,10 +163,11 @@ def end_client_span(made: trace.Span | None, error: BaseException | None = None)
     if made is None:
         return
     if error is not None:
-        code = getattr(error, "code", None)
-        name = code().name if callable(code) else type(error).__name__
-        made.set_attribute("rpc.grpc.status_code", code().value[0] if callable(code) else 2)
-        made.set_status(Status(StatusCode.ERROR, name))
+        code_of = getattr(error, "code", None)
+        code = code_of() if callable(code_of) else None
+        # Not a gRPC error (a cancelled task, a bug): UNKNOWN, as grpc's own rule has it.
+        made.set_attribute("rpc.grpc.status_code", code.value[0] if code else 2)
+        made.set_status(Status(StatusCode.ERROR, code.name if code else type(error).__name__))
     else:
         made.set_attribute("rpc.grpc.status_code", 0)
     made.end()
@@ -232,15 +233,8 @@ def record(
 ) -> trace.Span | None:
     """A span measured after the fact (time.monotonic() readings), child of `parent` or of
     the current span; returned so that later ones can hang under it."""
-    if _tracer is None or not _sampled(parent):
-        return None
-    context = trace.set_span_in_context(parent) if parent is not None else None
-    made = _tracer.start_span(
-        name, context=context, start_time=epoch_ns(started), attributes=attributes
-    )
-    if error:
-        made.set_status(Status(StatusCode.ERROR, error))
-    made.end(end_time=epoch_ns(finished))
+    made = start(name, started, attributes, parent=parent)
+    finish(made, finished, error)
     return made
 
 

@@ -22,7 +22,7 @@ def test_off_by_default_and_then_nothing_is_made(clean):
     assert not tracing.configure("budget")
     assert not tracing.enabled()
     assert tracing.inject() == [] and tracing.trace_id() == ""
-    assert tracing.record("x", 1.0, 2.0) is None and tracing.client_span("/a.B/C") is None
+    assert tracing.record("x", 1.0, 2.0) is None and tracing.client_span("a.B", "C") is None
     with tracing.span("y") as made:
         assert made is None
 
@@ -67,7 +67,7 @@ def test_below_a_trace_the_sampler_did_not_keep_nothing_is_made(clean, tmp_path)
     call = tracing.ServerSpan("/ragline.v1.BudgetService/Reserve", [], time.monotonic())
     with tracing.span("engine") as engine:
         assert engine is None and tracing.record("run", 1.0, 2.0) is None
-        assert tracing.client_span("/ragline.v1.X/Y") is None
+        assert tracing.client_span("ragline.v1.X", "Y") is None
         flags = tracing.inject()[0][1].rsplit("-", 1)[1]
         assert int(flags, 16) & 1 == 0  # unsampled, as said downstream
     call.end("OK", 0, time.monotonic(), server_fault=False)
