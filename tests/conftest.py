@@ -288,7 +288,7 @@ async def external_llama(tmp_path):
     engine = LlamaServerEngine(
         EngineSettings(
             store.file(model, store.spec(model).assembled or "model.gguf"),
-            find_llama_server(common.cache_dir),
+            find_llama_server(common.cache_dir).path,
             slots=1,
             context_per_slot=2048,
             threads=1,

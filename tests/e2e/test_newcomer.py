@@ -1,5 +1,5 @@
 """README's first command, as a newcomer types it: `make up BASE_PORT=0` (README's form
-for free ports), then `ragline ask`.
+for free ports), then `ragline ask`, then every other shell block of README as printed.
 
 It runs the default model (Qwen2.5-Coder-0.5B) on the demo corpus that `make up` ingests
 on first start, and expects the right answer with the right source.
@@ -7,20 +7,59 @@ on first start, and expects the right answer with the right source.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from ragline_services.registry import default_address, service_names
 from support import REPO_ROOT
+from support.readme import ShellBlock, run_block, shell_blocks
 
 pytestmark = pytest.mark.e2e
 
 RAGLINE = Path(sys.executable).parent / "ragline"
+README = REPO_ROOT / "README.md"
+# README's blocks that this test does not run, by how the block starts, and why.
+NOT_RUN_HERE = {
+    "make up": "this test runs it, in README's form for free ports (`make up BASE_PORT=0`)",
+    "make test": "CI runs it (.ci/run)",
+    "docker build": "no Docker engine or cluster here; tests/deploy renders the chart and "
+    "checks the Dockerfile against it",
+    "export RAGLINE_AUTH_JWT_KEY=...": "its key is a placeholder for the reader's own, and "
+    "the stack `make up` starts has authentication off",
+}
+
+
+def runnable(block: ShellBlock) -> bool:
+    return not any(block.text.startswith(start) for start in NOT_RUN_HERE)
+
+
+def on_this_stack(block: ShellBlock, data_dir: Path) -> ShellBlock:
+    """The block with README's default addresses replaced by where `make up` put each
+    service (up.json), since the test runs on free ports."""
+    state = json.loads((data_dir / "up.json").read_text())["services"]
+    moved = ShellBlock(block.line, _moved(block.text, state))
+    moved.commands = [replace(c, text=_moved(c.text, state)) for c in block.commands]
+    return moved
+
+
+def _moved(text: str, state: dict) -> str:
+    for name in service_names():
+        text = text.replace(default_address(name), state[name]["address"])
+    return text
+
+
+def test_readme_names_only_blocks_it_has_in_its_not_run_list():
+    starts = [block.text for block in shell_blocks(README)]
+    for start in NOT_RUN_HERE:
+        assert any(text.startswith(start) for text in starts), f"no README block starts {start!r}"
 
 
 def test_make_up_then_ragline_ask_answers_with_a_citation(tmp_path):
@@ -63,6 +102,17 @@ def test_make_up_then_ragline_ask_answers_with_a_citation(tmp_path):
         answer, _, rest = asked.stdout.partition("\n[")
         assert "vistula" in answer.lower(), asked.stdout
         assert "sources:" in rest and "Warsaw (squad_dev_sample:0:" in rest, asked.stdout
+
+        # Every other block of README, as printed (grpcurl from the virtualenv's bin, as
+        # README says), each command exiting 0 or with the status README names for it.
+        shell_env = {**env, "PATH": f"{RAGLINE.parent}{os.pathsep}{env['PATH']}"}
+        failures = []
+        for block in filter(runnable, shell_blocks(README)):
+            moved = on_this_stack(block, tmp_path / "data")
+            for outcome in run_block(moved, cwd=REPO_ROOT, env=shell_env, timeout_s=300):
+                if outcome.failure:
+                    failures.append(f"{outcome.failure}: {outcome.describe()}")
+        assert not failures, "\n\n".join(failures)
     finally:
         os.killpg(up.pid, signal.SIGINT)
         try:

