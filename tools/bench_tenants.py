@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from ragline_app.datasets import load_squad
+from ragline_app.eval_data import eval_file
 from ragline_services.retrieval.bm25 import Bm25Index
 from ragline_services.retrieval.documents import StoredDocument, Visibility, doc_key
 
@@ -94,7 +95,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--data", type=Path, default=REPO.parent / "shared/data/squaddev_v1.1.json")
+    parser.add_argument("--data", type=Path, default=eval_file("squaddev_v1.1.json"))
     parser.add_argument("--tenants", default="10,1000")
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--baseline-rev", default="9e56188")

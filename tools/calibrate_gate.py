@@ -50,6 +50,7 @@ from ragline.v1 import (
 )
 from ragline_app.benchmarks import ensure_ingested, start_stack
 from ragline_app.datasets import held_out_split, load_squad, load_zh_eval, write_jsonl
+from ragline_app.eval_data import eval_file
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator.plan import Kind, Plan, default_rag_plan
 from ragline_services.orchestrator.runner import SUCCEEDED, PlanRunner
@@ -293,7 +294,7 @@ def main() -> int:
 
 
 def measure(args) -> list[dict]:
-    datasets = args.data or [REPO.parent / "shared/data/squaddev_v1.1.json"]
+    datasets = args.data or [eval_file("squaddev_v1.1.json")]
     loaded = {path.stem: load_squad(path) for path in datasets}
     splits = {name: held_out_split(*found, every=args.hold_out) for name, found in loaded.items()}
     written_unanswerable = {

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ragline_app.eval_data import eval_file
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "libs/ragline/models/calibration/wiki_leads_en.json"
 SEED = 17
@@ -31,9 +33,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument(
-        "--leads", type=Path, default=REPO.parent / "shared/data/wiki_leads_en.json"
-    )
+    parser.add_argument("--leads", type=Path, default=eval_file("wiki_leads_en.json"))
     parser.add_argument("--passages", type=int, default=256)
     parser.add_argument("--held-out", type=int, default=64)
     args = parser.parse_args()

@@ -40,6 +40,7 @@ from ragline.models.quantization import quantize_static_qdq
 from ragline.models.store import sha256_of
 from ragline.tokenization import Tokenizer
 from ragline_app.datasets import load_squad
+from ragline_app.eval_data import eval_file
 
 SOURCE = "all-minilm-l6-v2"
 NEGATIVE_SOURCES = {
@@ -334,7 +335,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--data", type=Path, default=REPO.parent / "shared/data/new_wiki_v1.0.json")
+    parser.add_argument("--data", type=Path, default=eval_file("new_wiki_v1.0.json"))
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128, help="question + passage")
     parser.add_argument("--negatives", type=int, default=3)
