@@ -38,13 +38,23 @@ def generate_stubs() -> None:
         raise RuntimeError(f"protoc failed on {protos}")
 
 
+# Folders of data inside the packages (no __init__.py): listed as packages too, or
+# setuptools warns on every install that it may stop shipping them.
+DATA_PACKAGES = [
+    "ragline.models.bundled",
+    "ragline.models.calibration",
+    "ragline_app.data",
+    "ragline_app.data.zh_eval",
+]
+
+
 def find_packages() -> list[str]:
     packages = []
     for top, path in PACKAGE_ROOTS.items():
         for init in sorted(path.rglob("__init__.py")):
             rel = init.parent.relative_to(path).parts
             packages.append(".".join((top, *rel)))
-    return packages
+    return packages + DATA_PACKAGES
 
 
 class BuildPyWithStubs(build_py):

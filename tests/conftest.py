@@ -48,10 +48,11 @@ class ServiceHandle:
     process: subprocess.Popen
     log_path: Path
     env: dict[str, str] | None = None
+    host: str = "127.0.0.1"  # another loopback address (127.0.0.2, ...) for replicas
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def metrics_port(self) -> int | None:
@@ -95,19 +96,21 @@ class ServiceLauncher:
         env: dict[str, str] | None = None,
         wait: bool = True,
         port: int | None = None,
+        host: str = "127.0.0.1",
     ) -> ServiceHandle:
         port = port or free_ports(1)[0]
-        log_path = self.log_dir / f"{name}-{port}.log"
+        log_path = self.log_dir / f"{name}-{host}-{port}.log"
         full_env = {**os.environ, "RAGLINE_LOG_LEVEL": "debug", **(env or {})}
+        command = ["serve", name, "--port", str(port), "--host", host]
         with log_path.open("ab") as log_file:  # a restart on the port appends
             process = subprocess.Popen(
-                [sys.executable, "-m", "ragline_app.cli", "serve", name, "--port", str(port)],
+                [sys.executable, "-m", "ragline_app.cli", *command],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=full_env,
                 cwd=self.log_dir,
             )
-        handle = ServiceHandle(name, port, process, log_path, env)
+        handle = ServiceHandle(name, port, process, log_path, env, host)
         self.handles.append(handle)
         if wait:
             wait_serving(handle)
@@ -121,7 +124,9 @@ class ServiceLauncher:
 
     def restart(self, handle: ServiceHandle, wait: bool = True) -> ServiceHandle:
         """The same service again, on its port with its settings."""
-        return self.start(handle.name, env=handle.env, wait=wait, port=handle.port)
+        return self.start(
+            handle.name, env=handle.env, wait=wait, port=handle.port, host=handle.host
+        )
 
     def forget(self, handle: ServiceHandle) -> None:
         """A process the test ended itself (an expected crash, a kill -9)."""

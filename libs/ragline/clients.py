@@ -14,12 +14,13 @@ its retries share the same deadline.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from ragline import auth, deadlines, identity, tracing
-from ragline.config import TRANSPORT_CAP_BYTES, CommonConfig
+from ragline.config import TRANSPORT_CAP_BYTES, CommonConfig, channel_target
 from ragline.retry import RetryPolicy, call_with_retry
 
 # gRPC's default backoff grows to 120 s between connection attempts: a peer restarted
@@ -29,6 +30,14 @@ RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+# Calls go round-robin over every address the target resolves to (a headless Service's
+# pods, an `ipv4:` list), not to the first one only; servers close connections at their
+# MAX_CONNECTION_AGE_S, and the name is resolved again then (at most every 5 s), so
+# replicas added later get their share.
+_SPREAD_OPTIONS = [
+    ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),
+    ("grpc.dns_min_time_between_resolutions_ms", 5_000),
+]
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", TRANSPORT_CAP_BYTES),
     ("grpc.max_send_message_length", TRANSPORT_CAP_BYTES),
@@ -36,6 +45,7 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     *RECONNECT_OPTIONS,
+    *_SPREAD_OPTIONS,
 ]
 
 
@@ -49,7 +59,7 @@ class ChannelPool:
         key = (id(asyncio.get_running_loop()), target)
         channel = self._channels.get(key)
         if channel is None:
-            channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(channel_target(target), options=_CHANNEL_OPTIONS)
             self._channels[key] = channel
         return channel
 

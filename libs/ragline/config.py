@@ -8,6 +8,7 @@ settings every process shares (logging, caches, where the other services listen)
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import typing
@@ -100,14 +101,20 @@ class CommonConfig(EmptyMeansUnset):
         return [t.strip() for t in self.metrics_tenants.split(",") if t.strip()]
 
     def address_of(self, service: str) -> str:
-        """host:port of `service`; ConfigError naming the variable when it is not set."""
+        """Where `service` is (host:port, a gRPC target, or a list of ip:port); ConfigError
+        naming the variable when it is not set or not a target."""
         try:
-            return self._addresses[service]
+            address = self._addresses[service]
         except KeyError:
             raise ConfigError(
                 f"no address for the {service} service: set RAGLINE_{service.upper()}_ADDR "
                 "(host:port); `ragline serve` and `ragline up` set it for the local layout"
             ) from None
+        try:
+            channel_target(address)
+        except ValueError as error:
+            raise ConfigError(f"RAGLINE_{service.upper()}_ADDR: {error}") from None
+        return address
 
 
 class ServiceConfig(EmptyMeansUnset):
@@ -129,6 +136,10 @@ class ServiceConfig(EmptyMeansUnset):
     # Calls handled at once; beyond it gRPC answers RESOURCE_EXHAUSTED. 0 = unlimited. With
     # max_message_bytes it bounds what requests in flight can hold before any check.
     max_concurrent_rpcs: int = Field(256, ge=0)
+    # A client connection is closed (GOAWAY) after this long, so that clients resolve the
+    # service's name again and spread calls over replicas added since (HTTP/2 connections
+    # otherwise live for ever). Calls in flight get DEFAULT_DEADLINE_S to finish. 0: never.
+    max_connection_age_s: float = Field(300.0, ge=0)
     # One JSON log line per finished call.
     access_log: bool = True
     # Prometheus metrics on this HTTP port (`GET /metrics`, docs/operations.md); unset:
@@ -139,3 +150,29 @@ class ServiceConfig(EmptyMeansUnset):
     def env_for(name: str) -> SettingsConfigDict:
         """The pydantic settings of a service named `name` (env prefix RAGLINE_<NAME>_)."""
         return SettingsConfigDict(env_prefix=f"RAGLINE_{name.upper()}_", extra="ignore")
+
+
+def channel_target(address: str) -> str:
+    """The gRPC target of a configured address: `host:port` and any `scheme:` target
+    (`dns:///name:port`, `dns://resolver/name:port`, `ipv4:`, `unix:`) as they are; a
+    comma-separated list of `ip:port` as gRPC's static `ipv4:` / `ipv6:` list. A list can
+    only hold IP addresses: a name of several replicas is one DNS name, resolved by gRPC."""
+    address = address.strip()
+    if "," not in address:
+        return address
+    addresses = [part.strip() for part in address.split(",") if part.strip()]
+    families = set()
+    for part in addresses:
+        host, _, port = part.rpartition(":")
+        try:
+            families.add(ipaddress.ip_address(host.strip("[]")).version)
+        except ValueError:
+            raise ValueError(
+                f"address list {address!r}: {part!r} is not ip:port; a list holds IP "
+                "addresses only (for names, one DNS name that resolves to every replica)"
+            ) from None
+        if not port.isdigit():
+            raise ValueError(f"address list {address!r}: {part!r} has no port")
+    if len(families) > 1:
+        raise ValueError(f"address list {address!r} mixes IPv4 and IPv6")
+    return f"ipv{families.pop()}:{','.join(addresses)}"

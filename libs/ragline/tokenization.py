@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,20 +25,30 @@ class TokenizedText:
 
 class Tokenizer:
     def __init__(self, tokenizer_json: Path, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._json = tokenizer_json
+        self._tokenizer = self._load(truncation="longest_first")
+
+    def _load(self, truncation: str):
+        """A tokenizer of the file cutting as `truncation` says. Parsing holds the GIL (0.65 s
+        for multilingual-e5's 250k-piece vocabulary, seconds on a busy machine): each one
+        is made only when used."""
         from tokenizers import Tokenizer as HfTokenizer
 
-        self.max_tokens = max_tokens
-        self._tokenizer = HfTokenizer.from_file(str(tokenizer_json))
-        self._tokenizer.no_padding()
-        self._tokenizer.enable_truncation(max_length=max_tokens)
-        # A pair keeps its first text (the query) whole and cuts the second (a passage)...
-        self._pairs = HfTokenizer.from_file(str(tokenizer_json))
-        self._pairs.no_padding()
-        self._pairs.enable_truncation(max_length=max_tokens, strategy="only_second")
-        # ... unless the query alone is too long: then both are cut.
-        self._long_pairs = HfTokenizer.from_file(str(tokenizer_json))
-        self._long_pairs.no_padding()
-        self._long_pairs.enable_truncation(max_length=max_tokens, strategy="longest_first")
+        tokenizer = HfTokenizer.from_file(str(self._json))
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_length=self.max_tokens, strategy=truncation)
+        return tokenizer
+
+    # Only the cross-encoder encodes pairs: a pair keeps its first text (the query) whole
+    # and cuts the second (a passage), unless the query alone is too long: then both are cut.
+    @functools.cached_property
+    def _pairs(self):
+        return self._load(truncation="only_second")
+
+    @functools.cached_property
+    def _long_pairs(self):
+        return self._load(truncation="longest_first")
 
     def vocabulary(self) -> dict[str, int]:
         """Token string -> id (special tokens included)."""

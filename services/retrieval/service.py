@@ -266,11 +266,29 @@ class RetrievalService(Service):
             metrics.watch(self.index)
         self._servicer.index.set(self.index)
         await self.index.resume_reembed()
+        await self._adopt_query_encoder_before_serving()
         self._probe = asyncio.ensure_future(self._probe_embedding_model())
         self._builder.start()
         self._model_check.start()
         self.notices.start()
         self._reanalysing = asyncio.ensure_future(self.index.reanalyse())
+
+    async def _adopt_query_encoder_before_serving(self, wait_s: float = 2.0) -> None:
+        """Loads the local query encoder before the service says SERVING when the embedding
+        service answers at once (a restart beside a running stack). Loading parses the
+        tokenizer with the GIL held (~0.65 s, several seconds on a busy machine): done while
+        serving, it stalled every call in flight (writes timed out after a restart under
+        load). Where the embedding service is not up yet, it is loaded in the background
+        once it answers, as before."""
+        if self._local is None:
+            return
+        try:
+            with deadlines.deadline_scope(wait_s):
+                version = await self.index.probe_model()
+        except (Unavailable, DeadlineExceeded) as error:
+            log.info("retrieval.query_encoder_later", reason=str(error))
+            return
+        await self._local.adopt(version)
 
     async def _probe_embedding_model(self) -> None:
         """Asks the embedding service its model once it answers, so that a change of

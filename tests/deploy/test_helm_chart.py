@@ -59,6 +59,24 @@ def test_the_chart_lints_renders_and_validates(helm, flavour):
         assert not triton
 
 
+def test_stateless_inner_services_are_called_through_a_headless_name_of_every_pod(helm):
+    objects = render(helm)
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    config = next(
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
+    )
+    for name, port in (("embedding", 50101), ("rerank", 50103), ("generation", 50104),
+                       ("budget", 50105)):  # fmt: skip
+        headless = services[f"rl-{name}-pods"]["spec"]
+        assert headless["clusterIP"] == "None"
+        assert headless["selector"] == services[f"rl-{name}"]["spec"]["selector"]
+        # gRPC's DNS resolver, so the kit's client goes round-robin over every pod
+        assert config["data"][f"RAGLINE_{name.upper()}_ADDR"] == (
+            f"dns:///rl-{name}-pods.default.svc:{port}"
+        )
+        assert int(config["data"][f"RAGLINE_{name.upper()}_MAX_CONNECTION_AGE_S"]) > 0
+
+
 def test_inner_services_accept_only_the_orchestrator(helm):
     objects = render(helm)
     policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "NetworkPolicy"}

@@ -7,9 +7,9 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def scrape(port: int) -> dict[str, list]:
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, list]:
     """Family name (counters without `_total`) -> its samples."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
     return {family.name: family.samples for family in text_string_to_metric_families(text)}
 

@@ -36,6 +36,18 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+def connection_age_options(cfg: ServiceConfig) -> list[tuple[str, int]]:
+    """gRPC server options closing each connection at MAX_CONNECTION_AGE_S (calls in flight
+    get DEFAULT_DEADLINE_S, or 120 s where that is 0, to finish on it)."""
+    if cfg.max_connection_age_s <= 0:
+        return []
+    grace_s = cfg.default_deadline_s or 120.0
+    return [
+        ("grpc.max_connection_age_ms", int(cfg.max_connection_age_s * 1000)),
+        ("grpc.max_connection_age_grace_ms", int(grace_s * 1000)),
+    ]
+
+
 class HealthReporter:
     """Lets a service flip its own health (for example when its database goes away)."""
 
@@ -122,6 +134,7 @@ class ServerRunner:
                 # gRPC enables SO_REUSEPORT by default, which lets a second server silently
                 # share a busy port; a port clash must fail loudly instead.
                 ("grpc.so_reuseport", 0),
+                *connection_age_options(cfg),
             ],
             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs or None,
         )

@@ -136,13 +136,15 @@ async def test_stream_deadline_leaves_another_cancellation_a_cancellation():
 
 async def test_stream_deadline_and_a_caller_cancel_together_stay_cancelled():
     loop = asyncio.get_running_loop()
+    # One instant for both (a busy machine cannot pull them apart): they land in the
+    # same tick, in either order.
+    at = loop.time() + 0.05
 
     async def reader():
-        with deadlines.StreamDeadline(loop.time() + 0.05) as timer:
+        with deadlines.StreamDeadline(at) as timer:
             await timer.read(_ticks(10.0))
 
     task = asyncio.create_task(reader())
-    await asyncio.sleep(0.01)
-    loop.call_at(loop.time() + 0.04, task.cancel)  # lands in the same tick as the timer
+    loop.call_at(at, task.cancel)
     with pytest.raises(asyncio.CancelledError):
         await task

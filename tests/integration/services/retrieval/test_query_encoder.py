@@ -100,3 +100,15 @@ async def test_a_change_of_the_services_model_is_noticed_without_a_request(launc
     result = await client.search("acme", docs[0]["title"], "hybrid")
     assert not result.fell_back and result.embedding_model_version == status.embedding_model_version
     await client.close()
+
+
+def test_beside_a_running_embedding_service_the_encoder_is_loaded_before_serving(
+    launcher, tmp_path
+):
+    """Loading the encoder parses its tokenizer with the GIL held (seconds on a busy
+    machine): done while serving, it stalled every call in flight after a restart."""
+    embedding = launcher.start("embedding")
+    service = start_retrieval(launcher, embedding, tmp_path / "index")
+    log = service.log()
+    assert "retrieval.local_query_encoder_on" in log, log[-3000:]
+    assert log.index("retrieval.local_query_encoder_on") < log.index('"service.ready"'), log[-3000:]
