@@ -45,10 +45,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from ragline.auth import AuthConfig
+    from ragline.errors import StartRefused
     from ragline_app.etcd_server import EtcdServer
     from ragline_app.stack import Stack, StackError, plan_ports
 
     common = CommonConfig()
+    try:
+        AuthConfig().check_exposure(args.host)
+    except StartRefused as error:
+        print(f"ragline up: {error}", file=sys.stderr)
+        return 2
     names = args.only.split(",") if args.only else _service_names()
     unknown = sorted(set(names) - set(_service_names()))
     if unknown:

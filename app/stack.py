@@ -138,12 +138,14 @@ def spawn_service(
     return process, address
 
 
-async def health_status(address: str, timeout_s: float = 1.0) -> str:
-    """SERVING / NOT_SERVING / UNREACHABLE for the server at `address`."""
+async def health_status(address: str, timeout_s: float = 1.0, service: str = "") -> str:
+    """SERVING / NOT_SERVING / UNREACHABLE for the server at `address` (overall, or the
+    health service name `service`: "liveness" is what a liveness probe asks)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            request = health_pb2.HealthCheckRequest(service=service)
+            reply = await stub.Check(request, timeout=timeout_s)
         except grpc.aio.AioRpcError:
             return "UNREACHABLE"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -21,6 +21,7 @@ port can claim any tenant. With `jwt`:
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from ragline.config import ConfigError, EmptyMeansUnset
-from ragline.errors import PermissionDenied, Unauthenticated
+from ragline.errors import PermissionDenied, StartRefused, Unauthenticated
 from ragline.identity import (
     NAME_RULE,
     SCOPES_KEY,
@@ -65,6 +66,21 @@ class AuthConfig(EmptyMeansUnset):
     # Signs and verifies the credential services present to each other.
     service_key: str = ""
     service_credential_ttl_s: float = Field(300.0, gt=10)
+    # With authentication off a service listens on loopback only, unless this says the
+    # network itself keeps strangers out (a sealed test network, a mesh with mTLS).
+    trusted_network: bool = False
+
+    def check_exposure(self, host: str) -> None:
+        """Refuses to serve with authentication off on an address others can reach: any
+        caller there could claim any tenant."""
+        if self.mode != "off" or self.trusted_network or _loopback(host):
+            return
+        raise StartRefused(
+            f"authentication is off and {host!r} is not a loopback address: anyone who "
+            "reaches it can claim any tenant. Turn authentication on (RAGLINE_AUTH_MODE=jwt, "
+            "docs/security.md), listen on 127.0.0.1, or set RAGLINE_AUTH_TRUSTED_NETWORK=true "
+            "where the network itself admits no one else"
+        )
 
     def check(self) -> None:
         if self.mode == "off":
@@ -275,3 +291,12 @@ def process_credential() -> ServiceCredential:
     if _process_credential is None:
         _process_credential = ServiceCredential(AuthConfig())
     return _process_credential
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name other than localhost: it may resolve anywhere
+        return False

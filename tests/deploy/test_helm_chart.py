@@ -37,7 +37,7 @@ def test_the_chart_lints_renders_and_validates(helm, flavour):
     for workload in ragline:
         container = workload["spec"]["template"]["spec"]["containers"][0]
         assert container["readinessProbe"]["grpc"]["service"].startswith("ragline.v1.")
-        assert "grpc" in container["livenessProbe"]
+        assert container["livenessProbe"]["grpc"]["service"] == "liveness"
         grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace > 20  # the service's own shutdown grace fits inside it
     services = [

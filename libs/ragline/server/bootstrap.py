@@ -34,6 +34,10 @@ log = structlog.get_logger("ragline.server")
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# The health service name a liveness probe asks: SERVING whenever the process's event loop
+# answers, whatever its dependencies (a budget service without etcd is NOT_SERVING, and
+# must not be restarted for it).
+LIVENESS = "liveness"
 
 
 def connection_age_options(cfg: ServiceConfig) -> list[tuple[str, int]]:
@@ -116,6 +120,7 @@ class ServerRunner:
 
     async def start(self) -> int:
         cfg = self.config
+        AuthConfig().check_exposure(cfg.host)
         if cfg.metrics_port is not None:
             self._metrics = ProcessMetrics(self.common.metrics_tenant_names())
         server = grpc.aio.server(
@@ -159,6 +164,7 @@ class ServerRunner:
         if port == 0:
             raise OSError(f"cannot listen on {address} (is the port in use?)")
         await service.health.set_serving(False, reason="starting")
+        await self._health.set(LIVENESS, SERVING)
         await server.start()
         self._server, self._service, self.port = server, service, port
         log.info("service.listening", host=cfg.host, port=port, grpc_service=self.spec.grpc_service)

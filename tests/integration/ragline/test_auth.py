@@ -108,3 +108,21 @@ async def test_an_inner_service_refuses_calls_without_the_service_credential(
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
         reply = await stub.Embed(request, timeout=30, metadata=bearer("acme"))
     assert len(reply.embeddings) == 1
+
+
+def test_a_service_with_auth_off_refuses_to_listen_beyond_loopback(tmp_path):
+    """`ragline serve --host 0.0.0.0` with authentication off would let anyone on the
+    network claim any tenant: the process refuses to start and says what to do."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAGLINE_AUTH_MODE": "off", "RAGLINE_DATA_DIR": str(tmp_path)}
+    ran = subprocess.run(
+        [sys.executable, "-m", "ragline_app.cli", "serve", "embedding", "--host", "0.0.0.0",
+         "--port", "0"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ran.returncode == 1, ran.stdout + ran.stderr
+    assert "is not a loopback address" in ran.stderr
+    assert "RAGLINE_AUTH_TRUSTED_NETWORK=true" in ran.stderr

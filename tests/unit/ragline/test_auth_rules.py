@@ -15,7 +15,7 @@ from ragline.auth import (
     mint_token,
 )
 from ragline.config import ConfigError
-from ragline.errors import PermissionDenied, Unauthenticated
+from ragline.errors import PermissionDenied, StartRefused, Unauthenticated
 from ragline.identity import Caller
 
 KEY = "client-signing-key-for-tests-only-0123456789"
@@ -143,3 +143,16 @@ def test_the_service_credential_is_renewed_before_it_expires(monkeypatch):
     monkeypatch.setattr(time, "time", lambda: later)
     assert credential.metadata() != first
     assert ServiceCredential(AuthConfig(mode="off")).metadata() == ()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_with_auth_off_loopback_addresses_may_serve(host):
+    AuthConfig(mode="off").check_exposure(host)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "ragline.example.com"])
+def test_with_auth_off_an_address_others_reach_is_refused_unless_the_network_is_trusted(host):
+    with pytest.raises(StartRefused, match="RAGLINE_AUTH_MODE=jwt"):
+        AuthConfig(mode="off").check_exposure(host)
+    AuthConfig(mode="off", trusted_network=True).check_exposure(host)
+    AuthConfig(mode="jwt", jwt_key="k" * 32, service_key="s" * 32).check_exposure(host)

@@ -460,6 +460,8 @@ def test_etcd_outage_is_unavailable_and_the_ledger_survives(own_etcd, launcher):
             while await health_status(handle.address) != "NOT_SERVING":
                 assert time.monotonic() < deadline, "health never reported etcd's outage"
                 await asyncio.sleep(0.1)
+            # ... while the liveness probe's answer stays SERVING: no restart for etcd's outage
+            assert await health_status(handle.address, service="liveness") == "SERVING"
 
     asyncio.run(during())
     own_etcd.start()
