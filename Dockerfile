@@ -43,17 +43,26 @@ RUN /opt/ragline/venv/bin/ragline models prepare ${MODELS} \
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.source="https://github.com/ragline/ragline" \
       org.opencontainers.image.licenses="Apache-2.0"
+# The shared libraries llama-server links beyond glibc (OpenMP, the C++ runtime);
+# tests/deploy/test_image.py checks this list against what the binary needs (ldd).
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libgomp1 libstdc++6 \
+ && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/ragline /opt/ragline
 # The prepared models and llama-server are read where the build put them and never
 # written (the chart's ConfigMap names the same two paths, and points RAGLINE_CACHE_DIR /
 # RAGLINE_DATA_DIR at the pod's volumes). A model not in MODELS would be fetched at start
 # into RAGLINE_MODEL_DIR, which is read-only here: build it in, or point that at /cache.
-ENV PATH=/opt/ragline/venv/bin:$PATH \
+ENV PATH=/opt/ragline/venv/bin:/opt/ragline/bin:$PATH \
     RAGLINE_MODEL_DIR=/opt/ragline/models \
     RAGLINE_GENERATION_LLAMA_SERVER=/opt/ragline/bin/llama-server \
     RAGLINE_CACHE_DIR=/cache \
     RAGLINE_DATA_DIR=/data \
     PYTHONUNBUFFERED=1
+# A missing library or a broken install fails the build here, not a pod at start.
+RUN llama-server --version \
+ && ragline --help > /dev/null \
+ && python -c "import ragline_services.registry as r, importlib; [importlib.import_module(f'ragline_services.{n}.service') for n in r.service_names()]"
 # The chart's pod security context runs as this user.
 USER 10001
 ENTRYPOINT ["ragline"]

@@ -113,3 +113,59 @@ def test_a_read_only_prepared_store_still_verifies(tmp_path, monkeypatch):
     monkeypatch.setattr(type(tmp_path), "write_text", read_only)
     store.verify("minilm-ce-l3-int8")
     assert written  # the write was tried and refused
+
+
+# In every Debian image, python:*-slim included: glibc, and libgcc-s1 (protected).
+DEBIAN_BASE = {"libc6", "libgcc-s1"}
+
+
+def final_stage_packages() -> set[str]:
+    packages = set()
+    for word, rest in final_stage():
+        if word == "RUN" and "apt-get install" in rest:
+            command = rest.split("apt-get install", 1)[1].split("&&", 1)[0]
+            packages |= {p for p in command.split() if not p.startswith("-")}
+    return packages
+
+
+def linked_packages(binary) -> dict[str, str]:
+    """Debian package of each shared library `binary` loads (ldd, then dpkg -S)."""
+    import subprocess
+
+    ldd = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True)
+    found = {}
+    for line in ldd.stdout.splitlines():
+        if "=>" not in line or "not found" in line:
+            assert "not found" not in line, f"{binary}: {line.strip()}"
+            continue
+        library = line.split("=>")[1].split("(")[0].strip()
+        real = os.path.realpath(library)
+        owner = subprocess.run(["dpkg", "-S", real], capture_output=True, text=True)
+        if owner.returncode != 0:  # a merged-/usr path dpkg knows by its other name
+            owner = subprocess.run(["dpkg", "-S", library], capture_output=True, text=True)
+        assert owner.returncode == 0, f"no Debian package owns {library}"
+        found[line.split("=>")[0].strip()] = owner.stdout.split(":")[0]
+    return found
+
+
+def test_every_library_llama_server_links_is_installed_in_the_runtime_stage():
+    """The image's llama-server is built from the same source and options as the one here
+    (only the instruction sets differ): the libraries it loads must be in the final
+    stage, or generation fails to start in every pod."""
+    from ragline.config import CommonConfig
+    from ragline_services.generation.llama_engine import find_llama_server
+
+    if shutil.which("dpkg") is None:
+        pytest.skip("not a Debian machine: the image's packages cannot be named here")
+    found = find_llama_server(CommonConfig().cache_dir)
+    assert found is not None, "no llama-server: `make llama-server`"
+    needed = linked_packages(found.path)
+    assert {"libgomp.so.1", "libstdc++.so.6"} <= set(needed), needed  # what it is built with
+    missing = set(needed.values()) - final_stage_packages() - DEBIAN_BASE
+    assert not missing, f"the runtime stage lacks {sorted(missing)} ({needed})"
+
+
+def test_the_final_stage_runs_the_engine_and_imports_every_service_before_it_is_done():
+    runs = [rest for word, rest in final_stage() if word == "RUN"]
+    smoke = next((r for r in runs if "llama-server --version" in r), "")
+    assert "ragline --help" in smoke and "service_names()" in smoke, runs
