@@ -1,0 +1,99 @@
+"""values.schema.json: helm refuses a misspelt or mistyped value, and a service key too
+short to sign with, with a message naming it; the schema is what the tool writes from the
+values files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from support import REPO_ROOT
+from support.helm_chart import CHART
+
+pytestmark = pytest.mark.deploy
+
+GOOD_KEYS = ["--set", "auth.jwtKey=client-key", "--set", "auth.serviceKey=" + "s" * 40]
+
+
+def template(helm: str, *values: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [helm, "template", "rl", str(CHART), *values],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_schema_is_what_the_tool_writes_from_the_values_files():
+    checked = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / "make_values_schema.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["--set", "services.embeding.replicas=3"], "Additional property embeding is not allowed"),
+        (["--set", "services.embedding.replicas=many"], "embedding.replicas: Invalid type"),
+        (["--set", "config.RAGLINE_EMBEDING_MODEL=x"], "RAGLINE_EMBEDING_MODEL is not allowed"),
+        (["--set", "config.RAGLINE_AUTH_MODE=none"], "config.RAGLINE_AUTH_MODE"),
+        (["--set", "monitoring.serviceMonitor.enabled=maybe"], "serviceMonitor.enabled"),
+        (["--set", "services.retrieval.kind=DaemonSet"], "services.retrieval.kind"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_it(helm, values, message):
+    rendered = template(helm, *GOOD_KEYS, *values)
+    assert rendered.returncode != 0
+    assert message in rendered.stderr, rendered.stderr
+
+
+def test_a_service_key_too_short_to_sign_with_is_refused_with_what_to_do(helm):
+    rendered = template(helm, "--set", "auth.jwtKey=k", "--set", "auth.serviceKey=short")
+    assert rendered.returncode != 0
+    assert "auth.serviceKey is 5 characters" in rendered.stderr
+    assert "openssl rand -hex 32" in rendered.stderr
+
+
+def test_good_values_still_render(helm):
+    assert template(helm, *GOOD_KEYS).returncode == 0
+    gpu = template(helm, *GOOD_KEYS, "-f", str(CHART / "values-gpu.yaml"))
+    assert gpu.returncode == 0, gpu.stderr
+
+
+def notes(helm: str, tmp_path, *values: str) -> str:
+    """NOTES.txt as `helm install` prints it (rendered through a copy of the chart that
+    holds it as a ConfigMap: `helm template` renders no NOTES and install needs a cluster)."""
+    import shutil
+
+    import yaml
+
+    chart = tmp_path / "ragline"
+    shutil.copytree(CHART, chart)
+    (chart / "notes.src").write_text((chart / "templates" / "NOTES.txt").read_text())
+    (chart / "templates" / "NOTES.txt").unlink()
+    (chart / "templates" / "notes-check.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\ndata:\n"
+        '  notes: |\n{{ tpl (.Files.Get "notes.src") . | indent 4 }}\n'
+    )
+    rendered = subprocess.run(
+        [helm, "template", "rl", str(chart), "--show-only", "templates/notes-check.yaml",
+         *values],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    return yaml.safe_load(rendered.stdout)["data"]["notes"]
+
+
+def test_the_install_notes_say_where_to_call_and_warn_when_authentication_is_off(helm, tmp_path):
+    on = notes(helm, tmp_path / "on", *GOOD_KEYS)
+    assert "rl-orchestrator.default.svc:50100" in on
+    assert "no pod can yet" in on  # networkPolicy on, clientsFrom empty
+    assert "Authentication is on" in on and "rl-auth" in on
+    off = notes(helm, tmp_path / "off", "--set", "config.RAGLINE_AUTH_MODE=off")
+    assert "WARNING: authentication is off" in off
