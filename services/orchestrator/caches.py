@@ -1,5 +1,5 @@
-"""The orchestrator's three caches: answers, retrievals and tool results (DESIGN.md,
-"Caches"). Each entry is keyed on everything that decides it and checked again on a hit.
+"""The orchestrator's three caches: answers, retrievals and tool results. Each entry is
+keyed on everything that decides it and checked again on a hit.
 
 | layer     | key (all of it)                                        | checked again on a hit   |
 |-----------|--------------------------------------------------------|--------------------------|
