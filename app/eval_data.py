@@ -16,7 +16,6 @@ own machines keep a copy there).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -208,11 +207,9 @@ def _has(path: Path, sha256: str) -> bool:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    from ragline.models.store import sha256_of
+
+    return sha256_of(path)
 
 
 def _download(url: str, target: Path, opener) -> None:
