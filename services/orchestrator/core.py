@@ -45,6 +45,7 @@ from ragline_services.orchestrator.steps import (
     Settings,
     executors_for,
 )
+from ragline_services.orchestrator.wording import status_detail
 
 log = structlog.get_logger("ragline.orchestrator")
 
@@ -393,6 +394,7 @@ class Orchestrator:
             self._answered(outcome, result.answer)
         if route.name == "rag_fallback":
             outcome.detail = "; ".join(filter(None, [outcome.detail, route.detail]))
+        outcome.detail = status_detail(request.settings.question, outcome.reason, outcome.detail)
         outcome.finished = time.monotonic()
         return outcome
 

@@ -101,3 +101,15 @@ async def test_a_question_about_a_passage_in_the_other_language_is_answered_from
     result = await answered(rag_stack, question)
     assert_complete_from(result, document)
     assert answer.lower() in result.answer.lower().replace(",", ""), result.answer
+
+
+async def test_a_refusal_of_a_chinese_question_is_explained_in_chinese(rag_stack):
+    """The documents do not cover it: INCOMPLETE with the machine reason as ever, and the
+    detail a person reads in the question's language (the English one kept after it)."""
+    zh = await answered(rag_stack, "珠穆朗玛峰海拔多少米？")
+    en = await answered(rag_stack, "How high is Mount Everest?")
+    for result in (zh, en):
+        assert result.status.state == common_pb2.ANSWER_STATE_INCOMPLETE, result.status
+        assert result.status.reason in ("no_relevant_evidence", "no_evidence"), result.status
+    assert has_han(zh.status.detail.split("（")[0]), zh.status.detail
+    assert not has_han(en.status.detail), en.status.detail
