@@ -230,6 +230,21 @@ def cmd_token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_tenant(token: str) -> str | None:
+    """The `tenant` claim of a client token, read without verifying it: only to name the
+    default tenant of records; every service verifies the token itself."""
+    if not token:
+        return None
+    import jwt
+
+    try:
+        claims = jwt.decode(token, options={"verify_signature": False})
+    except jwt.PyJWTError:
+        return None
+    tenant = claims.get("tenant")
+    return tenant if isinstance(tenant, str) and tenant else None
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
@@ -241,6 +256,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if not path.exists():
         print(f"ragline ingest: {path} does not exist", file=sys.stderr)
         return 2
+    args.tenant = args.tenant or _token_tenant(args.token) or "default"
     checkpoint = Checkpoint.for_input(
         common.data_dir / "ingest", path, args.tenant, args.token or ""
     )
@@ -642,7 +658,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     ingest = sub.add_parser("ingest", help="load documents (SQuAD JSON or JSONL) into retrieval")
     ingest.add_argument("path")
-    ingest.add_argument("--tenant", default="default", help="tenant of records that name none")
+    ingest.add_argument(
+        "--tenant",
+        default=None,
+        help="tenant of records that name none (default: the token's, else 'default')",
+    )
     ingest.add_argument(
         "--token",
         default=os.environ.get("RAGLINE_TOKEN", ""),

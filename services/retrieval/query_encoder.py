@@ -115,6 +115,12 @@ class LocalQueryEncoder:
                     max_wait_s=0.0,
                     name="retrieval-query-encoder",
                 )
+            except Exception as error:  # its warm-up run failed: queries use the service
+                await loaded.backend.close()
+                log.warning(
+                    "retrieval.local_query_encoder_failed", version=version, error=repr(error)
+                )
+                return False
             except BaseException:
                 await loaded.backend.close()
                 raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -206,7 +207,11 @@ class RetrievalService(Service):
             and not self._local.serves(version)
             and (self._adopting is None or self._adopting.done())
         ):
-            self._adopting = asyncio.ensure_future(self._local.adopt(version))
+            # The service's own work, in a context of its own: not under the deadline or
+            # identity of the call that happened to hear the model.
+            self._adopting = asyncio.get_running_loop().create_task(
+                self._local.adopt(version), context=contextvars.Context()
+            )
 
     async def _check_embedding_model(self) -> None:
         # Only needed while queries skip the service: otherwise each one hears its model.
@@ -288,6 +293,9 @@ class RetrievalService(Service):
         except (Unavailable, DeadlineExceeded) as error:
             log.info("retrieval.query_encoder_later", reason=str(error))
             return
+        # Hearing the model started its adoption in the background: wait for that one.
+        if self._adopting is not None:
+            await asyncio.wait([self._adopting])
         await self._local.adopt(version)
 
     async def _probe_embedding_model(self) -> None:
