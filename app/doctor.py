@@ -21,8 +21,9 @@ from pathlib import Path
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 
-# Free disk the first `make up` fills, measured (README): the models 0.9 GB and the
-# prebuilt engine 0.2 GB under the cache folder; an index and logs under the data folder.
+# Free disk the first `make up` fills under the cache folder: the models, 0.65 GB on a
+# fresh run (README), with room for a derived model's working copy; the data folder holds
+# the index and logs.
 MODELS_BYTES = 1_200_000_000
 DATA_BYTES = 200_000_000
 

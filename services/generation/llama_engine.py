@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,6 +191,13 @@ def prebuilt_installable() -> bool:
     return name == "glibc" and parts >= PREBUILT_GLIBC
 
 
+def engine_environment(environment: Mapping[str, str]) -> dict[str, str]:
+    """What llama-server inherits: the environment less ragline's own settings, the keys
+    among them (RAGLINE_AUTH_*: the client-token key, the service key). The engine reads
+    none of them, and a process that serves HTTP should hold no secret it does not use."""
+    return {name: value for name, value in environment.items() if not name.startswith("RAGLINE_")}
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     model_path: Path
@@ -288,6 +296,7 @@ class LlamaServerEngine:
                 dying_with_this_process(self.command()),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
+                env=engine_environment(os.environ),
             )
         await self._wait_healthy(wait_s)
 

@@ -249,6 +249,20 @@ def test_the_engine_never_outlives_its_service_even_killed_outright(launcher):
     assert all_gone(engines, 5.0), "llama-server outlived the generation service"
 
 
+def test_the_engine_holds_none_of_the_services_keys(launcher):
+    """llama-server serves HTTP on loopback and reads no ragline setting: it gets neither the
+    client-token key nor the service key the generation service holds."""
+    from support import AUTH_ENV
+    from support.processes import children
+
+    service = launcher.start("generation", env={**SMALL_GENERATION, **AUTH_ENV})
+    (engine,) = children(service.process.pid, b"llama-server")
+    with open(f"/proc/{engine}/environ", "rb") as environ:
+        names = {item.split(b"=", 1)[0].decode() for item in environ.read().split(b"\0") if item}
+    assert "PATH" in names  # the rest of the environment is there
+    assert not {n for n in names if n.startswith("RAGLINE_")}, sorted(names)
+
+
 async def test_a_dead_engine_turns_the_service_not_serving_and_is_started_again(launcher):
     import os
     import signal
