@@ -101,12 +101,24 @@ def schema_of(value, path: str) -> dict:
     return {"type": "string"}
 
 
+# Keys every service entry may carry that no default sets (the templates read them).
+SERVICE_EXTRAS = {"nodeSelector": {"type": "object"}}
+
+
 def build() -> dict:
     values = merged(
         yaml.safe_load((CHART / "values.yaml").read_text()),
         yaml.safe_load((CHART / "values-gpu.yaml").read_text()),
     )
-    schema = schema_of(values, "")
+    # One shape for every service entry: the union of the keys any of them sets, so that a
+    # setting one service's defaults leave out (a cache size, a PDB kind) is still accepted.
+    union: dict = {}
+    for entry in values["services"].values():
+        union = merged(union, entry)
+    services = {name: merged(entry, union) for name, entry in values["services"].items()}
+    schema = schema_of({**values, "services": services}, "")
+    for entry in schema["properties"]["services"]["properties"].values():
+        entry["properties"].update(SERVICE_EXTRAS)
     return {
         "$schema": "http://json-schema.org/draft-07/schema#",
         "title": "ragline chart values (written by tools/make_values_schema.py)",

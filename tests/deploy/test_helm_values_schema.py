@@ -97,3 +97,19 @@ def test_the_install_notes_say_where_to_call_and_warn_when_authentication_is_off
     assert "Authentication is on" in on and "rl-auth" in on
     off = notes(helm, tmp_path / "off", "--set", "config.RAGLINE_AUTH_MODE=off")
     assert "WARNING: authentication is off" in off
+
+
+def test_every_setting_the_templates_read_for_a_service_is_accepted_for_each_one():
+    """The schema must not refuse what the templates support: a key one service's defaults
+    leave out (a node selector, a cache size) is still a setting of every service."""
+    import json
+    import re
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    services = schema["properties"]["services"]["properties"]
+    read = set()
+    for template in (CHART / "templates").glob("*.yaml"):
+        read |= set(re.findall(r"\$svc\.(\w+)", template.read_text()))
+    assert {"nodeSelector", "resources", "hpa"} <= read
+    for name, entry in services.items():
+        assert read <= set(entry["properties"]), (name, sorted(read - set(entry["properties"])))
