@@ -25,6 +25,10 @@ SCHEMA = CHART / "values.schema.json"
 
 # Paths (dotted; `*` for any key) whose value is Kubernetes' own or free-form.
 OPEN = {
+    "imagePullSecrets",
+    "podAnnotations",
+    "affinity",
+    "tolerations",
     "services.*.resources",
     "services.*.hpa.podMetrics",
     "networkPolicy.clientsFrom",

@@ -134,3 +134,32 @@ def test_the_parity_check_fails_when_one_side_gains_a_variable(helm, tmp_path):
     }
     read = set(service_settings()) | {"RAGLINE_RERANK_NEW_KNOB"}
     assert read - config_keys(render(helm)) == {"RAGLINE_RERANK_NEW_KNOB"}
+
+
+def test_no_pod_holds_an_api_token_and_a_key_change_rolls_the_ragline_pods(helm):
+    objects = render(helm, CHART, "--set", "qdrant.enabled=true", "--set",
+                     "imagePullSecrets[0].name=regcred")  # fmt: skip
+    workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    assert len(workloads) >= 9
+    for workload in workloads:
+        assert workload["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    accounts = [o for o in objects if o["kind"] == "ServiceAccount"]
+    assert [a["metadata"]["name"] for a in accounts] == ["rl"]
+    assert accounts[0]["automountServiceAccountToken"] is False
+    ragline = [w for w in workloads if w["spec"]["template"]["spec"].get("serviceAccountName")]
+    assert len(ragline) == 6
+    for workload in ragline:
+        assert workload["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+
+    def auth_checksums(*keys: str) -> set[str]:
+        rendered = render(helm, CHART, *keys)
+        return {
+            o["spec"]["template"]["metadata"]["annotations"]["checksum/auth"]
+            for o in rendered
+            if o["kind"] in ("Deployment", "StatefulSet")
+            and "checksum/auth" in o["spec"]["template"]["metadata"].get("annotations", {})
+        }
+
+    before = auth_checksums()
+    after = auth_checksums("--set", "auth.jwtKey=another-client-key")
+    assert len(before) == len(after) == 1 and before != after

@@ -26,3 +26,11 @@ app.kubernetes.io/name: {{ .name }}
 {{- required "etcd.endpoints is required when etcd.enabled is false" .Values.etcd.endpoints -}}
 {{- end -}}
 {{- end -}}
+
+{{- define "ragline.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "ragline.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
