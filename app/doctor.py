@@ -83,17 +83,17 @@ def cpu_features(_: Options) -> Finding:
 
 
 def glibc(_: Options) -> Finding:
-    from ragline_services.generation.llama_engine import PREBUILT_GLIBC
+    from ragline_services.generation.llama_engine import PREBUILT_GLIBC, glibc_version
 
-    name, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").partition(" ")
-    if name != "glibc":
+    found = glibc_version()
+    if found is None:
         return Finding(
             "glibc", FAIL, "not glibc", "the wheels ragline installs are manylinux (glibc) builds"
         )
-    parts = tuple(int(p) for p in version.split(".")[:2])
-    if parts < (2, 28):
+    version = ".".join(map(str, found))
+    if found < (2, 28):
         return Finding("glibc", FAIL, version, "the wheels need glibc >= 2.28")
-    if parts < PREBUILT_GLIBC:
+    if found < PREBUILT_GLIBC:
         needs = ".".join(map(str, PREBUILT_GLIBC))
         return Finding(
             "glibc",

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ragline.models.store import sha256_of
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_INDEX = "https://pypi.org/simple"
 
@@ -181,7 +183,7 @@ def fetch(
         with tempfile.TemporaryDirectory(dir=into, prefix=".fetch-") as tmp:
             downloaded = Path(tmp) / archive.filename
             _download(url, downloaded, opener)
-            actual = _sha256(downloaded)
+            actual = sha256_of(downloaded)
             if actual != archive.sha256:
                 raise DataError(
                     f"{archive.filename} has sha256 {actual}, expected {archive.sha256}: "
@@ -190,7 +192,7 @@ def fetch(
             staged = {d.member: Path(tmp) / d.name for d in members}
             _extract(downloaded, staged)
             for data_set in members:
-                actual = _sha256(staged[data_set.member])
+                actual = sha256_of(staged[data_set.member])
                 if actual != data_set.sha256:
                     raise DataError(
                         f"{data_set.member} in {archive.filename} has sha256 {actual}, "
@@ -203,13 +205,7 @@ def fetch(
 
 
 def _has(path: Path, sha256: str) -> bool:
-    return path.exists() and _sha256(path) == sha256
-
-
-def _sha256(path: Path) -> str:
-    from ragline.models.store import sha256_of
-
-    return sha256_of(path)
+    return path.exists() and sha256_of(path) == sha256
 
 
 def _download(url: str, target: Path, opener) -> None:

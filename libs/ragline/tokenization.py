@@ -41,14 +41,11 @@ class Tokenizer:
         return tokenizer
 
     # Only the cross-encoder encodes pairs: a pair keeps its first text (the query) whole
-    # and cuts the second (a passage), unless the query alone is too long: then both are cut.
+    # and cuts the second (a passage), unless the query alone is too long: then both are cut,
+    # as the texts' own tokenizer cuts (`longest_first`).
     @functools.cached_property
     def _pairs(self):
         return self._load(truncation="only_second")
-
-    @functools.cached_property
-    def _long_pairs(self):
-        return self._load(truncation="longest_first")
 
     def vocabulary(self) -> dict[str, int]:
         """Token string -> id (special tokens included)."""
@@ -64,7 +61,7 @@ class Tokenizer:
                 try:
                     encodings.append(self._pairs.encode(*pair))
                 except Exception:
-                    encodings.append(self._long_pairs.encode(*pair))
+                    encodings.append(self._tokenizer.encode(*pair))
         out = []
         for encoding in encodings:
             out.append(

@@ -176,19 +176,24 @@ def engine_version(binary: Path, timeout_s: float = 30.0) -> EngineVersion:
     return EngineVersion(version=version or (lines[-1] if lines else "?"))
 
 
+def glibc_version() -> tuple[int, int] | None:
+    """This machine's glibc as (major, minor); None where the C library is not glibc."""
+    name, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").partition(" ")
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None
+    return (major, minor) if name == "glibc" else None
+
+
 def prebuilt_installable() -> bool:
     """Whether the prebuilt wheel can be installed here (Linux x86-64, glibc >= 2.35)."""
-    import os
     import platform
 
     if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
         return False
-    name, _, version = (os.confstr("CS_GNU_LIBC_VERSION") or "").partition(" ")
-    try:
-        parts = tuple(int(p) for p in version.split(".")[:2])
-    except ValueError:
-        return False
-    return name == "glibc" and parts >= PREBUILT_GLIBC
+    glibc = glibc_version()
+    return glibc is not None and glibc >= PREBUILT_GLIBC
 
 
 def engine_environment(environment: Mapping[str, str]) -> dict[str, str]:

@@ -271,32 +271,33 @@ class RetrievalService(Service):
             metrics.watch(self.index)
         self._servicer.index.set(self.index)
         await self.index.resume_reembed()
-        await self._adopt_query_encoder_before_serving()
-        self._probe = asyncio.ensure_future(self._probe_embedding_model())
+        if not await self._adopt_query_encoder_before_serving():
+            self._probe = asyncio.ensure_future(self._probe_embedding_model())
         self._builder.start()
         self._model_check.start()
         self.notices.start()
         self._reanalysing = asyncio.ensure_future(self.index.reanalyse())
 
-    async def _adopt_query_encoder_before_serving(self, wait_s: float = 2.0) -> None:
+    async def _adopt_query_encoder_before_serving(self, wait_s: float = 2.0) -> bool:
         """Loads the local query encoder before the service says SERVING when the embedding
         service answers at once (a restart beside a running stack). Loading parses the
         tokenizer with the GIL held (~0.65 s, several seconds on a busy machine): done while
         serving, it stalled every call in flight (writes timed out after a restart under
         load). Where the embedding service is not up yet, it is loaded in the background
-        once it answers, as before."""
+        once it answers, as before. True when the embedding service answered: its model has
+        then been probed, and the background probe is not needed."""
         if self._local is None:
-            return
+            return False
         try:
             with deadlines.deadline_scope(wait_s):
                 version = await self.index.probe_model()
         except (Unavailable, DeadlineExceeded) as error:
             log.info("retrieval.query_encoder_later", reason=str(error))
-            return
-        # Hearing the model started its adoption in the background: wait for that one.
-        if self._adopting is not None:
-            await asyncio.wait([self._adopting])
+            return False
+        # Hearing the model started its adoption in the background; this waits for it (the
+        # encoder adopts one model at a time) and loads it again only if that one failed.
         await self._local.adopt(version)
+        return True
 
     async def _probe_embedding_model(self) -> None:
         """Asks the embedding service its model once it answers, so that a change of
