@@ -1,5 +1,5 @@
-"""Words of Chinese text, for the checks that compare words (evidence overlap, grounding,
-answerability) and for BM25's analysis.
+"""Words of English and Chinese text, for the checks that compare words (evidence overlap,
+grounding, answerability) and for BM25's analysis.
 
 Chinese has no spaces between words. `segmenter()` is jieba's (its dictionary ships in the
 package; nothing is downloaded), loaded once per process. `han_terms` turns a run of Han
@@ -41,19 +41,67 @@ def segmenter():
     return _segmenter
 
 
+# Function words carry no evidence of an answer (they match nearly every sentence).
+FUNCTION_WORDS = frozenset(
+    """a an and are as at be been but by can could did do does for from had has have how in
+    into is it its of on or that the their there these they this those to was were what when
+    where which while who whom whose why will with would not no so than then also about after
+    before during many much most more other some such only each""".split()
+)
+LATIN_WORD = re.compile(r"[A-Za-z0-9]+(?:'[a-z]+)?")
+
+
+def english_words(text: str) -> list[str]:
+    """The words of `text` in Latin letters or digits, lower-cased, function words out."""
+    return [w for w in (m.lower() for m in LATIN_WORD.findall(text)) if w not in FUNCTION_WORDS]
+
+
+def stem(word: str) -> str:
+    """A light English normalisation, enough to match "rivers" with "river" and "Poland's"
+    with "Poland" (full stemming would join words the question keeps apart)."""
+    word = word.lower().removesuffix("'s")
+    for suffix, keep in (("ies", "y"), ("sses", "ss"), ("es", "e"), ("s", "")):
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3 and not word.endswith("ss"):
+            return word[: -len(suffix)] + keep
+    return word
+
+
+def english_terms(text: str) -> list[str]:
+    """The content terms of the English (Latin-letter) words of `text`, stemmed."""
+    return [stem(w) for w in english_words(text)]
+
+
+_LATIN_LETTER = re.compile(r"[A-Za-z]")
+
+
+def mostly_han(text: str) -> bool:
+    """Whether `text` is written mostly in Chinese: a Chinese sentence with English terms
+    ("高频 query 的 KV Cache 存放在 Redis 中") is; an English one naming something in
+    characters ("Kublai Khan (忽必烈) founded ...") is not. A Chinese word is ~1.5
+    characters, an English one ~5 letters: the words of each are compared."""
+    han = sum(len(run) for run in HAN.findall(text))
+    return han > 0 and han * 10 >= len(_LATIN_LETTER.findall(text)) * 3
+
+
 def has_han(text: str) -> bool:
     return HAN.search(text) is not None
 
 
+def han_words(text: str) -> list[str]:
+    """jieba's words of the Han runs of `text`, function and question words out, in order."""
+    return [
+        word
+        for run in HAN.findall(text)
+        for word in segmenter().lcut(run)
+        if word not in CHINESE_STOP_WORDS
+    ]
+
+
+def bigrams(word: str) -> list[str]:
+    """A Chinese word's terms: its character bigrams (a one-character word as itself)."""
+    return [word] if len(word) == 1 else [word[i : i + 2] for i in range(len(word) - 1)]
+
+
 def han_terms(text: str) -> list[str]:
     """The terms of the Han runs of `text` (see the module's docstring), in order."""
-    terms: list[str] = []
-    for run in HAN.findall(text):
-        for word in segmenter().lcut(run):
-            if word in CHINESE_STOP_WORDS:
-                continue
-            if len(word) == 1:
-                terms.append(word)
-            else:
-                terms.extend(word[i : i + 2] for i in range(len(word) - 1))
-    return terms
+    return [term for word in han_words(text) for term in bigrams(word)]

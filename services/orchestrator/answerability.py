@@ -23,8 +23,18 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from ragline.words import has_han
+from ragline import lexicon
+from ragline.words import (
+    bigrams,
+    english_terms,
+    han_words,
+    has_han,
+    mostly_han,
+    segmenter,
+    stem,
+)
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.runner import Abstain
 
@@ -68,6 +78,9 @@ FITTED: dict[str, GateModel] = {
 # 0.25 it lets through 39% of SQuAD dev's unanswerable questions (the full model 15%).
 LEXICAL = GateModel((7.804, 2.189), -5.564)
 LEXICAL_GATE = "lexical"
+# The same words-alone fit, where the question and its closest sentence are written in
+# different languages (their terms matched through `ragline.lexicon`).
+CROSS_LINGUAL_GATE = "cross-lingual"
 
 
 def family_of(model_version: str) -> str:
@@ -87,24 +100,85 @@ _NOT_KEY = ev.STOPWORDS | frozenset(
 _TOKEN = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\-]*")
 
 
-def _stem(word: str) -> str:
-    """A light English normalisation, enough to match "rivers" with "river" and "Poland's"
-    with "Poland" (full stemming would join words the question keeps apart)."""
-    word = word.lower().removesuffix("'s")
-    for suffix, keep in (("ies", "y"), ("sses", "ss"), ("es", "e"), ("s", "")):
-        if word.endswith(suffix) and len(word) - len(suffix) >= 3 and not word.endswith("ss"):
-            return word[: -len(suffix)] + keep
-    return word
-
-
 def terms(text: str) -> list[str]:
     """The content terms of `text`, normalised."""
-    return [_stem(w) for w in ev.content_words(text)]
+    return [stem(w) for w in ev.content_words(text)]
+
+
+def the_lexicon() -> lexicon.Lexicon | None:
+    """The Chinese-English lexicon (None without its package)."""
+    return lexicon.shared()
+
+
+def warm(cache_dir: Path | None = None) -> None:
+    """Loads what reading Chinese needs (blocking; at start, off the event loop)."""
+    segmenter()
+    lexicon.shared(cache_dir)
+
+
+@dataclass(frozen=True)
+class Text:
+    """A text as the word checks read it: its content terms, the last characters of its
+    Chinese words (Chinese compounds end with what they are: 东海 is a 海, a sea; 长江 a
+    江, a river), and the text itself."""
+
+    terms: frozenset[str]
+    heads: frozenset[str]
+    raw: str
+
+    @classmethod
+    def of(cls, text: str) -> Text:
+        chinese = han_words(text) if has_han(text) else []
+        english = english_terms(text)
+        held = english + [term for word in chinese for term in bigrams(word)]
+        return cls(frozenset(held), frozenset(word[-1] for word in chinese), text)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One content term of a text, with what says it in the other language: the Chinese
+    words that translate an English term (in that text's context), or the glosses of the
+    Chinese word a Chinese term comes from."""
+
+    term: str
+    chinese: frozenset[str] = frozenset()
+    english: tuple[frozenset[str], ...] = ()
+
+    def found_in(self, text: Text) -> bool:
+        """Whether `text` holds this term, in either language. A Chinese translation of two
+        characters or more is looked up in the text itself (jieba may cut it apart there:
+        "注入东海" is one word); a one-character one only as the end of a word of its own
+        (海 in 东海, never 海 inside 海关: one character is inside too many other words)."""
+        if self.term in text.terms:
+            return True
+        if any((c in text.raw) if len(c) > 1 else (c in text.heads) for c in self.chinese):
+            return True
+        return any(gloss <= text.terms for gloss in self.english)
+
+
+def translated_terms(text: str) -> list[Term]:
+    """The content terms of `text` (as `terms` makes them, once each), each with its
+    translations from the lexicon (none without it)."""
+    found: dict[str, Term] = {}
+    english = english_terms(text)
+    table = the_lexicon() if english or has_han(text) else None
+    context = frozenset(english)
+    for term in english:
+        if term not in found:
+            chinese = frozenset(table.chinese(term, context)) if table else frozenset()
+            found[term] = Term(term, chinese)
+    for word in han_words(text) if has_han(text) else ():
+        glosses = tuple(table.english(word)) if table else ()
+        for term in bigrams(word):
+            known = found.get(term)
+            found[term] = Term(term, english=glosses + (known.english if known else ()))
+    return list(found.values())
 
 
 def key_terms(question: str) -> list[str]:
     """Names, numbers and acronyms of the question: capitalised words after its first word,
-    and words holding digits."""
+    words holding digits, and Chinese words the lexicon knows as names (as their terms:
+    character bigrams)."""
     found = []
     for position, match in enumerate(_TOKEN.finditer(question)):
         word = match.group(0)
@@ -112,7 +186,10 @@ def key_terms(question: str) -> list[str]:
         if lowered in _NOT_KEY:
             continue
         if any(c.isdigit() for c in word) or (position > 0 and word[0].isupper()):
-            found.append(_stem(word))
+            found.append(stem(word))
+    table = the_lexicon() if has_han(question) else None
+    if table is not None:
+        found += [t for word in han_words(question) if table.is_name(word) for t in bigrams(word)]
     return list(dict.fromkeys(found))
 
 
@@ -122,7 +199,8 @@ class Signals:
     coverage: float
     key_terms: float  # 1.0 when the question has none
     key_count: int
-    # The fit that judges them: the embedding model's family, or LEXICAL_GATE.
+    # The fit that judges them: the embedding model's family, or LEXICAL_GATE (no fit knows
+    # its cosines), or CROSS_LINGUAL_GATE (words alone, across languages).
     gate: str = LEXICAL_GATE
 
     @property
@@ -158,6 +236,9 @@ class NotAnswerable(Abstain):
                 if found.similarity is None
                 else f"best sentence similarity {found.similarity:.2f}"
                 if found.gate in FITTED
+                else "judged by words alone, through the Chinese-English lexicon: the closest "
+                "sentence is in another language than the question"
+                if found.gate == CROSS_LINGUAL_GATE
                 else "judged by words alone: no gate is fitted to the embedding model"
             )
             + f", question terms covered {found.coverage:.0%}, key terms found "
@@ -184,17 +265,25 @@ def signals(
     none could be) by `embedding_model` ("name@version"; the gate is the one fitted to it).
     `sentences`: the texts of those cosines, in order (a Chinese pair is read on the scale
     the fit knows)."""
-    asked = list(dict.fromkeys(terms(question)))
-    bags = [set(terms(f"{p.title} {p.text}")) for p in passages]
+    asked = translated_terms(question)
+    read = [Text.of(f"{p.title} {p.text}") for p in passages]
+    bags = [text.terms for text in read]
+    # found[i][j]: passage j holds asked term i, in either language.
+    found = [[t.found_in(text) for text in read] for t in asked]
     coverage = 0.0
     if asked and bags:
         # Rarity among the candidates: a term every passage has tells them apart from nothing.
-        weight = {t: math.log(1 + (1 + len(bags)) / (1 + sum(t in b for b in bags))) for t in asked}
-        total = sum(weight.values())
-        coverage = max(sum(weight[t] for t in asked if t in bag) / total for bag in bags)
+        weight = [math.log(1 + (1 + len(bags)) / (1 + sum(row))) for row in found]
+        total = sum(weight)
+        coverage = max(
+            sum(w for w, row in zip(weight, found, strict=True) if row[j]) / total
+            for j in range(len(bags))
+        )
     keys = key_terms(question)
-    found = set().union(*bags) if bags else set()
-    key_share = sum(k in found for k in keys) / len(keys) if keys else 1.0
+    by_term = {t.term: any(row) for t, row in zip(asked, found, strict=True)}
+    # A key the content terms spell otherwise ("COVID-19") is looked up as it is.
+    held = [by_term[k] if k in by_term else any(k in bag for bag in bags) for k in keys]
+    key_share = sum(held) / len(keys) if keys else 1.0
     if similarities is None:
         return Signals(None, coverage, key_share, len(keys))
     family = family_of(embedding_model)
@@ -204,5 +293,15 @@ def signals(
             float(x) + (offset if has_han(text) else 0.0)
             for x, text in zip(similarities, sentences, strict=True)
         ]
-    best = max((float(x) for x in similarities), default=0.0)
+    scores = [float(x) for x in similarities]
+    best = max(scores, default=0.0)
+    if sentences and family in FITTED:
+        closest = sentences[scores.index(best)]
+        if mostly_han(closest) != mostly_han(question):
+            # The closest sentence is in the other language: a cosine across languages has
+            # no meaning the fit knows (multilingual-e5-small scores a question and the
+            # sentence in the other language that answers it about as high as a question
+            # and an unrelated sentence in its own), so the words decide, read through the
+            # lexicon.
+            family = CROSS_LINGUAL_GATE
     return Signals(best, coverage, key_share, len(keys), family)

@@ -51,15 +51,10 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]?\s+(?=[A-Z0-9\"'(\[])")
 # Chinese sentences end at 。！？； (closing quotes and brackets kept with them), with or
 # without a space after.
 _SENTENCE_END_ZH = re.compile(r"(?<=[。！？；])[\u201d\u2019」』）]?(?=\S)")
-_WORD = re.compile(r"[A-Za-z0-9]+(?:'[a-z]+)?")
+_WORD = words.LATIN_WORD
 _MARKER = re.compile(r"\[(\d{1,3})\]")
 # Function words carry no evidence of an answer (they match nearly every sentence).
-STOPWORDS = frozenset(
-    """a an and are as at be been but by can could did do does for from had has have how in
-    into is it its of on or that the their there these they this those to was were what when
-    where which while who whom whose why will with would not no so than then also about after
-    before during many much most more other some such only each""".split()
-)
+STOPWORDS = words.FUNCTION_WORDS
 
 
 def tokens_estimate(text: str) -> int:
@@ -73,7 +68,7 @@ def tokens_estimate(text: str) -> int:
 def content_words(text: str) -> list[str]:
     """English words without function words, then the terms of any Chinese in `text`
     (`ragline.words.han_terms`: character bigrams of its words, question words out)."""
-    found = [w for w in (m.lower() for m in _WORD.findall(text)) if w not in STOPWORDS]
+    found = words.english_words(text)
     return found + words.han_terms(text) if words.has_han(text) else found
 
 

@@ -1,7 +1,8 @@
 """Is an answer supported by the passages it cites? A checkable test, no model: the
 answer's numbers, names and content words must be found in the cited text (the sentences
-the prompt held under that marker, and the passage's title), each part of a several-part
-answer against its own citations.
+the prompt held under that marker, and the passage's title), or their translation where
+the answer and its citation are written in different languages (`ragline.lexicon`), each
+part of a several-part answer against its own citations.
 
 An answer is built to be short ("a few words copied from the evidence"), so copying is
 what is checked: every number exactly, and at least `MIN_WORD_SHARE` of the content words
@@ -47,7 +48,8 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
     if not cited:
         return Support(False, ("a citation",))
     source = " ".join(f"{item.passage.title} {item.text}" for item in cited)
-    source_terms = set(answerability.terms(source))
+    read = answerability.Text.of(source)
+    source_terms = read.terms
     words = [w.lower() for w in ev.content_words(text)]
     if words and set(words) <= _YES_NO and question:
         asked = set(answerability.terms(question))
@@ -62,15 +64,14 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
             # "The river flows through Warsaw." names nothing the question did not.
             return Support(False, ("anything the question does not already say",))
     missing_numbers = sorted(_numbers(text) - _numbers(source))
-    wanted = list(dict.fromkeys(answerability.terms(text)))
+    counted = [t for t in answerability.translated_terms(text) if not t.term.isdigit()]
     # A Chinese term is copied when the cited text holds its characters (jieba may have
-    # cut the passage around them otherwise: "全长约" is one word there, "约" one here).
+    # cut the passage around them otherwise: "全长约" is one word there, "约" one here); a
+    # word of the other language when the cited text holds a translation of it ("the East
+    # China Sea" from "注入东海").
     missing_words = [
-        w
-        for w in wanted
-        if w not in source_terms and not w.isdigit() and not (has_han(w) and w in source)
+        t.term for t in counted if not (t.found_in(read) or (has_han(t.term) and t.term in source))
     ]
-    counted = [w for w in wanted if not w.isdigit()]
     share = 1.0 - len(missing_words) / len(counted) if counted else 1.0
     if not counted and not _numbers(text):
         # Nothing checkable (punctuation, a lone stop word): not an answer to stand on.

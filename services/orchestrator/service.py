@@ -25,6 +25,7 @@ from ragline.v1 import (
     retrieval_pb2,
     retrieval_pb2_grpc,
 )
+from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator.caches import CacheTtls, OrchestratorCaches, signing_key
 from ragline_services.orchestrator.core import Orchestrator, OrchestratorSettings
 from ragline_services.orchestrator.metrics import OrchestratorMetrics
@@ -128,6 +129,9 @@ class OrchestratorService(Service):
         if self.metrics is not None:
             self._servicer.metrics = OrchestratorMetrics(self.metrics)
         cfg, common = self.config, self.common
+        # jieba's dictionary and the Chinese-English lexicon load with the GIL held for up
+        # to ~2 s: before serving, not under the first Chinese question's deadline.
+        await asyncio.to_thread(answerability.warm, common.cache_dir)
         clients = Clients(
             embedding=connect("embedding", embedding_pb2_grpc.EmbeddingServiceStub, common),
             retrieval=connect("retrieval", retrieval_pb2_grpc.RetrievalServiceStub, common),

@@ -37,6 +37,7 @@ DOCUMENTS = [
         "Rebuilding the HNSW graph used to block queries for about 40 seconds; the service "
         "now keeps two buffers and swaps them when the new graph is ready.",
     ),
+    ("rhine", "Rhine", "The Rhine rises in the Swiss Alps and flows into the North Sea."),
 ]
 
 
@@ -101,6 +102,32 @@ async def test_a_question_about_a_passage_in_the_other_language_is_answered_from
     result = await answered(rag_stack, question)
     assert_complete_from(result, document)
     assert answer.lower() in result.answer.lower().replace(",", ""), result.answer
+
+
+@pytest.mark.parametrize(
+    ("question", "document", "answers"),
+    [
+        ("Into which sea does the Yangtze River flow?", "river", ("东海", "east china sea")),
+        ("Which kind of tea is fully fermented?", "tea", ("红茶", "black tea")),
+        ("莱茵河流入哪个海？", "rhine", ("north sea", "北海")),
+    ],
+)
+async def test_a_question_sharing_no_word_with_its_passage_is_answered_through_the_lexicon(
+    rag_stack, question, document, answers
+):
+    """Nothing is spelled alike in question and passage (no name in Latin letters, no
+    number): the words are matched through the Chinese-English lexicon, the gate judges by
+    them, and the answer, in either language, is grounded in its citation."""
+    result = await answered(rag_stack, question)
+    assert_complete_from(result, document)
+    assert any(a in result.answer.lower() for a in answers), result.answer
+
+
+async def test_a_question_in_the_other_language_about_nothing_ingested_is_refused(rag_stack):
+    """The lexicon does not open the gate to a question whose passage is not there."""
+    for question in ("What is the main food of the giant panda?", "多瑙河流入哪个海？"):
+        result = await answered(rag_stack, question)
+        assert result.status.state == common_pb2.ANSWER_STATE_INCOMPLETE, (question, result)
 
 
 async def test_a_refusal_of_a_chinese_question_is_explained_in_chinese(rag_stack):

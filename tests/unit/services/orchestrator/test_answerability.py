@@ -101,3 +101,75 @@ def test_a_chinese_pair_is_read_on_the_scale_the_fit_was_made_on():
     # the best sentence after the offset is the one read
     both = answerability.signals("长江有多长？", [river], [0.86, 0.83], me5, ["长江", "It is."])
     assert both.similarity == pytest.approx(0.83)
+
+
+YANGTZE = ev.Passage("y", "长江", "长江是中国第一长河，全长约6300公里，最终在上海注入东海。")
+PANDA = ev.Passage("p", "大熊猫", "大熊猫是中国特有的熊科动物，主要以竹子为食。")
+RHINE = ev.Passage("e", "Rhine", "The Rhine flows from the Alps into the North Sea.")
+
+
+def test_a_question_in_the_other_language_is_covered_through_the_lexicon():
+    """An English question over a Chinese passage shares no word with it; the lexicon's
+    translations (whole glosses only) count as the words themselves."""
+    across = answerability.signals("Into which sea does the Yangtze River flow?", [YANGTZE], None)
+    assert across.coverage > 0.6 and across.key_terms == 1.0  # "flow" is not 注入
+    # and the reverse: a Chinese question over an English passage
+    reverse = answerability.signals("莱茵河流入哪个海？", [RHINE], None)
+    assert reverse.coverage > 0.5
+    # it tells the passage that answers from the one that does not
+    other = answerability.signals("Into which sea does the Yangtze River flow?", [PANDA], None)
+    assert other.coverage < 0.1 and other.key_terms == 0.0
+    assert across.probability > 0.5 > other.probability
+
+
+def test_without_the_lexicon_only_shared_spellings_cover(monkeypatch):
+    monkeypatch.setattr(answerability, "the_lexicon", lambda: None)
+    across = answerability.signals("Into which sea does the Yangtze River flow?", [YANGTZE], None)
+    assert across.coverage == 0.0 and across.key_terms == 0.0
+    # English over English is what it was
+    assert answerability.signals("Which river divides Warsaw?", [SKY, WARSAW], None).coverage == 1
+
+
+def test_a_question_whose_closest_sentence_is_in_the_other_language_is_judged_by_words():
+    """me5-small scores a question and the sentence in the other language that answers it
+    about as high as an unrelated pair: the fitted cosine scale does not apply, the words
+    (through the lexicon) decide."""
+    me5 = "me5-small-int8@01bc"
+    question = "Into which sea does the Yangtze River flow?"
+    sentence = "长江是中国第一长河，全长约6300公里，最终在上海注入东海。"
+    across = answerability.signals(question, [YANGTZE], [0.80], me5, [sentence])
+    assert across.gate == answerability.CROSS_LINGUAL_GATE
+    assert across.probability == pytest.approx(
+        answerability.LEXICAL.probability((across.coverage, across.key_terms))
+    )
+    assert across.probability > 0.25  # the fitted scale would read 0.80 as unrelated
+    fitted = answerability.FITTED["me5-small"].probability(
+        (0.80, across.coverage, across.key_terms)
+    )
+    assert fitted < 0.25
+    # another passage's sentence in the other language: refused, and the refusal says why
+    other = answerability.signals(question, [PANDA], [0.80], me5, ["大熊猫主要以竹子为食。"])
+    with pytest.raises(answerability.NotAnswerable) as raised:
+        answerability.gate(other, 0.25)
+    assert "in another language than the question" in raised.value.detail
+    # the closest sentence in the question's language: the fitted gate, as before
+    mixed = answerability.signals(
+        question, [YANGTZE, RHINE], [0.80, 0.83], me5, [sentence, "The Rhine flows."]
+    )
+    assert mixed.gate == "me5-small"
+
+
+def test_a_sentence_is_in_the_language_most_of_it_is_written_in():
+    """An English sentence that names something in characters is English to the gate; a
+    Chinese sentence with English terms is Chinese."""
+    me5 = "me5-small-int8@01bc"
+    kublai = ev.Passage("k", "Yuan", "Kublai Khan (忽必烈) founded the Yuan dynasty in 1271.")
+    named = answerability.signals(
+        "Who founded the Yuan dynasty?", [kublai], [0.9], me5, [kublai.text]
+    )
+    assert named.gate == "me5-small"
+    kv = "高频 query 的 KV Cache 存放在 Redis 中。"
+    mixed = answerability.signals(
+        "Where is the KV cache stored?", [ev.Passage("c", "KV", kv)], [0.8], me5, [kv]
+    )
+    assert mixed.gate == answerability.CROSS_LINGUAL_GATE

@@ -63,3 +63,17 @@ def test_a_chinese_answer_is_checked_by_its_words():
     assert not support("约5000公里", ZH_CITED, "长江全长多少？").supported  # the number
     # Naming only what the question already said is no answer.
     assert not support("长江 [1]", ZH_CITED, "长江在哪里注入东海？").supported
+
+
+RHINE_CITED = [item("The Rhine flows from the Alps into the North Sea.", "Rhine")]
+
+
+def test_an_answer_in_the_other_language_is_checked_through_the_lexicon():
+    """An English question over a Chinese passage is answered in English: "the East China
+    Sea" is supported by 东海, not by a passage that names another sea."""
+    question = "Into which sea does the Yangtze River flow?"
+    assert support("the East China Sea [1]", ZH_CITED, question).supported
+    assert support("北海 [1]", RHINE_CITED, "莱茵河流入哪个海？").supported  # North Sea
+    wrong = support("the Yellow Sea [1]", ZH_CITED, question)
+    assert not wrong.supported and "yellow" in wrong.missing
+    assert not support("黄海 [1]", RHINE_CITED, "莱茵河流入哪个海？").supported
