@@ -119,9 +119,9 @@ def derive(entries: Iterable[Entry]) -> tuple[dict[str, str], dict[str, str], st
                 english[word] += [g for g in glosses if g not in english[word]]
     for word, glosses in english.items():
         # A name often restates its kind in its last character, as its gloss does in its
-        # last word: 莱茵河 "Rhine River" is the Rhine (河, river); 长江 "Yangtze River" the
+        # last word (names only: "a kind of snake" is no snake called "a kind"): 莱茵河 "Rhine River" is the Rhine (河, river); 长江 "Yangtze River" the
         # Yangtze. The gloss without the kind is one too.
-        if len(word) > 1:
+        if len(word) > 1 and word in names:
             kinds = [set(g.split(" ")) for g in english.get(word[-1], ()) if " " not in g]
             for gloss in list(glosses):
                 named = set(gloss.split(" "))
@@ -137,6 +137,21 @@ def derive(entries: Iterable[Entry]) -> tuple[dict[str, str], dict[str, str], st
         {term: " ".join(sorted(found)) for term, found in chinese.items()},
         " ".join(sorted(names)),
     )
+
+
+# Glosses are mostly base forms ("to ferment"); the checks' stemming only folds plurals.
+_ENDINGS = (("ed", ""), ("ed", "e"), ("ing", ""), ("ing", "e"), ("ied", "y"))
+
+
+def _inflected(term: str, known: dict[str, str]) -> list[str]:
+    """The base forms of an English term ("fermented" -> "ferment") the lexicon knows."""
+    return [
+        base
+        for ending, keep in _ENDINGS
+        if term.endswith(ending) and len(term) - len(ending) >= 3
+        for base in [term[: -len(ending)] + keep]
+        if base in known
+    ]
 
 
 class Lexicon:
@@ -161,13 +176,12 @@ class Lexicon:
         """The Chinese words that translate English `term` where the text it comes from
         (`context`, its terms) holds the whole gloss: "river" alone is not 长江, but "river"
         with "yangtze" beside it is."""
-        found = self._chinese.get(term)
-        if not found:
-            return set()
+        forms = ([term] if term in self._chinese else []) + _inflected(term, self._chinese)
         return {
             word
-            for word in found.split(" ")
-            if any(term in gloss and gloss <= context for gloss in self.english(word))
+            for form in forms
+            for word in self._chinese[form].split(" ")
+            if any(form in gloss and gloss - {form} <= context for gloss in self.english(word))
         }
 
     def __len__(self) -> int:

@@ -58,11 +58,18 @@ def english_words(text: str) -> list[str]:
 
 def stem(word: str) -> str:
     """A light English normalisation, enough to match "rivers" with "river" and "Poland's"
-    with "Poland" (full stemming would join words the question keeps apart)."""
+    with "Poland" (full stemming would join words the question keeps apart), and British
+    with American spelling ("metres" with "meters", "colour" with "color": a model writes
+    either, whatever its passage wrote)."""
     word = word.lower().removesuffix("'s")
     for suffix, keep in (("ies", "y"), ("sses", "ss"), ("es", "e"), ("s", "")):
         if word.endswith(suffix) and len(word) - len(suffix) >= 3 and not word.endswith("ss"):
-            return word[: -len(suffix)] + keep
+            word = word[: -len(suffix)] + keep
+            break
+    if len(word) >= 5 and word.endswith(("tre", "bre")):
+        return word[:-2] + "er"
+    if len(word) >= 6 and word.endswith("our"):
+        return word[:-2] + "r"
     return word
 
 

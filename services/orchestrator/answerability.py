@@ -270,15 +270,17 @@ def signals(
     bags = [text.terms for text in read]
     # found[i][j]: passage j holds asked term i, in either language.
     found = [[t.found_in(text) for text in read] for t in asked]
-    coverage = 0.0
+    coverage, best_covered = 0.0, None
     if asked and bags:
         # Rarity among the candidates: a term every passage has tells them apart from nothing.
         weight = [math.log(1 + (1 + len(bags)) / (1 + sum(row))) for row in found]
         total = sum(weight)
-        coverage = max(
+        shares = [
             sum(w for w, row in zip(weight, found, strict=True) if row[j]) / total
             for j in range(len(bags))
-        )
+        ]
+        coverage = max(shares)
+        best_covered = read[shares.index(coverage)].raw if coverage > 0 else None
     keys = key_terms(question)
     by_term = {t.term: any(row) for t, row in zip(asked, found, strict=True)}
     # A key the content terms spell otherwise ("COVID-19") is looked up as it is.
@@ -296,12 +298,15 @@ def signals(
     scores = [float(x) for x in similarities]
     best = max(scores, default=0.0)
     if sentences and family in FITTED:
+        asked_in = mostly_han(question)
         closest = sentences[scores.index(best)]
-        if mostly_han(closest) != mostly_han(question):
-            # The closest sentence is in the other language: a cosine across languages has
-            # no meaning the fit knows (multilingual-e5-small scores a question and the
-            # sentence in the other language that answers it about as high as a question
-            # and an unrelated sentence in its own), so the words decide, read through the
-            # lexicon.
+        if mostly_han(closest) != asked_in or (
+            best_covered is not None and mostly_han(best_covered) != asked_in
+        ):
+            # The closest sentence, or the passage holding most of the question's words, is
+            # in the other language: a cosine across languages has no meaning the fit knows
+            # (multilingual-e5-small scores a question and the sentence in the other
+            # language that answers it about as high as a question and an unrelated
+            # sentence in its own), so the words decide, read through the lexicon.
             family = CROSS_LINGUAL_GATE
     return Signals(best, coverage, key_share, len(keys), family)

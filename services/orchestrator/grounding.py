@@ -78,3 +78,40 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
         return Support(False, ("any content word",))
     ok = not missing_numbers and share >= MIN_WORD_SHARE
     return Support(ok, () if ok else tuple(missing_numbers + missing_words))
+
+
+@dataclass(frozen=True)
+class OffSubject:
+    """An answer whose citations do not name what the question asks about, while other
+    evidence does: "Into which sea does the Yangtze flow?" answered from the Yellow River's
+    passage (its words are there, so it is supported, and wrong)."""
+
+    keys: tuple[str, ...]  # the question's key terms its citations lack
+    markers: tuple[str, ...]  # the uncited evidence that holds them
+
+
+def off_subject(
+    question: str, cited: Sequence[ev.EvidenceItem], evidence: Sequence[ev.EvidenceItem]
+) -> OffSubject | None:
+    """None unless the cited text lacks a key term of the question (a name, a number; in
+    either language) that an uncited evidence passage holds."""
+    keys = answerability.key_terms(question)
+    if not keys or not cited:
+        return None
+    translated = {t.term: t for t in answerability.translated_terms(question)}
+    asked = [translated.get(k, answerability.Term(k)) for k in keys]
+
+    def read(item: ev.EvidenceItem) -> answerability.Text:
+        return answerability.Text.of(f"{item.passage.title} {item.text}")
+
+    cited_text = [read(item) for item in cited]
+    lacking = [t for t in asked if not any(t.found_in(text) for text in cited_text)]
+    if not lacking:
+        return None
+    others = [(item.marker, read(item)) for item in evidence if item not in cited]
+    holding = {t.term: [marker for marker, text in others if t.found_in(text)] for t in lacking}
+    named = {term: markers for term, markers in holding.items() if markers}
+    if not named:
+        return None
+    markers = sorted({m for found in named.values() for m in found})
+    return OffSubject(tuple(named), tuple(markers))

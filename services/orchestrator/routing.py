@@ -90,6 +90,16 @@ def escalation_signals(
                     "failed_validation", f"not supported by its citations ({missing})", UNGROUNDED
                 )
             )
+        elsewhere = grounding.off_subject(question, cited.citations, evidence.items)
+        if elsewhere is not None:
+            signals.append(
+                Signal(
+                    "failed_validation",
+                    f"its citations do not name {', '.join(elsewhere.keys[:5])}, which "
+                    f"{', '.join(elsewhere.markers)} does",
+                    UNGROUNDED,
+                )
+            )
     given = _numbers(answer)
     if given_parts == 1 and len(given) == 1 and len(cited.citations) > 1:
         # The answer's number must be what every cited passage says, not one of several.

@@ -152,11 +152,19 @@ def test_a_question_whose_closest_sentence_is_in_the_other_language_is_judged_by
     with pytest.raises(answerability.NotAnswerable) as raised:
         answerability.gate(other, 0.25)
     assert "in another language than the question" in raised.value.detail
-    # the closest sentence in the question's language: the fitted gate, as before
+    # the closest sentence in the question's language, but the passage holding most of
+    # its words in the other: judged by words (an English river passage must not decide a
+    # question the Chinese one answers)
     mixed = answerability.signals(
         question, [YANGTZE, RHINE], [0.80, 0.83], me5, [sentence, "The Rhine flows."]
     )
-    assert mixed.gate == "me5-small"
+    assert mixed.gate == answerability.CROSS_LINGUAL_GATE and mixed.probability > 0.25
+    # both in the question's language: the fitted gate, as before
+    rhine = answerability.signals(
+        "Into which sea does the Rhine flow?", [YANGTZE, RHINE], [0.80, 0.83], me5,
+        [sentence, "The Rhine flows."],
+    )  # fmt: skip
+    assert rhine.gate == "me5-small"
 
 
 def test_a_sentence_is_in_the_language_most_of_it_is_written_in():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ragline_services.orchestrator import evidence as ev
-from ragline_services.orchestrator.grounding import support
+from ragline_services.orchestrator.grounding import off_subject, support
 
 
 def item(text: str, title: str = "") -> ev.EvidenceItem:
@@ -77,3 +77,40 @@ def test_an_answer_in_the_other_language_is_checked_through_the_lexicon():
     wrong = support("the Yellow Sea [1]", ZH_CITED, question)
     assert not wrong.supported and "yellow" in wrong.missing
     assert not support("黄海 [1]", RHINE_CITED, "莱茵河流入哪个海？").supported
+
+
+def test_an_answer_citing_a_passage_about_something_else_is_caught():
+    """Copied from its citation, and about the wrong thing: the question names the Yangtze,
+    the cited passage is the Yellow River's, another passage in the evidence names it."""
+    yellow = ev.EvidenceItem(
+        "[2]",
+        ev.Passage("y", "黄河", "黄河……最后在山东省东营市注入渤海。"),
+        "最后在山东省东营市注入渤海。",
+    )
+    yangtze = ev.EvidenceItem("[3]", ZH_CITED[0].passage, ZH_CITED[0].text)
+    question = "Into which sea does the Yangtze River flow?"
+    wrong = off_subject(question, [yellow], [yellow, yangtze])
+    assert wrong is not None and wrong.keys == ("yangtze",) and wrong.markers == ("[3]",)
+    assert off_subject(question, [yangtze], [yellow, yangtze]) is None
+    # no other passage names it: nothing to prefer (the gate and support judge that case)
+    assert off_subject(question, [yellow], [yellow]) is None
+    # a question without names or numbers: nothing to check
+    assert off_subject("Which sea is it?", [yellow], [yellow, yangtze]) is None
+    # English, same language
+    warsaw = item("The Vistula River divides Warsaw.", "Warsaw")
+    krakow = ev.EvidenceItem(
+        "[2]",
+        ev.Passage("k", "Kraków", "The Vistula flows through Kraków."),
+        "The Vistula flows through Kraków.",
+    )
+    assert off_subject("Which river divides Warsaw?", [krakow], [warsaw, krakow]).markers == (
+        "[1]",
+    )
+    assert off_subject("Which river divides Warsaw?", [warsaw], [warsaw, krakow]) is None
+
+
+def test_british_and_american_spellings_are_one_word():
+    tower = [item("The Eiffel Tower in Paris is 330 metres tall.", "Eiffel Tower")]
+    assert support("330 meters [1]", tower, "埃菲尔铁塔有多高？").supported
+    centre = [item("The city centre has a colour theatre.")]
+    assert support("a color theater", centre, "What does the center have?").supported
