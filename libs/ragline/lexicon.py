@@ -119,8 +119,9 @@ def derive(entries: Iterable[Entry]) -> tuple[dict[str, str], dict[str, str], st
                 english[word] += [g for g in glosses if g not in english[word]]
     for word, glosses in english.items():
         # A name often restates its kind in its last character, as its gloss does in its
-        # last word (names only: "a kind of snake" is no snake called "a kind"): 莱茵河 "Rhine River" is the Rhine (河, river); 长江 "Yangtze River" the
-        # Yangtze. The gloss without the kind is one too.
+        # last word: 莱茵河 "Rhine River" is the Rhine (河, river); 长江 "Yangtze River" the
+        # Yangtze. The gloss without the kind is one too (names only: "a kind of snake" is
+        # no snake called "a kind").
         if len(word) > 1 and word in names:
             kinds = [set(g.split(" ")) for g in english.get(word[-1], ()) if " " not in g]
             for gloss in list(glosses):
