@@ -99,6 +99,8 @@ def settings_for(question: str) -> Settings:
         context_passages=c.context_passages,
         evidence_tokens=c.evidence_tokens,
         embed_sentences=c.embed_sentences,
+        # the signals of every question are wanted, not the gate's decision
+        answerable_threshold=0.0,
     )
 
 

@@ -150,7 +150,7 @@ class Settings:
     late_interaction_k: int = 20
     rerank_cross_encoder: bool = False
     context_passages: int = 4
-    evidence_tokens: int = 160
+    evidence_tokens: int = 120
     # Sentences embedded to compete for the prompt (the rest lose on lexical evidence).
     embed_sentences: int = 12
     answer_tokens: int = 64
@@ -159,7 +159,7 @@ class Settings:
     escalate: bool = False
     allow_degrade: bool = False
     # The answerability gate's threshold (answerability.py; 0: every question is answered).
-    answerable_threshold: float = 0.0
+    answerable_threshold: float = 0.25
     # Cost in micros per 1,000 tokens (input, output), per tier.
     prices: dict[str, tuple[int, int]] = field(default_factory=dict)
 
