@@ -27,13 +27,25 @@ class Kind(enum.Enum):
 
 # Parameters each kind accepts, and how each is read (the value of a params map is text).
 _INT, _FLOAT, _TEXT = int, float, str
+
+
+def boolean(text: str) -> bool:
+    """A yes/no parameter: true/false, 1/0, yes/no."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise ValueError(text)
+
+
 PARAMS: dict[Kind, dict[str, type]] = {
     Kind.EMBED: {"query": _TEXT},
     Kind.BM25: {"k": _INT, "query": _TEXT},
     Kind.VECTOR_SEARCH: {"k": _INT, "query": _TEXT, "hnsw_ef": _INT},
     Kind.RETRIEVE: {"k": _INT, "query": _TEXT, "mode": _TEXT},
     Kind.FUSE: {"k": _INT, "fusion": _TEXT, "vector_weight": _FLOAT},
-    Kind.RERANK: {"top_k": _INT, "late_interaction_k": _INT},
+    Kind.RERANK: {"top_k": _INT, "late_interaction_k": _INT, "cross_encoder": boolean},
     Kind.RERANK_QUERY: {},  # the question: what the rerank step sends
     Kind.SELECT_EVIDENCE: {"passages": _INT, "max_tokens": _INT},
     Kind.GENERATE: {"max_tokens": _INT, "tier": _TEXT},

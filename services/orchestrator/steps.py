@@ -531,9 +531,7 @@ async def rerank(ctx: RunContext, step: Step) -> Ranked:
         top_k=top_k,
         late_interaction_k=int(step.node.params.get("late_interaction_k") or s.late_interaction_k),
         allow_skip=s.allow_degrade,
-        late_interaction_only=not _flag(
-            step.node.params.get("cross_encoder"), s.rerank_cross_encoder
-        ),
+        late_interaction_only=not step.node.params.get("cross_encoder", s.rerank_cross_encoder),
     )
     # A tool result: the documents' versions are part of its parameters.
     key = ""
@@ -599,11 +597,6 @@ async def rerank_query(ctx: RunContext, step: Step) -> None:
     except (grpc.aio.AioRpcError, RaglineError) as error:
         step.record.note = f"not prepared ({describe(error)}): the rerank step encodes it"
         log.info("orchestrator.rerank_query_not_prepared", error=describe(error))
-
-
-def _flag(value: str | None, default: bool) -> bool:
-    """A plan node's boolean parameter (params are strings)."""
-    return default if value is None else value.strip().lower() in ("true", "1", "yes")
 
 
 def ev_text(passage: ev.Passage) -> str:

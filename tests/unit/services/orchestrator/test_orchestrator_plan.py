@@ -125,3 +125,33 @@ def test_the_serial_form_chains_every_step():
     order = topological(serial)
     for before, after in itertools.pairwise(order):
         assert before in serial.node(after).depends_on
+
+
+def test_a_rerank_node_may_turn_the_cross_encoder_on_or_off():
+    """WORKSPACE.md documents `cross_encoder` for a rerank node (the setting
+    RAGLINE_ORCHESTRATOR_RERANK_CROSS_ENCODER is its default); a plan that sent it was
+    refused once."""
+    plan = build_plan(
+        [
+            spec("a", "retrieve"),
+            spec("r", "rerank", ["a"], cross_encoder="true"),
+            spec("g", "generate", ["r"]),
+        ]
+    )
+    assert plan.node("r").params == {"cross_encoder": True}
+    off = build_plan(
+        [
+            spec("a", "retrieve"),
+            spec("r", "rerank", ["a"], cross_encoder="0"),
+            spec("g", "generate", ["r"]),
+        ]
+    )
+    assert off.node("r").params == {"cross_encoder": False}
+    found = violations(
+        [
+            spec("a", "retrieve"),
+            spec("r", "rerank", ["a"], cross_encoder="maybe"),
+            spec("g", "generate", ["r"]),
+        ]
+    )
+    assert found == {"plan.nodes[1].params[cross_encoder]": "'maybe' is not a boolean"}
