@@ -4,22 +4,22 @@
         --questions 100 --concurrency 1,4,16 --serial --plot e2e.png
 
 Starts the whole stack (`ragline up --base-port 0 --no-demo`, data in --workdir, so a rerun
-reuses the index) unless --addr points at a running one, ingests the paragraphs of the
-file into tenant `bench-h4` once (every 4th article held out: `--hold-out`), then asks a
-fixed sample of the questions about ingested articles (seeded) at each concurrency, with
-the default (parallel) plan and, with --serial, the same plan forced serial; at c=1 also
-`--unanswerable` questions about the held-out articles (out of corpus: nothing in the
-index answers them). The answer-state table says how often each set came back COMPLETE,
-whether every COMPLETE answer cited a passage, the F1 of what was answered (an INCOMPLETE
-answer counts 0; with the drafts beside it), why the rest was INCOMPLETE and how fast the
-answerability gate abstained. Reported per configuration, over every request asked (failed
-and unfinished ones counted, never dropped; caches bypassed except in the --cache runs):
-time to first token and to the complete answer (p50/p95/p99),
-answers per second, refusals (RESOURCE_EXHAUSTED), failures and deadline misses,
-measured / lower bound of the timing report, SQuAD exact match and token F1 (max over the
-gold answers, citation markers stripped) and how often the gold paragraph reached the
-prompt, and how often a COMPLETE or PARTIAL answer cited it. --env KEY=VALUE (repeatable)
-sets service settings for an A/B run.
+reuses the index) unless --addr points at a running one, ingests the paragraphs of the file
+into a tenant of its own (`bench-<file>-h4`) once (every 4th article held out:
+`--hold-out`), then asks a fixed sample of the questions about ingested articles (seeded)
+at each concurrency, with the default (parallel) plan and, with --serial, the same plan
+forced serial; at c=1 also `--unanswerable` questions about the held-out articles (out of
+corpus: nothing in the index answers them). The answer-state table says how often each set
+came back COMPLETE, whether every COMPLETE answer cited a passage, the F1 of what was
+answered (an INCOMPLETE answer counts 0; with the drafts beside it), why the rest was
+INCOMPLETE and how fast the answerability gate abstained. Reported per configuration, over
+every request asked (failed and unfinished ones counted, never dropped; caches bypassed
+except in the --cache runs): time to first token and to the complete answer (p50/p95/p99),
+answers per second, refusals (RESOURCE_EXHAUSTED), failures and deadline misses, measured /
+lower bound of the timing report, SQuAD exact match and token F1 (max over the gold
+answers, citation markers stripped) and how often the gold paragraph reached the prompt,
+and how often a COMPLETE or PARTIAL answer cited it. --env KEY=VALUE (repeatable) sets
+service settings for an A/B run.
 """
 
 from __future__ import annotations
@@ -416,8 +416,12 @@ def main() -> int:
     ]
     global TENANT
     data = args.data
+    # A tenant per collection and cut: the ingest check counts a tenant's documents, so a
+    # tenant shared by two collections would hold both (a Chinese run once answered from
+    # SQuAD's passages).
+    TENANT = f"bench-{args.data.stem.replace('_', '-').replace('.', '-')}"[:32]
+    TENANT += f"-h{args.hold_out}"
     if args.hold_out:
-        TENANT = f"bench-h{args.hold_out}"
         data = write_jsonl(
             split.passages, args.workdir / "data" / f"{args.data.stem}-h{args.hold_out}.jsonl"
         )
