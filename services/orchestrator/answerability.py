@@ -177,8 +177,8 @@ def translated_terms(text: str) -> list[Term]:
 
 def key_terms(question: str) -> list[str]:
     """Names, numbers and acronyms of the question: capitalised words after its first word,
-    words holding digits, and Chinese words the lexicon knows as names (as their terms:
-    character bigrams)."""
+    words holding digits, and Chinese words of two characters or more the lexicon knows as
+    names (as their terms: character bigrams)."""
     found = []
     for position, match in enumerate(_TOKEN.finditer(question)):
         word = match.group(0)
@@ -189,7 +189,13 @@ def key_terms(question: str) -> list[str]:
             found.append(stem(word))
     table = the_lexicon() if has_han(question) else None
     if table is not None:
-        found += [t for word in han_words(question) if table.is_name(word) for t in bigrams(word)]
+        # One character is a name too often to mean one (中: China, and "in").
+        found += [
+            t
+            for word in han_words(question)
+            if len(word) > 1 and table.is_name(word)
+            for t in bigrams(word)
+        ]
     return list(dict.fromkeys(found))
 
 

@@ -181,3 +181,9 @@ def test_a_sentence_is_in_the_language_most_of_it_is_written_in():
         "Where is the KV cache stored?", [ev.Passage("c", "KV", kv)], [0.8], me5, [kv]
     )
     assert mixed.gate == answerability.CROSS_LINGUAL_GATE
+
+
+def test_chinese_names_of_two_characters_or_more_are_key_terms():
+    assert answerability.key_terms("莱茵河流入哪个海？") == ["莱茵", "茵河"]
+    # 中 is a name in the lexicon (China) and also "in": one character is not a key
+    assert answerability.key_terms("京剧中俗称“花脸”的是哪个行当？") == ["京剧"]
