@@ -63,6 +63,9 @@ class AuthConfig(EmptyMeansUnset):
     jwt_audience: str = "ragline"
     jwt_issuer: str = ""  # checked when set
     leeway_s: float = Field(30.0, ge=0)
+    # The longest a client token may still live when it is shown (its exp from now): a
+    # leaked token that never expires is a key. 0: no limit.
+    max_token_lifetime_s: float = Field(86400.0, ge=0)
     # Signs and verifies the credential services present to each other.
     service_key: str = ""
     service_credential_ttl_s: float = Field(300.0, gt=10)
@@ -191,6 +194,15 @@ class Authenticator:
             ) from None
         except self._jwt.PyJWTError as error:
             raise Unauthenticated(f"the token was refused: {error}") from None
+        most = self.config.max_token_lifetime_s
+        remaining = float(claims["exp"]) - time.time()
+        if most and remaining > most + self.config.leeway_s:
+            raise Unauthenticated(
+                f"the token lives too long: it expires in {remaining:.0f} s, and this service "
+                f"accepts tokens that expire within {most:.0f} s "
+                "(RAGLINE_AUTH_MAX_TOKEN_LIFETIME_S); get a shorter-lived one",
+                reason="TOKEN_LIFETIME",
+            )
         tenant = claims.get("tenant")
         if not isinstance(tenant, str) or not is_tenant(tenant):
             raise Unauthenticated(f"the token's tenant claim must be {TENANT_RULE}")

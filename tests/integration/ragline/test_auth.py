@@ -75,6 +75,13 @@ async def test_tokens_decide_tenant_and_scopes_and_services_vouch_for_each_other
     assert await code_of(call(retrieval.address, "Search", search, expired)) == (
         grpc.StatusCode.UNAUTHENTICATED, "TOKEN_EXPIRED",
     )  # fmt: skip
+    # A token that would live for a year: a leaked one would be a key.
+    forever = (
+        ("authorization", f"Bearer {mint_token(AUTH_CLIENT_KEY, 'acme', ttl_s=365 * 86400)}"),
+    )
+    assert await code_of(call(retrieval.address, "Search", search, forever)) == (
+        grpc.StatusCode.UNAUTHENTICATED, "TOKEN_LIFETIME",
+    )  # fmt: skip
     asks_more = (*bearer("acme"), ("x-ragline-scopes", "hr"))
     assert await code_of(call(retrieval.address, "Search", search, asks_more)) == (
         grpc.StatusCode.PERMISSION_DENIED, "SCOPE_NOT_HELD",

@@ -156,3 +156,15 @@ def test_with_auth_off_an_address_others_reach_is_refused_unless_the_network_is_
         AuthConfig(mode="off").check_exposure(host)
     AuthConfig(mode="off", trusted_network=True).check_exposure(host)
     AuthConfig(mode="jwt", jwt_key="k" * 32, service_key="s" * 32).check_exposure(host)
+
+
+def test_a_token_that_lives_longer_than_the_service_accepts_is_refused():
+    day = mint_token(KEY, "acme", ttl_s=86400)
+    assert Authenticator(ON).authenticate([bearer(day)]).caller.tenant == "acme"
+    year = mint_token(KEY, "acme", ttl_s=365 * 86400)
+    with pytest.raises(Unauthenticated, match="lives too long") as refused:
+        Authenticator(ON).authenticate([bearer(year)])
+    assert refused.value.reason == "TOKEN_LIFETIME"
+    # 0: no limit (a deployment that manages lifetimes elsewhere)
+    unlimited = AuthConfig(mode="jwt", jwt_key=KEY, service_key=SERVICE_KEY, max_token_lifetime_s=0)
+    assert Authenticator(unlimited).authenticate([bearer(year)]).caller.tenant == "acme"
