@@ -50,6 +50,7 @@ _BRACKETED = re.compile(r"\([^)]*\)|\[[^\]]*\]")
 # "Yellow River or Huang He".
 _GLOSS_PARTS = re.compile(r"[,;]\s*(?:or\s+)?|\s+or\s+")
 MAX_GLOSS_TERMS = 3
+_CANDIDATES_KEPT = 4096  # English terms whose candidate translations are kept parsed
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,7 @@ class Lexicon:
     def __init__(self, english: dict[str, str], chinese: dict[str, str], names: str) -> None:
         self._english = english
         self._chinese = chinese
+        self._by_term: dict[str, tuple] = {}
         self._names = frozenset(names.split(" "))
 
     def is_name(self, word: str) -> bool:
@@ -177,13 +179,27 @@ class Lexicon:
         """The Chinese words that translate English `term` where the text it comes from
         (`context`, its terms) holds the whole gloss: "river" alone is not 长江, but "river"
         with "yangtze" beside it is."""
-        forms = ([term] if term in self._chinese else []) + _inflected(term, self._chinese)
         return {
             word
-            for form in forms
-            for word in self._chinese[form].split(" ")
-            if any(form in gloss and gloss - {form} <= context for gloss in self.english(word))
+            for form, word, glosses in self._candidates(term)
+            if any(form in gloss and gloss - {form} <= context for gloss in glosses)
         }
+
+    def _candidates(self, term: str) -> tuple[tuple[str, str, tuple[frozenset[str], ...]], ...]:
+        """(form of `term`, Chinese word, its glosses) for every word a gloss of which holds
+        the term; kept for the most recent terms (a question's words recur)."""
+        found = self._by_term.get(term)
+        if found is None:
+            forms = ([term] if term in self._chinese else []) + _inflected(term, self._chinese)
+            found = tuple(
+                (form, word, tuple(self.english(word)))
+                for form in forms
+                for word in self._chinese[form].split(" ")
+            )
+            if len(self._by_term) >= _CANDIDATES_KEPT:
+                self._by_term.pop(next(iter(self._by_term)))
+            self._by_term[term] = found
+        return found
 
     def __len__(self) -> int:
         return len(self._english)

@@ -24,7 +24,7 @@ import re
 import threading
 import unicodedata
 
-from ragline import words
+from ragline import lexicon, words
 from ragline.stopwords import CHINESE_STOP_WORDS, STOP_WORDS
 
 # 1: tantivy's en_stem over the raw text (a Chinese sentence was one token). 2: this.
@@ -35,6 +35,12 @@ ANALYSIS = 2
 _HAN = words.HAN
 _NOT_WORD = re.compile(r"[^\w]+", re.UNICODE)
 _MAX_TOKEN_BYTES = 40  # en_stem's remove_long
+# Translations added to a query: Chinese words up to this long (longer ones are idioms and
+# full names the passage would not write alike), and the first glosses of a Chinese word
+# (the lexicon lists a word's common senses first).
+_MAX_TRANSLATED_CHARS = 4
+_GLOSSES_PER_WORD = 3
+_TRANSLATIONS_PER_WORD = 3
 
 
 class Analyzer:
@@ -48,6 +54,35 @@ class Analyzer:
 
     def warm(self) -> None:
         self._segmenter()
+        lexicon.shared()
+
+    def translations(self, query: str) -> list[str]:
+        """Words of the other language that say what `query`'s words say (the
+                Chinese-English lexicon, `ragline.lexicon`; none without it): the Chinese words an
+                English term translates to where the query holds their whole gloss (the commonest
+        three), and the English
+                terms of a Chinese word's first glosses. A question in one language then also meets
+                passages written in the other."""
+        table = lexicon.shared()
+        if table is None:
+            return []
+        text = unicodedata.normalize("NFKC", query)
+        english = words.english_terms(text)
+        context = frozenset(english)
+        found: list[str] = []
+        frequency = self._segmenter().FREQ
+        for term in dict.fromkeys(english):
+            chinese = [
+                w for w in table.chinese(term, context) if 1 < len(w) <= _MAX_TRANSLATED_CHARS
+            ]
+            # The commonest few (jieba's dictionary counts how often each word is written).
+            chinese.sort(key=lambda w: (-frequency.get(w, 0), w))
+            found += chinese[:_TRANSLATIONS_PER_WORD]
+        for word in dict.fromkeys(words.han_words(text)) if words.has_han(text) else ():
+            for gloss in table.english(word)[:_GLOSSES_PER_WORD]:
+                found += sorted(gloss)
+        asked = set(self.query_words(query))
+        return [w for w in dict.fromkeys(found) if w not in asked and w not in STOP_WORDS]
 
     def _segmenter(self):
         if self._jieba is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -39,6 +40,9 @@ from ragline_services.retrieval.documents import (
     point_id,
     split_key,
 )
+
+# A translation goes into the query text only as a plain word (no query-syntax characters).
+_PLAIN_TERM = re.compile(r"\w+")
 
 # Which analysis (analysis.py) made a tenant's index: one made by another is re-indexed.
 ANALYSIS_FILE = "analysis.json"
@@ -210,6 +214,7 @@ class Bm25Index:
         heap_bytes: int = 15_000_000,
         max_open: int = 256,
         analyzer: Analyzer | None = None,
+        translation_weight: float = 0.5,
     ) -> None:
         import tantivy
 
@@ -220,6 +225,8 @@ class Bm25Index:
         self.heap_bytes = heap_bytes
         self.max_open = max_open
         self.stop_words = STOP_WORDS  # dropped from queries (tools compare other sets)
+        # Weight of a query word's translation into the other language (0: none).
+        self.translation_weight = translation_weight
         self.migrated = self._set_aside_an_old_layout(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.keys = keymap.KeyMap(directory / keymap.FILE)
@@ -322,6 +329,13 @@ class Bm25Index:
         text = " ".join(self.analyzer.query_words(query, self.stop_words))
         if not text:
             return []
+        if self.translation_weight > 0:
+            # The other language's words, each weighing less than one the query wrote.
+            text += "".join(
+                f" {word}^{self.translation_weight:g}"
+                for word in self.analyzer.translations(query)
+                if _PLAIN_TERM.fullmatch(word)
+            )
         index = self._tenant(visibility.tenant, create=False)
         return [] if index is None else index.search(text, visibility, k)
 

@@ -200,6 +200,9 @@ class IndexSettings:
     # Held out on new_wiki (tuned on SQuAD dev): score fusion 0.900 nDCG@10, RRF 0.883.
     default_fusion: str = "score"
     bm25_max_open_tenants: int = 256
+    # Weight of a BM25 query word's translation into the other language (Chinese <->
+    # English, ragline.lexicon); 0: none. docs/models.md has the figures.
+    cross_lingual_weight: float = 0.5
     # Threads that run searches (one hop per search), apart from writes and builds.
     query_threads: int = 2
     # HYBRID runs its vector half on a second thread while BM25 runs on the first: Tantivy
@@ -236,7 +239,11 @@ class RetrievalIndex:
         directory.mkdir(parents=True, exist_ok=True)
         self.settings = settings
         self.wal = WriteLog(directory / "write.log")
-        bm25 = Bm25Index(directory / "bm25", max_open=settings.bm25_max_open_tenants)
+        bm25 = Bm25Index(
+            directory / "bm25",
+            max_open=settings.bm25_max_open_tenants,
+            translation_weight=settings.cross_lingual_weight,
+        )
         self.bm25: LexicalIndex = bm25
         self.vectors = vectors
         self._embed = embed

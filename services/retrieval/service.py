@@ -79,6 +79,8 @@ class RetrievalConfig(ServiceConfig):
     default_fusion: Literal["rrf", "score"] = "score"
     # BM25 indexes (one per tenant) kept open, most recently used first.
     bm25_max_open_tenants: int = Field(256, ge=1)
+    # Weight of a BM25 query word's translation into the other language (0: none).
+    cross_lingual_weight: float = Field(0.5, ge=0, le=10)
     # Worker threads for searches (one hop each), apart from writes and HNSW builds.
     query_threads: int = Field(2, ge=1)
     # HYBRID's vector half on a second thread while BM25 runs (false: one after the
@@ -252,6 +254,7 @@ class RetrievalService(Service):
             default_score_weight=cfg.default_score_weight,
             default_fusion=cfg.default_fusion,
             bm25_max_open_tenants=cfg.bm25_max_open_tenants,
+            cross_lingual_weight=cfg.cross_lingual_weight,
             query_threads=cfg.query_threads,
             parallel_hybrid=cfg.parallel_hybrid,
             reembed_on_model_change=cfg.reembed_on_model_change,

@@ -59,3 +59,16 @@ def test_queries_lose_chinese_and_english_stop_words(analyzer):
 def test_a_long_word_also_yields_the_words_inside_it(analyzer):
     """Search mode: a question using a shorter word still meets the passage."""
     assert {"人民", "共和国"} <= set(words(analyzer, "中华人民共和国"))
+
+
+def test_a_query_is_translated_into_the_other_language(analyzer):
+    """The lexicon's words for what the query says, in the other language: the whole gloss
+    must be in the query ("Yangtze River" -> 长江; "river" alone is not the Yangtze)."""
+    english = analyzer.translations("Into which sea does the Yangtze River flow?")
+    assert "长江" in english and len(english) <= 3 * 4  # the commonest three per word
+    assert "长江" not in analyzer.translations("Which river flows through Warsaw?")
+    chinese = analyzer.translations("莱茵河发源于哪里？")
+    assert {"rhine", "river"} <= set(chinese)
+    # nothing the query already says, no function words
+    assert "rhine" not in analyzer.translations("莱茵河 Rhine")
+    assert analyzer.translations("") == []

@@ -749,6 +749,8 @@ async def test_an_index_made_by_the_old_analysis_answers_and_is_reindexed(tmp_pa
     index.close()
 
     index = open_index(tmp_path)
+    # Words alone: a translation of the Chinese question would find the English passages.
+    index.bm25.translation_weight = 0
 
     async def top(question: str) -> list[str]:
         return ids(await index.search(ACME, SearchQuery(question, 1, BM25)))
@@ -762,3 +764,31 @@ async def test_an_index_made_by_the_old_analysis_answers_and_is_reindexed(tmp_pa
     assert index.bm25.outdated_tenants() == []
     assert await index.reanalyse() == 0
     index.close()
+
+
+async def test_bm25_finds_a_passage_in_the_other_language_through_its_translations(tmp_path):
+    """An English question shares no word with a Chinese passage, and the reverse; the
+    query's translations (the Chinese-English lexicon) find it, weighing less than the
+    query's own words."""
+    index = open_index(tmp_path)
+    await index.upsert(
+        "acme",
+        [
+            *DOCS,
+            DocumentInput("yangtze", "长江", "长江是中国第一长河，最终在上海注入东海。"),
+            DocumentInput("rhine", "Rhine", "The Rhine rises in the Swiss Alps."),
+        ],
+    )
+    english = await index.search(
+        ACME, SearchQuery("Which sea does the Yangtze River reach?", 3, BM25)
+    )
+    assert ids(english)[0] == "yangtze"
+    chinese = await index.search(ACME, SearchQuery("莱茵河发源于哪里？", 3, BM25))
+    assert ids(chinese)[0] == "rhine"
+    # words written alike still lead: an English query naming Warsaw finds Warsaw first
+    same = await index.search(ACME, SearchQuery("Which river flows through Warsaw?", 3, BM25))
+    assert ids(same)[0] == "warsaw"
+    index.bm25.translation_weight = 0  # off: the other language is not found
+    assert "yangtze" not in ids(
+        await index.search(ACME, SearchQuery("Which sea does the Yangtze River reach?", 3, BM25))
+    )
