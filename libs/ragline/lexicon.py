@@ -163,6 +163,7 @@ class Lexicon:
         self._english = english
         self._chinese = chinese
         self._by_term: dict[str, tuple] = {}
+        self._by_term_lock = threading.Lock()
         self._names = frozenset(names.split(" "))
 
     def is_name(self, word: str) -> bool:
@@ -196,9 +197,10 @@ class Lexicon:
                 for form in forms
                 for word in self._chinese[form].split(" ")
             )
-            if len(self._by_term) >= _CANDIDATES_KEPT:
-                self._by_term.pop(next(iter(self._by_term)))
-            self._by_term[term] = found
+            with self._by_term_lock:  # retrieval searches on several threads
+                if len(self._by_term) >= _CANDIDATES_KEPT:
+                    self._by_term.pop(next(iter(self._by_term)))
+                self._by_term[term] = found
         return found
 
     def __len__(self) -> int:
