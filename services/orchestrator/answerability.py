@@ -78,8 +78,8 @@ FITTED: dict[str, GateModel] = {
 # 0.25 it lets through 39% of SQuAD dev's unanswerable questions (the full model 15%).
 LEXICAL = GateModel((7.804, 2.189), -5.564)
 LEXICAL_GATE = "lexical"
-# The same words-alone fit, where the question and its closest sentence are written in
-# different languages (their terms matched through `ragline.lexicon`).
+# The same words-alone fit, where the closest sentence or the passage holding most of the
+# question's words is in the other language (terms matched through `ragline.lexicon`).
 CROSS_LINGUAL_GATE = "cross-lingual"
 
 

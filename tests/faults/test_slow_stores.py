@@ -24,12 +24,19 @@ FAULT_S = 8.0
 
 
 async def run_with_fault(
-    stack, proxy, mode: str, *, cache: int, delay_s: float = 0.0, fault_s: float = FAULT_S
+    stack,
+    proxy,
+    mode: str,
+    *,
+    cache: int,
+    delay_s: float = 0.0,
+    fault_s: float = FAULT_S,
+    deadline_s: float = 10.0,
 ):
     """The load before, during and after `FAULT_S` of `mode` on `proxy`: the load, the asks
     started during the fault, the requests the store was sent meanwhile, and the fault's
     [start, end)."""
-    asks = AskLoad(stack.parts["orchestrator"].address, deadline_s=10.0, cache=cache)
+    asks = AskLoad(stack.parts["orchestrator"].address, deadline_s=deadline_s, cache=cache)
     asks.start(run=f"{mode}-{proxy.port}-{cache}")
     try:
         await asyncio.sleep(3.0)
@@ -72,6 +79,10 @@ async def test_etcd_slow_answers_still_come_and_every_ledger_settles(fault_stack
         "delay",
         delay_s=0.2,
         cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
+        # With each etcd exchange 0.2 s late an ask takes 6.4-7.4 s at p50 on an idle
+        # machine and took 9.9 s in a full suite, where a 10 s deadline cut both asks of
+        # the window. What is promised is that answers come, not how fast.
+        deadline_s=20.0,
     )
     assert any(o.outcome == "COMPLETE" for o in during)
     assert not await unsettled_after(
