@@ -85,10 +85,40 @@ def test_inner_services_accept_only_the_orchestrator(helm):
         rule = policies[f"rl-{name}"]["spec"]["ingress"][0]["from"]
         return {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in rule}
 
+    # and the chart's test pod, which asks their health (`helm test`)
     for inner in ("retrieval", "rerank", "generation", "budget"):
-        assert callers(inner) == {"orchestrator"}, inner
-    assert callers("embedding") == {"orchestrator", "retrieval"}  # retrieval embeds queries
+        assert callers(inner) == {"orchestrator", "helm-test"}, inner
+    # retrieval embeds queries
+    assert callers("embedding") == {"orchestrator", "retrieval", "helm-test"}
     assert callers("etcd") == {"budget", "etcd"}
+
+
+def test_helm_test_asks_every_service_health_and_the_policies_let_it(helm):
+    """`helm test`: one hook pod running `ragline health` with the services' own addresses;
+    every ragline service's NetworkPolicy admits it, the orchestrator's too when clients are
+    limited (`networkPolicy.clientsFrom`); it holds no API token and no key."""
+    clients = "networkPolicy.clientsFrom[0].namespaceSelector.matchLabels.team=search"
+    objects = render(helm, CHART, "--set", clients)
+    (pod,) = [o for o in objects if o["kind"] == "Pod"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
+    container = spec["containers"][0]
+    assert container["args"][0] == "health"
+    assert container["envFrom"] == [{"configMapRef": {"name": "rl-config"}}]  # no secret
+    labels = pod["metadata"]["labels"]
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    admitted = {
+        p["metadata"]["name"]
+        for p in policies
+        for rule in p["spec"]["ingress"]
+        for peer in rule.get("from", [])
+        if "podSelector" in peer
+        and peer["podSelector"].get("matchLabels", {}).items() <= labels.items()
+    }
+    services = {"orchestrator", "embedding", "retrieval", "rerank", "generation", "budget"}
+    assert {f"rl-{s}" for s in services} <= admitted
+    assert not admitted & {"rl-etcd", "rl-redis", "rl-qdrant", "rl-triton"}
 
 
 def test_a_broken_template_fails_the_check(helm, tmp_path):
