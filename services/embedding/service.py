@@ -45,9 +45,7 @@ class EmbeddingConfig(ServiceConfig):
     # load (ingest) keeps every core busy instead of one.
     parallel_runs: int = Field(0, ge=0)
     # Micro-batching: texts per model run, longest wait for a batch to fill, queue bound.
-    # No wait by default: what arrives while a batch runs forms the next one (measured,
-    # tools/bench_embedding.py, 1 ms -> 0: c=1 84 -> 95 requests/s, c=32 175 -> 191, mean
-    # batch at c=32 20.0 -> 21.1).
+    # No wait by default: what arrives while a batch runs forms the next one (docs/tuning.md).
     max_batch_texts: int = Field(32, ge=1)
     # Texts per model run of bulk work (ingest, re-embedding): a question that arrives while
     # every runner is busy with passages waits for one such run.

@@ -39,8 +39,8 @@ log = structlog.get_logger("ragline.orchestrator")
 class OrchestratorConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("orchestrator")
     # Admission: runs at once, then a queue (entries keep their deadline), then refusal.
-    # Runs at once: on 2 cores, 2 gave the same answers/s as 4 with half the p95 (the
-    # stages of a run already use every core; more at once only wait on each other).
+    # The stages of one run already use every core: more at once only wait on each other
+    # (docs/tuning.md).
     max_in_flight: int = Field(2, ge=1)
     max_queue: int = Field(16, ge=0)
     # One tenant's share of the queue (0: half of it); freed places go to the waiting
@@ -60,8 +60,8 @@ class OrchestratorConfig(ServiceConfig):
     fusion: str = Field("score", pattern="^(rrf|score)$")
     vector_weight: float = Field(0.4, ge=0, le=1)
     rerank: bool = True
-    # More candidates do not rerank better: all of SQuAD dev, hybrid + stage 1, 30 -> 50
-    # gives 0.924 nDCG@10 either way, and stage 1's cost grows with them.
+    # More candidates do not rerank better, and stage 1's cost grows with them
+    # (docs/tuning.md).
     rerank_candidates: int = Field(30, ge=1, le=1000)
     late_interaction_k: int = Field(20, ge=1, le=1000)
     # The cross-encoder stage of rerank in the default plan. Off: measured on SQuAD dev it

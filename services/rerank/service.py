@@ -35,10 +35,8 @@ class RerankConfig(ServiceConfig):
     # Stage 1: an embedding model of the manifest with per-token outputs; the embedding
     # service's model, so that ingest takes a passage's embedding from this run.
     token_model: str = "me5-small-int8"
-    # Token vectors are stored projected to this many components, int8. Measured on all of
-    # SQuAD dev (10,565 questions, hybrid + stage 1 over the top 30): 128-d 0.924 nDCG@10,
-    # 384-d (no projection) 0.926; other 128-d projections in place of the seeded one: PCA
-    # of new_wiki token vectors 0.924, one trained for MaxSim on new_wiki 0.925.
+    # Token vectors are stored projected to this many components, int8: a third of the
+    # memory for 0.002 nDCG@10 (docs/tuning.md).
     token_dim: int = Field(128, ge=8, le=4096)
     token_cache_mb: int = Field(256, ge=1)
     # The token vectors on disk too, so that a restart does not encode again what Prepare
@@ -49,24 +47,21 @@ class RerankConfig(ServiceConfig):
     # An entry unused this long is deleted (0: only the size bound): the vectors of a
     # deleted document leave the disk within it.
     token_store_retention_s: float = Field(7 * 86400.0, ge=0)
-    # MaxSim averages over the query's tokens except stop words and punctuation (measured:
-    # hybrid + stage 1 on SQuAD dev 0.924 -> 0.927 nDCG@10).
+    # MaxSim averages over the query's tokens except stop words and punctuation, whose best
+    # match says little about a passage (docs/tuning.md).
     query_skip_stop_words: bool = True
-    # Weight of MaxSim against the candidate's incoming score in stage 1 (0..1). Swept on
-    # SQuAD dev samples apart from the judged one: 800 questions, 0.5 / 0.7 / 0.85 -> nDCG@10
-    # 0.915 / 0.922 / 0.921; with stop words left out of the query, 1,000 questions (seed 5),
-    # 0.5 / 0.6 / 0.7 / 0.8 -> 0.925 / 0.926 / 0.924 / 0.923 (flat: 0.7 kept).
+    # Weight of MaxSim against the candidate's incoming score in stage 1 (0..1; the sweep:
+    # docs/tuning.md).
     late_interaction_weight: float = Field(0.7, ge=0, le=1)
     # Weight of the cross-encoder's score against stage 1's in stage 2 (0..1).
     cross_encoder_weight: float = Field(0.3, ge=0, le=1)
     # Stage 2: a cross-encoder of the manifest ("" turns stage 2 off).
     cross_encoder_model: str = "minilm-ce-l3-int8"
-    # Stage-1 survivors the cross-encoder reads. Measured on SQuAD dev (1,000 questions):
-    # 5 and 10 give the same nDCG@10 (0.921), and 5 pairs cost half (~36 ms at 128 tokens).
+    # Stage-1 survivors the cross-encoder reads: more cost time and found nothing more
+    # (docs/tuning.md).
     cross_encoder_candidates: int = Field(5, ge=1, le=1000)
-    # Tokens of one (query, passage) pair (0: the model's own limit); the passage is cut.
-    # Measured on SQuAD dev (1,000 questions, hybrid + stage 1+2): 128 -> 0.924, 96 ->
-    # 0.925 nDCG@10, and 5 pairs take ~27 ms instead of ~36 on one thread.
+    # Tokens of one (query, passage) pair (0: the model's own limit); the passage is cut,
+    # which costs nothing in quality and a quarter of the time (docs/tuning.md).
     cross_encoder_max_tokens: int = Field(96, ge=0, le=512)
     model_dir: Path | None = None
     prepare_models: bool = True
