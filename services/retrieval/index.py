@@ -192,16 +192,14 @@ class IndexSettings:
     dim: int
     default_candidates: int = 100
     default_hnsw_ef: int = 128
-    # HYBRID weight of the vector list (BM25 gets the rest). Tuned on SQuAD dev with
-    # tools/eval_retrieval.py: nDCG@10 0.878 at 0.2, 0.875 at 0.3, 0.864 at 0.5 (BM25 0.867).
+    # HYBRID weight of the vector list (BM25 gets the rest) for RRF, and for min-max score
+    # fusion, the default fusion: tuned on SQuAD dev, held out on new_wiki (docs/tuning.md).
     default_vector_weight: float = 0.2
-    # ... and for min-max score fusion: nDCG@10 0.886 at 0.2, 0.893 at 0.3, 0.897 at 0.4.
     default_score_weight: float = 0.4
-    # Held out on new_wiki (tuned on SQuAD dev): score fusion 0.900 nDCG@10, RRF 0.883.
     default_fusion: str = "score"
     bm25_max_open_tenants: int = 256
     # Weight of a BM25 query word's translation into the other language (Chinese <->
-    # English, ragline.lexicon); 0: none. docs/models.md has the figures.
+    # English, ragline.lexicon); 0: none (docs/tuning.md).
     cross_lingual_weight: float = 0.5
     # Threads that run searches (one hop per search), apart from writes and builds.
     query_threads: int = 2
