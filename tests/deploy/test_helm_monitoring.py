@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import pytest
 
 from support import REPO_ROOT
-from support.helm_chart import CHART, invalid, render
+from support.helm_chart import CHART, invalid, render, tool_check
 
 pytestmark = pytest.mark.deploy
 
@@ -158,12 +157,7 @@ def test_every_alert_parses_and_reads_documented_metrics(helm):
 
 
 def test_the_dashboard_is_current_and_reads_documented_metrics(helm):
-    check = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "make_dashboard.py"), "--check"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    check = tool_check("make_dashboard.py")
     assert check.returncode == 0, check.stderr
     config = next(
         o

@@ -5,12 +5,10 @@ values files."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
-from support import REPO_ROOT
-from support.helm_chart import CHART
+from support.helm_chart import CHART, tool_check
 
 pytestmark = pytest.mark.deploy
 
@@ -27,12 +25,7 @@ def template(helm: str, *values: str) -> subprocess.CompletedProcess:
 
 
 def test_the_schema_is_what_the_tool_writes_from_the_values_files():
-    checked = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "make_values_schema.py"), "--check"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    checked = tool_check("make_values_schema.py")
     assert checked.returncode == 0, checked.stderr
 
 

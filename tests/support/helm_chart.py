@@ -4,6 +4,7 @@ object validated against the Kubernetes API schema."""
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import yaml
 
@@ -37,3 +38,14 @@ def invalid(objects: list[dict]) -> list[str]:
         except kubernetes_validate.ValidationError as error:
             problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {error.message}")
     return problems
+
+
+def tool_check(tool: str) -> subprocess.CompletedProcess:
+    """`tools/<tool> --check`: whether the chart file the tool writes (the values schema,
+    the dashboard) is what it would write now."""
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tools" / tool), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
