@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import threading
 import unicodedata
+from collections.abc import Collection
 
 from ragline import lexicon, words
 from ragline.stopwords import CHINESE_STOP_WORDS, STOP_WORDS
@@ -56,13 +57,13 @@ class Analyzer:
         self._segmenter()
         lexicon.shared()
 
-    def translations(self, query: str) -> list[str]:
+    def translations(self, query: str, written: Collection[str] | None = None) -> list[str]:
         """Words of the other language that say what `query`'s words say (the
-                Chinese-English lexicon, `ragline.lexicon`; none without it): the Chinese words an
-                English term translates to where the query holds their whole gloss (the commonest
-        three), and the English
-                terms of a Chinese word's first glosses. A question in one language then also meets
-                passages written in the other."""
+        Chinese-English lexicon, `ragline.lexicon`; none without it): the commonest three
+        Chinese words an English term translates to where the query holds their whole
+        gloss, and the English terms of a Chinese word's first glosses. A question in one
+        language then also meets passages written in the other. `written`: the query's own
+        words (`query_words`), left out; computed when not given."""
         table = lexicon.shared()
         if table is None:
             return []
@@ -81,7 +82,7 @@ class Analyzer:
         for word in dict.fromkeys(words.han_words(text)) if words.has_han(text) else ():
             for gloss in table.english(word)[:_GLOSSES_PER_WORD]:
                 found += sorted(gloss)
-        asked = set(self.query_words(query))
+        asked = set(self.query_words(query) if written is None else written)
         return [w for w in dict.fromkeys(found) if w not in asked and w not in STOP_WORDS]
 
     def _segmenter(self):

@@ -326,14 +326,15 @@ class Bm25Index:
         self._counts[tenant] = reopened.count() if reopened is not None else 0
 
     def search(self, query: str, visibility: Visibility, k: int) -> list[Candidate]:
-        text = " ".join(self.analyzer.query_words(query, self.stop_words))
+        written = self.analyzer.query_words(query, self.stop_words)
+        text = " ".join(written)
         if not text:
             return []
         if self.translation_weight > 0:
             # The other language's words, each weighing less than one the query wrote.
             text += "".join(
                 f" {word}^{self.translation_weight:g}"
-                for word in self.analyzer.translations(query)
+                for word in self.analyzer.translations(query, written)
                 if _PLAIN_TERM.fullmatch(word)
             )
         index = self._tenant(visibility.tenant, create=False)
