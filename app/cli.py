@@ -22,6 +22,7 @@ def _service_names() -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from ragline.config import ConfigError
     from ragline.errors import StartRefused
     from ragline.server import serve
     from ragline_app.stack import local_addresses
@@ -38,7 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spec = load_spec(args.service)
     try:
         asyncio.run(serve(spec))
-    except (OSError, StartRefused) as error:
+    except (OSError, StartRefused, ConfigError) as error:
         print(f"ragline serve {args.service}: {error}", file=sys.stderr)
         return 1
     return 0
@@ -46,6 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from ragline.auth import AuthConfig
+    from ragline.config import ConfigError
     from ragline.errors import StartRefused
     from ragline_app.etcd_server import EtcdServer
     from ragline_app.stack import Stack, StackError, plan_ports
@@ -73,7 +75,17 @@ def cmd_up(args: argparse.Namespace) -> int:
             host=args.host,
             log_path=log_dir / "etcd.log",
         )
-    stack = Stack(names, ports, log_dir, args.host, etcd=etcd, metrics=args.metrics)
+    try:
+        service_tls, client_tls = _stack_tls(args, common)
+    except ConfigError as error:
+        print(f"ragline up: {error}", file=sys.stderr)
+        return 2
+    # this process checks the services' health and loads the demo as a client of theirs
+    os.environ.update(client_tls)
+    stack = Stack(
+        names, ports, log_dir, args.host, etcd=etcd, metrics=args.metrics, tls=service_tls
+    )
+    stack.client_tls = client_tls
     state_path = common.data_dir / "up.json"
     stop_requested = asyncio.Event()
 
@@ -121,7 +133,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if orchestrator is not None:
             print(
                 'ragline up: ready. Try: ragline ask "Which river flows through Warsaw?"   or   '
-                f"grpcurl -plaintext {orchestrator.address} list",
+                f"grpcurl {_grpcurl_transport(client_tls)} {orchestrator.address} list",
                 flush=True,
             )
         else:
@@ -326,6 +338,36 @@ def _orchestrator_address(args: argparse.Namespace, common: CommonConfig) -> str
     from ragline_app.stack import service_address
 
     return args.addr or service_address("orchestrator", common.data_dir)
+
+
+def _stack_tls(args: argparse.Namespace, common: CommonConfig):
+    """(the services' RAGLINE_TLS_*, a command's): under `--tls`, the operator's files
+    where RAGLINE_TLS_* names them, else a local CA's under the data directory."""
+    from ragline.tls import TlsConfig
+    from ragline_app.certificates import local_authority
+
+    configured = TlsConfig()
+    configured.check(server=True)
+    if configured.on:
+        # The operator's certificates: the services and commands share the same files.
+        return {}, {k: v for k, v in os.environ.items() if k.startswith("RAGLINE_TLS_")}
+    if not args.tls:
+        return {}, {}
+    certificates = local_authority(common.data_dir.resolve() / "tls", [args.host])
+    return (
+        certificates.service_environment(args.tls),
+        certificates.client_environment(args.tls),
+    )
+
+
+def _grpcurl_transport(client_tls: dict[str, str]) -> str:
+    if client_tls.get("RAGLINE_TLS_MODE", "off") == "off":
+        return "-plaintext"
+    flags = f"-cacert {client_tls.get('RAGLINE_TLS_CA_FILE', '')}"
+    if client_tls["RAGLINE_TLS_MODE"] == "mtls":
+        cert, key = client_tls["RAGLINE_TLS_CERT_FILE"], client_tls["RAGLINE_TLS_KEY_FILE"]
+        flags += f" -cert {cert} -key {key}"
+    return flags
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -615,6 +657,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="do not load the demo corpus (SQuAD sample) into an empty tenant 'default'",
     )
+    up.add_argument(
+        "--tls",
+        nargs="?",
+        const="mtls",
+        choices=["tls", "mtls"],
+        help="encrypt every call: mtls (the default with --tls) also makes each service and "
+        "command present a certificate; a local CA under <data dir>/tls signs them unless "
+        "RAGLINE_TLS_* names the operator's files",
+    )
     up.add_argument("--log-dir", help="where each service logs (default .ragline/logs)")
     up.add_argument(
         "--ready-timeout",
@@ -758,6 +809,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command not in ("serve", "up"):
+        from ragline_app.stack import use_stack_tls
+
+        use_stack_tls(CommonConfig().data_dir)
     return args.func(args)
 
 

@@ -15,7 +15,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ragline.clients import open_channel, open_sync_channel
 from ragline.processes import dying_with_this_process, free_ports
+from ragline.tls import TlsConfig
 from ragline_app.etcd_server import EtcdServer
 from ragline_services.registry import default_address, default_port, service_names
 
@@ -83,9 +85,10 @@ def plan_ports(names: list[str], base_port: int | None, host: str) -> dict[str, 
     return {name: start + offsets[name] for name in names}
 
 
-def health_status_sync(address: str, timeout_s: float = 0.5) -> str:
-    """The same check without an event loop (tests and tools that start services)."""
-    with grpc.insecure_channel(address) as channel:
+def health_status_sync(address: str, timeout_s: float = 0.5, tls: TlsConfig | None = None) -> str:
+    """The same check without an event loop (tests and tools that start services); `tls`:
+    how to reach it (default: this process's RAGLINE_TLS_*)."""
+    with open_sync_channel(address, tls) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout_s
@@ -141,7 +144,7 @@ def spawn_service(
 async def health_status(address: str, timeout_s: float = 1.0, service: str = "") -> str:
     """SERVING / NOT_SERVING / UNREACHABLE for the server at `address` (overall, or the
     health service name `service`: "liveness" is what a liveness probe asks)."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             request = health_pb2.HealthCheckRequest(service=service)
@@ -160,10 +163,14 @@ class Stack:
         host: str = "127.0.0.1",
         etcd: EtcdServer | None = None,
         metrics: bool = True,
+        tls: dict[str, str] | None = None,
     ) -> None:
         """`metrics`: each service serves /metrics on its planned port (False: none, unless
-        the environment sets RAGLINE_<NAME>_METRICS_PORT)."""
+        the environment sets RAGLINE_<NAME>_METRICS_PORT). `tls`: the RAGLINE_TLS_* of the
+        services, and `client_tls` what a command calling them uses (`write_state`)."""
         self.host = host
+        self.tls = tls or {}
+        self.client_tls: dict[str, str] = {}
         self.log_dir = log_dir
         self.etcd = etcd
         self.services = [
@@ -193,6 +200,7 @@ class Stack:
                 env[f"RAGLINE_{upper}_METRICS_PORT"] = str(svc.metrics_port)
         if self.etcd is not None:
             env["RAGLINE_BUDGET_ETCD_ENDPOINTS"] = self.etcd.endpoint
+        env.update(self.tls)
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
@@ -261,6 +269,7 @@ class Stack:
     def write_state(self, path: Path) -> None:
         state = {
             "etcd": self.etcd.endpoint if self.etcd is not None else None,
+            "tls": self.client_tls,
             "services": {
                 s.name: {
                     "address": s.address,
@@ -282,6 +291,19 @@ def read_state_metrics(path: Path) -> dict[str, str]:
     except (OSError, KeyError, ValueError):
         return {}
     return {name: entry["metrics"] for name, entry in services.items() if entry.get("metrics")}
+
+
+def use_stack_tls(data_dir: Path) -> None:
+    """A command's RAGLINE_TLS_* from the running `ragline up --tls`, where the environment
+    sets none: `ragline ask` then speaks TLS (and presents the stack's client certificate
+    under mTLS) with nothing to pass."""
+    if os.environ.get("RAGLINE_TLS_MODE", "").strip():
+        return
+    try:
+        recorded = json.loads((data_dir / "up.json").read_text()).get("tls") or {}
+    except (OSError, ValueError, AttributeError):
+        return
+    os.environ.update({k: str(v) for k, v in recorded.items() if k.startswith("RAGLINE_TLS_")})
 
 
 def read_state_address(path: Path, service: str) -> str | None:

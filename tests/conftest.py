@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ragline.processes import free_ports, terminate
+from ragline.tls import TlsConfig
 from ragline_app.etcd_server import EtcdServer
 from ragline_app.redis_server import RedisServer
 from ragline_app.stack import health_status_sync
@@ -60,6 +61,17 @@ class ServiceHandle:
         port = (self.env or {}).get(f"RAGLINE_{self.name.upper()}_METRICS_PORT")
         return int(port) if port else None
 
+    @property
+    def tls(self) -> TlsConfig:
+        """How a client reaches it: the RAGLINE_TLS_* it was started with (the service's own
+        certificate doubles as a client's under mtls)."""
+        settings = {
+            key.removeprefix("RAGLINE_TLS_").lower(): value
+            for key, value in (self.env or {}).items()
+            if key.startswith("RAGLINE_TLS_")
+        }
+        return TlsConfig(**settings) if settings else TlsConfig(mode="off")
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -77,7 +89,7 @@ def wait_serving(handle: ServiceHandle, timeout_s: float = 60.0) -> None:
             raise AssertionError(
                 f"{handle.name} exited with {handle.process.returncode}:\n{handle.log()[-3000:]}"
             )
-        if health_status_sync(handle.address) == "SERVING":
+        if health_status_sync(handle.address, tls=handle.tls) == "SERVING":
             return
         time.sleep(0.1)
     raise AssertionError(f"{handle.name} not SERVING after {timeout_s} s:\n{handle.log()[-3000:]}")

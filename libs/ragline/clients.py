@@ -22,6 +22,7 @@ import grpc
 from ragline import auth, deadlines, identity, tracing
 from ragline.config import TRANSPORT_CAP_BYTES, CommonConfig, channel_target
 from ragline.retry import RetryPolicy, call_with_retry
+from ragline.tls import ClientCredentials, TlsConfig
 
 # gRPC's default backoff grows to 120 s between connection attempts: a peer restarted
 # after a few seconds down would stay unreached for as long again. Capped, a restart is
@@ -49,17 +50,73 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-class ChannelPool:
-    """One channel per target per event loop (an aio channel is bound to its loop)."""
+def open_channel(
+    target: str, tls: TlsConfig | None = None, options=(), *, credentials=None
+) -> grpc.aio.Channel:
+    """An aio channel to `target`, under TLS when `tls` (default: the environment's
+    RAGLINE_TLS_*) says so. `credentials`: channel credentials already made from it."""
+    tls = tls if tls is not None else TlsConfig()
+    options = [*options, *tls.channel_options()]
+    if not tls.on:
+        return grpc.aio.insecure_channel(channel_target(target), options=options)
+    credentials = credentials or tls.channel_credentials()
+    return grpc.aio.secure_channel(channel_target(target), credentials, options=options)
 
-    def __init__(self) -> None:
+
+def open_sync_channel(target: str, tls: TlsConfig | None = None) -> grpc.Channel:
+    """The same for a blocking caller (a tool waiting for a service to start)."""
+    tls = tls if tls is not None else TlsConfig()
+    if not tls.on:
+        return grpc.insecure_channel(channel_target(target))
+    return grpc.secure_channel(
+        channel_target(target), tls.channel_credentials(), options=tls.channel_options()
+    )
+
+
+class ChannelPool:
+    """One channel per target per event loop (an aio channel is bound to its loop).
+
+    Under TLS, a channel opened before the certificate files changed is replaced by one
+    with the new credentials; the old one closes after the rotation grace (its calls in
+    flight finish on it).
+    """
+
+    def __init__(self, tls: TlsConfig | None = None) -> None:
         self._channels: dict[tuple[int, str], grpc.aio.Channel] = {}
+        self._tls = tls
+        self._credentials: ClientCredentials | None = None
+
+    def _client_credentials(self) -> ClientCredentials | None:
+        if self._tls is None:
+            self._tls = TlsConfig()  # read at first use: a process sets its env first
+            self._tls.check(server=False)
+        if not self._tls.on:
+            return None
+        if self._credentials is None:
+            self._credentials = ClientCredentials(self._tls)
+        elif self._credentials.changed():
+            self._retire_all()
+        return self._credentials
+
+    def _retire_all(self) -> None:
+        retired, self._channels = self._channels, {}
+        grace_s = self._tls.client_rotation_grace_s if self._tls else 0.0
+        loop = asyncio.get_running_loop()
+        for (loop_id, _), channel in retired.items():
+            if loop_id == id(loop):
+                loop.call_later(grace_s, lambda c=channel: asyncio.ensure_future(c.close()))
 
     def get(self, target: str) -> grpc.aio.Channel:
+        credentials = self._client_credentials()
         key = (id(asyncio.get_running_loop()), target)
         channel = self._channels.get(key)
         if channel is None:
-            channel = grpc.aio.insecure_channel(channel_target(target), options=_CHANNEL_OPTIONS)
+            channel = open_channel(
+                target,
+                self._tls,
+                _CHANNEL_OPTIONS,
+                credentials=credentials.credentials if credentials else None,
+            )
             self._channels[key] = channel
         return channel
 

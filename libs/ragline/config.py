@@ -145,6 +145,10 @@ class ServiceConfig(EmptyMeansUnset):
     # Prometheus metrics on this HTTP port (`GET /metrics`, docs/operations.md); unset:
     # none served; 0: a free port (logged).
     metrics_port: Port | None = None
+    # A second, plaintext port answering grpc.health.v1 only, for probes that cannot speak
+    # TLS (Kubernetes' gRPC probe); unset: none. It reveals SERVING / NOT_SERVING, nothing
+    # else.
+    health_port: Port | None = None
 
     @staticmethod
     def env_for(name: str) -> SettingsConfigDict:

@@ -141,3 +141,78 @@ def test_ask_without_a_running_stack_says_unavailable(tmp_path):
     )
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr
+
+
+def test_up_with_tls_answers_over_mutual_tls_and_refuses_plaintext(tmp_path, grpcurl_bin):
+    """`ragline up --tls`: every hop (command -> orchestrator -> each service) under mTLS
+    with a local CA; commands find the client certificate through the stack's state."""
+    # The default models, as a user's `ragline up`: the 135M test model's answers to the
+    # demo question are too often ungrounded to prove a path.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for key in [k for k in env if k.startswith("RAGLINE_TLS_")]:
+        del env[key]
+    process = subprocess.Popen(
+        [str(BIN / "ragline"), "up", "--tls", "--base-port", "0"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def ragline(*args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(BIN / "ragline"), *args],
+            cwd=tmp_path,
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    def grpcurl(address: str, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [grpcurl_bin, *flags, address, "list"], capture_output=True, text=True, timeout=30
+        )
+
+    try:
+        lines = read_until(process, "ragline up: ready", timeout_s=180)
+        state = json.loads((tmp_path / ".ragline" / "up.json").read_text())
+        client = state["tls"]
+        assert client["RAGLINE_TLS_MODE"] == "mtls"
+        certified = (
+            *("-cacert", client["RAGLINE_TLS_CA_FILE"]),
+            *("-cert", client["RAGLINE_TLS_CERT_FILE"]),
+            *("-key", client["RAGLINE_TLS_KEY_FILE"]),
+        )
+        assert any(" ".join(certified) in line for line in lines), lines  # the hint says how
+        for name, entry in state["services"].items():
+            assert grpcurl(entry["address"], "-plaintext").returncode != 0, name
+            assert grpcurl(entry["address"], *certified[:2]).returncode != 0, name
+            listed = grpcurl(entry["address"], *certified)
+            assert listed.returncode == 0, (name, listed.stderr)
+            assert load_spec(name).grpc_service in listed.stdout.split()
+
+        # The demo corpus went in through TLS (`ragline up` is a client of the services).
+        asked = ragline("ask", "Which river flows through Warsaw?")
+        assert asked.returncode == 0, asked.stdout + asked.stderr
+        assert "vistula" in asked.stdout.lower(), asked.stdout
+        assert "[COMPLETE]" in asked.stdout and "Warsaw (squad_dev_sample:0:" in asked.stdout
+        # A command that speaks plaintext, or TLS without a certificate, gets nothing.
+        plain = ragline("ask", "Which river flows through Warsaw?", RAGLINE_TLS_MODE="off")
+        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
+        uncertified = ragline(
+            "ask",
+            "Which river flows through Warsaw?",
+            RAGLINE_TLS_MODE="tls",
+            RAGLINE_TLS_CA_FILE=client["RAGLINE_TLS_CA_FILE"],
+        )
+        assert uncertified.returncode == 1 and "UNAVAILABLE" in uncertified.stderr
+
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=60)
+        assert process.returncode == 0, output
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

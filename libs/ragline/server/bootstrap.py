@@ -29,6 +29,7 @@ from ragline.cores import limit_blas_threads
 from ragline.logs import configure_logging
 from ragline.metrics import ProcessMetrics
 from ragline.server.interceptor import RaglineServerInterceptor
+from ragline.tls import TlsConfig
 
 log = structlog.get_logger("ragline.server")
 
@@ -113,6 +114,8 @@ class ServerRunner:
         self.common = common
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.health_port: int | None = None
+        self._health_server: grpc.aio.Server | None = None
         self._metrics: ProcessMetrics | None = None
         self._server: grpc.aio.Server | None = None
         self._service: Service | None = None
@@ -156,18 +159,24 @@ class ServerRunner:
             ],
             server,
         )
-        address = f"{cfg.host}:{cfg.port}"
-        try:
-            port = server.add_insecure_port(address)
-        except RuntimeError as error:
-            raise OSError(f"cannot listen on {address}: {error} (is the port in use?)") from error
-        if port == 0:
-            raise OSError(f"cannot listen on {address} (is the port in use?)")
+        tls = TlsConfig()
+        tls.check(server=True)
+        port = _listen(
+            server, f"{cfg.host}:{cfg.port}", tls.server_credentials() if tls.on else None
+        )
         await service.health.set_serving(False, reason="starting")
         await self._health.set(LIVENESS, SERVING)
         await server.start()
         self._server, self._service, self.port = server, service, port
-        log.info("service.listening", host=cfg.host, port=port, grpc_service=self.spec.grpc_service)
+        log.info(
+            "service.listening",
+            host=cfg.host,
+            port=port,
+            grpc_service=self.spec.grpc_service,
+            tls=tls.mode,
+        )
+        if cfg.health_port is not None:
+            await self._serve_health(cfg)
         if self._metrics is not None:
             try:
                 self.metrics_port = self._metrics.serve(cfg.host, cfg.metrics_port)
@@ -185,12 +194,25 @@ class ServerRunner:
         )
         return port
 
+    async def _serve_health(self, cfg: ServiceConfig) -> None:
+        # The same health servicer on a plaintext port of its own: a prober without TLS
+        # sees what the service reports, and reaches nothing else.
+        health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, health_server)
+        self.health_port = _listen(health_server, f"{cfg.host}:{cfg.health_port}", None)
+        await health_server.start()
+        self._health_server = health_server
+        log.info("health.listening", host=cfg.host, health_port=self.health_port)
+
     async def stop(self) -> None:
         if self._server is None:
             return
         log.info("service.stopping", grace_s=self.config.grace_s)
         await self._health.enter_graceful_shutdown()
         await self._server.stop(self.config.grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+            self._health_server = None
         if self._service is not None:
             await self._service.stop()
         if self._metrics is not None:
@@ -198,6 +220,19 @@ class ServerRunner:
             await asyncio.to_thread(self._metrics.close)
         log.info("service.stopped")
         self._server = None
+
+
+def _listen(server: grpc.aio.Server, address: str, credentials) -> int:
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError as error:
+        raise OSError(f"cannot listen on {address}: {error} (is the port in use?)") from error
+    if port == 0:
+        raise OSError(f"cannot listen on {address} (is the port in use?)")
+    return port
 
 
 async def serve(
