@@ -51,6 +51,8 @@ RULES: dict[str, dict] = {
     "monitoring.serviceMonitor.enabled": {"enum": [True, False, "auto"]},
     "monitoring.prometheusRule.enabled": {"enum": [True, False, "auto"]},
     "config.RAGLINE_AUTH_MODE": {"enum": ["off", "jwt"]},
+    "config.RAGLINE_TLS_MODE": {"enum": ["off", "tls", "mtls"]},
+    "tls.certManager.issuerRef.kind": {"enum": ["Issuer", "ClusterIssuer"]},
 }
 
 

@@ -106,3 +106,12 @@ def test_every_setting_the_templates_read_for_a_service_is_accepted_for_each_one
     assert {"nodeSelector", "resources", "hpa"} <= read
     for name, entry in services.items():
         assert read <= set(entry["properties"]), (name, sorted(read - set(entry["properties"])))
+
+
+def test_the_install_notes_give_grpcurl_the_flags_of_the_transport(helm, tmp_path):
+    plain = notes(helm, tmp_path / "plain", *GOOD_KEYS)
+    assert "grpcurl -plaintext" in plain
+    mtls = notes(helm, tmp_path / "mtls", *GOOD_KEYS, "--set", "config.RAGLINE_TLS_MODE=mtls",
+                 "--set", "tls.secretName=ops-issued")  # fmt: skip
+    assert "-plaintext" not in mtls
+    assert "grpcurl -cacert ca.crt -cert tls.crt -key tls.key" in mtls and "ops-issued" in mtls

@@ -65,10 +65,12 @@ def settings() -> list[str]:
     service shares (HOST, PORT, GRACE_S, ...: see `service_settings`)."""
     from ragline.auth import AuthConfig
     from ragline.config import CommonConfig, ServiceConfig
+    from ragline.tls import TlsConfig
     from ragline_services.registry import load_spec, service_names
 
     names = [f"RAGLINE_{field.upper()}" for field in CommonConfig.model_fields]
     names += [f"RAGLINE_AUTH_{field.upper()}" for field in AuthConfig.model_fields]
+    names += [f"RAGLINE_TLS_{field.upper()}" for field in TlsConfig.model_fields]
     shared = set(ServiceConfig.model_fields)
     for service in service_names():
         config = load_spec(service).config_factory

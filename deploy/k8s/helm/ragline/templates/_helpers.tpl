@@ -34,3 +34,19 @@ app.kubernetes.io/name: {{ .name }}
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{- /* "true" when RAGLINE_TLS_MODE is tls or mtls. */ -}}
+{{- define "ragline.tlsOn" -}}
+{{- ne (toString .Values.config.RAGLINE_TLS_MODE) "off" -}}
+{{- end -}}
+
+{{- /* The Secret ragline pods mount at /etc/ragline/tls (tls.crt, tls.key, ca.crt). */ -}}
+{{- define "ragline.tlsSecretName" -}}
+{{- if .Values.tls.secretName -}}
+{{- .Values.tls.secretName -}}
+{{- else if .Values.tls.certManager.enabled -}}
+{{- include "ragline.fullname" . }}-tls
+{{- else -}}
+{{- fail (printf "RAGLINE_TLS_MODE is %s: set tls.secretName (a kubernetes.io/tls Secret holding ca.crt) or tls.certManager.enabled with its issuerRef" (toString .Values.config.RAGLINE_TLS_MODE)) -}}
+{{- end -}}
+{{- end -}}

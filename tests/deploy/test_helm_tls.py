@@ -1,0 +1,109 @@
+"""The chart's TLS: a Secret mounted whole in every ragline pod (and the `helm test` pod),
+a cert-manager Certificate naming every address a client uses, and probes on the
+plaintext health port the kubelet can speak to."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from support.helm_chart import CHART, KEYS, invalid, render
+
+pytestmark = pytest.mark.deploy
+
+MTLS = ["--set", "config.RAGLINE_TLS_MODE=mtls"]
+CERT_MANAGER = [
+    "--set",
+    "tls.certManager.enabled=true",
+    "--set",
+    "tls.certManager.issuerRef.name=ragline-ca",
+]
+
+
+def ragline_workloads(objects: list[dict]) -> list[dict]:
+    return [
+        o
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+        and o["spec"]["template"]["spec"]["containers"][0]["args"][0] == "serve"
+    ]
+
+
+def test_probes_use_the_plaintext_health_port_and_no_secret_is_mounted_by_default(helm):
+    objects = render(helm)
+    config = next(
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
+    )
+    assert config["data"]["RAGLINE_TLS_MODE"] == "off"
+    workloads = ragline_workloads(objects)
+    assert len(workloads) == 6
+    for workload in workloads:
+        name = workload["metadata"]["labels"]["app.kubernetes.io/name"]
+        health_port = int(config["data"][f"RAGLINE_{name.upper()}_HEALTH_PORT"])
+        container = workload["spec"]["template"]["spec"]["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["health"] == health_port != ports["grpc"]
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == health_port, (name, probe)
+        assert all(m["name"] != "tls" for m in container["volumeMounts"])
+    assert not [o for o in objects if o["kind"] == "Certificate"]
+
+
+def test_mtls_with_cert_manager_names_every_address_and_mounts_the_secret(helm):
+    objects = render(helm, CHART, *MTLS, *CERT_MANAGER)
+    assert not invalid([o for o in objects if o["kind"] != "Certificate"])
+    (certificate,) = [o for o in objects if o["kind"] == "Certificate"]
+    spec = certificate["spec"]
+    assert spec["issuerRef"] == {"name": "ragline-ca", "kind": "Issuer", "group": "cert-manager.io"}
+    assert {"server auth", "client auth"} <= set(spec["usages"])
+    config = next(
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
+    )
+    # Every address a ragline client dials is a name the certificate holds.
+    addresses = {k: v for k, v in config["data"].items() if k.endswith("_ADDR")}
+    assert len(addresses) == 6
+    for variable, address in addresses.items():
+        host = address.removeprefix("dns:///").rpartition(":")[0]
+        assert host in spec["dnsNames"], (variable, host)
+    pods = [w["spec"]["template"]["spec"] for w in ragline_workloads(objects)]
+    pods += [o["spec"] for o in objects if o["kind"] == "Pod"]  # `helm test`
+    assert len(pods) == 7
+    for pod in pods:
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == spec["secretName"] == "rl-tls"
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls"]
+        assert mount["mountPath"] == "/etc/ragline/tls" and mount["readOnly"] is True
+        assert "subPath" not in mount  # a subPath mount is never updated on renewal
+    for name in ("CERT", "KEY", "CA"):
+        path = config["data"][f"RAGLINE_TLS_{name}_FILE"]
+        assert path.startswith("/etc/ragline/tls/")
+
+
+def test_an_existing_secret_is_mounted_as_it_is(helm):
+    objects = render(helm, CHART, *MTLS, "--set", "tls.secretName=ops-issued")
+    assert not [o for o in objects if o["kind"] == "Certificate"]
+    for workload in ragline_workloads(objects):
+        volumes = workload["spec"]["template"]["spec"]["volumes"]
+        assert {
+            "name": "tls",
+            "secret": {"secretName": "ops-issued", "defaultMode": 0o440},
+        } in volumes
+
+
+def test_tls_without_certificates_fails_with_what_to_set(helm):
+    result = subprocess.run(
+        [helm, "template", "rl", str(CHART), *KEYS, *MTLS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "set tls.secretName" in result.stderr
+    unknown = subprocess.run(
+        [helm, "template", "rl", str(CHART), *KEYS, "--set", "config.RAGLINE_TLS_MODE=on"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert unknown.returncode != 0 and "RAGLINE_TLS_MODE" in unknown.stderr
