@@ -65,27 +65,35 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     log_dir = Path(args.log_dir) if args.log_dir else common.data_dir / "logs"
     ports = plan_ports(names, args.base_port, args.host)
+    try:
+        service_tls, client_tls = _stack_tls(args, common)
+    except ConfigError as error:
+        print(f"ragline up: {error}", file=sys.stderr)
+        return 2
     etcd = None
     if "budget" in names and "RAGLINE_BUDGET_ETCD_ENDPOINTS" not in os.environ:
         # The budget ledger needs etcd: run a local one unless an external one is configured.
+        # Under --tls it is secured too: TLS with client certificates, and a user for the
+        # budget service that reaches the ledger's keys only.
+        certificates = _local_certificates(args, common) if args.tls else None
         etcd = EtcdServer(
             common.data_dir / "etcd",
             ports["etcd"],
             ports["etcd-peer"],
             host=args.host,
             log_path=log_dir / "etcd.log",
+            certificates=certificates,
         )
-    try:
-        service_tls, client_tls = _stack_tls(args, common)
-    except ConfigError as error:
-        print(f"ragline up: {error}", file=sys.stderr)
-        return 2
+        if certificates is not None:
+            service_tls = {**service_tls, **_secured_ledger_environment(certificates, common)}
     # this process checks the services' health and loads the demo as a client of theirs
     os.environ.update(client_tls)
     stack = Stack(
         names, ports, log_dir, args.host, etcd=etcd, metrics=args.metrics, tls=service_tls
     )
     stack.client_tls = client_tls
+    if etcd is not None and etcd.certificates is not None:
+        stack.etcd_setup = lambda: _provision_ledger(etcd, common)
     state_path = common.data_dir / "up.json"
     stop_requested = asyncio.Event()
 
@@ -344,7 +352,6 @@ def _stack_tls(args: argparse.Namespace, common: CommonConfig):
     """(the services' RAGLINE_TLS_*, a command's): under `--tls`, the operator's files
     where RAGLINE_TLS_* names them, else a local CA's under the data directory."""
     from ragline.tls import TlsConfig
-    from ragline_app.certificates import local_authority
 
     configured = TlsConfig()
     configured.check(server=True)
@@ -353,11 +360,47 @@ def _stack_tls(args: argparse.Namespace, common: CommonConfig):
         return {}, {k: v for k, v in os.environ.items() if k.startswith("RAGLINE_TLS_")}
     if not args.tls:
         return {}, {}
-    certificates = local_authority(common.data_dir.resolve() / "tls", [args.host])
+    certificates = _local_certificates(args, common)
     return (
         certificates.service_environment(args.tls),
         certificates.client_environment(args.tls),
     )
+
+
+def _local_certificates(args: argparse.Namespace, common: CommonConfig):
+    from ragline_app.certificates import local_authority
+
+    return local_authority(common.data_dir.resolve() / "tls", [args.host])
+
+
+def _secured_ledger_environment(certificates, common: CommonConfig) -> dict[str, str]:
+    from ragline_app.etcd_server import LedgerCredentials
+
+    credentials = LedgerCredentials.load_or_create(common.data_dir / "etcd-credentials.json")
+    return {
+        "RAGLINE_BUDGET_ETCD_CA_FILE": str(certificates.ca),
+        "RAGLINE_BUDGET_ETCD_CERT_FILE": str(certificates.service_cert),
+        "RAGLINE_BUDGET_ETCD_KEY_FILE": str(certificates.service_key),
+        **credentials.budget_environment(),
+    }
+
+
+def _provision_ledger(etcd, common: CommonConfig) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ragline_app.etcd_server import LedgerCredentials, provision_ledger_user
+    from ragline_services.budget.service import BudgetConfig
+
+    credentials = LedgerCredentials.load_or_create(common.data_dir / "etcd-credentials.json")
+    setup = provision_ledger_user(
+        etcd.endpoint, credentials, BudgetConfig().key_prefix, etcd.certificates
+    )
+    # `ragline up`'s own loop is running: the setup gets a loop of its own, on a thread.
+    with ThreadPoolExecutor(1) as thread:
+        try:
+            thread.submit(asyncio.run, setup).result()
+        except Exception as error:
+            raise RuntimeError(f"the local etcd could not be secured: {error}") from error
 
 
 def _grpcurl_transport(client_tls: dict[str, str]) -> str:

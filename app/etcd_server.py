@@ -7,13 +7,18 @@ it with RAGLINE_BUDGET_ETCD_ENDPOINTS.
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ragline.processes import dying_with_this_process, terminate, wait_listening
+from ragline_app.certificates import LocalCertificates
 
 
 def etcd_binary() -> str:
@@ -39,8 +44,12 @@ class EtcdServer:
         name: str = "ragline",
         log_path: Path | None = None,
         unsafe_no_fsync: bool = False,
+        certificates: LocalCertificates | None = None,
     ) -> None:
+        """`certificates`: serve clients over TLS with the local CA's service certificate,
+        and admit only clients presenting a certificate it signed."""
         self.data_dir = data_dir
+        self.certificates = certificates
         self.client_port = client_port
         self.peer_port = peer_port
         self.host = host
@@ -54,7 +63,8 @@ class EtcdServer:
         return f"{self.host}:{self.client_port}"
 
     def command(self) -> list[str]:
-        client_url = f"http://{self.host}:{self.client_port}"
+        scheme = "https" if self.certificates is not None else "http"
+        client_url = f"{scheme}://{self.host}:{self.client_port}"
         peer_url = f"http://{self.host}:{self.peer_port}"
         command = [
             etcd_binary(),
@@ -66,7 +76,18 @@ class EtcdServer:
             "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"{self.name}={peer_url}",
             "--log-level", "warn",
+            # Old revisions go after an hour: the ledger never reads history, and without
+            # compaction etcd's space quota would stop every write after enough of it.
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", "1h",
         ]  # fmt: skip
+        if self.certificates is not None:
+            command += [
+                "--cert-file", str(self.certificates.service_cert),
+                "--key-file", str(self.certificates.service_key),
+                "--trusted-ca-file", str(self.certificates.ca),
+                "--client-cert-auth",
+            ]  # fmt: skip
         if self.unsafe_no_fsync:
             command.append("--unsafe-no-fsync")  # tests only: durability across power loss
         return command
@@ -99,3 +120,81 @@ class EtcdServer:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+@dataclass(frozen=True)
+class LedgerCredentials:
+    """etcd's root password and the budget service's etcd user, made once per data folder
+    (a file readable by its owner only)."""
+
+    root_password: str
+    username: str
+    password: str
+
+    @classmethod
+    def load_or_create(cls, path: Path) -> LedgerCredentials:
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            pass
+        made = cls(secrets.token_urlsafe(24), "ragline-budget", secrets.token_urlsafe(24))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            json.dump(made.__dict__, handle)
+        return made
+
+    def budget_environment(self) -> dict[str, str]:
+        return {
+            "RAGLINE_BUDGET_ETCD_USERNAME": self.username,
+            "RAGLINE_BUDGET_ETCD_PASSWORD": self.password,
+        }
+
+
+async def provision_ledger_user(
+    endpoint: str,
+    credentials: LedgerCredentials,
+    prefix: str,
+    certificates: LocalCertificates | None = None,
+) -> None:
+    """etcd auth on, with a user for the budget service whose role reads and writes the
+    ledger's key prefix and nothing else. Idempotent: a second run (the same data folder)
+    signs in as root and changes nothing that is there."""
+    import etcd3aio
+    import grpc
+    from etcd3aio.auth import PermissionType
+
+    tls = {}
+    if certificates is not None:
+        tls = {
+            "ca_cert": certificates.ca.read_bytes(),
+            "cert_chain": certificates.service_cert.read_bytes(),
+            "cert_key": certificates.service_key.read_bytes(),
+        }
+    role = credentials.username
+    async with etcd3aio.Etcd3Client([endpoint], **tls) as client:
+        # Signed in as root where auth is on already (an earlier run): with client
+        # certificates, etcd would otherwise take the certificate's name for a user.
+        try:
+            reply = await client.auth.authenticate("root", credentials.root_password, timeout=5)
+            client.set_token(reply.token)
+        except (etcd3aio.EtcdError, grpc.aio.AioRpcError):
+            pass  # auth is not enabled yet
+        users = set((await client.auth.user_list(timeout=5)).users)
+        roles = set((await client.auth.role_list(timeout=5)).roles)
+        if "root" not in users:
+            await client.auth.user_add("root", credentials.root_password, timeout=5)
+        if "root" not in roles:
+            await client.auth.role_add("root", timeout=5)
+        await client.auth.user_grant_role("root", "root", timeout=5)
+        if role not in roles:
+            await client.auth.role_add(role, timeout=5)
+        key = prefix.rstrip("/").encode() + b"/"
+        await client.auth.role_grant_permission(
+            role, key, etcd3aio.prefix_range_end(key), perm_type=PermissionType.READWRITE, timeout=5
+        )
+        if credentials.username not in users:
+            await client.auth.user_add(credentials.username, credentials.password, timeout=5)
+        await client.auth.user_grant_role(credentials.username, role, timeout=5)
+        if not (await client.auth.auth_status(timeout=5)).enabled:
+            await client.auth.auth_enable(timeout=5)

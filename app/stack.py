@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,6 +172,8 @@ class Stack:
         self.host = host
         self.tls = tls or {}
         self.client_tls: dict[str, str] = {}
+        # Run once etcd listens, before any service starts (users and roles).
+        self.etcd_setup: Callable[[], None] | None = None
         self.log_dir = log_dir
         self.etcd = etcd
         self.services = [
@@ -208,6 +211,8 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.etcd is not None:
             self.etcd.start(start_new_session=True, die_with_parent=True)
+            if self.etcd_setup is not None:
+                self.etcd_setup()
         env = self.environment()
         for svc in self.services:
             log_file = svc.log_path.open("ab")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import structlog
 from pydantic import Field
@@ -13,7 +15,7 @@ from ragline.v1 import budget_pb2, budget_pb2_grpc
 from ragline_services.budget.ledger import TaskLedger
 from ragline_services.budget.metrics import BudgetMetrics
 from ragline_services.budget.servicer import BudgetServicer
-from ragline_services.budget.store import EtcdLedgerStore
+from ragline_services.budget.store import EtcdAccess, EtcdLedgerStore
 
 log = structlog.get_logger("ragline.budget")
 
@@ -22,6 +24,16 @@ class BudgetConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("budget")
     # Comma-separated host:port of the etcd cluster's client endpoints.
     etcd_endpoints: str = "127.0.0.1:2379"
+    # TLS to etcd: the CA that signs etcd's certificate (unset: plaintext) ...
+    etcd_ca_file: Path | None = None
+    # ... and the client certificate etcd requires under --client-cert-auth.
+    etcd_cert_file: Path | None = None
+    etcd_key_file: Path | None = None
+    # The name checked in etcd's certificate (one name for a list of endpoints).
+    etcd_server_name: str = ""
+    # An etcd user whose role covers the ledger's key prefix (etcd auth on); unset: none.
+    etcd_username: str = ""
+    etcd_password: str = ""
     # Longest one etcd operation may take before the call fails with UNAVAILABLE.
     etcd_timeout_s: float = Field(2.0, gt=0)
     # Ledger records outlive the task deadline by this much (late settlements, reports).
@@ -40,7 +52,20 @@ class BudgetService(Service):
     def __init__(self, config: BudgetConfig, common) -> None:
         super().__init__(config, common)
         endpoints = [e.strip() for e in config.etcd_endpoints.split(",") if e.strip()]
-        self.store = EtcdLedgerStore(endpoints, timeout_s=config.etcd_timeout_s)
+        access = EtcdAccess(
+            ca_file=config.etcd_ca_file,
+            cert_file=config.etcd_cert_file,
+            key_file=config.etcd_key_file,
+            server_name=config.etcd_server_name,
+            username=config.etcd_username,
+            password=config.etcd_password,
+        )
+        self.store = EtcdLedgerStore(
+            endpoints,
+            timeout_s=config.etcd_timeout_s,
+            access=access,
+            ping_key=f"{config.key_prefix.rstrip('/')}/ping".encode(),
+        )
         self.ledger = TaskLedger(
             self.store,
             key_prefix=config.key_prefix,

@@ -6,13 +6,16 @@ own deadline ran out): the ledger fails closed and never grants without a commit
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Protocol, TypeVar
 
 import grpc
+import structlog
 
 from ragline import deadlines, tracing
 from ragline.breaker import Breaker, BreakerOpen
@@ -51,39 +54,108 @@ class LedgerStore(Protocol):
     async def ping(self) -> None: ...
 
 
+log = structlog.get_logger("ragline.budget.store")
 _ETCD_SPAN = {"db.system": "etcd"}
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EtcdAccess:
+    """How the ledger reaches etcd beyond its endpoints: TLS (a CA to verify etcd; a client
+    certificate where etcd requires one) and an etcd user (etcd auth on)."""
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    server_name: str = ""
+    username: str = ""
+    password: str = ""
+
+    def tls_arguments(self) -> dict[str, bytes]:
+        """etcd3aio's channel arguments, read from the files (blocking: call off the loop)."""
+        if self.ca_file is None:
+            return {}
+        arguments = {"ca_cert": Path(self.ca_file).read_bytes()}
+        if self.cert_file is not None and self.key_file is not None:
+            arguments["cert_chain"] = Path(self.cert_file).read_bytes()
+            arguments["cert_key"] = Path(self.key_file).read_bytes()
+        return arguments
 
 
 class EtcdLedgerStore:
     """LedgerStore on an etcd v3 cluster through etcd3aio (grpc.aio)."""
 
-    def __init__(self, endpoints: Sequence[str], *, timeout_s: float = 2.0) -> None:
-        import etcd3aio
-
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout_s: float = 2.0,
+        access: EtcdAccess | None = None,
+        ping_key: bytes = b"/ragline/ping",
+    ) -> None:
         self.endpoints = list(endpoints)
         self._timeout_s = timeout_s
+        self._access = access or EtcdAccess()
+        # A key the ledger's etcd user may read (its role covers the ledger's prefix only).
+        self._ping_key = ping_key
         # While etcd does not answer, calls fail at once rather than each waiting
         # `timeout_s` (ragline/breaker.py); the health probe's pings always go.
         self._breaker = Breaker(_is_silence)
         # Told of every etcd operation: its name, "ok" or "error", and its seconds.
         self.observe: Callable[[str, str, float], None] | None = None
+        self._client = None
+
+    async def connect(self) -> None:
+        import etcd3aio
+
+        tls = await asyncio.to_thread(self._access.tls_arguments)
         # One retry for a transient blip; more would only delay the UNAVAILABLE answer.
-        self._client = etcd3aio.Etcd3Client(self.endpoints, rpc_max_attempts=2)
+        client = etcd3aio.Etcd3Client(
+            self.endpoints,
+            rpc_max_attempts=2,
+            tls_server_name=self._access.server_name or None,
+            **tls,
+        )
         # gRPC's default reconnect backoff grows to 120 s; after an etcd restart the ledger
         # must be back within a second, not minutes. (etcd3aio has no public hook for it.)
-        self._client._manager.grpc_options.extend(
+        client._manager.grpc_options.extend(
             [
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
             ]
         )
+        await client.connect()
+        self._client = client
+        if self._access.username:
+            with contextlib.suppress(Unavailable):
+                # etcd down at start: the first operation authenticates instead
+                await self._call("authenticate", self._authenticate)
 
-    async def connect(self) -> None:
-        await self._client.connect()
+    async def _authenticate(self) -> None:
+        self._client.set_token(None)
+        reply = await self._client.auth.authenticate(
+            self._access.username, self._access.password, timeout=self._timeout()
+        )
+        self._client.set_token(reply.token)
+
+    async def _call(self, operation: str, make: Callable[[], Awaitable[T]]) -> T:
+        """One etcd operation under the guard; with etcd auth on, an unknown token (etcd
+        restarted, or the token's time ran out) is answered by signing in again, once."""
+        import etcd3aio
+
+        async with self._guard(operation):
+            try:
+                return await make()
+            except etcd3aio.EtcdUnauthenticatedError:
+                if not self._access.username or make == self._authenticate:
+                    raise
+                await self._authenticate()
+                return await make()
 
     async def close(self) -> None:
-        await self._client.close()
+        if self._client is not None:
+            await self._client.close()
 
     def _timeout(self) -> float:
         left = deadlines.remaining()
@@ -112,6 +184,21 @@ class EtcdLedgerStore:
         except BreakerOpen as error:
             result = "breaker_open"
             raise self._unreachable(f"{operation}: {error}") from None
+        except (etcd3aio.EtcdUnauthenticatedError, etcd3aio.EtcdPermissionDeniedError) as error:
+            # The operator's problem, not the caller's: the detail goes to the log.
+            log.error(
+                "budget.etcd_refused",
+                operation=operation,
+                etcd_user=self._access.username or None,
+                error=str(error),
+                fix="check RAGLINE_BUDGET_ETCD_USERNAME / RAGLINE_BUDGET_ETCD_PASSWORD and "
+                "that the user's role reads and writes the ledger's key prefix",
+            )
+            raise Unavailable(
+                "the budget ledger store refused the budget service's credentials; no "
+                "reservation was granted (the budget service's log says why)",
+                reason="LEDGER_STORE_UNAVAILABLE",
+            ) from error
         except (etcd3aio.EtcdError, grpc.aio.AioRpcError, TimeoutError) as error:
             if deadlines.expired():
                 raise DeadlineExceeded(
@@ -124,18 +211,22 @@ class EtcdLedgerStore:
 
     async def read(self, keys: Sequence[bytes]) -> list[Versioned | None]:
         kv = self._client.kv
-        async with self._guard("read"):
-            # A transaction with no comparisons: every range read at the same revision.
-            reply = await kv.txn([], [kv.txn_op_get(key) for key in keys], timeout=self._timeout())
+        # A transaction with no comparisons: every range read at the same revision.
+        reply = await self._call(
+            "read",
+            lambda: kv.txn([], [kv.txn_op_get(key) for key in keys], timeout=self._timeout()),
+        )
         return [_first(response.response_range.kvs) for response in reply.responses]
 
     async def read_prefix(self, prefix: bytes) -> list[tuple[bytes, Versioned]]:
         import etcd3aio
 
-        async with self._guard("read_prefix"):
-            reply = await self._client.kv.get(
+        reply = await self._call(
+            "read_prefix",
+            lambda: self._client.kv.get(
                 prefix, range_end=etcd3aio.prefix_range_end(prefix), timeout=self._timeout()
-            )
+            ),
+        )
         return [(kv.key, Versioned(kv.value, kv.mod_revision)) for kv in reply.kvs]
 
     async def write_if_unchanged(
@@ -154,24 +245,29 @@ class EtcdLedgerStore:
         ]
         operations = [kv.txn_op_put(key, value, lease=lease_id) for key, value in puts.items()]
         on_conflict = [kv.txn_op_get(key) for key in reread]
-        async with self._guard("write"):
-            reply = await kv.txn(compares, operations, on_conflict, timeout=self._timeout())
+        reply = await self._call(
+            "write",
+            lambda: kv.txn(compares, operations, on_conflict, timeout=self._timeout()),
+        )
         if reply.succeeded:
             return reply.header.revision, []
         return None, [_first(r.response_range.kvs) for r in reply.responses]
 
     async def grant_lease(self, ttl_s: int) -> int:
-        async with self._guard("lease grant"):
-            reply = await self._client.lease.grant(ttl_s, timeout=self._timeout())
+        reply = await self._call(
+            "lease grant", lambda: self._client.lease.grant(ttl_s, timeout=self._timeout())
+        )
         return reply.ID
 
     async def revoke_lease(self, lease_id: int) -> None:
-        async with self._guard("lease revoke"):
-            await self._client.lease.revoke(lease_id, timeout=self._timeout())
+        await self._call(
+            "lease revoke", lambda: self._client.lease.revoke(lease_id, timeout=self._timeout())
+        )
 
     async def ping(self) -> None:
-        async with self._guard("ping"):
-            await self._client.kv.get(b"/ragline/ping", timeout=self._timeout())
+        await self._call(
+            "ping", lambda: self._client.kv.get(self._ping_key, timeout=self._timeout())
+        )
 
 
 def _is_silence(error: Exception) -> bool:

@@ -107,3 +107,24 @@ def test_tls_without_certificates_fails_with_what_to_set(helm):
         timeout=120,
     )
     assert unknown.returncode != 0 and "RAGLINE_TLS_MODE" in unknown.stderr
+
+
+def test_only_the_budget_pods_hold_the_etcd_password_and_etcd_compacts(helm):
+    objects = render(helm, CHART, "--set", "etcd.clientPassword=ledger-secret")
+    (secret,) = [
+        o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "rl-budget-etcd"
+    ]
+    assert secret["stringData"] == {"RAGLINE_BUDGET_ETCD_PASSWORD": "ledger-secret"}
+    holders = {
+        w["metadata"]["labels"]["app.kubernetes.io/name"]
+        for w in ragline_workloads(objects)
+        for source in w["spec"]["template"]["spec"]["containers"][0]["envFrom"]
+        if source.get("secretRef", {}).get("name") == "rl-budget-etcd"
+    }
+    assert holders == {"budget"}
+    (etcd,) = [
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-etcd"
+    ]
+    script = etcd["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert "--auto-compaction-mode periodic" in script
+    assert "--auto-compaction-retention 1h" in script

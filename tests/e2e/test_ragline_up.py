@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from ragline_services.registry import load_spec, service_names
@@ -143,6 +145,22 @@ def test_ask_without_a_running_stack_says_unavailable(tmp_path):
     assert "UNAVAILABLE" in result.stderr
 
 
+async def refused_by_etcd(endpoint: str, pki: Path) -> None:
+    import etcd3aio
+
+    async with etcd3aio.Etcd3Client([endpoint]) as plain:
+        with pytest.raises(etcd3aio.EtcdError):
+            await plain.kv.get("/ragline/budget/v1/x", timeout=3)
+    certified = {
+        "ca_cert": (pki / "ca.crt").read_bytes(),
+        "cert_chain": (pki / "service.crt").read_bytes(),
+        "cert_key": (pki / "service.key").read_bytes(),
+    }
+    async with etcd3aio.Etcd3Client([endpoint], **certified) as no_user:
+        with pytest.raises((etcd3aio.EtcdError, grpc.aio.AioRpcError)):
+            await no_user.kv.get("/ragline/budget/v1/x", timeout=3)
+
+
 def test_up_with_tls_answers_over_mutual_tls_and_refuses_plaintext(tmp_path, grpcurl_bin):
     """`ragline up --tls`: every hop (command -> orchestrator -> each service) under mTLS
     with a local CA; commands find the client certificate through the stack's state."""
@@ -198,6 +216,8 @@ def test_up_with_tls_answers_over_mutual_tls_and_refuses_plaintext(tmp_path, grp
         assert asked.returncode == 0, asked.stdout + asked.stderr
         assert "vistula" in asked.stdout.lower(), asked.stdout
         assert "[COMPLETE]" in asked.stdout and "Warsaw (squad_dev_sample:0:" in asked.stdout
+        # The local etcd is secured as well: TLS with client certificates, and auth on.
+        asyncio.run(refused_by_etcd(state["etcd"], tmp_path / ".ragline" / "tls"))
         # A command that speaks plaintext, or TLS without a certificate, gets nothing.
         plain = ragline("ask", "Which river flows through Warsaw?", RAGLINE_TLS_MODE="off")
         assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
