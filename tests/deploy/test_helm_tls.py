@@ -125,6 +125,6 @@ def test_only_the_budget_pods_hold_the_etcd_password_and_etcd_compacts(helm):
     (etcd,) = [
         o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-etcd"
     ]
-    script = etcd["spec"]["template"]["spec"]["containers"][0]["args"][0]
-    assert "--auto-compaction-mode periodic" in script
-    assert "--auto-compaction-retention 1h" in script
+    args = etcd["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--auto-compaction-mode=periodic" in args
+    assert "--auto-compaction-retention=1h" in args

@@ -50,3 +50,9 @@ app.kubernetes.io/name: {{ .name }}
 {{- fail (printf "RAGLINE_TLS_MODE is %s: set tls.secretName (a kubernetes.io/tls Secret holding ca.crt) or tls.certManager.enabled with its issuerRef" (toString .Values.config.RAGLINE_TLS_MODE)) -}}
 {{- end -}}
 {{- end -}}
+
+{{- /* The ragline image: repository:tag, pinned to image.digest when one is set. */ -}}
+{{- define "ragline.image" -}}
+{{- .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- with .Values.image.digest }}@{{ . }}{{ end }}
+{{- end -}}
