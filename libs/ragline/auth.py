@@ -5,12 +5,13 @@ With `RAGLINE_AUTH_MODE=off` (the embedded laptop default) the caller is whateve
 port can claim any tenant. With `jwt`:
 
 - A client sends `authorization: Bearer <JWT>`. The token is verified (signature, `exp`,
-  `nbf`, audience, issuer when set) with the HMAC key `RAGLINE_AUTH_JWT_KEY` or the public
-  key in `RAGLINE_AUTH_JWT_PUBLIC_KEY_FILE`; its claims give the caller: `tenant`, `sub`
-  (principal), `scopes` (a list, or one space-separated string) and `ragline_operator`
-  (true: also sees figures that count every tenant). Identity metadata may
-  narrow the scopes (`x-ragline-scopes`: only ones the token holds, else PERMISSION_DENIED)
-  and may repeat the token's tenant, never change it.
+  `nbf`, audience, issuer when set) with the HMAC key `RAGLINE_AUTH_JWT_KEY`, the public
+  key in `RAGLINE_AUTH_JWT_PUBLIC_KEY_FILE`, or the key its `kid` names in the identity
+  provider's key set `RAGLINE_AUTH_JWKS_URL` (`ragline.jwks`); its claims give the
+  caller: `tenant`, `sub` (principal), `scopes` (a list, or one space-separated string)
+  and `ragline_operator` (true: also sees figures that count every tenant). Identity
+  metadata may narrow the scopes (`x-ragline-scopes`: only ones the token holds, else
+  PERMISSION_DENIED) and may repeat the token's tenant, never change it.
 - A service calling another service passes the verified caller on in the identity metadata
   and proves it is a ragline service with `x-ragline-service-credential`: a short-lived JWT
   signed with `RAGLINE_AUTH_SERVICE_KEY` (a key clients never hold). Only then is identity
@@ -57,8 +58,12 @@ class AuthConfig(EmptyMeansUnset):
     mode: Literal["off", "jwt"] = "off"
     # Verifies client tokens: an HMAC key (HS256/384/512) ...
     jwt_key: str = ""
-    # ... or a PEM public key (RS*/ES*/EdDSA).
+    # ... or a PEM public key (RS*/ES*/EdDSA) ...
     jwt_public_key_file: Path | None = None
+    # ... or the identity provider's key set (https://... or file://...), keys by `kid`.
+    jwks_url: str = ""
+    # How often the key set is fetched again (also soon after a token names an unknown key).
+    jwks_refresh_s: float = Field(300.0, ge=10)
     jwt_algorithms: str = "HS256,RS256,ES256"
     jwt_audience: str = "ragline"
     jwt_issuer: str = ""  # checked when set
@@ -88,10 +93,21 @@ class AuthConfig(EmptyMeansUnset):
     def check(self) -> None:
         if self.mode == "off":
             return
-        if not (self.jwt_key or self.jwt_public_key_file):
+        verifiers = [self.jwt_key, self.jwt_public_key_file, self.jwks_url]
+        if not any(verifiers):
             raise ConfigError(
-                "RAGLINE_AUTH_MODE=jwt needs RAGLINE_AUTH_JWT_KEY (HMAC) or "
-                "RAGLINE_AUTH_JWT_PUBLIC_KEY_FILE (PEM) to verify client tokens"
+                "RAGLINE_AUTH_MODE=jwt needs RAGLINE_AUTH_JWT_KEY (HMAC), "
+                "RAGLINE_AUTH_JWT_PUBLIC_KEY_FILE (PEM) or RAGLINE_AUTH_JWKS_URL (a key set) to "
+                "verify client tokens"
+            )
+        if sum(1 for v in verifiers if v) > 1:
+            raise ConfigError(
+                "set one of RAGLINE_AUTH_JWT_KEY, RAGLINE_AUTH_JWT_PUBLIC_KEY_FILE and "
+                "RAGLINE_AUTH_JWKS_URL: one kind of key verifies client tokens"
+            )
+        if self.jwks_url and not self.jwks_url.startswith(("https://", "http://", "file://")):
+            raise ConfigError(
+                f"RAGLINE_AUTH_JWKS_URL={self.jwks_url!r}: expected https://, http:// or file://"
             )
         if len(self.service_key) < 32:
             raise ConfigError(
@@ -143,14 +159,57 @@ class Authenticator:
         self._client_key = key
         # One key, one family: an HMAC key never verifies RS/ES tokens and a public key never
         # verifies HS tokens (the algorithm-confusion attack).
-        hmac = self.config.jwt_public_key_file is None
+        hmac = bool(self.config.jwt_key)
         named = (a.strip() for a in self.config.jwt_algorithms.split(","))
         self._algorithms = [a for a in named if a and a.startswith("HS") == hmac]
-        if not self._algorithms:
+        if self.enabled and not self._algorithms:
             raise ConfigError(
                 f"RAGLINE_AUTH_JWT_ALGORITHMS ({self.config.jwt_algorithms}) has no algorithm "
                 f"for {'an HMAC key' if hmac else 'a public key'}"
             )
+        self._jwks = None
+        if self.enabled and self.config.jwks_url:
+            from ragline.jwks import JwksKeys
+
+            self._jwks = JwksKeys(
+                self.config.jwks_url,
+                refresh_s=self.config.jwks_refresh_s,
+                algorithms=self._algorithms,
+            )
+
+    def wait_ready(self, timeout_s: float = 10.0) -> bool:
+        """Blocks until client tokens can be verified (a key set fetched once); True at
+        once without a key set."""
+        if self._jwks is None:
+            return True
+        return self._jwks.wait_first_fetch(timeout_s) and bool(self._jwks.known_ids())
+
+    def close(self) -> None:
+        if self._jwks is not None:
+            self._jwks.close()
+
+    def _verifying_key(self, token: str) -> tuple[object, list[str]]:
+        """The key and algorithms that verify `token`: the configured key, or the key set's
+        key the token names (`kid`)."""
+        if self._jwks is None:
+            return self._client_key, self._algorithms
+        try:
+            kid = self._jwt.get_unverified_header(token).get("kid")
+        except self._jwt.PyJWTError as error:
+            raise Unauthenticated(f"the token was refused: {error}") from None
+        if not isinstance(kid, str) or not kid:
+            raise Unauthenticated(
+                "the token names no signing key (`kid` header): tokens are verified with the "
+                "identity provider's key set"
+            )
+        key = self._jwks.key(kid)
+        if key is None:
+            raise Unauthenticated(
+                f"the token's signing key {kid!r} is not in the identity provider's key set "
+                "as last fetched; if its keys were just rotated, retry in a few seconds",
+                reason="UNKNOWN_SIGNING_KEY",
+            )
+        return key.key, [key.algorithm_name]
 
     def authenticate(self, metadata) -> Authenticated:
         if not self.enabled:
@@ -178,11 +237,12 @@ class Authenticator:
         scheme, _, token = bearer.strip().partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise Unauthenticated("metadata authorization must be `Bearer <token>`")
+        key, algorithms = self._verifying_key(token.strip())
         try:
             claims = self._jwt.decode(
                 token.strip(),
-                self._client_key,
-                algorithms=self._algorithms,
+                key,
+                algorithms=algorithms,
                 audience=self.config.jwt_audience or None,
                 issuer=self.config.jwt_issuer or None,
                 leeway=self.config.leeway_s,

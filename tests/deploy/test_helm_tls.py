@@ -128,3 +128,26 @@ def test_only_the_budget_pods_hold_the_etcd_password_and_etcd_compacts(helm):
     args = etcd["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--auto-compaction-mode=periodic" in args
     assert "--auto-compaction-retention=1h" in args
+
+
+def test_tokens_verified_by_a_key_set_leave_no_signing_key_in_any_pod(helm):
+    objects = render(
+        helm,
+        CHART,
+        "--set",
+        "auth.jwtKey=",
+        "--set",
+        "config.RAGLINE_AUTH_JWKS_URL=file:///etc/ragline/auth/jwks.json",
+        "--set",
+        "auth.verificationKeysSecret=idp-keys",
+    )
+    (secret,) = [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "rl-auth"]
+    assert secret["stringData"]["RAGLINE_AUTH_JWT_KEY"] == ""
+    for workload in ragline_workloads(objects):
+        spec = workload["spec"]["template"]["spec"]
+        assert {
+            "name": "auth-keys",
+            "secret": {"secretName": "idp-keys", "defaultMode": 0o440},
+        } in spec["volumes"]
+        mounts = spec["containers"][0]["volumeMounts"]
+        assert {"name": "auth-keys", "mountPath": "/etc/ragline/auth", "readOnly": True} in mounts

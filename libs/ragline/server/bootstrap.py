@@ -119,6 +119,7 @@ class ServerRunner:
         self._metrics: ProcessMetrics | None = None
         self._server: grpc.aio.Server | None = None
         self._service: Service | None = None
+        self._authenticator: Authenticator | None = None
         self._health = health_aio.HealthServicer()
 
     async def start(self) -> int:
@@ -126,13 +127,14 @@ class ServerRunner:
         AuthConfig().check_exposure(cfg.host)
         if cfg.metrics_port is not None:
             self._metrics = ProcessMetrics(self.common.metrics_tenant_names())
+        self._authenticator = authenticator = Authenticator(AuthConfig())
         server = grpc.aio.server(
             interceptors=[
                 RaglineServerInterceptor(
                     default_deadline_s=cfg.default_deadline_s,
                     max_request_bytes=cfg.max_request_bytes,
                     access_log=cfg.access_log,
-                    authenticator=Authenticator(AuthConfig()),
+                    authenticator=authenticator,
                     metrics=None if self._metrics is None else self._metrics.grpc,
                 )
             ],
@@ -187,6 +189,9 @@ class ServerRunner:
                 ) from error
             log.info("metrics.listening", host=cfg.host, metrics_port=self.metrics_port)
         await service.start()
+        if not await asyncio.to_thread(authenticator.wait_ready):
+            # Served anyway (health, and the key set may come): tokens wait for its keys.
+            log.warning("auth.no_keys_yet", url=AuthConfig().jwks_url)
         ready = await service.ready()
         await service.health.set_serving(ready, reason="started" if ready else "backend not ready")
         log.info(
@@ -218,6 +223,8 @@ class ServerRunner:
         if self._metrics is not None:
             # its server thread polls for shutdown every half second: off the event loop
             await asyncio.to_thread(self._metrics.close)
+        if self._authenticator is not None:
+            self._authenticator.close()
         log.info("service.stopped")
         self._server = None
 
