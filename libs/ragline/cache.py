@@ -7,6 +7,9 @@ Two implementations behind `CacheBackend`:
 - `RedisCache`: `redis.asyncio` against a Redis server (RAGLINE_<SERVICE>_CACHE_URL), so
   replicas see each other's entries. Every call has a timeout.
 
+Redis credentials and TLS come from `RedisAccess` (RAGLINE_REDIS_*: an ACL user and its
+password, a CA for `rediss://`), never from the URL, which logs and error details show.
+
 Values are bytes; what they mean is the caller's business (generation's KV store keeps
 JSON entries, the orchestrator's caches serialized results). Keys are namespaced by the
 caller. A cache is an optimisation: a backend that fails raises `Unavailable`, and callers
@@ -16,13 +19,58 @@ treat that as a miss (they log it and carry on), never as the request's failure.
 from __future__ import annotations
 
 import time
+import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from cachetools import TLRUCache
+from pydantic_settings import SettingsConfigDict
 
 from ragline.breaker import Breaker, BreakerOpen
+from ragline.config import ConfigError, EmptyMeansUnset
 from ragline.errors import Unavailable
+
+
+class RedisAccess(EmptyMeansUnset):
+    """How a service signs in to its Redis (prefix `RAGLINE_REDIS_`): kept out of the cache
+    URL so that no log line or error detail carries the password."""
+
+    model_config = SettingsConfigDict(env_prefix="RAGLINE_REDIS_", extra="ignore")
+
+    # An ACL user (Redis 6+) and its password; a password alone signs in as `default`.
+    username: str = ""
+    password: str = ""
+    # TLS (a `rediss://` URL): the CA of the server's certificate, and a client certificate
+    # where the server asks for one (tls-auth-clients).
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    def client_arguments(self, url: str) -> dict:
+        """redis-py's arguments beside the URL."""
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.password:
+            raise ConfigError(
+                "a cache URL holds a password, which logs would show: move it to "
+                "RAGLINE_REDIS_PASSWORD (and the user to RAGLINE_REDIS_USERNAME)"
+            )
+        arguments: dict = {}
+        if self.username:
+            arguments["username"] = self.username
+        if self.password:
+            arguments["password"] = self.password
+        if parsed.scheme == "rediss":
+            arguments["ssl_ca_certs"] = str(self.ca_file) if self.ca_file else None
+            if self.cert_file and self.key_file:
+                arguments["ssl_certfile"] = str(self.cert_file)
+                arguments["ssl_keyfile"] = str(self.key_file)
+        elif self.ca_file or self.cert_file:
+            raise ConfigError(
+                "RAGLINE_REDIS_CA_FILE / _CERT_FILE are set but the cache URL is not "
+                "rediss://: the connection would not use them"
+            )
+        return arguments
 
 
 class CacheBackend(Protocol):
@@ -114,10 +162,13 @@ class RedisCache:
 
     name = "redis"
 
-    def __init__(self, url: str, *, timeout_s: float = 0.5) -> None:
+    def __init__(
+        self, url: str, *, timeout_s: float = 0.5, access: RedisAccess | None = None
+    ) -> None:
         import redis.asyncio as redis  # only when configured
 
         self.url = url
+        arguments = (access or RedisAccess()).client_arguments(url)
         self._errors = (redis.RedisError, OSError)
         # A silent Redis would cost every lookup its whole timeout, and a request makes
         # several: while it does not answer, lookups are misses at once (ragline/breaker.py).
@@ -128,6 +179,7 @@ class RedisCache:
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             health_check_interval=30,
+            **arguments,
         )
 
     async def _call(self, what: str, call):
@@ -179,8 +231,15 @@ class RedisCache:
         await self._client.aclose()
 
 
-def open_cache(url: str = "", *, max_bytes: int = 64 << 20, timeout_s: float = 0.5) -> CacheBackend:
-    """Redis when `url` is set (redis://host:port/db), else an in-process LRU."""
+def open_cache(
+    url: str = "",
+    *,
+    max_bytes: int = 64 << 20,
+    timeout_s: float = 0.5,
+    access: RedisAccess | None = None,
+) -> CacheBackend:
+    """Redis when `url` is set (redis:// or rediss://host:port/db; credentials from
+    `access`, default RAGLINE_REDIS_*), else an in-process LRU."""
     if url:
-        return RedisCache(url, timeout_s=timeout_s)
+        return RedisCache(url, timeout_s=timeout_s, access=access)
     return MemoryCache(max_bytes)

@@ -64,6 +64,7 @@ def settings() -> list[str]:
     """Every RAGLINE_* variable a config class reads, except the per-service suffixes every
     service shares (HOST, PORT, GRACE_S, ...: see `service_settings`)."""
     from ragline.auth import AuthConfig
+    from ragline.cache import RedisAccess
     from ragline.config import CommonConfig, ServiceConfig
     from ragline.tls import TlsConfig
     from ragline_services.registry import load_spec, service_names
@@ -71,6 +72,7 @@ def settings() -> list[str]:
     names = [f"RAGLINE_{field.upper()}" for field in CommonConfig.model_fields]
     names += [f"RAGLINE_AUTH_{field.upper()}" for field in AuthConfig.model_fields]
     names += [f"RAGLINE_TLS_{field.upper()}" for field in TlsConfig.model_fields]
+    names += [f"RAGLINE_REDIS_{field.upper()}" for field in RedisAccess.model_fields]
     shared = set(ServiceConfig.model_fields)
     for service in service_names():
         config = load_spec(service).config_factory
