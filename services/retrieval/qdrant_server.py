@@ -30,6 +30,38 @@ from ragline_services.retrieval.vectors import HNSW_EF_CONSTRUCT, HNSW_M, Vector
 _FILTER_FIELDS = ("tenant", "scope", "attr", "key")
 
 
+class _ApiKey(grpc.UnaryUnaryClientInterceptor):
+    """Qdrant's API key on every call (its `api-key` metadata)."""
+
+    def __init__(self, key: str) -> None:
+        self._metadata = (("api-key", key),)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        metadata = (*(details.metadata or ()), *self._metadata)
+        return continuation(_with_metadata(details, metadata), request)
+
+
+def _with_metadata(details, metadata):
+    return _CallDetails(
+        details.method,
+        details.timeout,
+        metadata,
+        details.credentials,
+        getattr(details, "wait_for_ready", None),
+        getattr(details, "compression", None),
+    )
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method = method
+        self.timeout = timeout
+        self.metadata = metadata
+        self.credentials = credentials
+        self.wait_for_ready = wait_for_ready
+        self.compression = compression
+
+
 def _value(item):
     from qdrant_client import grpc as q
 
@@ -42,8 +74,18 @@ def _value(item):
 
 class QdrantServerIndex:
     def __init__(
-        self, url: str, collection: str, dim: int, state_path: Path, *, timeout_s: float = 10.0
+        self,
+        url: str,
+        collection: str,
+        dim: int,
+        state_path: Path,
+        *,
+        timeout_s: float = 10.0,
+        api_key: str = "",
+        ca_file: Path | None = None,
     ) -> None:
+        """`api_key`: sent as Qdrant's `api-key` metadata on every call; `ca_file`: TLS,
+        the CA of Qdrant's certificate (unset: plaintext)."""
         from qdrant_client import grpc as q
 
         self._q = q
@@ -51,7 +93,14 @@ class QdrantServerIndex:
         self.collection = collection
         self.dim = dim
         self._timeout = timeout_s
-        self._channel = grpc.insecure_channel(url, options=RECONNECT_OPTIONS)
+        if ca_file is None:
+            channel = grpc.insecure_channel(url, options=RECONNECT_OPTIONS)
+        else:
+            credentials = grpc.ssl_channel_credentials(Path(ca_file).read_bytes())
+            channel = grpc.secure_channel(url, credentials, options=RECONNECT_OPTIONS)
+        if api_key:
+            channel = grpc.intercept_channel(channel, _ApiKey(api_key))
+        self._channel = channel
         self._points = q.PointsStub(self._channel)
         self._collections = q.CollectionsStub(self._channel)
         self._state_path = state_path

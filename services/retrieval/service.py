@@ -54,6 +54,10 @@ class RetrievalConfig(ServiceConfig):
     dim: int = Field(384, ge=1, le=4096)
     vector_backend: Literal["edge", "qdrant"] = "edge"
     qdrant_url: str = "127.0.0.1:6334"
+    # Qdrant's API key (its service.api_key), sent on every call; empty: none.
+    qdrant_api_key: str = ""
+    # TLS to Qdrant: the CA of its certificate (unset: plaintext).
+    qdrant_ca_file: Path | None = None
     qdrant_collection: str = "ragline"
     # Exact search over recent writes up to this many; rebuild HNSW after this many.
     exact_limit: int = Field(20_000, ge=1)
@@ -232,7 +236,12 @@ class RetrievalService(Service):
 
             directory.mkdir(parents=True, exist_ok=True)
             vectors = QdrantServerIndex(
-                cfg.qdrant_url, cfg.qdrant_collection, cfg.dim, directory / "qdrant_state.json"
+                cfg.qdrant_url,
+                cfg.qdrant_collection,
+                cfg.dim,
+                directory / "qdrant_state.json",
+                api_key=cfg.qdrant_api_key,
+                ca_file=cfg.qdrant_ca_file,
             )
         else:
             vectors = EdgeVectorIndex(

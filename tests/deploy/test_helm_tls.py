@@ -151,3 +151,27 @@ def test_tokens_verified_by_a_key_set_leave_no_signing_key_in_any_pod(helm):
         } in spec["volumes"]
         mounts = spec["containers"][0]["volumeMounts"]
         assert {"name": "auth-keys", "mountPath": "/etc/ragline/auth", "readOnly": True} in mounts
+
+
+def test_the_qdrant_key_reaches_the_retrieval_pods_and_qdrant_only(helm):
+    objects = render(
+        helm, CHART, "--set", "qdrant.enabled=true", "--set", "qdrant.apiKey=vector-key"
+    )
+    (secret,) = [o for o in objects if o["metadata"]["name"] == "rl-qdrant-key"]
+    assert secret["stringData"] == {"RAGLINE_RETRIEVAL_QDRANT_API_KEY": "vector-key"}
+    holders = {
+        w["metadata"]["labels"]["app.kubernetes.io/name"]
+        for w in ragline_workloads(objects)
+        for source in w["spec"]["template"]["spec"]["containers"][0]["envFrom"]
+        if source.get("secretRef", {}).get("name") == "rl-qdrant-key"
+    }
+    assert holders == {"retrieval"}
+    (qdrant,) = [
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-qdrant"
+    ]
+    (env,) = qdrant["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert env["name"] == "QDRANT__SERVICE__API_KEY"
+    assert env["valueFrom"]["secretKeyRef"] == {
+        "name": "rl-qdrant-key",
+        "key": "RAGLINE_RETRIEVAL_QDRANT_API_KEY",
+    }

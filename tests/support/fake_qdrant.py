@@ -113,11 +113,36 @@ class FakeQdrant(q.CollectionsServicer, q.PointsServicer):
         ])  # fmt: skip
 
 
-def start_fake_qdrant(port: int) -> tuple[grpc.Server, FakeQdrant]:
+class _RequireApiKey(grpc.ServerInterceptor):
+    """Qdrant with `service.api_key` set: a call without the key in its `api-key` metadata
+    is UNAUTHENTICATED (as Qdrant's gRPC server answers)."""
+
+    def __init__(self, key: str) -> None:
+        self._key = key
+
+        def refuse(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "Invalid api-key")
+
+        self._refusal = grpc.unary_unary_rpc_method_handler(refuse)
+
+    def intercept_service(self, continuation, details):
+        if dict(details.invocation_metadata or ()).get("api-key") == self._key:
+            return continuation(details)
+        return self._refusal
+
+
+def start_fake_qdrant(
+    port: int, *, api_key: str = "", certificate: tuple[bytes, bytes] | None = None
+) -> tuple[grpc.Server, FakeQdrant]:
+    """`api_key`: required on every call; `certificate` (PEM key, chain): TLS only."""
     fake = FakeQdrant()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    interceptors = [_RequireApiKey(api_key)] if api_key else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=interceptors)
     q.add_CollectionsServicer_to_server(fake, server)
     q.add_PointsServicer_to_server(fake, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    if certificate is None:
+        server.add_insecure_port(f"127.0.0.1:{port}")
+    else:
+        server.add_secure_port(f"127.0.0.1:{port}", grpc.ssl_server_credentials([certificate]))
     server.start()
     return server, fake

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ragline.processes import free_ports
+from ragline_app.stack import health_status_sync
 from support.retrieval import Client, who, writing
 
 pytestmark = pytest.mark.integration
@@ -135,3 +136,44 @@ def test_a_write_whose_caller_left_at_once_neither_fails_its_apply_nor_wedges_la
         await client.close()
 
     asyncio.run(scenario())
+
+
+def test_a_qdrant_with_an_api_key_and_tls_is_reached_with_both(launcher, tmp_path):
+    """Against the stand-in checking the key as Qdrant does (`api-key` metadata) behind
+    TLS: with both the service writes and searches; without the key it does not serve."""
+    from ragline_app.certificates import local_authority
+    from support.fake_qdrant import start_fake_qdrant
+
+    pki = local_authority(tmp_path / "pki")
+    port = free_ports(1)[0]
+    certificate = (pki.service_key.read_bytes(), pki.service_cert.read_bytes())
+    server, fake = start_fake_qdrant(port, api_key="qdrant-key", certificate=certificate)
+    try:
+        env = {
+            **qdrant_env(f"localhost:{port}", tmp_path),
+            "RAGLINE_RETRIEVAL_QDRANT_API_KEY": "qdrant-key",
+            "RAGLINE_RETRIEVAL_QDRANT_CA_FILE": str(pki.ca),
+        }
+        service = launcher.start("retrieval", env=env)
+        vector = np.random.default_rng(5).normal(size=384).tolist()
+
+        async def scenario(address):
+            client = Client(address)
+            await client.upsert("acme", [{"id": "a", "title": "A", "text": "t", "vector": vector}])
+            found = await client.search("acme", "x", "vector", k=1, query_vector=vector)
+            assert found.hits[0].id == "a"
+
+        asyncio.run(scenario(service.address))
+        assert "Upsert" in fake.calls and "Query" in fake.calls
+        launcher.stop_all()
+
+        keyless = {k: v for k, v in env.items() if k != "RAGLINE_RETRIEVAL_QDRANT_API_KEY"}
+        keyless["RAGLINE_RETRIEVAL_INDEX_DIR"] = str(tmp_path / "keyless")
+        refused = launcher.start("retrieval", env=keyless, wait=False)
+        # Qdrant's refusal ends the start, saying why; the service never serves.
+        assert refused.process.wait(timeout=60) != 0
+        launcher.forget(refused)
+        assert "Qdrant at localhost" in refused.log() and "Invalid api-key" in refused.log()
+        assert health_status_sync(refused.address) == "UNREACHABLE"
+    finally:
+        server.stop(0)
