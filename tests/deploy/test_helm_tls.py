@@ -26,7 +26,7 @@ def ragline_workloads(objects: list[dict]) -> list[dict]:
         o
         for o in objects
         if o["kind"] in ("Deployment", "StatefulSet")
-        and o["spec"]["template"]["spec"]["containers"][0]["args"][0] == "serve"
+        and o["spec"]["template"]["spec"]["containers"][0].get("args", [""])[0] == "serve"
     ]
 
 
