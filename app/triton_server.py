@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ragline.config import CommonConfig
 from ragline.processes import terminate
+from ragline_app.certificates import LocalCertificates
 
 
 def triton_venv() -> Path:
@@ -43,7 +44,11 @@ class TritonServer:
         http_port: int,
         metrics_port: int,
         venv: Path | None = None,
+        certificates: LocalCertificates | None = None,
     ) -> None:
+        """`certificates`: gRPC under mutual TLS (the service certificate; clients with one
+        the CA signed); HTTP, which health checks use, stays plaintext on loopback."""
+        self.certificates = certificates
         self.model_repository = model_repository
         self.work_dir = work_dir
         self.grpc_port = grpc_port
@@ -106,6 +111,14 @@ class TritonServer:
             "--allow-gpu-metrics=false",
             "--exit-on-error=true",
         ]  # fmt: skip
+        if self.certificates is not None:
+            command += [
+                "--grpc-use-ssl=true",
+                f"--grpc-server-cert={self.certificates.service_cert}",
+                f"--grpc-server-key={self.certificates.service_key}",
+                f"--grpc-root-cert={self.certificates.ca}",
+                "--grpc-use-ssl-mutual=true",
+            ]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 command,

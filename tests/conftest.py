@@ -625,8 +625,9 @@ def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
     server.stop()
 
 
-def start_triton(source: Path, work: Path, links: dict[str, Path] | None = None):
-    """tritonserver 2.51 (PyPI nvidia-pytriton, CPU) on a copy of a repository in deploy/."""
+def start_triton(source: Path, work: Path, links: dict[str, Path] | None = None, certificates=None):
+    """tritonserver 2.51 (PyPI nvidia-pytriton, CPU) on a copy of a repository in deploy/
+    (`certificates`: its gRPC under mutual TLS)."""
     from ragline.config import CommonConfig
     from ragline_app.triton_server import TritonServer
 
@@ -646,6 +647,7 @@ def start_triton(source: Path, work: Path, links: dict[str, Path] | None = None)
         http_port=http_port,
         metrics_port=metrics_port,
         venv=venv,
+        certificates=certificates,
     )
     server.start()
     models = [p.name for p in repository.iterdir() if (p / "config.pbtxt").exists()]
@@ -654,6 +656,13 @@ def start_triton(source: Path, work: Path, links: dict[str, Path] | None = None)
         assert time.monotonic() < deadline, server.log_tail()
         time.sleep(0.2)
     return server
+
+
+@pytest.fixture
+def triton_starter():
+    """`start_triton` for a test that needs a Triton of its own (TLS, another repository);
+    the test stops what it starts."""
+    return start_triton
 
 
 @pytest.fixture(scope="session")

@@ -103,6 +103,21 @@ class TlsConfig(EmptyMeansUnset):
         return ServerCertificates(self).credentials()
 
 
+def process_tls_for(wanted: bool, variable: str) -> TlsConfig | None:
+    """The process's own TLS settings for a client of something outside the stack (Triton),
+    when `variable` (its switch) asks for TLS: they must be on and complete."""
+    if not wanted:
+        return None
+    tls = TlsConfig()
+    if not tls.on:
+        raise ConfigError(
+            f"{variable}=true needs RAGLINE_TLS_MODE (tls or mtls) and its files: the client "
+            "uses the process's TLS credentials"
+        )
+    tls.check(server=False)
+    return tls
+
+
 @dataclass
 class _Loaded:
     stamp: tuple

@@ -18,6 +18,7 @@ from ragline.embedding_backends import EmbeddingBackend, OnnxRuntimeBackend
 from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.server import Service, ServiceSpec
+from ragline.tls import process_tls_for
 from ragline.tokenization import Tokenizer
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc
 from ragline_services.embedding.servicer import EmbeddingServicer
@@ -57,6 +58,9 @@ class EmbeddingConfig(ServiceConfig):
     # Triton backend: server address and model name.
     triton_url: str = "127.0.0.1:8001"
     triton_model: str = "minilm_l6"
+    # Reach Triton under TLS with the process's RAGLINE_TLS_* credentials (their CA; the
+    # process's certificate under mtls), for a Triton started with --grpc-use-ssl.
+    triton_tls: bool = False
 
 
 def build_backend(config: EmbeddingConfig, store: ModelStore) -> EmbeddingBackend:
@@ -68,7 +72,12 @@ def build_backend(config: EmbeddingConfig, store: ModelStore) -> EmbeddingBacken
     if config.backend == "triton":
         from ragline_services.embedding.triton_backend import TritonBackend
 
-        return TritonBackend(config.triton_url, config.triton_model, spec.dim)
+        return TritonBackend(
+            config.triton_url,
+            config.triton_model,
+            spec.dim,
+            tls=process_tls_for(config.triton_tls, "RAGLINE_EMBEDDING_TRITON_TLS"),
+        )
     return OnnxRuntimeBackend(
         store.file(config.model, "model.onnx"),
         intra_op_threads=config.intra_op_threads,

@@ -11,6 +11,7 @@ import numpy as np
 from ragline import deadlines
 from ragline.errors import Unavailable
 from ragline.pooling import normalise
+from ragline.tls import TlsConfig
 
 # What this backend sends (name -> KServe datatype) and reads: the contract of every
 # embedding repository in deploy/triton/embedding (tests/deploy checks that they agree).
@@ -23,11 +24,22 @@ class TritonBackend:
     # Triton schedules its own model instances: one batch at a time from here is enough.
     parallel_runs = 1
 
-    def __init__(self, url: str, model: str, dim: int, *, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        dim: int,
+        *,
+        timeout_s: float = 10.0,
+        tls: TlsConfig | None = None,
+    ) -> None:
+        """`tls`: reach Triton under TLS with these credentials (its CA; this process's
+        certificate under mtls)."""
         from tritonclient.grpc import aio as triton_grpc
 
         self._triton = triton_grpc
-        self._client = triton_grpc.InferenceServerClient(url)
+        credentials = tls.channel_credentials() if tls is not None and tls.on else None
+        self._client = triton_grpc.InferenceServerClient(url, creds=credentials)
         self.url = url
         self.model = model
         self.dim = dim

@@ -18,6 +18,7 @@ from ragline.errors import FailedPrecondition
 from ragline.models import ModelStore
 from ragline.processes import free_ports
 from ragline.server import Periodic, Service, ServiceSpec
+from ragline.tls import process_tls_for
 from ragline.v1 import generation_pb2, generation_pb2_grpc
 from ragline_services.generation.engine import GenerationEngine
 from ragline_services.generation.generator import LARGE, SMALL, Generator, Speculation, Tier
@@ -115,6 +116,9 @@ class GenerationConfig(ServiceConfig):
     # ensembles on a Triton server (GPU nodes); tiers map to Triton model names.
     engine: Literal["llama", "triton"] = "llama"
     triton_url: str = "127.0.0.1:8001"
+    # Reach Triton under TLS with the process's RAGLINE_TLS_* credentials (their CA; the
+    # process's certificate under mtls), for a Triton started with --grpc-use-ssl.
+    triton_tls: bool = False
     triton_small_model: str = "ensemble"
     triton_large_model: str = ""
     triton_preprocessing_model: str = "preprocessing"
@@ -361,6 +365,7 @@ class GenerationService(Service):
             model,
             preprocessing_model=cfg.triton_preprocessing_model,
             context_window=cfg.context_per_seq,
+            tls=process_tls_for(cfg.triton_tls, "RAGLINE_GENERATION_TRITON_TLS"),
         )
         self.engines.append(engine)
         await engine.start()

@@ -19,8 +19,9 @@ import grpc
 import numpy as np
 
 from ragline import control_tokens, deadlines
-from ragline.clients import RECONNECT_OPTIONS
+from ragline.clients import RECONNECT_OPTIONS, open_channel
 from ragline.errors import InvalidArgument, Unavailable
+from ragline.tls import TlsConfig
 from ragline_services.generation.engine import StreamEvent
 
 _CHATML_ROLES = ("system", "user", "assistant")
@@ -80,11 +81,13 @@ class TritonGenerationEngine:
         preprocessing_model: str = "preprocessing",
         context_window: int = 4096,
         timeout_s: float = 600.0,
+        tls: TlsConfig | None = None,
     ) -> None:
+        """`tls`: reach Triton under TLS with these credentials."""
         from tritonclient.grpc import service_pb2, service_pb2_grpc
 
         self._pb = service_pb2
-        self._channel = grpc.aio.insecure_channel(url, options=RECONNECT_OPTIONS)
+        self._channel = open_channel(url, tls or TlsConfig(mode="off"), RECONNECT_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self.url = url
         self.model = model

@@ -175,3 +175,33 @@ def test_the_qdrant_key_reaches_the_retrieval_pods_and_qdrant_only(helm):
         "name": "rl-qdrant-key",
         "key": "RAGLINE_RETRIEVAL_QDRANT_API_KEY",
     }
+
+
+def test_triton_serves_grpc_under_mutual_tls_when_the_stack_does(helm):
+    gpu = ["-f", str(CHART / "values-gpu.yaml")]
+    objects = render(helm, CHART, *gpu, *MTLS, *CERT_MANAGER)
+    config = next(
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
+    )
+    assert config["data"]["RAGLINE_EMBEDDING_TRITON_TLS"] == "true"
+    assert config["data"]["RAGLINE_GENERATION_TRITON_TLS"] == "true"
+    (triton,) = [
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "rl-triton"
+    ]
+    container = triton["spec"]["template"]["spec"]["containers"][0]
+    assert {"--grpc-use-ssl=true", "--grpc-use-ssl-mutual=true"} <= set(container["args"])
+    assert {"name": "tls", "mountPath": "/etc/ragline/tls", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    (certificate,) = [o for o in objects if o["kind"] == "Certificate"]
+    host = config["data"]["RAGLINE_GENERATION_TRITON_URL"].rpartition(":")[0]
+    assert host in certificate["spec"]["dnsNames"]
+    plain = render(helm, CHART, *gpu)
+    config = next(
+        o for o in plain if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
+    )
+    assert config["data"]["RAGLINE_EMBEDDING_TRITON_TLS"] == "false"
+    (triton,) = [
+        o for o in plain if o["kind"] == "Deployment" and o["metadata"]["name"] == "rl-triton"
+    ]
+    assert not any("ssl" in a for a in triton["spec"]["template"]["spec"]["containers"][0]["args"])

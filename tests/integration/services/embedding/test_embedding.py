@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
+from ragline.clients import open_channel
 from ragline.embedder import PASSAGE, input_prefixes
 from ragline.models import ModelStore
 from ragline.processes import free_ports
@@ -356,3 +357,45 @@ async def test_a_query_runs_before_the_same_tenants_bulk_backlog(launcher):
     # and ran alone (never padded with the passages).
     assert query_wait < bulk_waits[-1] * 0.5, (query_wait, bulk_waits)
     assert query_batch == 1
+
+
+def test_the_triton_path_under_mutual_tls(launcher, triton_starter, tmp_path):
+    """A real tritonserver serving gRPC under mutual TLS: the embedding service reaches it
+    with its own certificate (RAGLINE_EMBEDDING_TRITON_TLS), and not without one."""
+    from ragline_app.certificates import local_authority
+
+    pki = local_authority(tmp_path / "pki")
+    model = EmbeddingConfig.model_fields["model"].default
+    server = triton_starter(
+        REPO_ROOT / "deploy" / "triton" / "embedding" / "cpu",
+        tmp_path / "triton",
+        {"minilm_l6/1/model.onnx": ModelStore().file(model, "model.onnx")},
+        certificates=pki,
+    )
+    try:
+        env = {
+            "RAGLINE_EMBEDDING_BACKEND": "triton",
+            "RAGLINE_EMBEDDING_TRITON_URL": f"localhost:{server.grpc_port}",
+            "RAGLINE_EMBEDDING_TRITON_MODEL": "minilm_l6",
+            "RAGLINE_EMBEDDING_TRITON_TLS": "true",
+            **pki.service_environment("mtls"),
+        }
+        service = launcher.start("embedding", env=env)
+
+        async def embed_under_tls():
+            # the service serves under the same RAGLINE_TLS_* it reaches Triton with
+            async with open_channel(service.address, service.tls) as channel:
+                return await embedding_pb2_grpc.EmbeddingServiceStub(channel).Embed(
+                    embedding_pb2.EmbedRequest(texts=["The Vistula"]), timeout=30
+                )
+
+        reply = asyncio.run(embed_under_tls())
+        assert len(as_array(reply)[0]) == 384
+        launcher.stop_all()
+        plain = {k: v for k, v in env.items() if k != "RAGLINE_EMBEDDING_TRITON_TLS"}
+        refused = launcher.start("embedding", env=plain, wait=False)
+        assert refused.process.wait(timeout=60) == 1
+        launcher.forget(refused)
+        assert "Triton at localhost" in refused.log()
+    finally:
+        server.stop()

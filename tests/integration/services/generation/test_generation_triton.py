@@ -87,3 +87,39 @@ async def test_cancel_frees_the_slot(generation_on_triton):
             )
         ]
     assert messages[-1].final.timing.queue_wait.ToNanoseconds() < 1e9
+
+
+def test_generation_reaches_a_triton_under_mutual_tls(launcher, triton_starter, tmp_path):
+    """RAGLINE_GENERATION_TRITON_TLS: the engine's channel to a real tritonserver serving
+    gRPC under mutual TLS carries the service's certificate."""
+    from ragline.clients import open_channel
+    from ragline_app.certificates import local_authority
+    from support import REPO_ROOT
+
+    pki = local_authority(tmp_path / "pki")
+    server = triton_starter(
+        REPO_ROOT / "deploy" / "triton" / "generation" / "cpu",
+        tmp_path / "triton",
+        certificates=pki,
+    )
+    try:
+        service = launcher.start(
+            "generation",
+            env={
+                "RAGLINE_GENERATION_ENGINE": "triton",
+                "RAGLINE_GENERATION_TRITON_URL": f"localhost:{server.grpc_port}",
+                "RAGLINE_GENERATION_TRITON_TLS": "true",
+                **pki.service_environment("mtls"),
+            },
+        )
+
+        async def generated() -> str:
+            async with open_channel(service.address, service.tls) as channel:
+                stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                request = generation_pb2.GenerateRequest(prompt="alpha beta", max_tokens=3)
+                replies = [m async for m in stub.Generate(request, timeout=30, metadata=ACME)]
+            return replies[-1].final.text
+
+        assert asyncio.run(generated()) == " alpha beta alpha"
+    finally:
+        server.stop()
