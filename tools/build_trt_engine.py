@@ -17,6 +17,7 @@ stubs that fetch from NVIDIA's index); this tool says so instead of failing obsc
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -111,6 +112,32 @@ def verify(args, engine_bytes: bytes) -> float:
     return cosine
 
 
+DECLARED = ("ragline_model_version", "ragline_batch_invariant")
+
+
+def declare(config_text: str, version: str, batch_invariant: bool) -> str:
+    """The repository's config.pbtxt with the parameters by which the embedding service
+    labels this engine's vectors (its own version, not the ONNX file's it was built from)
+    and decides whether to batch; earlier declarations replaced."""
+    kept = [
+        line
+        for line in config_text.splitlines()
+        if not any(f'key: "{name}"' in line for name in DECLARED)
+    ]
+    values = {DECLARED[0]: version, DECLARED[1]: "true" if batch_invariant else "false"}
+    kept += [
+        f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+        for key, value in values.items()
+    ]
+    return "\n".join(kept) + "\n"
+
+
+def engine_version(source_model: str, engine: bytes, fp32: bool) -> str:
+    """`<source>-trt-<precision>@<sha256 of the plan, 16 hex>`: one engine, one version."""
+    precision = "fp32" if fp32 else "fp16"
+    return f"{source_model}-trt-{precision}@{hashlib.sha256(engine).hexdigest()[:16]}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -129,6 +156,11 @@ def main() -> int:
         type=Path,
         default=Path(__file__).resolve().parents[1] / "app/data/squad_dev_sample.json",
     )
+    parser.add_argument(
+        "--source-model",
+        default="minilm-l6-fp32",
+        help="the manifest model the ONNX file is (the version's prefix)",
+    )
     args = parser.parse_args()
     engine = build(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +169,14 @@ def main() -> int:
     if args.verify and verify(args, engine) < 0.999:
         print("verify failed: cosine below 0.999", file=sys.stderr)
         return 1
+    # <model>/<version>/model.plan: the model's config.pbtxt is two folders up.
+    config = args.out.parent.parent / "config.pbtxt"
+    if config.exists():
+        version = engine_version(args.source_model, engine, args.fp32)
+        # No activation is quantized from its batch: a text's vector does not depend on
+        # what shares its run, so the service may batch.
+        config.write_text(declare(config.read_text(), version, batch_invariant=True))
+        print(f"declared {version} in {config}")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Literal
 
@@ -102,16 +103,19 @@ class EmbeddingService(Service):
         store = ModelStore(cfg.model_dir or self.common.model_dir)
         spec = store.spec(cfg.model)
         if cfg.prepare_models:
-            # A download and hashes: off the event loop, so health answers meanwhile.
+            # A download and hashes: off the event loop, so health answers meanwhile. On
+            # Triton the model runs there: only its tokenizer is needed here.
+            needed = spec.tokenizer if cfg.backend == "triton" else cfg.model
             await asyncio.to_thread(
-                store.prepare, cfg.model, log=lambda line: log.info("models.prepare", detail=line)
+                store.prepare, needed, log=lambda line: log.info("models.prepare", detail=line)
             )
         tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
         if cfg.backend == "triton":
             self.backend = build_backend(cfg, store)  # an aio channel: made on the loop
         else:  # loading an ONNX session takes a while: in a thread
             self.backend = await asyncio.to_thread(build_backend, cfg, store)
-        version = store.version(cfg.model)
+        await self.backend.check_ready()
+        spec, version = await self._identity(spec, store)
         if not batch_invariant(spec):
             # The default model's normal way of running (not a fault): info, not a warning.
             log.info(
@@ -119,7 +123,6 @@ class EmbeddingService(Service):
                 model=cfg.model,
                 reason="dynamic activation quantization: one text per run",
             )
-        await self.backend.check_ready()
         embedder = await start_embedder(
             self.backend,
             tokenizer,
@@ -143,6 +146,22 @@ class EmbeddingService(Service):
             backend=cfg.backend,
             dim=self.backend.dim,
         )
+
+    async def _identity(self, spec, store: ModelStore):
+        """(spec, version) of the vectors this service makes: what a Triton model declares
+        of itself (a TensorRT engine is not the manifest's file), else the manifest's."""
+        declared = await self.backend.declared() if self.config.backend == "triton" else None
+        if declared is None:
+            if self.config.backend == "triton":
+                log.warning(
+                    "embedding.triton_model_undeclared",
+                    model=self.config.triton_model,
+                    detail="its vectors carry the manifest model's version; build_trt_engine.py "
+                    "declares an engine's own (ragline_model_version)",
+                )
+            return spec, store.version(self.config.model)
+        extra = {**spec.extra, "batch_invariant": declared.batch_invariant}
+        return dataclasses.replace(spec, extra=extra), declared.version
 
     async def stop(self) -> None:
         if self.batcher is not None:

@@ -6,6 +6,8 @@ still tokenizes, batches and buckets by length; Triton runs the padded batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ragline import deadlines
@@ -17,6 +19,19 @@ from ragline.tls import TlsConfig
 # embedding repository in deploy/triton/embedding (tests/deploy checks that they agree).
 MODEL_INPUTS = {"input_ids": "INT64", "attention_mask": "INT64"}
 MODEL_OUTPUT = "sentence_embedding"
+
+
+# Config parameters by which a Triton model says what its vectors are: the version they
+# carry (caches and indexes key on it) and whether a text's vector is the same whatever
+# shares its batch (then the service batches). tools/build_trt_engine.py writes them.
+VERSION_PARAMETER = "ragline_model_version"
+BATCH_INVARIANT_PARAMETER = "ragline_batch_invariant"
+
+
+@dataclass(frozen=True)
+class DeclaredModel:
+    version: str
+    batch_invariant: bool
 
 
 class TritonBackend:
@@ -54,6 +69,25 @@ class TritonBackend:
             raise Unavailable(f"Triton at {self.url} unreachable: {error}") from error
         if not ready:
             raise Unavailable(f"Triton at {self.url} has no ready model {self.model!r}")
+
+    async def declared(self) -> DeclaredModel | None:
+        """What the served model declares about its vectors (None: it declares nothing)."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            reply = await self._client.get_model_config(self.model, as_json=True)
+        except InferenceServerException as error:
+            raise Unavailable(
+                f"Triton at {self.url}: no config of {self.model!r}: {error}"
+            ) from error
+        parameters = reply.get("config", {}).get("parameters", {})
+
+        def text(name: str) -> str:
+            return str(parameters.get(name, {}).get("string_value", "")).strip()
+
+        if not text(VERSION_PARAMETER):
+            return None
+        return DeclaredModel(text(VERSION_PARAMETER), text(BATCH_INVARIANT_PARAMETER) == "true")
 
     async def embed(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         from tritonclient.utils import InferenceServerException

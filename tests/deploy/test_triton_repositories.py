@@ -115,3 +115,29 @@ def test_a_contract_drift_is_caught(tmp_path):
     models, _ = load_repository(repository)
     problems = contract_problems(models["ensemble"], ENSEMBLE_INPUTS, [ENSEMBLE_OUTPUT])
     assert any("max_tokens" in p for p in problems)
+
+
+def test_an_engine_declaration_parses_and_replaces_the_last_one(tmp_path):
+    """tools/build_trt_engine.py's declaration in the GPU repository's config: Triton's
+    ModelConfig reads it, and building again replaces it instead of adding one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "build_trt", REPO_ROOT / "tools/build_trt_engine.py"
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    repository = tmp_path / "gpu"
+    shutil.copytree(TRITON / "embedding" / "gpu", repository)
+    config = repository / "minilm_l6" / "config.pbtxt"
+    first = tool.engine_version("minilm-l6-fp32", b"plan one", fp32=False)
+    second = tool.engine_version("minilm-l6-fp32", b"plan two", fp32=False)
+    assert first.startswith("minilm-l6-fp32-trt-fp16@") and first != second
+    config.write_text(tool.declare(config.read_text(), first, batch_invariant=True))
+    config.write_text(tool.declare(config.read_text(), second, batch_invariant=True))
+    models, problems = load_repository(repository)
+    assert problems == []
+    parameters = models["minilm_l6"].config.parameters
+    assert parameters["ragline_model_version"].string_value == second
+    assert parameters["ragline_batch_invariant"].string_value == "true"
+    assert config.read_text().count("ragline_model_version") == 1

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
+import urllib.request
 
 import grpc
 import numpy as np
@@ -397,5 +399,48 @@ def test_the_triton_path_under_mutual_tls(launcher, triton_starter, tmp_path):
         assert refused.process.wait(timeout=60) == 1
         launcher.forget(refused)
         assert "Triton at localhost" in refused.log()
+    finally:
+        server.stop()
+
+
+def test_a_triton_model_that_declares_its_version_labels_the_vectors_and_batches(
+    launcher, triton_starter, tmp_path
+):
+    """The version a Triton model declares (ragline_model_version: a TensorRT engine is not
+    the manifest's file) is the one the vectors carry, and a batch-invariant declaration
+    lets the service send whole batches (Triton counts fewer runs than texts)."""
+    source = tmp_path / "repository"
+    shutil.copytree(REPO_ROOT / "deploy" / "triton" / "embedding" / "cpu", source)
+    config = source / "minilm_l6" / "config.pbtxt"
+    config.write_text(
+        config.read_text()
+        + 'parameters { key: "ragline_model_version" value: { string_value: "test-engine@1" } }\n'
+        + 'parameters { key: "ragline_batch_invariant" value: { string_value: "true" } }\n'
+    )
+    model = EmbeddingConfig.model_fields["model"].default
+    server = triton_starter(
+        source,
+        tmp_path / "triton",
+        {"minilm_l6/1/model.onnx": ModelStore().file(model, "model.onnx")},
+    )
+    try:
+        service = launcher.start(
+            "embedding",
+            env={
+                "RAGLINE_EMBEDDING_BACKEND": "triton",
+                "RAGLINE_EMBEDDING_TRITON_URL": server.grpc_url,
+                "RAGLINE_EMBEDDING_MAX_WAIT_MS": "50",
+            },
+        )
+        texts = sample_texts(16)
+        reply = asyncio.run(embed(service.address, embedding_pb2.EmbedRequest(texts=texts)))
+        assert reply.model_version == "test-engine@1"
+        statistics = json.loads(
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{server.http_port}/v2/models/minilm_l6/stats", timeout=5
+            ).read()
+        )["model_stats"][0]
+        assert statistics["inference_count"] >= 16
+        assert statistics["execution_count"] < statistics["inference_count"]
     finally:
         server.stop()
