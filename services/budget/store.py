@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import structlog
 
 from ragline import deadlines, tracing
 from ragline.breaker import Breaker, BreakerOpen
+from ragline.config import ConfigError
 from ragline.errors import DeadlineExceeded, Unavailable
 
 
@@ -94,6 +96,7 @@ class EtcdLedgerStore:
         ping_key: bytes = b"/ragline/ping",
     ) -> None:
         self.endpoints = list(endpoints)
+        self._target = etcd_target(self.endpoints)  # a bad list fails at start, named
         self._timeout_s = timeout_s
         self._access = access or EtcdAccess()
         # A key the ledger's etcd user may read (its role covers the ledger's prefix only).
@@ -125,6 +128,10 @@ class EtcdLedgerStore:
                 ("grpc.max_reconnect_backoff_ms", 1000),
             ]
         )
+        # etcd3aio writes every endpoint into an `ipv4:` target, which takes IP literals
+        # only: a name (a headless Service, an external cluster's DNS name) goes to gRPC's
+        # DNS resolver instead, which finds every member and resolves again on reconnect.
+        client._manager.target = self._target
         await client.connect()
         self._client = client
         if self._access.username:
@@ -268,6 +275,28 @@ class EtcdLedgerStore:
         await self._call(
             "ping", lambda: self._client.kv.get(self._ping_key, timeout=self._timeout())
         )
+
+
+def etcd_target(endpoints: Sequence[str]) -> str:
+    """The gRPC target of etcd's client endpoints: IP literals as a static `ipv4:`/`ipv6:`
+    list; one DNS name as `dns:///name:port`. Several names cannot be one target."""
+    hosts = [endpoint.rpartition(":")[0].strip("[]") for endpoint in endpoints]
+    families = set()
+    for host in hosts:
+        try:
+            families.add(ipaddress.ip_address(host).version)
+        except ValueError:
+            families.add("name")
+    if families == {4}:
+        return "ipv4:" + ",".join(endpoints)
+    if families == {6}:
+        return "ipv6:" + ",".join(endpoints)
+    if families == {"name"} and len(endpoints) == 1:
+        return f"dns:///{endpoints[0]}"
+    raise ConfigError(
+        f"RAGLINE_BUDGET_ETCD_ENDPOINTS={','.join(endpoints)}: give IP addresses, or one DNS "
+        "name that resolves to every member (a headless Service), not several names or a mix"
+    )
 
 
 def _is_silence(error: Exception) -> bool:

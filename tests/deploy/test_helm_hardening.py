@@ -59,3 +59,19 @@ def test_the_bundled_etcd_needs_no_shell(helm):
     } in container["env"]
     peers = next(a for a in container["args"] if a.startswith("--initial-cluster="))
     assert peers.count("=http://rl-etcd-") == 3
+
+
+def test_the_budget_service_reaches_the_bundled_etcd_by_one_name(helm):
+    """etcd's client library takes IP lists or one DNS name: the headless Service's."""
+    from ragline_services.budget.store import etcd_target
+
+    objects = render(helm)
+    config = next(
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
+    )
+    endpoints = config["data"]["RAGLINE_BUDGET_ETCD_ENDPOINTS"]
+    assert etcd_target(endpoints.split(",")) == "dns:///rl-etcd:2379"
+    (service,) = [
+        o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "rl-etcd"
+    ]
+    assert service["spec"]["clusterIP"] == "None"

@@ -42,8 +42,11 @@ def secured_etcd(tmp_path):
 
 
 def secured_env(server, certificates, credentials, **extra) -> dict[str, str]:
+    # By name, as a cluster gives it (a headless Service): gRPC's DNS resolver, and the
+    # name checked in etcd's certificate.
     return budget_env(
         server,
+        RAGLINE_BUDGET_ETCD_ENDPOINTS=f"localhost:{server.client_port}",
         RAGLINE_BUDGET_ETCD_CA_FILE=str(certificates.ca),
         RAGLINE_BUDGET_ETCD_CERT_FILE=str(certificates.service_cert),
         RAGLINE_BUDGET_ETCD_KEY_FILE=str(certificates.service_key),

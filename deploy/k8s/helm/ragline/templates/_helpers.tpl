@@ -14,14 +14,11 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/name: {{ .name }}
 {{- end -}}
 
+{{- /* The bundled etcd by its headless Service's one name, which resolves to every
+member (gRPC's DNS resolver; a list of names would not be one target). */ -}}
 {{- define "ragline.etcdEndpoints" -}}
 {{- if .Values.etcd.enabled -}}
-{{- $name := printf "%s-etcd" (include "ragline.fullname" .) -}}
-{{- $endpoints := list -}}
-{{- range $i := until (int .Values.etcd.replicas) -}}
-{{- $endpoints = append $endpoints (printf "%s-%d.%s:2379" $name $i $name) -}}
-{{- end -}}
-{{- join "," $endpoints -}}
+{{- printf "%s-etcd:2379" (include "ragline.fullname" .) -}}
 {{- else -}}
 {{- required "etcd.endpoints is required when etcd.enabled is false" .Values.etcd.endpoints -}}
 {{- end -}}
