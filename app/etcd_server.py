@@ -7,6 +7,7 @@ it with RAGLINE_BUDGET_ETCD_ENDPOINTS.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -152,27 +153,34 @@ class LedgerCredentials:
 
 
 async def provision_ledger_user(
-    endpoint: str,
+    endpoints: str,
     credentials: LedgerCredentials,
     prefix: str,
     certificates: LocalCertificates | None = None,
+    *,
+    tls_files: tuple[Path, Path, Path] | None = None,
 ) -> None:
     """etcd auth on, with a user for the budget service whose role reads and writes the
-    ledger's key prefix and nothing else. Idempotent: a second run (the same data folder)
-    signs in as root and changes nothing that is there."""
+    ledger's key prefix and nothing else. Idempotent: a second run (the same data folder,
+    a chart upgrade) signs in as root and changes nothing that is there. TLS: the local
+    CA's `certificates`, or `tls_files` (CA, client certificate, key)."""
     import etcd3aio
     import grpc
     from etcd3aio.auth import PermissionType
 
-    tls = {}
+    from ragline_services.budget.store import EtcdAccess, etcd_target
+
     if certificates is not None:
-        tls = {
-            "ca_cert": certificates.ca.read_bytes(),
-            "cert_chain": certificates.service_cert.read_bytes(),
-            "cert_key": certificates.service_key.read_bytes(),
-        }
+        tls_files = (certificates.ca, certificates.service_cert, certificates.service_key)
+    access = EtcdAccess()
+    if tls_files is not None:
+        access = EtcdAccess(ca_file=tls_files[0], cert_file=tls_files[1], key_file=tls_files[2])
+    tls = await asyncio.to_thread(access.tls_arguments)
     role = credentials.username
-    async with etcd3aio.Etcd3Client([endpoint], **tls) as client:
+    listed = [e.strip() for e in endpoints.split(",") if e.strip()]
+    client = etcd3aio.Etcd3Client(listed, **tls)
+    client._manager.target = etcd_target(listed)  # names too (see the budget's store)
+    async with client:
         # Signed in as root where auth is on already (an earlier run): with client
         # certificates, etcd would otherwise take the certificate's name for a user.
         try:

@@ -60,8 +60,23 @@ def failed_checks(helm: str, tmp_path, *extra: str) -> dict[str, set[str]]:
     return failed
 
 
-def test_no_failed_check_beyond_the_readmes_reasons(helm, tmp_path):
-    failed = failed_checks(helm, tmp_path)
+SECURED = [
+    "--set", "config.RAGLINE_TLS_MODE=mtls",
+    "--set", "tls.certManager.enabled=true",
+    "--set", "tls.certManager.issuerRef.name=ragline-ca",
+    "--set", "etcd.secure=true",
+    "--set", "etcd.rootPassword=root-secret",
+    "--set", "etcd.clientPassword=ledger-secret",
+    "--set", "config.RAGLINE_BUDGET_ETCD_USERNAME=ledger",
+    "--set", "redis.password=cache-secret",
+    "--set", "config.RAGLINE_REDIS_USERNAME=ragline",
+    "--set", "qdrant.apiKey=vector-key",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", ["default", "secured"])
+def test_no_failed_check_beyond_the_readmes_reasons(helm, tmp_path, variant):
+    failed = failed_checks(helm, tmp_path, *(SECURED if variant == "secured" else []))
     unexplained = {
         check: sorted(where) for check, where in failed.items() if check not in allowed()
     }

@@ -12,22 +12,37 @@ pytestmark = pytest.mark.deploy
 
 EVERYTHING = ["--set", "qdrant.enabled=true", "--set", "triton.modelRepositoryClaim=models"]
 
+SECURE_ETCD = [
+    "--set", "config.RAGLINE_TLS_MODE=mtls",
+    "--set", "tls.certManager.enabled=true",
+    "--set", "tls.certManager.issuerRef.name=ragline-ca",
+    "--set", "etcd.secure=true",
+    "--set", "etcd.rootPassword=root-secret",
+    "--set", "etcd.clientPassword=ledger-secret",
+    "--set", "config.RAGLINE_BUDGET_ETCD_USERNAME=ledger",
+]  # fmt: skip
+
 
 def workloads(objects: list[dict]) -> list[dict]:
-    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet", "Pod")]
+    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet", "Pod", "Job")]
 
 
 def pod_spec(workload: dict) -> dict:
-    return workload["spec"] if workload["kind"] == "Pod" else workload["spec"]["template"]["spec"]
+    if workload["kind"] == "Pod":
+        return workload["spec"]
+    return workload["spec"]["template"]["spec"]
 
 
-@pytest.mark.parametrize("flavour", VALUES)
+@pytest.mark.parametrize("flavour", [*VALUES, "secured"])
 def test_every_container_runs_unprivileged(helm, flavour):
-    objects = render(helm, CHART, *VALUES[flavour], *EVERYTHING)
+    extra = SECURE_ETCD if flavour == "secured" else VALUES[flavour]
+    objects = render(helm, CHART, *extra, *EVERYTHING)
     names = {w["metadata"]["name"] for w in workloads(objects)}
     assert {"rl-etcd", "rl-redis", "rl-qdrant"} <= names
     if flavour == "gpu":
         assert "rl-triton" in names
+    if flavour == "secured":
+        assert "rl-etcd-setup" in names
     for workload in workloads(objects):
         spec = pod_spec(workload)
         name = workload["metadata"]["name"]
@@ -75,3 +90,73 @@ def test_the_budget_service_reaches_the_bundled_etcd_by_one_name(helm):
         o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "rl-etcd"
     ]
     assert service["spec"]["clusterIP"] == "None"
+
+
+def test_a_secured_bundled_etcd_speaks_mutual_tls_and_a_job_turns_its_auth_on(helm):
+    import fnmatch
+
+    from ragline_app.cli import build_parser
+
+    objects = render(helm, CHART, *SECURE_ETCD)
+    (etcd,) = [
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-etcd"
+    ]
+    container = pod_spec(etcd)["containers"][0]
+    args = container["args"]
+    assert "--client-cert-auth" in args and "--peer-client-cert-auth" in args
+    assert "--listen-client-urls=https://0.0.0.0:2379" in args
+    assert not any("http://rl-etcd" in a for a in args)  # peers under TLS too
+    assert container["readinessProbe"]["httpGet"]["port"] == 2381
+    # the certificate names every member of the peer list and the name the budget dials
+    (certificate,) = [o for o in objects if o["kind"] == "Certificate"]
+    names = certificate["spec"]["dnsNames"]
+    peers = next(a for a in args if a.startswith("--initial-cluster=")).split("=", 1)[1]
+    members = [url.split("://")[1].rsplit(":", 1)[0] for url in peers.split(",")]
+    config = next(
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
+    )
+    dialed = config["data"]["RAGLINE_BUDGET_ETCD_ENDPOINTS"].rsplit(":", 1)[0]
+    for host in [*members, dialed]:
+        assert any(fnmatch.fnmatchcase(host, pattern) for pattern in names), host
+    assert config["data"]["RAGLINE_BUDGET_ETCD_CA_FILE"] == "/etc/ragline/tls/ca.crt"
+    # the setup Job: a real ragline command, the root password and the budget's user
+    (job,) = [o for o in objects if o["kind"] == "Job"]
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    job_container = job["spec"]["template"]["spec"]["containers"][0]
+    assert build_parser().parse_args(job_container["args"]).command == "etcd-setup"
+    secrets = {s["secretRef"]["name"] for s in job_container["envFrom"] if "secretRef" in s}
+    assert secrets == {"rl-budget-etcd", "rl-etcd-root"}
+    (root,) = [o for o in objects if o["metadata"]["name"] == "rl-etcd-root"]
+    assert root["stringData"] == {"RAGLINE_ETCD_ROOT_PASSWORD": "root-secret"}
+    (policy,) = [
+        o for o in objects if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "rl-etcd"
+    ]
+    admitted = [
+        peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+        for rule in policy["spec"]["ingress"]
+        for peer in rule.get("from", [])
+        if "podSelector" in peer
+    ]
+    assert "etcd-setup" in admitted and "budget" in admitted
+    # and only the setup Job holds the root password
+    holders = [
+        w["metadata"]["name"]
+        for w in workloads(objects)
+        for source in pod_spec(w)["containers"][0].get("envFrom", [])
+        if source.get("secretRef", {}).get("name") == "rl-etcd-root"
+    ]
+    assert holders == ["rl-etcd-setup"]
+
+
+def test_a_secured_etcd_without_tls_fails_with_what_to_set(helm):
+    import subprocess
+
+    from support.helm_chart import KEYS
+
+    result = subprocess.run(
+        [helm, "template", "rl", str(CHART), *KEYS, "--set", "etcd.secure=true"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and "etcd.secure needs RAGLINE_TLS_MODE on" in result.stderr

@@ -152,3 +152,45 @@ def test_plaintext_or_a_wrong_password_is_refused_and_health_says_so(launcher, s
     asyncio.run(checks())
     assert '"event": "budget.etcd_refused"' in wrong.log()
     assert "RAGLINE_BUDGET_ETCD_PASSWORD" in wrong.log()
+
+
+def test_the_setup_command_secures_an_etcd_and_the_ledger_then_works(launcher, tmp_path):
+    """`ragline etcd-setup` (the chart's setup Job) on a fresh TLS etcd: auth on, the budget
+    service's user confined to its prefix; run again, it changes nothing and succeeds."""
+    import os
+    import subprocess
+    import sys
+
+    certificates = local_authority(tmp_path / "pki")
+    client_port, peer_port = free_ports(2)
+    server = EtcdServer(
+        tmp_path / "etcd",
+        client_port,
+        peer_port,
+        log_path=tmp_path / "etcd.log",
+        unsafe_no_fsync=True,
+        certificates=certificates,
+    )
+    server.start()
+    credentials = LedgerCredentials("root-secret", "ledger", "ledger-secret")
+    env = secured_env(server, certificates, credentials, RAGLINE_ETCD_ROOT_PASSWORD="root-secret")
+    try:
+        for _ in range(2):
+            setup = subprocess.run(
+                [sys.executable, "-m", "ragline_app.cli", "etcd-setup", "--wait", "30"],
+                env={**os.environ, **env},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert setup.returncode == 0, setup.stderr
+            assert "auth on; user 'ledger'" in setup.stdout
+        budget = launcher.start("budget", env=env)
+        assert asyncio.run(spend(budget.address)) == 30
+        wrong = launcher.start(
+            "budget", env={**env, "RAGLINE_BUDGET_ETCD_PASSWORD": "nope"}, wait=False
+        )
+        assert asyncio.run(wait_health(wrong.address, "NOT_SERVING")) == "NOT_SERVING"
+    finally:
+        launcher.stop_all()
+        server.stop()

@@ -53,3 +53,14 @@ member (gRPC's DNS resolver; a list of names would not be one target). */ -}}
 {{- .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- with .Values.image.digest }}@{{ . }}{{ end }}
 {{- end -}}
+
+{{- /* etcd.secure's requirements, failing with what to set. */ -}}
+{{- define "ragline.etcdSecure" -}}
+{{- if and .Values.etcd.enabled .Values.etcd.secure -}}
+{{- if ne (include "ragline.tlsOn" .) "true" }}{{ fail "etcd.secure needs RAGLINE_TLS_MODE on (its certificates come from tls:)" }}{{ end -}}
+{{- if not .Values.etcd.rootPassword }}{{ fail "etcd.secure needs etcd.rootPassword (the setup Job's root user)" }}{{ end -}}
+{{- if not (or .Values.etcd.clientPassword .Values.etcd.clientExistingSecret) }}{{ fail "etcd.secure needs etcd.clientPassword (the budget service's etcd user)" }}{{ end -}}
+{{- if not .Values.config.RAGLINE_BUDGET_ETCD_USERNAME }}{{ fail "etcd.secure needs config.RAGLINE_BUDGET_ETCD_USERNAME (the budget service's etcd user)" }}{{ end -}}
+true
+{{- end -}}
+{{- end -}}
