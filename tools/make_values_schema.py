@@ -45,6 +45,12 @@ OPEN = {
     "triton.nodeSelector",
     "triton.tolerations",
     "*.podSecurityContext",
+    "extraVolumes",
+    "extraVolumeMounts",
+    "*.nodeSelector",
+    "*.affinity",
+    "*.tolerations",
+    "*.podAnnotations",
     "*.securityContext",
 }
 

@@ -160,3 +160,48 @@ def test_a_secured_etcd_without_tls_fails_with_what_to_set(helm):
         timeout=120,
     )
     assert result.returncode != 0 and "etcd.secure needs RAGLINE_TLS_MODE on" in result.stderr
+
+
+def test_every_workload_takes_scheduling_annotations_and_pull_secrets(helm, tmp_path):
+    """affinity, tolerations, node selector, pod annotations and pull secrets reach the
+    bundled workloads too; extra volumes reach ragline's pods (an external store's CA)."""
+    import yaml
+
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["stores"]}]}
+                ]
+            }
+        }
+    }
+    values = {
+        "imagePullSecrets": [{"name": "regcred"}],
+        "extraVolumes": [{"name": "etcd-ca", "secret": {"secretName": "etcd-ca"}}],
+        "extraVolumeMounts": [{"name": "etcd-ca", "mountPath": "/etc/etcd-ca"}],
+    }
+    for component in ("etcd", "qdrant", "redis", "triton"):
+        values[component] = {
+            "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+            "podAnnotations": {"team": "search"},
+            "affinity": affinity,
+        }
+    extra = tmp_path / "values.yaml"
+    extra.write_text(yaml.safe_dump(values))
+    gpu = ["-f", str(CHART / "values-gpu.yaml")]
+    objects = render(helm, CHART, *EVERYTHING, *gpu, "-f", str(extra))
+    bundled = {"rl-etcd", "rl-qdrant", "rl-redis", "rl-triton"}
+    assert bundled <= {w["metadata"]["name"] for w in workloads(objects)}
+    for workload in workloads(objects):
+        name = workload["metadata"]["name"]
+        spec = pod_spec(workload)
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}], name
+        if name in bundled:
+            assert {"key": "dedicated", "operator": "Exists"} in spec["tolerations"], name
+            assert spec["affinity"] == affinity, name
+            assert workload["spec"]["template"]["metadata"]["annotations"]["team"] == "search"
+        elif workload["kind"] != "Pod":
+            mounts = spec["containers"][0]["volumeMounts"]
+            assert {"name": "etcd-ca", "mountPath": "/etc/etcd-ca"} in mounts, name
+            assert {"name": "etcd-ca", "secret": {"secretName": "etcd-ca"}} in spec["volumes"], name
