@@ -67,3 +67,66 @@ def test_a_password_without_its_user_fails_with_what_to_set(helm):
         timeout=120,
     )
     assert result.returncode != 0 and "config.RAGLINE_REDIS_USERNAME" in result.stderr
+
+
+def test_the_rendered_redis_serves_tls_to_the_services_user(helm, tmp_path):
+    """With RAGLINE_TLS_MODE on, the bundled Redis's rendered command line (its paths moved
+    to this machine) runs a real redis-server that serves TLS only, to clients with a
+    certificate of the CA, and the services' cache URL asks for TLS."""
+    from ragline_app.certificates import local_authority
+
+    tls = ["--set", "config.RAGLINE_TLS_MODE=mtls", "--set", "tls.secretName=ragline-tls"]
+    objects = render(helm, CHART, *SECURED, *tls)
+    config = next(
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
+    )
+    assert config["data"]["RAGLINE_ORCHESTRATOR_CACHE_URL"].startswith("rediss://rl-redis:")
+    (redis,) = [
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-redis"
+    ]
+    args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+    (acl,) = [o for o in objects if o["metadata"]["name"] == "rl-redis-acl"]
+    (tmp_path / "users.acl").write_text(acl["stringData"]["users.acl"])
+    pki = local_authority(tmp_path / "pki")
+    port = free_ports(1)[0]
+    moved = {
+        "/etc/redis/acl/users.acl": str(tmp_path / "users.acl"),
+        "/etc/redis/tls/tls.crt": str(pki.service_cert),
+        "/etc/redis/tls/tls.key": str(pki.service_key),
+        "/etc/redis/tls/ca.crt": str(pki.ca),
+        "6379": str(port),
+    }
+    # the rendered --port 0 / --tls-port replace the plain port the server class sets
+    server = RedisServer(tmp_path / "redis", port)
+    server.start_with([moved.get(a, a) for a in args])
+
+    async def checks() -> None:
+        url = f"rediss://127.0.0.1:{port}/0"
+        services = RedisAccess(
+            username="ragline",
+            password=PASSWORD,
+            ca_file=pki.ca,
+            cert_file=pki.service_cert,
+            key_file=pki.service_key,
+        )
+        uncertified = RedisAccess(username="ragline", password=PASSWORD, ca_file=pki.ca)
+        caches = [open_cache(url, access=services), open_cache(url, access=uncertified)]
+        plain = open_cache(
+            f"redis://127.0.0.1:{port}/0",
+            timeout_s=1.0,
+            access=RedisAccess(username="ragline", password=PASSWORD),
+        )
+        try:
+            await caches[0].set("k", b"v", ttl_s=30)
+            assert await caches[0].get("k") == b"v"
+            for refused in (caches[1], plain):
+                with pytest.raises(Unavailable):
+                    await refused.get("k")
+        finally:
+            for cache in [*caches, plain]:
+                await cache.close()
+
+    try:
+        asyncio.run(checks())
+    finally:
+        server.stop()

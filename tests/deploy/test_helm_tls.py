@@ -205,3 +205,29 @@ def test_triton_serves_grpc_under_mutual_tls_when_the_stack_does(helm):
         o for o in plain if o["kind"] == "Deployment" and o["metadata"]["name"] == "rl-triton"
     ]
     assert not any("ssl" in a for a in triton["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_the_bundled_qdrant_serves_tls_and_retrieval_checks_it(helm):
+    objects = render(helm, CHART, *MTLS, *CERT_MANAGER, "--set", "qdrant.enabled=true")
+    config = next(
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
+    )
+    assert config["data"]["RAGLINE_RETRIEVAL_QDRANT_URL"] == "rl-qdrant:6334"
+    assert config["data"]["RAGLINE_RETRIEVAL_QDRANT_CA_FILE"] == "/etc/ragline/tls/ca.crt"
+    (qdrant,) = [
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-qdrant"
+    ]
+    container = qdrant["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["QDRANT__SERVICE__ENABLE_TLS"] == "true"
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    (certificate,) = [o for o in objects if o["kind"] == "Certificate"]
+    assert (
+        "rl-qdrant" in certificate["spec"]["dnsNames"]
+        and "rl-redis" in certificate["spec"]["dnsNames"]
+    )
+    plain = render(helm, CHART, "--set", "qdrant.enabled=true")
+    config = next(
+        o for o in plain if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
+    )
+    assert config["data"]["RAGLINE_RETRIEVAL_QDRANT_CA_FILE"] == ""
