@@ -75,10 +75,11 @@ def notes(helm: str, tmp_path, *values: str) -> str:
         '  notes: |\n{{ tpl (.Files.Get "notes.src") . | indent 4 }}\n'
     )
     rendered = subprocess.run(
-        [helm, "template", "rl", str(chart), "--show-only", "templates/notes-check.yaml",
-         *values],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [helm, "template", "rl", str(chart), "--show-only", "templates/notes-check.yaml", *values],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert rendered.returncode == 0, rendered.stderr
     return yaml.safe_load(rendered.stdout)["data"]["notes"]
 
@@ -111,7 +112,27 @@ def test_every_setting_the_templates_read_for_a_service_is_accepted_for_each_one
 def test_the_install_notes_give_grpcurl_the_flags_of_the_transport(helm, tmp_path):
     plain = notes(helm, tmp_path / "plain", *GOOD_KEYS)
     assert "grpcurl -plaintext" in plain
-    mtls = notes(helm, tmp_path / "mtls", *GOOD_KEYS, "--set", "config.RAGLINE_TLS_MODE=mtls",
-                 "--set", "tls.secretName=ops-issued")  # fmt: skip
+    mtls = notes(
+        helm,
+        tmp_path / "mtls",
+        *GOOD_KEYS,
+        "--set",
+        "config.RAGLINE_TLS_MODE=mtls",
+        "--set",
+        "tls.secretName=ops-issued",
+    )
     assert "-plaintext" not in mtls
     assert "grpcurl -cacert ca.crt -cert tls.crt -key tls.key" in mtls and "ops-issued" in mtls
+
+
+def test_the_install_notes_say_whether_a_pod_can_sign_tokens(helm, tmp_path):
+    hmac = notes(helm, tmp_path / "hmac", *GOOD_KEYS)
+    assert "can also sign tokens" in hmac
+    keyset = notes(
+        helm,
+        tmp_path / "keyset",
+        *GOOD_KEYS,
+        "--set",
+        "config.RAGLINE_AUTH_JWKS_URL=https://idp.example/jwks.json",
+    )
+    assert "hold no key that signs tokens" in keyset and "can also sign" not in keyset
