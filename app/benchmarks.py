@@ -1,5 +1,6 @@
-"""What the measuring tools share (tools/bench_e2e.py, tools/calibrate_gate.py): a stack
-started for a measurement, and a collection ingested into a tenant once."""
+"""What the measuring tools share (tools/bench_e2e.py, tools/calibrate_gate.py, ...): a stack
+started for a measurement, a collection ingested into a tenant once, and questions asked of
+several stacks in turn."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import time
 from pathlib import Path
 
 from ragline import deadlines, identity
-from ragline.clients import ServiceClient
-from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+from ragline.clients import ChannelPool, ServiceClient
+from ragline.tls import TlsConfig
+from ragline.v1 import orchestrator_pb2, orchestrator_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
 from ragline_app.ingest import Checkpoint, ingest, prepare_rerank
 
 
@@ -78,3 +80,41 @@ async def ensure_ingested(
         notice=print,
     )
     print(f"ingested {written} passages in {time.monotonic() - started:.0f} s", file=sys.stderr)
+
+
+async def ask_seconds(client: ServiceClient, question: str) -> float:
+    """Seconds one Ask takes to its last message, caches bypassed."""
+    request = orchestrator_pb2.AskRequest(
+        question=question, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+    )
+    started = time.monotonic()
+    with deadlines.deadline_scope(60):
+        async for _ in client.stream("Ask", request):
+            pass
+    return time.monotonic() - started
+
+
+async def ask_pairs(
+    stacks: dict[str, tuple[str, TlsConfig | None]], questions: list[str], tenant: str
+) -> dict[str, list[float]]:
+    """Each question asked of every stack (name -> orchestrator address, how to reach it)
+    in turn, the first one alternating, so that a slow moment and a question's own time
+    (its answer's length) fall on all: seconds per stack, in question order."""
+    pools = {name: ChannelPool(tls) for name, (_, tls) in stacks.items()}
+    clients = {
+        name: ServiceClient(
+            orchestrator_pb2_grpc.OrchestratorServiceStub,
+            address,
+            pool=pools[name],
+            caller=identity.Caller(tenant),
+        )
+        for name, (address, _) in stacks.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in clients}
+    for number, question in enumerate(questions):
+        order = list(clients) if number % 2 == 0 else list(reversed(list(clients)))
+        for name in order:
+            times[name].append(await ask_seconds(clients[name], question))
+    for pool in pools.values():
+        await pool.close()
+    return times

@@ -587,7 +587,8 @@ def _start_rag_services(
 # -- real servers ---------------------------------------------------------------------------
 
 
-def start_etcd(directory: Path, name: str = "etcd") -> EtcdServer:
+def start_etcd(directory: Path, name: str = "etcd", certificates=None) -> EtcdServer:
+    """A real etcd in `directory` (`certificates`: TLS with client certificates)."""
     client_port, peer_port = free_ports(2)
     server = EtcdServer(
         directory / name,
@@ -595,9 +596,22 @@ def start_etcd(directory: Path, name: str = "etcd") -> EtcdServer:
         peer_port,
         log_path=directory / f"{name}.log",
         unsafe_no_fsync=True,  # tests: restarts are graceful, power loss is not simulated
+        certificates=certificates,
     )
     server.start()
     return server
+
+
+@pytest.fixture
+def tls_etcd(tmp_path) -> Iterator[tuple[EtcdServer, object]]:
+    """A real etcd of its own under TLS with client certificates, auth not yet on; yields
+    (server, the local CA's certificates)."""
+    from ragline_app.certificates import local_authority
+
+    certificates = local_authority(tmp_path / "pki")
+    server = start_etcd(tmp_path, "tls-etcd", certificates)
+    yield server, certificates
+    server.stop()
 
 
 @pytest.fixture(scope="session")

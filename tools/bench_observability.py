@@ -36,8 +36,8 @@ from pathlib import Path
 
 from ragline import deadlines, identity
 from ragline.clients import ChannelPool, ServiceClient
-from ragline.v1 import orchestrator_pb2, orchestrator_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
-from ragline_app.benchmarks import ensure_ingested, start_stack
+from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+from ragline_app.benchmarks import ask_pairs, ensure_ingested, start_stack
 from ragline_app.datasets import load_squad, write_jsonl
 from ragline_app.eval_data import eval_file
 
@@ -157,40 +157,6 @@ async def search_load(address: str, questions: list[str], seconds: float, caller
     return done / elapsed
 
 
-async def ask_seconds(client: ServiceClient, question: str) -> float:
-    request = orchestrator_pb2.AskRequest(
-        question=question, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
-    )
-    started = time.monotonic()
-    with deadlines.deadline_scope(60):
-        async for _ in client.stream("Ask", request):
-            pass
-    return time.monotonic() - started
-
-
-async def ask_pairs(addresses: dict[str, str], questions: list[str]) -> dict[str, list[float]]:
-    """Each question asked of every variant in turn (the first variant alternating), so
-    that a question's own time (its answer's length) falls on all: seconds per variant,
-    in question order."""
-    pool = ChannelPool()
-    clients = {
-        name: ServiceClient(
-            orchestrator_pb2_grpc.OrchestratorServiceStub,
-            address,
-            pool=pool,
-            caller=identity.Caller(TENANT),
-        )
-        for name, address in addresses.items()
-    }
-    times: dict[str, list[float]] = {name: [] for name in clients}
-    for number, question in enumerate(questions):
-        order = list(clients) if number % 2 == 0 else list(reversed(list(clients)))
-        for name in order:
-            times[name].append(await ask_seconds(clients[name], question))
-    await pool.close()
-    return times
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=eval_file("squaddev_v1.1.json"))
@@ -265,7 +231,9 @@ def main() -> int:
             metrics = [s["metrics"] for s in state.values() if s.get("metrics")]
             stacks[name] = (addresses, metrics)
             print(f"{name}: started, {len(metrics)} metrics endpoints", file=sys.stderr)
-            asyncio.run(ask_pairs({name: addresses["orchestrator"]}, asked[:3]))  # warm-up
+            asyncio.run(
+                ask_pairs({name: (addresses["orchestrator"], None)}, asked[:3], TENANT)
+            )  # warm-up
         results: dict[str, dict[str, list[float]]] = {
             n: {"search_rps": [], "ask_s": []} for n in variants
         }
@@ -284,8 +252,9 @@ def main() -> int:
         try:
             paired = asyncio.run(
                 ask_pairs(
-                    {name: stacks[name][0]["orchestrator"] for name in variants},
+                    {name: (stacks[name][0]["orchestrator"], None) for name in variants},
                     asked[3 : 3 + args.asks],
+                    TENANT,
                 )
             )
         finally:

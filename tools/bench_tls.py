@@ -27,11 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ragline import deadlines, identity
-from ragline.clients import ChannelPool, ServiceClient
 from ragline.tls import TlsConfig
-from ragline.v1 import orchestrator_pb2, orchestrator_pb2_grpc
-from ragline_app.benchmarks import start_stack
+from ragline_app.benchmarks import ask_pairs, start_stack
 from ragline_app.datasets import load_squad, write_jsonl
 from ragline_app.eval_data import eval_file
 
@@ -57,38 +54,6 @@ def ingest(data: Path, workdir: Path) -> None:
         stdout=subprocess.DEVNULL,
     )
     print(f"  ingested in {time.monotonic() - started:.0f} s", file=sys.stderr)
-
-
-async def ask_seconds(client: ServiceClient, question: str) -> float:
-    request = orchestrator_pb2.AskRequest(
-        question=question, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
-    )
-    started = time.monotonic()
-    with deadlines.deadline_scope(60):
-        async for _ in client.stream("Ask", request):
-            pass
-    return time.monotonic() - started
-
-
-async def ask_pairs(stacks: dict[str, tuple[str, TlsConfig]], questions: list[str]):
-    pools = {name: ChannelPool(tls) for name, (_, tls) in stacks.items()}
-    clients = {
-        name: ServiceClient(
-            orchestrator_pb2_grpc.OrchestratorServiceStub,
-            address,
-            pool=pools[name],
-            caller=identity.Caller(TENANT),
-        )
-        for name, (address, _) in stacks.items()
-    }
-    times: dict[str, list[float]] = {name: [] for name in clients}
-    for number, question in enumerate(questions):
-        order = list(clients) if number % 2 == 0 else list(reversed(list(clients)))
-        for name in order:
-            times[name].append(await ask_seconds(clients[name], question))
-    for pool in pools.values():
-        await pool.close()
-    return times
 
 
 def main() -> int:
@@ -124,8 +89,8 @@ def main() -> int:
             ingest(data, workdir / name)
             stacks[name] = (addresses["orchestrator"], client_tls(workdir / name))
             print(f"{name}: started ({stacks[name][1].mode})", file=sys.stderr)
-            asyncio.run(ask_pairs({name: stacks[name]}, asked[:3]))  # warm-up
-        paired = asyncio.run(ask_pairs(stacks, asked[3 : 3 + args.asks]))
+            asyncio.run(ask_pairs({name: stacks[name]}, asked[:3], TENANT))  # warm-up
+        paired = asyncio.run(ask_pairs(stacks, asked[3 : 3 + args.asks], TENANT))
     finally:
         for process in processes:
             process.send_signal(2)

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from support import REPO_ROOT
-from support.helm_chart import CHART, KEYS, VALUES
+from support.helm_chart import CHART, KEYS, SECURED, VALUES
 
 pytestmark = pytest.mark.deploy
 
@@ -58,20 +58,6 @@ def failed_checks(helm: str, tmp_path, *extra: str) -> dict[str, set[str]]:
         for check in report["results"]["failed_checks"]:
             failed.setdefault(check["check_id"], set()).add(check["resource"])
     return failed
-
-
-SECURED = [
-    "--set", "config.RAGLINE_TLS_MODE=mtls",
-    "--set", "tls.certManager.enabled=true",
-    "--set", "tls.certManager.issuerRef.name=ragline-ca",
-    "--set", "etcd.secure=true",
-    "--set", "etcd.rootPassword=root-secret",
-    "--set", "etcd.clientPassword=ledger-secret",
-    "--set", "config.RAGLINE_BUDGET_ETCD_USERNAME=ledger",
-    "--set", "redis.password=cache-secret",
-    "--set", "config.RAGLINE_REDIS_USERNAME=ragline",
-    "--set", "qdrant.apiKey=vector-key",
-]  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", ["default", "secured"])

@@ -6,21 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from support.helm_chart import CHART, VALUES, render
+from support.helm_chart import CHART, SECURED, VALUES, render, secret_holders
 
 pytestmark = pytest.mark.deploy
 
 EVERYTHING = ["--set", "qdrant.enabled=true", "--set", "triton.modelRepositoryClaim=models"]
-
-SECURE_ETCD = [
-    "--set", "config.RAGLINE_TLS_MODE=mtls",
-    "--set", "tls.certManager.enabled=true",
-    "--set", "tls.certManager.issuerRef.name=ragline-ca",
-    "--set", "etcd.secure=true",
-    "--set", "etcd.rootPassword=root-secret",
-    "--set", "etcd.clientPassword=ledger-secret",
-    "--set", "config.RAGLINE_BUDGET_ETCD_USERNAME=ledger",
-]  # fmt: skip
 
 
 def workloads(objects: list[dict]) -> list[dict]:
@@ -35,7 +25,7 @@ def pod_spec(workload: dict) -> dict:
 
 @pytest.mark.parametrize("flavour", [*VALUES, "secured"])
 def test_every_container_runs_unprivileged(helm, flavour):
-    extra = SECURE_ETCD if flavour == "secured" else VALUES[flavour]
+    extra = SECURED if flavour == "secured" else VALUES[flavour]
     objects = render(helm, CHART, *extra, *EVERYTHING)
     names = {w["metadata"]["name"] for w in workloads(objects)}
     assert {"rl-etcd", "rl-redis", "rl-qdrant"} <= names
@@ -97,7 +87,7 @@ def test_a_secured_bundled_etcd_speaks_mutual_tls_and_a_job_turns_its_auth_on(he
 
     from ragline_app.cli import build_parser
 
-    objects = render(helm, CHART, *SECURE_ETCD)
+    objects = render(helm, CHART, *SECURED)
     (etcd,) = [
         o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-etcd"
     ]
@@ -139,13 +129,7 @@ def test_a_secured_bundled_etcd_speaks_mutual_tls_and_a_job_turns_its_auth_on(he
     ]
     assert "etcd-setup" in admitted and "budget" in admitted
     # and only the setup Job holds the root password
-    holders = [
-        w["metadata"]["name"]
-        for w in workloads(objects)
-        for source in pod_spec(w)["containers"][0].get("envFrom", [])
-        if source.get("secretRef", {}).get("name") == "rl-etcd-root"
-    ]
-    assert holders == ["rl-etcd-setup"]
+    assert secret_holders(objects, "rl-etcd-root") == {"rl-etcd-setup"}
 
 
 def test_a_secured_etcd_without_tls_fails_with_what_to_set(helm):

@@ -12,7 +12,7 @@ from ragline.cache import RedisAccess, open_cache
 from ragline.errors import Unavailable
 from ragline.processes import free_ports
 from ragline_app.redis_server import RedisServer
-from support.helm_chart import CHART, render
+from support.helm_chart import CHART, render, secret_holders
 
 pytestmark = pytest.mark.deploy
 
@@ -45,14 +45,7 @@ def test_the_rendered_users_admit_the_services_user_only(helm, tmp_path):
     finally:
         server.stop()
 
-    holders = {
-        w["metadata"]["labels"]["app.kubernetes.io/name"]
-        for w in objects
-        if w["kind"] in ("Deployment", "StatefulSet")
-        for source in w["spec"]["template"]["spec"]["containers"][0].get("envFrom", [])
-        if source.get("secretRef", {}).get("name") == "rl-redis-client"
-    }
-    assert holders == {"orchestrator", "generation"}
+    assert secret_holders(objects, "rl-redis-client") == {"rl-orchestrator", "rl-generation"}
 
 
 def test_a_password_without_its_user_fails_with_what_to_set(helm):

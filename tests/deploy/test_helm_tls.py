@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from support.helm_chart import CHART, KEYS, invalid, render
+from support.helm_chart import CHART, KEYS, invalid, render, secret_holders
 
 pytestmark = pytest.mark.deploy
 
@@ -115,13 +115,7 @@ def test_only_the_budget_pods_hold_the_etcd_password_and_etcd_compacts(helm):
         o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "rl-budget-etcd"
     ]
     assert secret["stringData"] == {"RAGLINE_BUDGET_ETCD_PASSWORD": "ledger-secret"}
-    holders = {
-        w["metadata"]["labels"]["app.kubernetes.io/name"]
-        for w in ragline_workloads(objects)
-        for source in w["spec"]["template"]["spec"]["containers"][0]["envFrom"]
-        if source.get("secretRef", {}).get("name") == "rl-budget-etcd"
-    }
-    assert holders == {"budget"}
+    assert secret_holders(objects, "rl-budget-etcd") == {"rl-budget"}
     (etcd,) = [
         o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-etcd"
     ]
@@ -159,13 +153,7 @@ def test_the_qdrant_key_reaches_the_retrieval_pods_and_qdrant_only(helm):
     )
     (secret,) = [o for o in objects if o["metadata"]["name"] == "rl-qdrant-key"]
     assert secret["stringData"] == {"RAGLINE_RETRIEVAL_QDRANT_API_KEY": "vector-key"}
-    holders = {
-        w["metadata"]["labels"]["app.kubernetes.io/name"]
-        for w in ragline_workloads(objects)
-        for source in w["spec"]["template"]["spec"]["containers"][0]["envFrom"]
-        if source.get("secretRef", {}).get("name") == "rl-qdrant-key"
-    }
-    assert holders == {"retrieval"}
+    assert secret_holders(objects, "rl-qdrant-key") == {"rl-retrieval"}
     (qdrant,) = [
         o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-qdrant"
     ]

@@ -13,6 +13,20 @@ from support import REPO_ROOT
 CHART = REPO_ROOT / "deploy" / "k8s" / "helm" / "ragline"
 KEYS = ["--set", "auth.jwtKey=test-client-key", "--set", "auth.serviceKey=" + "s" * 40]
 VALUES = {"cpu": [], "gpu": ["-f", str(CHART / "values-gpu.yaml")]}
+# Everything the chart can secure turned on: mtls from cert-manager, the bundled etcd under
+# TLS and auth, Redis's ACL user, Qdrant's API key.
+SECURED = [
+    "--set", "config.RAGLINE_TLS_MODE=mtls",
+    "--set", "tls.certManager.enabled=true",
+    "--set", "tls.certManager.issuerRef.name=ragline-ca",
+    "--set", "etcd.secure=true",
+    "--set", "etcd.rootPassword=root-secret",
+    "--set", "etcd.clientPassword=ledger-secret",
+    "--set", "config.RAGLINE_BUDGET_ETCD_USERNAME=ledger",
+    "--set", "redis.password=cache-secret",
+    "--set", "config.RAGLINE_REDIS_USERNAME=ragline",
+    "--set", "qdrant.apiKey=vector-key",
+]  # fmt: skip
 
 
 def render(helm: str, chart=CHART, *extra: str) -> list[dict]:
@@ -38,6 +52,19 @@ def invalid(objects: list[dict]) -> list[str]:
         except kubernetes_validate.ValidationError as error:
             problems.append(f"{obj['kind']}/{obj['metadata']['name']}: {error.message}")
     return problems
+
+
+def secret_holders(objects: list[dict], secret: str) -> set[str]:
+    """The names of the workloads whose first container takes `secret` as environment."""
+    holders = set()
+    for workload in objects:
+        if workload["kind"] not in ("Deployment", "StatefulSet", "Job"):
+            continue
+        container = workload["spec"]["template"]["spec"]["containers"][0]
+        for source in container.get("envFrom", []):
+            if source.get("secretRef", {}).get("name") == secret:
+                holders.add(workload["metadata"]["name"])
+    return holders
 
 
 def tool_check(tool: str) -> subprocess.CompletedProcess:

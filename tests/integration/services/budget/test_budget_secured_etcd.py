@@ -9,9 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from ragline.processes import free_ports
-from ragline_app.certificates import local_authority
-from ragline_app.etcd_server import EtcdServer, LedgerCredentials, provision_ledger_user
+from ragline_app.etcd_server import LedgerCredentials, provision_ledger_user
 from ragline_app.stack import health_status
 from support.budget import Api, budget_env, new_id
 
@@ -21,24 +19,13 @@ PREFIX = "/ragline/budget/v1"
 
 
 @pytest.fixture
-def secured_etcd(tmp_path):
-    certificates = local_authority(tmp_path / "pki")
-    client_port, peer_port = free_ports(2)
-    server = EtcdServer(
-        tmp_path / "etcd",
-        client_port,
-        peer_port,
-        log_path=tmp_path / "etcd.log",
-        unsafe_no_fsync=True,
-        certificates=certificates,
-    )
-    server.start()
+def secured_etcd(tls_etcd, tmp_path):
+    server, certificates = tls_etcd
     credentials = LedgerCredentials.load_or_create(tmp_path / "etcd-credentials.json")
     asyncio.run(provision_ledger_user(server.endpoint, credentials, PREFIX, certificates))
     # a second run on the same data (`ragline up` again) changes nothing and fails nothing
     asyncio.run(provision_ledger_user(server.endpoint, credentials, PREFIX, certificates))
-    yield server, certificates, credentials
-    server.stop()
+    return server, certificates, credentials
 
 
 def secured_env(server, certificates, credentials, **extra) -> dict[str, str]:
@@ -154,24 +141,14 @@ def test_plaintext_or_a_wrong_password_is_refused_and_health_says_so(launcher, s
     assert "RAGLINE_BUDGET_ETCD_PASSWORD" in wrong.log()
 
 
-def test_the_setup_command_secures_an_etcd_and_the_ledger_then_works(launcher, tmp_path):
+def test_the_setup_command_secures_an_etcd_and_the_ledger_then_works(launcher, tls_etcd):
     """`ragline etcd-setup` (the chart's setup Job) on a fresh TLS etcd: auth on, the budget
     service's user confined to its prefix; run again, it changes nothing and succeeds."""
     import os
     import subprocess
     import sys
 
-    certificates = local_authority(tmp_path / "pki")
-    client_port, peer_port = free_ports(2)
-    server = EtcdServer(
-        tmp_path / "etcd",
-        client_port,
-        peer_port,
-        log_path=tmp_path / "etcd.log",
-        unsafe_no_fsync=True,
-        certificates=certificates,
-    )
-    server.start()
+    server, certificates = tls_etcd
     credentials = LedgerCredentials("root-secret", "ledger", "ledger-secret")
     env = secured_env(server, certificates, credentials, RAGLINE_ETCD_ROOT_PASSWORD="root-secret")
     try:
@@ -193,4 +170,3 @@ def test_the_setup_command_secures_an_etcd_and_the_ledger_then_works(launcher, t
         assert asyncio.run(wait_health(wrong.address, "NOT_SERVING")) == "NOT_SERVING"
     finally:
         launcher.stop_all()
-        server.stop()
