@@ -41,8 +41,11 @@ def test_made_again_near_its_end(tmp_path, monkeypatch):
 
 
 def test_a_command_takes_the_tls_of_the_running_stack(tmp_path, monkeypatch):
-    for key in [k for k in os.environ if k.startswith("RAGLINE_TLS_")]:
-        monkeypatch.delenv(key)
+    # use_stack_tls writes the process's environment: a copy, so that nothing it sets
+    # outlives the test (a TLS mode left behind would change every later test's calls)
+    monkeypatch.setattr(
+        os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("RAGLINE_TLS_")}
+    )
     made = local_authority(tmp_path / "tls")
     state = {"tls": made.client_environment("mtls"), "services": {}}
     (tmp_path / "up.json").write_text(json.dumps(state))
@@ -52,7 +55,7 @@ def test_a_command_takes_the_tls_of_the_running_stack(tmp_path, monkeypatch):
 
 
 def test_the_environment_wins_over_the_stack(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAGLINE_TLS_MODE", "off")
+    monkeypatch.setattr(os, "environ", {**os.environ, "RAGLINE_TLS_MODE": "off"})
     state = {"tls": {"RAGLINE_TLS_MODE": "mtls"}, "services": {}}
     (tmp_path / "up.json").write_text(json.dumps(state))
     use_stack_tls(tmp_path)
