@@ -135,8 +135,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                 loading.cancel()
                 return 130
             if loading.exception() is not None:
-                print(f"ragline up: the demo corpus did not load: {loading.exception()}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"ragline up: the demo corpus did not load: {loading.exception()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         orchestrator = next((s for s in stack.services if s.name == "orchestrator"), None)
         if orchestrator is not None:
             print(
@@ -182,8 +185,11 @@ async def _load_demo(stack, common: CommonConfig) -> None:
     from ragline_app.ingest import DEMO_CORPUS, DEMO_TENANT, load_demo
 
     addresses = {svc.name: svc.address for svc in stack.services}
-    print(f"ragline up: loading the demo corpus ({DEMO_CORPUS.name}) into tenant "
-          f"{DEMO_TENANT!r} if it is empty...", flush=True)  # fmt: skip
+    print(
+        f"ragline up: loading the demo corpus ({DEMO_CORPUS.name}) into tenant "
+        f"{DEMO_TENANT!r} if it is empty...",
+        flush=True,
+    )
     written = await load_demo(
         retrieval_addr=addresses["retrieval"],
         embedding_addr=addresses["embedding"],
@@ -242,11 +248,17 @@ def cmd_token(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    print(mint_token(
-        config.jwt_key, args.tenant, principal=args.principal,
-        scopes=[s for s in args.scopes.split(",") if s], ttl_s=args.ttl,
-        audience=config.jwt_audience, operator=args.operator,
-    ))  # fmt: skip
+    print(
+        mint_token(
+            config.jwt_key,
+            args.tenant,
+            principal=args.principal,
+            scopes=[s for s in args.scopes.split(",") if s],
+            ttl_s=args.ttl,
+            audience=config.jwt_audience,
+            operator=args.operator,
+        )
+    )
     return 0
 
 
@@ -286,8 +298,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         checkpoint.path.unlink(missing_ok=True)
         checkpoint.done = 0
     if checkpoint.discarded:
-        print(f"not resuming from {checkpoint.path}: {checkpoint.discarded}; ingesting from "
-              "the start")  # fmt: skip
+        print(
+            f"not resuming from {checkpoint.path}: {checkpoint.discarded}; ingesting from the start"
+        )
     if checkpoint.done:
         print(
             f"resuming after record {checkpoint.done}: records 1-{checkpoint.done} of {path} "
@@ -305,19 +318,26 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         task = bar.add_task(f"ingest {path.name}", total=None)
         stats = IngestStats()
         try:
-            written, bad = asyncio.run(ingest(
-                path, retrieval_addr=service_address("retrieval", common.data_dir),
-                embedding_addr=service_address("embedding", common.data_dir),
-                default_tenant=args.tenant, batch_size=args.batch, checkpoint=checkpoint,
-                progress=lambda n: bar.update(task, completed=n),
-                rerank_addr=(
-                    None if args.no_rerank_prepare
-                    else service_address("rerank", common.data_dir)
-                ),
-                token=args.token or None,
-                notice=lambda text: bar.console.print(f"ragline ingest: {text}"),
-                one_pass=not args.separate_passes, stats=stats,
-            ))  # fmt: skip
+            written, bad = asyncio.run(
+                ingest(
+                    path,
+                    retrieval_addr=service_address("retrieval", common.data_dir),
+                    embedding_addr=service_address("embedding", common.data_dir),
+                    default_tenant=args.tenant,
+                    batch_size=args.batch,
+                    checkpoint=checkpoint,
+                    progress=lambda n: bar.update(task, completed=n),
+                    rerank_addr=(
+                        None
+                        if args.no_rerank_prepare
+                        else service_address("rerank", common.data_dir)
+                    ),
+                    token=args.token or None,
+                    notice=lambda text: bar.console.print(f"ragline ingest: {text}"),
+                    one_pass=not args.separate_passes,
+                    stats=stats,
+                )
+            )
         except grpc.aio.AioRpcError as error:
             print(
                 f"ragline ingest: {error.code().name}: {error.details()} (progress is "
@@ -422,11 +442,15 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     common = CommonConfig()
     # With a token the server takes tenant, principal and scopes from it.
-    caller = None if args.token else identity.Caller(
-        tenant=args.tenant,
-        principal=args.principal,
-        scopes=frozenset(s for s in args.scopes.split(",") if s),
-    )  # fmt: skip
+    caller = (
+        None
+        if args.token
+        else identity.Caller(
+            tenant=args.tenant,
+            principal=args.principal,
+            scopes=frozenset(s for s in args.scopes.split(",") if s),
+        )
+    )
     client = ServiceClient(
         orchestrator_pb2_grpc.OrchestratorServiceStub,
         _orchestrator_address(args, common),

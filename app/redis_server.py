@@ -88,9 +88,13 @@ class RedisServer:
             [*self.command(), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
         )
         wait_listening(
-            self.process, self.host, self.port, wait_s=wait_s, name="redis-server",
+            self.process,
+            self.host,
+            self.port,
+            wait_s=wait_s,
+            name="redis-server",
             log=self.log_path,
-        )  # fmt: skip
+        )
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process is not None:

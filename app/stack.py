@@ -107,8 +107,11 @@ def source_pythonpath(checkout: Path) -> str:
     import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix="ragline-source-"))
-    for package, relative in (("ragline", "libs/ragline"), ("ragline_services", "services"),
-                              ("ragline_app", "app")):  # fmt: skip
+    for package, relative in (
+        ("ragline", "libs/ragline"),
+        ("ragline_services", "services"),
+        ("ragline_app", "app"),
+    ):
         (folder / package).symlink_to(checkout.resolve() / relative)
     stubs = Path(__file__).resolve().parents[1] / "libs" / "ragline" / "v1"
     for stub in stubs.glob("*_pb2*.py"):
@@ -220,13 +223,14 @@ class Stack:
             # services in order instead of all of them at once.
             svc.process = subprocess.Popen(
                 # SIGTERM when `ragline up` dies (even by -9).
-                dying_with_this_process([sys.executable, "-m", "ragline_app.cli", "serve",
-                                         svc.name]),
+                dying_with_this_process(
+                    [sys.executable, "-m", "ragline_app.cli", "serve", svc.name]
+                ),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-            )  # fmt: skip
+            )
             log_file.close()
 
     def dead(self) -> list[ServiceProcess]:

@@ -90,8 +90,10 @@ class TritonServer:
         venv_python = self.venv / "bin" / "python"
         base_prefix = subprocess.run(
             [str(venv_python), "-c", "import sys; print(sys.base_prefix)"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         env = dict(os.environ)
         env["PATH"] = f"{self.venv / 'bin'}:{env.get('PATH', '')}"
         env["LD_LIBRARY_PATH"] = f"{base_prefix}/lib:{site / 'nvidia_pytriton.libs'}"

@@ -321,11 +321,16 @@ class ServiceCredential:
         if now >= self._renew_at:
             ttl = self.config.service_credential_ttl_s
             self._token = self._jwt.encode(
-                {"iss": SERVICE_ISSUER, "aud": SERVICE_ISSUER, "sub": self.name,
-                 "iat": int(now), "exp": int(now + ttl)},
+                {
+                    "iss": SERVICE_ISSUER,
+                    "aud": SERVICE_ISSUER,
+                    "sub": self.name,
+                    "iat": int(now),
+                    "exp": int(now + ttl),
+                },
                 self.config.service_key,
                 algorithm="HS256",
-            )  # fmt: skip
+            )
             self._renew_at = now + ttl / 2
         return ((SERVICE_CREDENTIAL_KEY, self._token),)
 
@@ -345,8 +350,13 @@ def mint_token(
     import jwt
 
     now = int(time.time())
-    claims = {"tenant": tenant, "scopes": sorted(scopes), "aud": audience,
-              "iat": now, "exp": int(now + ttl_s)}  # fmt: skip
+    claims = {
+        "tenant": tenant,
+        "scopes": sorted(scopes),
+        "aud": audience,
+        "iat": now,
+        "exp": int(now + ttl_s),
+    }
     if principal:
         claims["sub"] = principal
     if operator:

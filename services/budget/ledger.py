@@ -446,10 +446,15 @@ class TaskLedger:
                     pending.future.set_exception(answer[1])
                 else:
                     kind, task_then, reservation = answer
-                    pending.future.set_result(Outcome(
-                        task_then, revision, reservation, replayed=kind == "replay",
-                        attempts=attempt,
-                    ))  # fmt: skip
+                    pending.future.set_result(
+                        Outcome(
+                            task_then,
+                            revision,
+                            reservation,
+                            replayed=kind == "replay",
+                            attempts=attempt,
+                        )
+                    )
             return
         raise Aborted(
             f"task {task_id}: the ledger changed under {self._max_attempts} consecutive "

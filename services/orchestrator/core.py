@@ -206,9 +206,14 @@ class Orchestrator:
             if name not in ("question", "allow_degrade", "prices")
         }
         return self.caches.key(
-            ANSWER, request.viewer, normalise(request.settings.question), shaping,
-            repr(plan.nodes), request.agent, ev.PROMPT_TEMPLATE_VERSION,
-        )  # fmt: skip
+            ANSWER,
+            request.viewer,
+            normalise(request.settings.question),
+            shaping,
+            repr(plan.nodes),
+            request.agent,
+            ev.PROMPT_TEMPLATE_VERSION,
+        )
 
     async def _cached_answer(
         self, key: str, request: AskInput, plan: Plan, received: float
@@ -286,9 +291,12 @@ class Orchestrator:
             if record.state != SUCCEEDED:
                 continue
             saving = earlier.get(node.id) or {
-                "node_id": node.id, "kind": node.kind.value, "time_s": record.duration_s,
-                "input_tokens": 0, "output_tokens": 0,
-            }  # fmt: skip
+                "node_id": node.id,
+                "kind": node.kind.value,
+                "time_s": record.duration_s,
+                "input_tokens": 0,
+                "output_tokens": 0,
+            }
             saving = {**saving, "layer": ANSWER}
             if node.kind in (Kind.GENERATE, Kind.SYNTHESIZE) and outcome.usage is not None:
                 stages = _stages(record.server)
@@ -300,13 +308,23 @@ class Orchestrator:
                 )
             saved.append(saving)
         documents = {i.passage.id: i.passage.version for i in outcome.citations + outcome.evidence}
-        await self.caches.put(ANSWER, key, {
-            "answer": outcome.answer, "citations": rows(outcome.citations),
-            "evidence": rows(outcome.evidence), "documents": documents,
-            "model": outcome.model, "model_version": outcome.model_version,
-            "tier": outcome.tier, "saved": saved, "route": outcome.route,
-            "subqueries": outcome.subqueries,
-        }, viewer=viewer)  # fmt: skip
+        await self.caches.put(
+            ANSWER,
+            key,
+            {
+                "answer": outcome.answer,
+                "citations": rows(outcome.citations),
+                "evidence": rows(outcome.evidence),
+                "documents": documents,
+                "model": outcome.model,
+                "model_version": outcome.model_version,
+                "tier": outcome.tier,
+                "saved": saved,
+                "route": outcome.route,
+                "subqueries": outcome.subqueries,
+            },
+            viewer=viewer,
+        )
 
     async def _run(
         self,

@@ -124,11 +124,17 @@ class Plan:
         ordered = topological(self)
         return Plan(
             tuple(
-                Node(n.id, n.kind, tuple({*n.depends_on, *ordered[i - 1 : i]}), n.params,
-                     n.budget_s, n.optional)
+                Node(
+                    n.id,
+                    n.kind,
+                    tuple({*n.depends_on, *ordered[i - 1 : i]}),
+                    n.params,
+                    n.budget_s,
+                    n.optional,
+                )
                 for i, n in enumerate(self._by_id[x] for x in ordered)
             )
-        )  # fmt: skip
+        )
 
 
 def topological(plan: Plan) -> list[str]:

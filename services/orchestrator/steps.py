@@ -381,10 +381,16 @@ async def embed(ctx: RunContext, step: Step) -> QueryVector:
     )
     vector = QueryVector(np.asarray(reply.embeddings[0].values, np.float32), reply.model_version)
     if key:
-        await ctx.remember(step, TOOL, key, {
-            "values": vector.values.tolist(), "model_version": vector.model_version,
-            "input_tokens": reply.usage.input_tokens,
-        })  # fmt: skip
+        await ctx.remember(
+            step,
+            TOOL,
+            key,
+            {
+                "values": vector.values.tolist(),
+                "model_version": vector.model_version,
+                "input_tokens": reply.usage.input_tokens,
+            },
+        )
     return vector
 
 
@@ -408,9 +414,15 @@ async def _search(ctx: RunContext, step: Step, mode: str, vector: QueryVector | 
     key = ""
     if ctx.caches is not None:
         key = ctx.caches.key(
-            RETRIEVAL, ctx.viewer, normalise(request.query), mode, request.k,
-            sorted(s.attributes), request.hnsw_ef, vector.model_version if vector else "",
-        )  # fmt: skip
+            RETRIEVAL,
+            ctx.viewer,
+            normalise(request.query),
+            mode,
+            request.k,
+            sorted(s.attributes),
+            request.hnsw_ef,
+            vector.model_version if vector else "",
+        )
         found = await _cached_search(ctx, step, key, mode)
         if found is not None:
             return found
@@ -419,22 +431,31 @@ async def _search(ctx: RunContext, step: Step, mode: str, vector: QueryVector | 
     if step.node.params.get("charged"):
         # An agent's lookup: the retrieval service embeds its query (a model call).
         reply = await ctx.model_call(
-            step, "retrieval", "Search", request,
+            step,
+            "retrieval",
+            "Search",
+            request,
             Amounts(input_tokens=ev.tokens_estimate(request.query) + 2, calls=1),
             lambda r: Amounts(input_tokens=ev.tokens_estimate(request.query) + 2, calls=1),
-        )  # fmt: skip
+        )
     else:
         reply = await ctx.call(step, "retrieval", "Search", request)
     if reply.fell_back:
         ctx.degraded.append(reply.fallback_reason)
     ranked = replace(_ranked(reply, mode), query=request.query)
     if key and ranked.passages and not reply.fell_back:
-        await ctx.remember(step, RETRIEVAL, key, {
-            "passages": [[p.id, p.title, p.text, p.version, p.score, p.scores]
-                         for p in ranked.passages],
-            "index_version": reply.index_version,
-            "embedding_model_version": "" if mode == "bm25" else reply.embedding_model_version,
-        })  # fmt: skip
+        await ctx.remember(
+            step,
+            RETRIEVAL,
+            key,
+            {
+                "passages": [
+                    [p.id, p.title, p.text, p.version, p.score, p.scores] for p in ranked.passages
+                ],
+                "index_version": reply.index_version,
+                "embedding_model_version": "" if mode == "bm25" else reply.embedding_model_version,
+            },
+        )
     return ranked
 
 
@@ -500,10 +521,11 @@ async def fuse(ctx: RunContext, step: Step) -> Ranked:
             k,
         )
         out = [
-            ev.Passage(key, passages[key].title, passages[key].text, passages[key].version,
-                       score, parts)
+            ev.Passage(
+                key, passages[key].title, passages[key].text, passages[key].version, score, parts
+            )
             for key, score, parts in fused
-        ]  # fmt: skip
+        ]
         return Ranked(out, "fused", max(r.index_version for r in lists))
     return Ranked(
         _merged(step.inputs)[:k], "fused", max((r.index_version for r in lists), default=0)
@@ -537,9 +559,15 @@ async def rerank(ctx: RunContext, step: Step) -> Ranked:
     key = ""
     if ctx.caches is not None:
         key = ctx.caches.key(
-            TOOL, ctx.viewer, "rerank", s.question, [(p.id, p.version) for p in passages],
-            request.top_k, request.late_interaction_k, request.late_interaction_only,
-        )  # fmt: skip
+            TOOL,
+            ctx.viewer,
+            "rerank",
+            s.question,
+            [(p.id, p.version) for p in passages],
+            request.top_k,
+            request.late_interaction_k,
+            request.late_interaction_only,
+        )
     entry = await ctx.cached(step, TOOL, key) if key else None
     if entry is not None:
         ctx.served_from_cache(step, TOOL, entry)
@@ -568,11 +596,12 @@ async def rerank(ctx: RunContext, step: Step) -> Ranked:
             await ctx.remember(step, TOOL, key, entry)
     by_id = {p.id: p for p in passages}
     out = [
-        ev.Passage(i, by_id[i].title, by_id[i].text, by_id[i].version, score,
-                   {**by_id[i].scores, **parts})
+        ev.Passage(
+            i, by_id[i].title, by_id[i].text, by_id[i].version, score, {**by_id[i].scores, **parts}
+        )
         for i, score, parts in results
         if i in by_id
-    ]  # fmt: skip
+    ]
     return Ranked(out, "reranked")
 
 
@@ -842,9 +871,13 @@ def _checked(answer: Answer, question: str) -> Answer:
     """The answer with the checks that failed on it (a question that joins several, asked
     of one answer, needs every part answered)."""
     found = escalation_signals(
-        answer.text, answer.evidence, answer.cited, answer.finish_reason,
-        question=question, parts=len(clauses(question)),
-    )  # fmt: skip
+        answer.text,
+        answer.evidence,
+        answer.cited,
+        answer.finish_reason,
+        question=question,
+        parts=len(clauses(question)),
+    )
     return replace(answer, problems=tuple(found))
 
 
@@ -1167,9 +1200,11 @@ def executors_for(ctx: RunContext) -> dict:
                 return await function(ctx, step)
             finally:
                 log.debug(
-                    "step", node=step.node.id, ms=round((time.monotonic() - started) * 1000, 1),
+                    "step",
+                    node=step.node.id,
+                    ms=round((time.monotonic() - started) * 1000, 1),
                     remaining_ms=round((deadlines.remaining() or 0) * 1000),
-                )  # fmt: skip
+                )
 
         return run
 

@@ -150,8 +150,18 @@ class TokenStore:
         rows = []
         for (tenant, doc_id, digest), (vectors, scales) in entries.items():
             size = vectors.nbytes + scales.nbytes
-            rows.append((tenant, doc_id, digest, vectors.tobytes(), scales.tobytes(),
-                         len(vectors), size, now))  # fmt: skip
+            rows.append(
+                (
+                    tenant,
+                    doc_id,
+                    digest,
+                    vectors.tobytes(),
+                    scales.tobytes(),
+                    len(vectors),
+                    size,
+                    now,
+                )
+            )
         db = self._db
         db.execute("BEGIN")
         try:

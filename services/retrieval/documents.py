@@ -76,10 +76,15 @@ class StoredDocument:
     @classmethod
     def from_record(cls, record: dict) -> StoredDocument:
         return cls(
-            tenant=record["tenant"], id=record["id"], title=record["title"],
-            text=record["text"], acl=tuple(record["acl"]), attributes=dict(record["attributes"]),
-            vector=decode_vector(record["vector"]), version=record["version"],
-        )  # fmt: skip
+            tenant=record["tenant"],
+            id=record["id"],
+            title=record["title"],
+            text=record["text"],
+            acl=tuple(record["acl"]),
+            attributes=dict(record["attributes"]),
+            vector=decode_vector(record["vector"]),
+            version=record["version"],
+        )
 
 
 @dataclass(frozen=True)

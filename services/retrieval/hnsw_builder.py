@@ -54,10 +54,18 @@ def build(wal: Path, upto_seq: int, target: Path, dim: int, threads: int = 1) ->
     batch, ids = [], []
     for doc in live_documents(wal, upto_seq):
         ids.append(point_id(doc.key))
-        batch.append(qe.Point(point_id(doc.key), doc.vector.tolist(), {
-            "key": doc.key, "tenant": doc.tenant, "scope": list(doc.scopes),
-            "attr": doc.attribute_terms,
-        }))  # fmt: skip
+        batch.append(
+            qe.Point(
+                point_id(doc.key),
+                doc.vector.tolist(),
+                {
+                    "key": doc.key,
+                    "tenant": doc.tenant,
+                    "scope": list(doc.scopes),
+                    "attr": doc.attribute_terms,
+                },
+            )
+        )
         if len(batch) == 1000:
             shard.update(qe.UpdateOperation.upsert_points(batch))
             batch = []

@@ -375,12 +375,19 @@ class RetrievalIndex:
         # The log assigns the version; documents carry it once the sequence is known. Each
         # names the model of its vector (for a later re-embed; CALLER_VECTOR: the caller's).
         records = [
-            {"tenant": tenant, "id": d.id, "title": d.title, "text": d.text,
-             "acl": list(d.acl), "attributes": dict(d.attributes),
-             "vector": encode_vector(d.vector if d.vector else vectors[i]), "version": 0,
-             "model": (d.vector_model or CALLER_VECTOR) if d.vector else model}
+            {
+                "tenant": tenant,
+                "id": d.id,
+                "title": d.title,
+                "text": d.text,
+                "acl": list(d.acl),
+                "attributes": dict(d.attributes),
+                "vector": encode_vector(d.vector if d.vector else vectors[i]),
+                "version": 0,
+                "model": (d.vector_model or CALLER_VECTOR) if d.vector else model,
+            }
             for i, d in enumerate(documents)
-        ]  # fmt: skip
+        ]
         seq, tseq = await self._write(
             {"op": "write", "tenant": tenant, "upserts": records, "deletes": []}
         )
@@ -445,9 +452,12 @@ class RetrievalIndex:
             f"are of {index_model} and the embedding service runs {serving or '(unreachable)'}"
             ": send vectors of the index's model, or none",
             reason="EMBEDDING_MODEL_CHANGED",
-            metadata={"index_model": index_model, "service_model": serving,
-                      "vector_model": model_version},
-        )  # fmt: skip
+            metadata={
+                "index_model": index_model,
+                "service_model": serving,
+                "vector_model": model_version,
+            },
+        )
 
     async def probe_model(self) -> str:
         """The model the embedding service runs now, held to the index's like any reply
@@ -656,8 +666,7 @@ class RetrievalIndex:
                     break
                 except Exception as error:  # an engine or disk failure, never the caller's
                     self.apply_error = f"record {seq}: {error}"
-                    log.error("retrieval.apply_failed", seq=seq, error=str(error),
-                              retry_in_s=delay)  # fmt: skip
+                    log.error("retrieval.apply_failed", seq=seq, error=str(error), retry_in_s=delay)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, APPLY_RETRY_MAX_S)
             self.apply_error = None
@@ -722,18 +731,34 @@ class RetrievalIndex:
 
         loop = asyncio.get_running_loop()
         ordered, resolved = await loop.run_in_executor(
-            self._query_pool, *_in_context(self._search_sync, visibility, query, mode, vector,
-            candidates, ef, stages, early_bm25),
-        )  # fmt: skip
+            self._query_pool,
+            *_in_context(
+                self._search_sync,
+                visibility,
+                query,
+                mode,
+                vector,
+                candidates,
+                ef,
+                stages,
+                early_bm25,
+            ),
+        )
         hits = []
         for pid, score, parts in ordered:
             found = resolved.get(pid)
             if found is None:
                 continue  # deleted between the engines' reads
-            hits.append(SearchHit(
-                id=split_key(found.key)[1], score=score, version=found.version, scores=parts,
-                title=found.title, text=found.text,
-            ))  # fmt: skip
+            hits.append(
+                SearchHit(
+                    id=split_key(found.key)[1],
+                    score=score,
+                    version=found.version,
+                    scores=parts,
+                    title=found.title,
+                    text=found.text,
+                )
+            )
         version = self.tenant_applied.get(visibility.tenant, 0)
         return SearchResult(hits, mode, mode != query.mode, reason, version, stages)
 
@@ -802,9 +827,12 @@ class RetrievalIndex:
             ]
             stages.append(("fusion", time.perf_counter() - started))
         resolved = timed(
-            "resolve", self.bm25.resolve, visibility, [pid for pid, _, _ in ordered],
+            "resolve",
+            self.bm25.resolve,
+            visibility,
+            [pid for pid, _, _ in ordered],
             query.include_text,
-        )  # fmt: skip
+        )
         return ordered, resolved
 
     async def document_versions(

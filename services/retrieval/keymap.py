@@ -81,10 +81,16 @@ class KeyMap:
     def apply(self, tenant: str, upserts: list[StoredDocument], deletes: list[str]) -> None:
         """Deletes then upserts of one tenant, in one transaction (as the BM25 apply)."""
         rows = [
-            (tenant, point_id(d.key), d.key, d.version, _SEPARATOR.join(d.scopes),
-             _SEPARATOR.join(d.attribute_terms))
+            (
+                tenant,
+                point_id(d.key),
+                d.key,
+                d.version,
+                _SEPARATOR.join(d.scopes),
+                _SEPARATOR.join(d.attribute_terms),
+            )
             for d in upserts
-        ]  # fmt: skip
+        ]
         with self._write_lock:
             db = self._db()
             with db:

@@ -130,40 +130,58 @@ class QdrantServerIndex:
         )
         if exists.result.exists:
             return
-        self._collections.Create(q.CreateCollection(
-            collection_name=self.collection,
-            vectors_config=q.VectorsConfig(params=q.VectorParams(size=self.dim,
-                                                                distance=q.Distance.Cosine)),
-            hnsw_config=q.HnswConfigDiff(m=HNSW_M, ef_construct=HNSW_EF_CONSTRUCT),
-        ), timeout=self._timeout)  # fmt: skip
+        self._collections.Create(
+            q.CreateCollection(
+                collection_name=self.collection,
+                vectors_config=q.VectorsConfig(
+                    params=q.VectorParams(size=self.dim, distance=q.Distance.Cosine)
+                ),
+                hnsw_config=q.HnswConfigDiff(m=HNSW_M, ef_construct=HNSW_EF_CONSTRUCT),
+            ),
+            timeout=self._timeout,
+        )
         for field in _FILTER_FIELDS:
-            self._points.CreateFieldIndex(q.CreateFieldIndexCollection(
-                collection_name=self.collection, wait=True, field_name=field,
-                field_type=q.FieldType.FieldTypeKeyword,
-            ), timeout=self._timeout)  # fmt: skip
+            self._points.CreateFieldIndex(
+                q.CreateFieldIndexCollection(
+                    collection_name=self.collection,
+                    wait=True,
+                    field_name=field,
+                    field_type=q.FieldType.FieldTypeKeyword,
+                ),
+                timeout=self._timeout,
+            )
 
     def apply(self, seq: int, upserts: list[StoredDocument], deletes: list[str]) -> None:
         if seq <= self.built_seq:
             return
         q = self._q
         if deletes:
-            self._call(self._points.Delete, q.DeletePoints(
-                collection_name=self.collection, wait=True,
-                points=q.PointsSelector(points=q.PointsIdsList(
-                    ids=[q.PointId(num=point_id(k)) for k in deletes])),
-            ))  # fmt: skip
+            self._call(
+                self._points.Delete,
+                q.DeletePoints(
+                    collection_name=self.collection,
+                    wait=True,
+                    points=q.PointsSelector(
+                        points=q.PointsIdsList(ids=[q.PointId(num=point_id(k)) for k in deletes])
+                    ),
+                ),
+            )
         if upserts:
             points = [
                 q.PointStruct(
                     id=q.PointId(num=point_id(doc.key)),
-                    vectors=q.Vectors(vector=q.Vector(dense=q.DenseVector(
-                        data=doc.vector.tolist()))),
-                    payload={"key": _value(doc.key), "tenant": _value(doc.tenant),
-                             "scope": _value(list(doc.scopes)),
-                             "attr": _value(doc.attribute_terms)},
+                    vectors=q.Vectors(
+                        vector=q.Vector(dense=q.DenseVector(data=doc.vector.tolist()))
+                    ),
+                    payload={
+                        "key": _value(doc.key),
+                        "tenant": _value(doc.tenant),
+                        "scope": _value(list(doc.scopes)),
+                        "attr": _value(doc.attribute_terms),
+                    },
                 )
                 for doc in upserts
-            ]  # fmt: skip
+            ]
             self._call(
                 self._points.Upsert,
                 q.UpsertPoints(collection_name=self.collection, wait=True, points=points),
@@ -197,15 +215,19 @@ class QdrantServerIndex:
             must.append(
                 q.Condition(has_id=q.HasIdCondition(has_id=[q.PointId(num=p) for p in only_pids]))
             )
-        reply = self._call(self._points.Query, q.QueryPoints(
-            collection_name=self.collection,
-            query=q.Query(nearest=q.VectorInput(dense=q.DenseVector(
-                data=[float(x) for x in vector]))),
-            filter=q.Filter(must=must),
-            limit=k,
-            with_payload=q.WithPayloadSelector(enable=False),
-            params=q.SearchParams(hnsw_ef=hnsw_ef, exact=only_pids is not None),
-        ))  # fmt: skip
+        reply = self._call(
+            self._points.Query,
+            q.QueryPoints(
+                collection_name=self.collection,
+                query=q.Query(
+                    nearest=q.VectorInput(dense=q.DenseVector(data=[float(x) for x in vector]))
+                ),
+                filter=q.Filter(must=must),
+                limit=k,
+                with_payload=q.WithPayloadSelector(enable=False),
+                params=q.SearchParams(hnsw_ef=hnsw_ef, exact=only_pids is not None),
+            ),
+        )
         return [Candidate(p.id.num, p.score) for p in reply.result]
 
     def ready(self) -> bool:

@@ -105,12 +105,20 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             caller.tenant, caller.visibility, tuple(sorted(request.attributes.items()))
         )
         started = time.perf_counter()
-        result = await index.search(visibility, SearchQuery(
-            text=request.query, k=request.k, mode=_MODES[request.mode],
-            vector=tuple(request.query_vector), hnsw_ef=request.hnsw_ef,
-            candidates=request.candidates, fusion=_FUSION[request.fusion],
-            vector_weight=request.vector_weight, include_text=request.include_text,
-        ))  # fmt: skip
+        result = await index.search(
+            visibility,
+            SearchQuery(
+                text=request.query,
+                k=request.k,
+                mode=_MODES[request.mode],
+                vector=tuple(request.query_vector),
+                hnsw_ef=request.hnsw_ef,
+                candidates=request.candidates,
+                fusion=_FUSION[request.fusion],
+                vector_weight=request.vector_weight,
+                include_text=request.include_text,
+            ),
+        )
         if self.metrics is not None:
             self.metrics.searched(result, time.perf_counter() - started)
         return retrieval_pb2.SearchResponse(

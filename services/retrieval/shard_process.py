@@ -118,11 +118,18 @@ class ShardProcess:
         parent, child = socket.socketpair()
         try:
             self._process = subprocess.Popen(
-                dying_with_this_process([sys.executable, "-m",
-                                         "ragline_services.retrieval.shard_process",
-                                         str(child.fileno()), self.path]),
-                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-            )  # fmt: skip
+                dying_with_this_process(
+                    [
+                        sys.executable,
+                        "-m",
+                        "ragline_services.retrieval.shard_process",
+                        str(child.fileno()),
+                        self.path,
+                    ]
+                ),
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
         finally:
             child.close()
         self._connection = Connection(parent.detach())

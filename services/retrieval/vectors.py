@@ -272,14 +272,26 @@ class EdgeVectorIndex:
                 shutil.rmtree(target)
             # From a worker thread of the loop's executor (it lives as long as the process).
             self._builder = subprocess.Popen(
-                dying_with_this_process([
-                    sys.executable, "-m", "ragline_services.retrieval.hnsw_builder",
-                    str(self.wal_path), str(upto_seq), str(target), str(self.dim),
-                    "--threads", str(self.build_threads), "--niceness", str(self.build_niceness),
-                    *(["--idle"] if self.build_idle else []),
-                ]),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
+                dying_with_this_process(
+                    [
+                        sys.executable,
+                        "-m",
+                        "ragline_services.retrieval.hnsw_builder",
+                        str(self.wal_path),
+                        str(upto_seq),
+                        str(target),
+                        str(self.dim),
+                        "--threads",
+                        str(self.build_threads),
+                        "--niceness",
+                        str(self.build_niceness),
+                        *(["--idle"] if self.build_idle else []),
+                    ]
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             out, err = self._builder.communicate()
             if self._builder.returncode != 0:
                 raise RuntimeError(f"HNSW build failed ({self._builder.returncode}): {err[-2000:]}")
@@ -328,9 +340,13 @@ class EdgeVectorIndex:
                 )
             for doc in upserts:
                 self._delta[doc.key] = _DeltaEntry(
-                    seq, _unit(doc.vector), doc.tenant, frozenset(doc.scopes),
-                    frozenset(doc.attribute_terms), point_id(doc.key),
-                )  # fmt: skip
+                    seq,
+                    _unit(doc.vector),
+                    doc.tenant,
+                    frozenset(doc.scopes),
+                    frozenset(doc.attribute_terms),
+                    point_id(doc.key),
+                )
             self._by_tenant = None
 
     # -- reads ----------------------------------------------------------------------------
@@ -359,9 +375,14 @@ class EdgeVectorIndex:
             found = delta.search(vector, visibility, k, only_pids) if delta is not None else []
             if shard is not None:
                 found += self._shard_search(
-                    shard, vector, visibility, k, hnsw_ef, only_pids,
+                    shard,
+                    vector,
+                    visibility,
+                    k,
+                    hnsw_ef,
+                    only_pids,
                     exclude=delta.shadow_ids if delta is not None else set(),
-                )  # fmt: skip
+                )
         finally:
             if shard is not None:
                 with self._lock:

@@ -167,8 +167,12 @@ class WriteLog:
             target = self.path.with_name(self.path.name + ".compact")
             dropped, kept_deletes, forgotten = 0, False, set()
             with target.open("wb") as out:
-                marks = {"op": MARKS, "seq": 0, "last_seq": self.last_seq,
-                         "tenant_last": self.tenant_last}  # fmt: skip
+                marks = {
+                    "op": MARKS,
+                    "seq": 0,
+                    "last_seq": self.last_seq,
+                    "tenant_last": self.tenant_last,
+                }
                 out.write(_frame(marks))
                 for seq, record, _ in self._records():
                     if record.get("op") == MARKS:
