@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from support import service_settings
-from support.helm_chart import CHART, KEYS, VALUES, invalid, render
+from support.helm_chart import CHART, KEYS, VALUES, config_map, invalid, render
 
 pytestmark = pytest.mark.deploy
 
@@ -62,19 +62,17 @@ def test_the_chart_lints_renders_and_validates(helm, flavour):
 def test_stateless_inner_services_are_called_through_a_headless_name_of_every_pod(helm):
     objects = render(helm)
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
-    config = next(
-        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
-    )
+    config = config_map(objects)
     for name, port in (("embedding", 50101), ("rerank", 50103), ("generation", 50104),
                        ("budget", 50105)):  # fmt: skip
         headless = services[f"rl-{name}-pods"]["spec"]
         assert headless["clusterIP"] == "None"
         assert headless["selector"] == services[f"rl-{name}"]["spec"]["selector"]
         # gRPC's DNS resolver, so the kit's client goes round-robin over every pod
-        assert config["data"][f"RAGLINE_{name.upper()}_ADDR"] == (
+        assert config[f"RAGLINE_{name.upper()}_ADDR"] == (
             f"dns:///rl-{name}-pods.default.svc:{port}"
         )
-        assert int(config["data"][f"RAGLINE_{name.upper()}_MAX_CONNECTION_AGE_S"]) > 0
+        assert int(config[f"RAGLINE_{name.upper()}_MAX_CONNECTION_AGE_S"]) > 0
 
 
 def test_inner_services_accept_only_the_orchestrator(helm):

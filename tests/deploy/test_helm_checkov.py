@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from support import REPO_ROOT
-from support.helm_chart import CHART, KEYS, SECURED, VALUES
+from support.helm_chart import CHART, KEYS, SECURED, VALUES, template
 
 pytestmark = pytest.mark.deploy
 
@@ -35,15 +35,10 @@ def failed_checks(helm: str, tmp_path, *extra: str) -> dict[str, set[str]]:
         pytest.fail("checkov is not installed: run `make checkov-env`")
     paths = []
     for flavour, values in VALUES.items():
-        rendered = subprocess.run(
-            [helm, "template", "rl", str(CHART), *KEYS, *values, *EVERYTHING, *extra],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
+        rendered = template(helm, *KEYS, *values, *EVERYTHING, *extra)
+        assert rendered.returncode == 0, rendered.stderr
         path = tmp_path / f"{flavour}.yaml"
-        path.write_text(rendered)
+        path.write_text(rendered.stdout)
         paths += ["-f", str(path)]
     scan = subprocess.run(
         [str(CHECKOV), *paths, "--framework", "kubernetes", "-o", "json", "--quiet"],

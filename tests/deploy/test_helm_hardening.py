@@ -6,21 +6,22 @@ from __future__ import annotations
 
 import pytest
 
-from support.helm_chart import CHART, SECURED, VALUES, render, secret_holders
+from support.helm_chart import (
+    CHART,
+    KEYS,
+    SECURED,
+    VALUES,
+    config_map,
+    pod_spec,
+    render,
+    secret_holders,
+    template,
+    workloads,
+)
 
 pytestmark = pytest.mark.deploy
 
 EVERYTHING = ["--set", "qdrant.enabled=true", "--set", "triton.modelRepositoryClaim=models"]
-
-
-def workloads(objects: list[dict]) -> list[dict]:
-    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet", "Pod", "Job")]
-
-
-def pod_spec(workload: dict) -> dict:
-    if workload["kind"] == "Pod":
-        return workload["spec"]
-    return workload["spec"]["template"]["spec"]
 
 
 @pytest.mark.parametrize("flavour", [*VALUES, "secured"])
@@ -71,10 +72,8 @@ def test_the_budget_service_reaches_the_bundled_etcd_by_one_name(helm):
     from ragline_services.budget.store import etcd_target
 
     objects = render(helm)
-    config = next(
-        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
-    )
-    endpoints = config["data"]["RAGLINE_BUDGET_ETCD_ENDPOINTS"]
+    config = config_map(objects)
+    endpoints = config["RAGLINE_BUDGET_ETCD_ENDPOINTS"]
     assert etcd_target(endpoints.split(",")) == "dns:///rl-etcd:2379"
     (service,) = [
         o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "rl-etcd"
@@ -102,13 +101,11 @@ def test_a_secured_bundled_etcd_speaks_mutual_tls_and_a_job_turns_its_auth_on(he
     names = certificate["spec"]["dnsNames"]
     peers = next(a for a in args if a.startswith("--initial-cluster=")).split("=", 1)[1]
     members = [url.split("://")[1].rsplit(":", 1)[0] for url in peers.split(",")]
-    config = next(
-        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
-    )
-    dialed = config["data"]["RAGLINE_BUDGET_ETCD_ENDPOINTS"].rsplit(":", 1)[0]
+    config = config_map(objects)
+    dialed = config["RAGLINE_BUDGET_ETCD_ENDPOINTS"].rsplit(":", 1)[0]
     for host in [*members, dialed]:
         assert any(fnmatch.fnmatchcase(host, pattern) for pattern in names), host
-    assert config["data"]["RAGLINE_BUDGET_ETCD_CA_FILE"] == "/etc/ragline/tls/ca.crt"
+    assert config["RAGLINE_BUDGET_ETCD_CA_FILE"] == "/etc/ragline/tls/ca.crt"
     # the setup Job: a real ragline command, the root password and the budget's user
     (job,) = [o for o in objects if o["kind"] == "Job"]
     assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
@@ -133,16 +130,7 @@ def test_a_secured_bundled_etcd_speaks_mutual_tls_and_a_job_turns_its_auth_on(he
 
 
 def test_a_secured_etcd_without_tls_fails_with_what_to_set(helm):
-    import subprocess
-
-    from support.helm_chart import KEYS
-
-    result = subprocess.run(
-        [helm, "template", "rl", str(CHART), *KEYS, "--set", "etcd.secure=true"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = template(helm, *KEYS, "--set", "etcd.secure=true")
     assert result.returncode != 0 and "etcd.secure needs RAGLINE_TLS_MODE on" in result.stderr
 
 

@@ -12,7 +12,7 @@ from ragline.cache import RedisAccess, open_cache
 from ragline.errors import Unavailable
 from ragline.processes import free_ports
 from ragline_app.redis_server import RedisServer
-from support.helm_chart import CHART, render, secret_holders
+from support.helm_chart import CHART, KEYS, config_map, render, secret_holders, template
 
 pytestmark = pytest.mark.deploy
 
@@ -49,16 +49,7 @@ def test_the_rendered_users_admit_the_services_user_only(helm, tmp_path):
 
 
 def test_a_password_without_its_user_fails_with_what_to_set(helm):
-    import subprocess
-
-    from support.helm_chart import KEYS
-
-    result = subprocess.run(
-        [helm, "template", "rl", str(CHART), *KEYS, "--set", f"redis.password={PASSWORD}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = template(helm, *KEYS, "--set", f"redis.password={PASSWORD}")
     assert result.returncode != 0 and "config.RAGLINE_REDIS_USERNAME" in result.stderr
 
 
@@ -70,10 +61,8 @@ def test_the_rendered_redis_serves_tls_to_the_services_user(helm, tmp_path):
 
     tls = ["--set", "config.RAGLINE_TLS_MODE=mtls", "--set", "tls.secretName=ragline-tls"]
     objects = render(helm, CHART, *SECURED, *tls)
-    config = next(
-        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
-    )
-    assert config["data"]["RAGLINE_ORCHESTRATOR_CACHE_URL"].startswith("rediss://rl-redis:")
+    config = config_map(objects)
+    assert config["RAGLINE_ORCHESTRATOR_CACHE_URL"].startswith("rediss://rl-redis:")
     (redis,) = [
         o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-redis"
     ]

@@ -4,11 +4,18 @@ plaintext health port the kubelet can speak to."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from support.helm_chart import CHART, KEYS, invalid, render, secret_holders
+from support.helm_chart import (
+    CHART,
+    KEYS,
+    config_map,
+    invalid,
+    ragline_workloads,
+    render,
+    secret_holders,
+    template,
+)
 
 pytestmark = pytest.mark.deploy
 
@@ -21,26 +28,15 @@ CERT_MANAGER = [
 ]
 
 
-def ragline_workloads(objects: list[dict]) -> list[dict]:
-    return [
-        o
-        for o in objects
-        if o["kind"] in ("Deployment", "StatefulSet")
-        and o["spec"]["template"]["spec"]["containers"][0].get("args", [""])[0] == "serve"
-    ]
-
-
 def test_probes_use_the_plaintext_health_port_and_no_secret_is_mounted_by_default(helm):
     objects = render(helm)
-    config = next(
-        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
-    )
-    assert config["data"]["RAGLINE_TLS_MODE"] == "off"
+    config = config_map(objects)
+    assert config["RAGLINE_TLS_MODE"] == "off"
     workloads = ragline_workloads(objects)
     assert len(workloads) == 6
     for workload in workloads:
         name = workload["metadata"]["labels"]["app.kubernetes.io/name"]
-        health_port = int(config["data"][f"RAGLINE_{name.upper()}_HEALTH_PORT"])
+        health_port = int(config[f"RAGLINE_{name.upper()}_HEALTH_PORT"])
         container = workload["spec"]["template"]["spec"]["containers"][0]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["health"] == health_port != ports["grpc"]
@@ -57,11 +53,9 @@ def test_mtls_with_cert_manager_names_every_address_and_mounts_the_secret(helm):
     spec = certificate["spec"]
     assert spec["issuerRef"] == {"name": "ragline-ca", "kind": "Issuer", "group": "cert-manager.io"}
     assert {"server auth", "client auth"} <= set(spec["usages"])
-    config = next(
-        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
-    )
+    config = config_map(objects)
     # Every address a ragline client dials is a name the certificate holds.
-    addresses = {k: v for k, v in config["data"].items() if k.endswith("_ADDR")}
+    addresses = {k: v for k, v in config.items() if k.endswith("_ADDR")}
     assert len(addresses) == 6
     for variable, address in addresses.items():
         host = address.removeprefix("dns:///").rpartition(":")[0]
@@ -76,7 +70,7 @@ def test_mtls_with_cert_manager_names_every_address_and_mounts_the_secret(helm):
         assert mount["mountPath"] == "/etc/ragline/tls" and mount["readOnly"] is True
         assert "subPath" not in mount  # a subPath mount is never updated on renewal
     for name in ("CERT", "KEY", "CA"):
-        path = config["data"][f"RAGLINE_TLS_{name}_FILE"]
+        path = config[f"RAGLINE_TLS_{name}_FILE"]
         assert path.startswith("/etc/ragline/tls/")
 
 
@@ -92,20 +86,10 @@ def test_an_existing_secret_is_mounted_as_it_is(helm):
 
 
 def test_tls_without_certificates_fails_with_what_to_set(helm):
-    result = subprocess.run(
-        [helm, "template", "rl", str(CHART), *KEYS, *MTLS],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = template(helm, *KEYS, *MTLS)
     assert result.returncode != 0
     assert "set tls.secretName" in result.stderr
-    unknown = subprocess.run(
-        [helm, "template", "rl", str(CHART), *KEYS, "--set", "config.RAGLINE_TLS_MODE=on"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    unknown = template(helm, *KEYS, "--set", "config.RAGLINE_TLS_MODE=on")
     assert unknown.returncode != 0 and "RAGLINE_TLS_MODE" in unknown.stderr
 
 
@@ -168,11 +152,9 @@ def test_the_qdrant_key_reaches_the_retrieval_pods_and_qdrant_only(helm):
 def test_triton_serves_grpc_under_mutual_tls_when_the_stack_does(helm):
     gpu = ["-f", str(CHART / "values-gpu.yaml")]
     objects = render(helm, CHART, *gpu, *MTLS, *CERT_MANAGER)
-    config = next(
-        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
-    )
-    assert config["data"]["RAGLINE_EMBEDDING_TRITON_TLS"] == "true"
-    assert config["data"]["RAGLINE_GENERATION_TRITON_TLS"] == "true"
+    config = config_map(objects)
+    assert config["RAGLINE_EMBEDDING_TRITON_TLS"] == "true"
+    assert config["RAGLINE_GENERATION_TRITON_TLS"] == "true"
     (triton,) = [
         o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "rl-triton"
     ]
@@ -182,13 +164,11 @@ def test_triton_serves_grpc_under_mutual_tls_when_the_stack_does(helm):
         "volumeMounts"
     ]
     (certificate,) = [o for o in objects if o["kind"] == "Certificate"]
-    host = config["data"]["RAGLINE_GENERATION_TRITON_URL"].rpartition(":")[0]
+    host = config["RAGLINE_GENERATION_TRITON_URL"].rpartition(":")[0]
     assert host in certificate["spec"]["dnsNames"]
     plain = render(helm, CHART, *gpu)
-    config = next(
-        o for o in plain if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
-    )
-    assert config["data"]["RAGLINE_EMBEDDING_TRITON_TLS"] == "false"
+    config = config_map(plain)
+    assert config["RAGLINE_EMBEDDING_TRITON_TLS"] == "false"
     (triton,) = [
         o for o in plain if o["kind"] == "Deployment" and o["metadata"]["name"] == "rl-triton"
     ]
@@ -197,11 +177,9 @@ def test_triton_serves_grpc_under_mutual_tls_when_the_stack_does(helm):
 
 def test_the_bundled_qdrant_serves_tls_and_retrieval_checks_it(helm):
     objects = render(helm, CHART, *MTLS, *CERT_MANAGER, "--set", "qdrant.enabled=true")
-    config = next(
-        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
-    )
-    assert config["data"]["RAGLINE_RETRIEVAL_QDRANT_URL"] == "rl-qdrant:6334"
-    assert config["data"]["RAGLINE_RETRIEVAL_QDRANT_CA_FILE"] == "/etc/ragline/tls/ca.crt"
+    config = config_map(objects)
+    assert config["RAGLINE_RETRIEVAL_QDRANT_URL"] == "rl-qdrant:6334"
+    assert config["RAGLINE_RETRIEVAL_QDRANT_CA_FILE"] == "/etc/ragline/tls/ca.crt"
     (qdrant,) = [
         o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-qdrant"
     ]
@@ -215,7 +193,5 @@ def test_the_bundled_qdrant_serves_tls_and_retrieval_checks_it(helm):
         and "rl-redis" in certificate["spec"]["dnsNames"]
     )
     plain = render(helm, CHART, "--set", "qdrant.enabled=true")
-    config = next(
-        o for o in plain if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
-    )
-    assert config["data"]["RAGLINE_RETRIEVAL_QDRANT_CA_FILE"] == ""
+    config = config_map(plain)
+    assert config["RAGLINE_RETRIEVAL_QDRANT_CA_FILE"] == ""

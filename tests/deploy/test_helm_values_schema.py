@@ -4,24 +4,13 @@ values files."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from support.helm_chart import CHART, tool_check
+from support.helm_chart import CHART, template, tool_check
 
 pytestmark = pytest.mark.deploy
 
 GOOD_KEYS = ["--set", "auth.jwtKey=client-key", "--set", "auth.serviceKey=" + "s" * 40]
-
-
-def template(helm: str, *values: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [helm, "template", "rl", str(CHART), *values],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_the_schema_is_what_the_tool_writes_from_the_values_files():
@@ -74,12 +63,7 @@ def notes(helm: str, tmp_path, *values: str) -> str:
         "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\ndata:\n"
         '  notes: |\n{{ tpl (.Files.Get "notes.src") . | indent 4 }}\n'
     )
-    rendered = subprocess.run(
-        [helm, "template", "rl", str(chart), "--show-only", "templates/notes-check.yaml", *values],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    rendered = template(helm, "--show-only", "templates/notes-check.yaml", *values, chart=chart)
     assert rendered.returncode == 0, rendered.stderr
     return yaml.safe_load(rendered.stdout)["data"]["notes"]
 
@@ -102,8 +86,8 @@ def test_every_setting_the_templates_read_for_a_service_is_accepted_for_each_one
     schema = json.loads((CHART / "values.schema.json").read_text())
     services = schema["properties"]["services"]["properties"]
     read = set()
-    for template in (CHART / "templates").glob("*.yaml"):
-        read |= set(re.findall(r"\$svc\.(\w+)", template.read_text()))
+    for template_file in (CHART / "templates").glob("*.yaml"):
+        read |= set(re.findall(r"\$svc\.(\w+)", template_file.read_text()))
     assert {"nodeSelector", "resources", "hpa"} <= read
     for name, entry in services.items():
         assert read <= set(entry["properties"]), (name, sorted(read - set(entry["properties"])))

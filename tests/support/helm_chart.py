@@ -29,15 +29,49 @@ SECURED = [
 ]  # fmt: skip
 
 
-def render(helm: str, chart=CHART, *extra: str) -> list[dict]:
-    result = subprocess.run(
-        [helm, "template", "rl", str(chart), *KEYS, *extra],
+def template(helm: str, *values: str, chart=CHART) -> subprocess.CompletedProcess:
+    """`helm template` of the chart with `values` (no keys added), as it ran."""
+    return subprocess.run(
+        [helm, "template", "rl", str(chart), *values],
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def render(helm: str, chart=CHART, *extra: str) -> list[dict]:
+    """The objects of a render with the test keys and `extra`, which must succeed."""
+    result = template(helm, *KEYS, *extra, chart=chart)
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def config_map(objects: list[dict]) -> dict[str, str]:
+    """The services' environment as the chart's ConfigMap holds it."""
+    (config,) = [
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-config"
+    ]
+    return config["data"]
+
+
+def workloads(objects: list[dict]) -> list[dict]:
+    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet", "Pod", "Job")]
+
+
+def pod_spec(workload: dict) -> dict:
+    if workload["kind"] == "Pod":
+        return workload["spec"]
+    return workload["spec"]["template"]["spec"]
+
+
+def ragline_workloads(objects: list[dict]) -> list[dict]:
+    """The workloads of the ragline services (`ragline serve NAME`)."""
+    return [
+        o
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+        and pod_spec(o)["containers"][0].get("args", [""])[0] == "serve"
+    ]
 
 
 def invalid(objects: list[dict]) -> list[str]:
@@ -60,8 +94,7 @@ def secret_holders(objects: list[dict], secret: str) -> set[str]:
     for workload in objects:
         if workload["kind"] not in ("Deployment", "StatefulSet", "Job"):
             continue
-        container = workload["spec"]["template"]["spec"]["containers"][0]
-        for source in container.get("envFrom", []):
+        for source in pod_spec(workload)["containers"][0].get("envFrom", []):
             if source.get("secretRef", {}).get("name") == secret:
                 holders.add(workload["metadata"]["name"])
     return holders
