@@ -49,7 +49,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from ragline.auth import AuthConfig
     from ragline.config import ConfigError
     from ragline.errors import StartRefused
-    from ragline_app.etcd_server import EtcdServer
+    from ragline_app.etcd_server import EtcdServer, LedgerCredentials
     from ragline_app.stack import Stack, StackError, plan_ports
 
     common = CommonConfig()
@@ -65,17 +65,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     log_dir = Path(args.log_dir) if args.log_dir else common.data_dir / "logs"
     ports = plan_ports(names, args.base_port, args.host)
+    # --tls: the local CA (the local etcd's certificates, and the services' where the
+    # environment names no files of the operator's)
+    certificates = _local_certificates(args, common) if args.tls else None
     try:
-        service_tls, client_tls = _stack_tls(args, common)
+        service_tls, client_tls = _stack_tls(args, certificates)
     except ConfigError as error:
         print(f"ragline up: {error}", file=sys.stderr)
         return 2
-    etcd = None
+    etcd, ledger_credentials = None, None
     if "budget" in names and "RAGLINE_BUDGET_ETCD_ENDPOINTS" not in os.environ:
         # The budget ledger needs etcd: run a local one unless an external one is configured.
         # Under --tls it is secured too: TLS with client certificates, and a user for the
         # budget service that reaches the ledger's keys only.
-        certificates = _local_certificates(args, common) if args.tls else None
         etcd = EtcdServer(
             common.data_dir / "etcd",
             ports["etcd"],
@@ -85,15 +87,21 @@ def cmd_up(args: argparse.Namespace) -> int:
             certificates=certificates,
         )
         if certificates is not None:
-            service_tls = {**service_tls, **_secured_ledger_environment(certificates, common)}
+            ledger_credentials = LedgerCredentials.load_or_create(
+                common.data_dir / "etcd-credentials.json"
+            )
+            service_tls = {
+                **service_tls,
+                **_secured_ledger_environment(certificates, ledger_credentials),
+            }
     # this process checks the services' health and loads the demo as a client of theirs
     os.environ.update(client_tls)
     stack = Stack(
         names, ports, log_dir, args.host, etcd=etcd, metrics=args.metrics, tls=service_tls
     )
     stack.client_tls = client_tls
-    if etcd is not None and etcd.certificates is not None:
-        stack.etcd_setup = lambda: _provision_ledger(etcd, common)
+    if ledger_credentials is not None:
+        stack.etcd_setup = lambda: _provision_ledger(etcd, ledger_credentials)
     state_path = common.data_dir / "up.json"
     stop_requested = asyncio.Event()
 
@@ -368,9 +376,9 @@ def _orchestrator_address(args: argparse.Namespace, common: CommonConfig) -> str
     return args.addr or service_address("orchestrator", common.data_dir)
 
 
-def _stack_tls(args: argparse.Namespace, common: CommonConfig):
-    """(the services' RAGLINE_TLS_*, a command's): under `--tls`, the operator's files
-    where RAGLINE_TLS_* names them, else a local CA's under the data directory."""
+def _stack_tls(args: argparse.Namespace, certificates):
+    """(the services' RAGLINE_TLS_*, a command's): the operator's files where
+    RAGLINE_TLS_* names them, else under `--tls` the local CA's `certificates`."""
     from ragline.tls import TlsConfig
 
     configured = TlsConfig()
@@ -378,9 +386,8 @@ def _stack_tls(args: argparse.Namespace, common: CommonConfig):
     if configured.on:
         # The operator's certificates: the services and commands share the same files.
         return {}, {k: v for k, v in os.environ.items() if k.startswith("RAGLINE_TLS_")}
-    if not args.tls:
+    if certificates is None:
         return {}, {}
-    certificates = _local_certificates(args, common)
     return (
         certificates.service_environment(args.tls),
         certificates.client_environment(args.tls),
@@ -393,10 +400,7 @@ def _local_certificates(args: argparse.Namespace, common: CommonConfig):
     return local_authority(common.data_dir.resolve() / "tls", [args.host])
 
 
-def _secured_ledger_environment(certificates, common: CommonConfig) -> dict[str, str]:
-    from ragline_app.etcd_server import LedgerCredentials
-
-    credentials = LedgerCredentials.load_or_create(common.data_dir / "etcd-credentials.json")
+def _secured_ledger_environment(certificates, credentials) -> dict[str, str]:
     return {
         "RAGLINE_BUDGET_ETCD_CA_FILE": str(certificates.ca),
         "RAGLINE_BUDGET_ETCD_CERT_FILE": str(certificates.service_cert),
@@ -405,13 +409,12 @@ def _secured_ledger_environment(certificates, common: CommonConfig) -> dict[str,
     }
 
 
-def _provision_ledger(etcd, common: CommonConfig) -> None:
+def _provision_ledger(etcd, credentials) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from ragline_app.etcd_server import LedgerCredentials, provision_ledger_user
+    from ragline_app.etcd_server import provision_ledger_user
     from ragline_services.budget.service import BudgetConfig
 
-    credentials = LedgerCredentials.load_or_create(common.data_dir / "etcd-credentials.json")
     setup = provision_ledger_user(
         etcd.endpoint, credentials, BudgetConfig().key_prefix, etcd.certificates
     )

@@ -145,10 +145,14 @@ def spawn_service(
     return process, address
 
 
-async def health_status(address: str, timeout_s: float = 1.0, service: str = "") -> str:
+async def health_status(
+    address: str, timeout_s: float = 1.0, service: str = "", *, tls=None, credentials=None
+) -> str:
     """SERVING / NOT_SERVING / UNREACHABLE for the server at `address` (overall, or the
-    health service name `service`: "liveness" is what a liveness probe asks)."""
-    async with open_channel(address) as channel:
+    health service name `service`: "liveness" is what a liveness probe asks). `tls` and
+    `credentials`: made once by a caller that asks again and again (default: from the
+    environment, each time)."""
+    async with open_channel(address, tls, credentials=credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             request = health_pb2.HealthCheckRequest(service=service)
@@ -239,13 +243,20 @@ class Stack:
     async def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         pending = list(self.services)
+        # Read once, not at every poll (under TLS: the files, and the key checked against
+        # its certificate); a fresh channel each poll still sees a server the moment it
+        # listens.
+        tls = TlsConfig()
+        credentials = tls.channel_credentials() if tls.on else None
         while pending:
             for svc in self.dead():
                 raise StackError(
                     f"{svc.name} exited with code {svc.process.returncode} during start; "
                     f"end of {svc.log_path}:\n{svc.log_tail()}"
                 )
-            statuses = await asyncio.gather(*(health_status(s.address) for s in pending))
+            statuses = await asyncio.gather(
+                *(health_status(s.address, tls=tls, credentials=credentials) for s in pending)
+            )
             pending = [
                 s for s, status in zip(pending, statuses, strict=True) if status != "SERVING"
             ]
