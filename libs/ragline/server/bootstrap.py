@@ -191,7 +191,7 @@ class ServerRunner:
         await service.start()
         if not await asyncio.to_thread(authenticator.wait_ready):
             # Served anyway (health, and the key set may come): tokens wait for its keys.
-            log.warning("auth.no_keys_yet", url=AuthConfig().jwks_url)
+            log.warning("auth.no_keys_yet", url=authenticator.config.jwks_url)
         ready = await service.ready()
         await service.health.set_serving(ready, reason="started" if ready else "backend not ready")
         log.info(
