@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from ragline.config import CommonConfig
 from ragline.v1 import generation_pb2, generation_pb2_grpc
 from support import SMALL_GENERATION
 
@@ -63,6 +64,7 @@ def engine_env(engine: str) -> dict[str, str]:
     if engine == "found":
         return {}
     from ragline_services.generation.llama_engine import (
+        engine_runs_model,
         prebuilt_installable,
         prebuilt_llama_server,
     )
@@ -72,7 +74,21 @@ def engine_env(engine: str) -> dict[str, str]:
         if prebuilt_installable():
             pytest.fail("the prebuilt llama-server is not installed: run `make llama-server`")
         pytest.skip("the prebuilt llama-server cannot be installed here (glibc < 2.35)")
+    # As `make llama-server` decides: a prebuilt binary that cannot run a model on this CPU
+    # (SIGILL in its kernels) is not the one the service runs here.
+    failure = engine_runs_model(binary, small_model_file())
+    if failure:
+        pytest.skip(f"the prebuilt llama-server does not run on this CPU: {failure[:120]}")
     return {"RAGLINE_GENERATION_LLAMA_SERVER": str(binary)}
+
+
+def small_model_file() -> Path:
+    from ragline.models.store import ModelStore
+    from ragline_services.generation.service import GenerationConfig
+
+    name = GenerationConfig.model_fields["small_model"].default
+    store = ModelStore(CommonConfig().model_dir)
+    return store.file(name, store.spec(name).assembled or "model.gguf")
 
 
 @pytest.mark.parametrize("engine", ["found", "prebuilt"])
