@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 
 from ragline.config import CommonConfig
+from ragline.vocabulary import ModelTier, SearchMode, search_mode_to_proto, tier_to_proto
 
 
 def _service_names() -> list[str]:
@@ -441,7 +442,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     from ragline import deadlines, identity
     from ragline.clients import ServiceClient
-    from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, retrieval_pb2
+    from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
     common = CommonConfig()
     # With a token the server takes tenant, principal and scopes from it.
@@ -463,11 +464,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
     request = orchestrator_pb2.AskRequest(
         question=args.question,
         task_id=args.task_id or "",
-        tier=common_pb2.ModelTier.Value(f"MODEL_TIER_{args.tier.upper()}"),
+        # Unspecified: the server's default tier, which it may escalate.
+        tier=common_pb2.MODEL_TIER_UNSPECIFIED
+        if args.tier == "unspecified"
+        else tier_to_proto(ModelTier(args.tier)),
         allow_degrade=args.allow_degrade,
         max_tokens=args.max_tokens or 0,
         retrieval=orchestrator_pb2.RetrievalOptions(
-            mode=retrieval_pb2.SearchMode.Value(f"SEARCH_MODE_{args.mode.upper()}")
+            mode=search_mode_to_proto(SearchMode(args.mode))
         ),
     )
 
@@ -808,8 +812,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--json", action="store_true", help="print the final result as JSON")
     ask.add_argument("--timings", action="store_true", help="draw where the time went")
     ask.add_argument("--waterfall", metavar="FILE.png", help="write the timing waterfall as a PNG")
-    ask.add_argument("--tier", choices=["unspecified", "small", "large"], default="unspecified")
-    ask.add_argument("--mode", choices=["hybrid", "bm25", "vector", "prefilter"], default="hybrid")
+    ask.add_argument("--tier", choices=["unspecified", *ModelTier], default="unspecified")
+    ask.add_argument("--mode", choices=list(SearchMode), default=SearchMode.HYBRID)
     ask.add_argument("--max-tokens", type=int, help="most answer tokens (default: server's)")
     ask.add_argument(
         "--allow-degrade",

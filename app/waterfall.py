@@ -13,7 +13,21 @@ PHASES = (
     ("stream", "streaming", "#a6d854"),
     ("settle", "settlement (off the path)", "#d9d9d9"),
 )
-_STATES = {1: "ok", 2: "failed", 3: "skipped", 4: "cancelled", 5: "cached", 6: "running"}
+
+
+def _state_label(number: int) -> str:
+    """A node's state as the report names it (NODE_STATE_SKIPPED: "skipped"), "ok" for a
+    step that succeeded, "?" for a state this client does not know."""
+    from ragline.v1 import orchestrator_pb2
+
+    if number == orchestrator_pb2.NODE_STATE_SUCCEEDED:
+        return "ok"
+    if number == orchestrator_pb2.NODE_STATE_UNSPECIFIED:
+        return "?"
+    try:
+        return orchestrator_pb2.NodeState.Name(number).removeprefix("NODE_STATE_").lower()
+    except ValueError:
+        return "?"
 
 
 @dataclass(frozen=True)
@@ -55,7 +69,7 @@ def rows(report) -> list[Row]:
             Row(
                 node_id=node.node_id,
                 kind=orchestrator_pb2.NodeKind.Name(node.kind).removeprefix("NODE_KIND_").lower(),
-                state=_STATES.get(node.state, "?"),
+                state=_state_label(node.state),
                 critical=node.node_id in critical,
                 phases=phases,
                 server_s=_seconds(node.server.total) if node.HasField("server") else None,

@@ -49,6 +49,7 @@ import numpy as np
 
 from ragline.identity import WRITE_SCOPE
 from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+from ragline.vocabulary import SearchMode, search_mode_to_proto
 from ragline_app.datasets import load_squad
 from ragline_app.stack import source_pythonpath, spawn_service
 
@@ -56,9 +57,8 @@ TENANT = (("x-ragline-tenant", "bench"),)
 WRITER = (*TENANT, ("x-ragline-scopes", WRITE_SCOPE))
 OPERATOR = (*TENANT, ("x-ragline-operator", "true"))
 MODES = {
-    "bm25": retrieval_pb2.SEARCH_MODE_BM25,
-    "vector": retrieval_pb2.SEARCH_MODE_VECTOR,
-    "hybrid": retrieval_pb2.SEARCH_MODE_HYBRID,
+    mode: search_mode_to_proto(mode)
+    for mode in (SearchMode.BM25, SearchMode.VECTOR, SearchMode.HYBRID)
 }
 
 
@@ -261,7 +261,7 @@ async def recall_at_10(address: str, docs, vectors: np.ndarray, q_vecs: np.ndarr
         for row, vector in zip(exact, q_vecs, strict=True):
             reply = await stub.Search(
                 retrieval_pb2.SearchRequest(
-                    query="q", k=10, mode=MODES["vector"], query_vector=vector.tolist()
+                    query="q", k=10, mode=MODES[SearchMode.VECTOR], query_vector=vector.tolist()
                 ),
                 timeout=30,
                 metadata=TENANT,

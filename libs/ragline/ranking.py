@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Protocol
 
+from ragline.vocabulary import SearchMode
+
 
 class Candidate(Protocol):
     """Anything with a key (a document id, or any hashable that names it) and a score
@@ -30,8 +32,8 @@ def rrf(
     fused: dict[Hashable, float] = {}
     parts: dict[Hashable, dict[str, float]] = {}
     for weight, name, ranked in (
-        (1 - vector_weight, "bm25", bm25),
-        (vector_weight, "vector", vector),
+        (1 - vector_weight, SearchMode.BM25, bm25),
+        (vector_weight, SearchMode.VECTOR, vector),
     ):
         for rank, candidate in enumerate(ranked, start=1):
             fused[candidate.key] = fused.get(candidate.key, 0.0) + weight / (RRF_K + rank)
@@ -54,9 +56,9 @@ def score_fusion(
 ) -> list[tuple[Hashable, float, dict[str, float]]]:
     """Weighted sum of min-max normalised scores (a list's missing document scores 0)."""
     b, v = _normalised(bm25), _normalised(vector)
-    raw = {c.key: {"bm25": c.score} for c in bm25}
+    raw = {c.key: {SearchMode.BM25: c.score} for c in bm25}
     for c in vector:
-        raw.setdefault(c.key, {})["vector"] = c.score
+        raw.setdefault(c.key, {})[SearchMode.VECTOR] = c.score
     fused = {
         key: (1 - vector_weight) * b.get(key, 0.0) + vector_weight * v.get(key, 0.0) for key in raw
     }

@@ -18,14 +18,13 @@ from cachetools import LRUCache
 
 from ragline import deadlines, tracing
 from ragline.errors import InvalidArgument, Unavailable
+from ragline.vocabulary import ModelTier
 from ragline_services.generation.chat_tokens import tokenize_chat
 from ragline_services.generation.engine import GenerationEngine, StreamEvent
 from ragline_services.generation.prefix_store import Candidate, PrefixStore, StoreOutcome
 from ragline_services.generation.scheduler import Lease, SlotScheduler
 
 log = structlog.get_logger("ragline.generation")
-
-SMALL, LARGE = "small", "large"
 
 # A stream is closed this long before the deadline, so the final message still reaches a
 # caller whose own deadline is the same one.
@@ -68,7 +67,7 @@ class Speculation:
 
 @dataclass
 class Tier:
-    name: str
+    name: ModelTier
     model: str
     model_version: str
     engine: GenerationEngine
@@ -84,7 +83,7 @@ class Tier:
 @dataclass
 class GenerationRequest:
     tenant: str
-    tier: str
+    tier: ModelTier
     max_tokens: int
     prompt: str | None = None
     chat: list[dict[str, str]] | None = None
@@ -122,7 +121,7 @@ class Summary:
     first_token_at: float | None
     model: str
     model_version: str
-    tier: str
+    tier: ModelTier
     speculation_mode: str
     drafted: int
     accepted: int
@@ -164,7 +163,7 @@ def _ids_size(ids: list[int]) -> int:
 
 
 class Generator:
-    def __init__(self, tiers: dict[str, Tier]) -> None:
+    def __init__(self, tiers: dict[ModelTier, Tier]) -> None:
         self.tiers = tiers
         self._background: set[asyncio.Future] = set()
         # Token ids of rendered leading parts of chats (system prompts repeat verbatim),
@@ -174,7 +173,7 @@ class Generator:
         )
         self._renders = asyncio.Semaphore(RENDERS_AT_ONCE)
 
-    def tier(self, name: str) -> Tier:
+    def tier(self, name: ModelTier) -> Tier:
         try:
             return self.tiers[name]
         except KeyError:

@@ -20,8 +20,9 @@ from ragline.processes import free_ports
 from ragline.server import Periodic, Service, ServiceSpec
 from ragline.tls import process_tls_for
 from ragline.v1 import generation_pb2, generation_pb2_grpc
+from ragline.vocabulary import ModelTier
 from ragline_services.generation.engine import GenerationEngine
-from ragline_services.generation.generator import LARGE, SMALL, Generator, Speculation, Tier
+from ragline_services.generation.generator import Generator, Speculation, Tier
 from ragline_services.generation.llama_engine import (
     EngineSettings,
     LlamaServerEngine,
@@ -148,7 +149,7 @@ class GenerationService(Service):
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(self._servicer, server)
 
     async def _tier(
-        self, store: ModelStore, name: str, model: str, speculation: str, draft_model: str
+        self, store: ModelStore, name: ModelTier, model: str, speculation: str, draft_model: str
     ) -> Tier:
         cfg = self.config
         if cfg.prepare_models:
@@ -195,7 +196,7 @@ class GenerationService(Service):
             ),
             port=free_ports(1)[0],
             log_path=Path(log_dir) / f"llama-server-{name}.log",
-            url=cfg.small_llama_url if name == SMALL else cfg.large_llama_url,
+            url=cfg.small_llama_url if name == ModelTier.SMALL else cfg.large_llama_url,
         )
         self.engines.append(engine)
         await engine.start()
@@ -356,7 +357,7 @@ class GenerationService(Service):
             tier, replace(old.settings, speculation="none", draft_model_path=None), "plain"
         )
 
-    async def _triton_tier(self, name: str, model: str) -> Tier:
+    async def _triton_tier(self, name: ModelTier, model: str) -> Tier:
         from ragline_services.generation.triton_engine import TritonGenerationEngine
 
         cfg = self.config
@@ -387,19 +388,27 @@ class GenerationService(Service):
     async def start(self) -> None:
         cfg = self.config
         if cfg.engine == "triton":
-            tiers = {SMALL: await self._triton_tier(SMALL, cfg.triton_small_model)}
+            tiers = {
+                ModelTier.SMALL: await self._triton_tier(ModelTier.SMALL, cfg.triton_small_model)
+            }
             if cfg.triton_large_model:
-                tiers[LARGE] = await self._triton_tier(LARGE, cfg.triton_large_model)
+                tiers[ModelTier.LARGE] = await self._triton_tier(
+                    ModelTier.LARGE, cfg.triton_large_model
+                )
             self._serve(Generator(tiers))
             return
         store = ModelStore(cfg.model_dir or self.common.model_dir)
         self._memory_budget = (cfg.memory_budget_mb << 20) or int(
             available_memory() * MEMORY_FRACTION
         )
-        tiers = {SMALL: await self._tier(store, SMALL, cfg.small_model, cfg.small_speculation, "")}
+        tiers = {
+            ModelTier.SMALL: await self._tier(
+                store, ModelTier.SMALL, cfg.small_model, cfg.small_speculation, ""
+            )
+        }
         if cfg.large_model:
-            tiers[LARGE] = await self._tier(
-                store, LARGE, cfg.large_model, cfg.large_speculation, cfg.small_model
+            tiers[ModelTier.LARGE] = await self._tier(
+                store, ModelTier.LARGE, cfg.large_model, cfg.large_speculation, cfg.small_model
             )
         self._serve(Generator(tiers))
 

@@ -8,9 +8,8 @@ from ragline.identity import current_caller, write_scope_missing
 from ragline.server import Deferred
 from ragline.timing import current_clock
 from ragline.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from ragline.vocabulary import tier_from_proto, tier_to_proto
 from ragline_services.generation.generator import (
-    LARGE,
-    SMALL,
     Chunk,
     GenerationRequest,
     Generator,
@@ -23,12 +22,6 @@ _ROLES = {
     generation_pb2.ROLE_USER: "user",
     generation_pb2.ROLE_ASSISTANT: "assistant",
 }
-_TIERS = {
-    common_pb2.MODEL_TIER_UNSPECIFIED: SMALL,
-    common_pb2.MODEL_TIER_SMALL: SMALL,
-    common_pb2.MODEL_TIER_LARGE: LARGE,
-}
-_TIER_ENUM = {SMALL: common_pb2.MODEL_TIER_SMALL, LARGE: common_pb2.MODEL_TIER_LARGE}
 _SPECULATION_ENUM = {
     "none": generation_pb2.SPECULATION_OFF,
     "ngram": generation_pb2.SPECULATION_NGRAM,
@@ -71,7 +64,7 @@ def generation_request(
     chat = _chat(request)
     return GenerationRequest(
         tenant=tenant,
-        tier=_TIERS[request.tier],
+        tier=tier_from_proto(request.tier),
         max_tokens=request.max_tokens,
         prompt=request.prompt if chat is None else None,
         chat=chat,
@@ -85,7 +78,7 @@ def count_request(request: generation_pb2.CountTokensRequest, tenant: str) -> Ge
     chat = _chat(request)
     return GenerationRequest(
         tenant=tenant,
-        tier=_TIERS[request.tier],
+        tier=tier_from_proto(request.tier),
         max_tokens=1,
         prompt=request.prompt if chat is None else None,
         chat=chat,
@@ -147,7 +140,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             ),
             model=summary.model,
             model_version=summary.model_version,
-            tier=_TIER_ENUM[summary.tier],
+            tier=tier_to_proto(summary.tier),
             speculation=generation_pb2.SpeculationStats(
                 mode=_SPECULATION_ENUM[summary.speculation_mode],
                 drafted_tokens=drafted,

@@ -37,6 +37,7 @@ from ragline.errors import (
 )
 from ragline.files import atomic_write_text
 from ragline.ranking import rrf, score_fusion
+from ragline.vocabulary import Fusion, SearchMode
 from ragline_services.retrieval.bm25 import Bm25Index, LexicalIndex
 from ragline_services.retrieval.documents import (
     StoredDocument,
@@ -65,8 +66,6 @@ from ragline_services.retrieval.wal import WriteLog, live_documents, tenant_seq
 
 log = structlog.get_logger("ragline.retrieval")
 
-BM25, VECTOR, HYBRID, PREFILTER = "bm25", "vector", "hybrid", "prefilter"
-
 
 @dataclass(frozen=True)
 class Embedded:
@@ -81,7 +80,7 @@ Changed = Callable[[str, list[str]], None]  # (tenant, ids of documents replaced
 
 # Stages that are an engine's search, a span each while tracing is on (the others are
 # short enough to read as the rest of the call's span).
-_ENGINE_STAGES = {"bm25": "search bm25", "vector": "search vector"}
+_ENGINE_STAGES = {SearchMode.BM25: "search bm25", SearchMode.VECTOR: "search vector"}
 
 
 def _timed(stages: list[tuple[str, float]], name: str, fn, *args):
@@ -141,11 +140,11 @@ class WriteResult:
 class SearchQuery:
     text: str
     k: int
-    mode: str = HYBRID
+    mode: SearchMode = SearchMode.HYBRID
     vector: tuple[float, ...] = ()
     hnsw_ef: int = 0
     candidates: int = 0
-    fusion: str = ""  # rrf | score | "" (the index's default)
+    fusion: Fusion | None = None  # None: the index's default
     vector_weight: float = 0.0
     include_text: bool = False
 
@@ -163,7 +162,7 @@ class SearchHit:
 @dataclass(frozen=True)
 class SearchResult:
     hits: list[SearchHit]
-    mode_used: str
+    mode_used: SearchMode
     fell_back: bool
     fallback_reason: str
     index_version: int
@@ -196,7 +195,7 @@ class IndexSettings:
     # fusion, the default fusion: tuned on SQuAD dev, held out on new_wiki (docs/tuning.md).
     default_vector_weight: float = 0.2
     default_score_weight: float = 0.4
-    default_fusion: str = "score"
+    default_fusion: Fusion = Fusion.SCORE
     bm25_max_open_tenants: int = 256
     # Weight of a BM25 query word's translation into the other language (Chinese <->
     # English, ragline.lexicon); 0: none (docs/tuning.md).
@@ -691,19 +690,19 @@ class RetrievalIndex:
         ef = query.hnsw_ef or max(s.default_hnsw_ef, candidates)
         vector = None
         early_bm25 = None
-        if mode != BM25:
+        if mode != SearchMode.BM25:
             if not self.vectors.ready():
-                mode, reason = BM25, "vector_index_not_ready"
+                mode, reason = SearchMode.BM25, "vector_index_not_ready"
             elif query.vector:
                 vector = np.asarray(query.vector, dtype=np.float32)
             else:
-                if mode in (HYBRID, PREFILTER):
+                if mode in (SearchMode.HYBRID, SearchMode.PREFILTER):
                     # BM25 needs no vector: it searches while the query is embedded (its
                     # own pool, whose tasks never wait on others, as for HYBRID's halves).
                     early_bm25 = self._half_pool.submit(
                         *_in_context(
                             _timed_apart,
-                            "bm25",
+                            SearchMode.BM25,
                             self.bm25.search,
                             query.text,
                             visibility,
@@ -715,7 +714,7 @@ class RetrievalIndex:
                     embedded = await self._embed([query.text], "query")
                 except (Unavailable, DeadlineExceeded) as error:
                     log.warning("retrieval.embed_failed", error=str(error))
-                    mode, reason = BM25, "embedding_unavailable"
+                    mode, reason = SearchMode.BM25, "embedding_unavailable"
                 except BaseException:
                     if early_bm25 is not None:
                         early_bm25.cancel()
@@ -724,9 +723,9 @@ class RetrievalIndex:
                     if await self._check_vector_model(embedded.model_version, writing=False):
                         vector = embedded.vectors[0]
                     elif self.vector_model.reembedding_to:
-                        mode, reason = BM25, REEMBEDDING
+                        mode, reason = SearchMode.BM25, REEMBEDDING
                     else:
-                        mode, reason = BM25, EMBEDDING_MODEL_CHANGED
+                        mode, reason = SearchMode.BM25, EMBEDDING_MODEL_CHANGED
                 stages.append(("embed", time.perf_counter() - started))
 
         loop = asyncio.get_running_loop()
@@ -773,34 +772,35 @@ class RetrievalIndex:
 
         def bm25_pool():
             if early_bm25 is None:
-                return timed("bm25", self.bm25.search, query.text, visibility, candidates)
+                return timed(SearchMode.BM25, self.bm25.search, query.text, visibility, candidates)
             pool, own_stages = early_bm25.result()
             stages.extend(own_stages)
             return pool
 
-        if mode == BM25:
+        if mode == SearchMode.BM25:
             if early_bm25 is not None:  # a fallback: the first k of the longer list
                 ranked = bm25_pool()[: query.k]
             else:
-                ranked = timed("bm25", self.bm25.search, query.text, visibility, query.k)
-            ordered = [(c.pid, c.score, {"bm25": c.score}) for c in ranked]
-        elif mode == VECTOR:
-            ranked = timed("vector", self.vectors.search, vector, visibility, query.k, ef)
-            ordered = [(c.pid, c.score, {"vector": c.score}) for c in ranked]
-        elif mode == PREFILTER:
+                ranked = timed(SearchMode.BM25, self.bm25.search, query.text, visibility, query.k)
+            ordered = [(c.pid, c.score, {SearchMode.BM25: c.score}) for c in ranked]
+        elif mode == SearchMode.VECTOR:
+            ranked = timed(SearchMode.VECTOR, self.vectors.search, vector, visibility, query.k, ef)
+            ordered = [(c.pid, c.score, {SearchMode.VECTOR: c.score}) for c in ranked]
+        elif mode == SearchMode.PREFILTER:
             pool = bm25_pool()
             bm25_scores = {c.pid: c.score for c in pool}
             only = [c.pid for c in pool]
             ranked = (
-                timed("vector", self.vectors.search, vector, visibility, query.k, ef, only)
+                timed(SearchMode.VECTOR, self.vectors.search, vector, visibility, query.k, ef, only)
                 if pool
                 else []
             )
             ordered = [
-                (c.pid, c.score, {"vector": c.score, "bm25": bm25_scores[c.pid]}) for c in ranked
+                (c.pid, c.score, {SearchMode.VECTOR: c.score, SearchMode.BM25: bm25_scores[c.pid]})
+                for c in ranked
             ]
         else:  # HYBRID
-            semantic = ("vector", self.vectors.search, vector, visibility, candidates, ef)
+            semantic = (SearchMode.VECTOR, self.vectors.search, vector, visibility, candidates, ef)
             if early_bm25 is not None:
                 vector_list = timed(*semantic)
                 bm25_list = bm25_pool()
@@ -814,10 +814,12 @@ class RetrievalIndex:
                     if s.parallel_hybrid
                     else None
                 )
-                bm25_list = timed("bm25", self.bm25.search, query.text, visibility, candidates)
+                bm25_list = timed(
+                    SearchMode.BM25, self.bm25.search, query.text, visibility, candidates
+                )
                 vector_list = pending.result() if pending is not None else timed(*semantic)
             started = time.perf_counter()
-            if (query.fusion or s.default_fusion) == "score":
+            if (query.fusion or s.default_fusion) == Fusion.SCORE:
                 fuse, weight = score_fusion, query.vector_weight or s.default_score_weight
             else:
                 fuse, weight = rrf, query.vector_weight or s.default_vector_weight

@@ -34,6 +34,7 @@ from ragline.v1 import (
     retrieval_pb2,
     retrieval_pb2_grpc,
 )
+from ragline.vocabulary import Fusion
 from ragline_services.retrieval.forget_notices import ForgetNotices, ForgetTarget
 from ragline_services.retrieval.index import Embedded, IndexSettings, RetrievalIndex
 from ragline_services.retrieval.metrics import RetrievalMetrics
@@ -80,7 +81,7 @@ class RetrievalConfig(ServiceConfig):
     # the whole search, which stopped the service's other threads meanwhile).
     vector_search_process: bool = True
     # HYBRID fusion when a search names none, and its weight of the vector list for each.
-    default_fusion: Literal["rrf", "score"] = "score"
+    default_fusion: Fusion = Fusion.SCORE
     # BM25 indexes (one per tenant) kept open, most recently used first.
     bm25_max_open_tenants: int = Field(256, ge=1)
     # Weight of a BM25 query word's translation into the other language (0: none).

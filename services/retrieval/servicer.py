@@ -10,37 +10,15 @@ from ragline.identity import current_caller
 from ragline.server import Deferred
 from ragline.timing import current_clock
 from ragline.v1 import common_pb2, retrieval_pb2, retrieval_pb2_grpc
+from ragline.vocabulary import fusion_from_proto, search_mode_from_proto, search_mode_to_proto
 from ragline_services.retrieval.documents import Visibility
 from ragline_services.retrieval.index import (
-    BM25,
-    HYBRID,
-    PREFILTER,
-    VECTOR,
     DocumentInput,
     RetrievalIndex,
     SearchQuery,
 )
 from ragline_services.retrieval.metrics import RetrievalMetrics
 from ragline_services.retrieval.permissions import Writer
-
-_MODES = {
-    retrieval_pb2.SEARCH_MODE_UNSPECIFIED: HYBRID,
-    retrieval_pb2.SEARCH_MODE_BM25: BM25,
-    retrieval_pb2.SEARCH_MODE_VECTOR: VECTOR,
-    retrieval_pb2.SEARCH_MODE_HYBRID: HYBRID,
-    retrieval_pb2.SEARCH_MODE_PREFILTER: PREFILTER,
-}
-_MODE_ENUM = {
-    BM25: retrieval_pb2.SEARCH_MODE_BM25,
-    VECTOR: retrieval_pb2.SEARCH_MODE_VECTOR,
-    HYBRID: retrieval_pb2.SEARCH_MODE_HYBRID,
-    PREFILTER: retrieval_pb2.SEARCH_MODE_PREFILTER,
-}
-_FUSION = {
-    retrieval_pb2.FUSION_UNSPECIFIED: "",
-    retrieval_pb2.FUSION_RRF: "rrf",
-    retrieval_pb2.FUSION_SCORE: "score",
-}
 
 
 def _finish_timing(stages: list[tuple[str, float]] = ()) -> common_pb2.ServerTiming:
@@ -110,11 +88,11 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             SearchQuery(
                 text=request.query,
                 k=request.k,
-                mode=_MODES[request.mode],
+                mode=search_mode_from_proto(request.mode),
                 vector=tuple(request.query_vector),
                 hnsw_ef=request.hnsw_ef,
                 candidates=request.candidates,
-                fusion=_FUSION[request.fusion],
+                fusion=fusion_from_proto(request.fusion),
                 vector_weight=request.vector_weight,
                 include_text=request.include_text,
             ),
@@ -134,7 +112,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
                 )
                 for rank, h in enumerate(result.hits, start=1)
             ],
-            mode_used=_MODE_ENUM[result.mode_used],
+            mode_used=search_mode_to_proto(result.mode_used),
             fell_back=result.fell_back,
             fallback_reason=result.fallback_reason,
             index_version=result.index_version,

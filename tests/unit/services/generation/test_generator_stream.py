@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 
 from ragline import deadlines
+from ragline.vocabulary import ModelTier
 from ragline_services.generation.engine import StreamEvent
 from ragline_services.generation.generator import (
-    SMALL,
     Chunk,
     GenerationRequest,
     Generator,
@@ -51,7 +51,7 @@ class ScriptedEngine:
 
 def generator_on(engine: ScriptedEngine) -> Generator:
     tier = Tier(
-        name=SMALL,
+        name=ModelTier.SMALL,
         model="scripted",
         model_version="v1",
         engine=engine,
@@ -59,11 +59,11 @@ def generator_on(engine: ScriptedEngine) -> Generator:
         speculation=Speculation("none"),
         context_window=engine.context_window,
     )
-    return Generator({SMALL: tier})
+    return Generator({ModelTier.SMALL: tier})
 
 
 async def collect(generator: Generator, prompt: str) -> tuple[list[Chunk], Summary]:
-    request = GenerationRequest(tenant="ann", tier=SMALL, max_tokens=8, prompt=prompt)
+    request = GenerationRequest(tenant="ann", tier=ModelTier.SMALL, max_tokens=8, prompt=prompt)
     chunks, summary = [], None
     async for event in generator.generate(request):
         if isinstance(event, Chunk):

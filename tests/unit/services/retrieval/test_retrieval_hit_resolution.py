@@ -11,10 +11,9 @@ import re
 
 import numpy as np
 
+from ragline.vocabulary import SearchMode
 from ragline_services.retrieval.documents import Visibility, doc_key, point_id
 from ragline_services.retrieval.index import (
-    BM25,
-    HYBRID,
     DocumentInput,
     Embedded,
     IndexSettings,
@@ -83,7 +82,7 @@ def test_a_search_loads_stored_documents_only_for_the_text_it_returns(tmp_path):
     index = open_index(tmp_path)
     asyncio.run(index.upsert("acme", RIVERS))
     loads = count_loads(index, "acme")
-    for mode in (BM25, HYBRID):
+    for mode in (SearchMode.BM25, SearchMode.HYBRID):
         loads.clear()
         query = SearchQuery("river flows through town", 5, mode, candidates=60)
         found = asyncio.run(index.search(Visibility("acme"), query))
@@ -91,7 +90,7 @@ def test_a_search_loads_stored_documents_only_for_the_text_it_returns(tmp_path):
         assert {h.id for h in found.hits} <= {d.id for d in RIVERS}
         assert loads == [], mode  # keys and versions come from the key map
     loads.clear()
-    query = SearchQuery("river", 3, BM25, include_text=True)
+    query = SearchQuery("river", 3, SearchMode.BM25, include_text=True)
     hits = asyncio.run(index.search(Visibility("acme"), query)).hits
     assert all(h.text.startswith("The river number") for h in hits) and len(loads) == 3
     index.close()
@@ -105,10 +104,10 @@ def test_visibility_filters_select_without_moving_scores(tmp_path):
     ]
     asyncio.run(index.upsert("acme", docs))
     plain = asyncio.run(index.search(Visibility("acme", frozenset({"eng"})), SearchQuery(
-        "alpha", 5, BM25)))  # fmt: skip
+        "alpha", 5, SearchMode.BM25)))  # fmt: skip
     narrowed = asyncio.run(index.search(
         Visibility("acme", frozenset({"eng", "ops"}), (("lang", "en"),)),
-        SearchQuery("alpha", 5, BM25),
+        SearchQuery("alpha", 5, SearchMode.BM25),
     ))  # fmt: skip
     scores = {h.id: h.score for h in plain.hits}
     assert {h.id: h.score for h in narrowed.hits} == scores and len(scores) == 2
@@ -134,7 +133,7 @@ def test_the_key_map_hides_what_an_engine_has_not_caught_up_with(tmp_path):
     acl, or after a delete, is dropped by the map's check."""
     index = open_index(tmp_path)
     asyncio.run(index.upsert("acme", RIVERS[:3]))
-    query = SearchQuery("river flows through town", 5, BM25)
+    query = SearchQuery("river flows through town", 5, SearchMode.BM25)
     assert len(asyncio.run(index.search(Visibility("acme"), query)).hits) == 3
     narrowed = next(iter(_stored(index, "acme", "r0")))
     # Only the map knows: r0 is now for "hr" only, r1 is deleted (the engines still have both).
@@ -143,7 +142,7 @@ def test_the_key_map_hides_what_an_engine_has_not_caught_up_with(tmp_path):
     assert [h.id for h in hits] == ["r2"]
     hr = asyncio.run(index.search(Visibility("acme", frozenset({"hr"})), query)).hits
     assert sorted(h.id for h in hr) == ["r0", "r2"]
-    with_text = SearchQuery("river flows through town", 5, BM25, include_text=True)
+    with_text = SearchQuery("river flows through town", 5, SearchMode.BM25, include_text=True)
     assert [h.id for h in asyncio.run(index.search(Visibility("acme"), with_text)).hits] == ["r2"]
     index.close()
 

@@ -13,8 +13,9 @@ import pytest
 from test_retrieval_hit_resolution import RIVERS, open_index, toy_embed
 
 from ragline.errors import Unavailable
+from ragline.vocabulary import SearchMode
 from ragline_services.retrieval.documents import Visibility
-from ragline_services.retrieval.index import BM25, HYBRID, PREFILTER, RetrievalIndex, SearchQuery
+from ragline_services.retrieval.index import RetrievalIndex, SearchQuery
 
 
 def meet_inside(index: RetrievalIndex) -> threading.Barrier:
@@ -38,14 +39,14 @@ def meet_inside(index: RetrievalIndex) -> threading.Barrier:
 def test_hybrid_searches_bm25_while_the_vector_half_runs(tmp_path):
     index = open_index(tmp_path)
     asyncio.run(index.upsert("acme", RIVERS))
-    query = SearchQuery("river flows through town 7", 5, HYBRID, candidates=60)
+    query = SearchQuery("river flows through town 7", 5, SearchMode.HYBRID, candidates=60)
     one_after_the_other = dataclasses.replace(index.settings, parallel_hybrid=False)
     settings, index.settings = index.settings, one_after_the_other
     expected = asyncio.run(index.search(Visibility("acme"), query))
     index.settings = settings
     meet_inside(index)
     found = asyncio.run(index.search(Visibility("acme"), query))
-    assert found.mode_used == HYBRID and not found.fell_back
+    assert found.mode_used == SearchMode.HYBRID and not found.fell_back
     assert [(h.id, h.score) for h in found.hits] == [(h.id, h.score) for h in expected.hits]
     assert {"bm25", "vector", "fusion", "resolve"} <= {name for name, _ in found.stages}
     index.close()
@@ -58,17 +59,17 @@ def test_many_concurrent_hybrid_searches_never_wait_on_each_other(tmp_path):
     asyncio.run(index.upsert("acme", RIVERS))
 
     async def many():
-        queries = [SearchQuery(f"river town {i}", 3, HYBRID) for i in range(24)]
+        queries = [SearchQuery(f"river town {i}", 3, SearchMode.HYBRID) for i in range(24)]
         return await asyncio.wait_for(
             asyncio.gather(*(index.search(Visibility("acme"), q) for q in queries)), 30
         )
 
     results = asyncio.run(many())
-    assert all(len(r.hits) == 3 and r.mode_used == HYBRID for r in results)
+    assert all(len(r.hits) == 3 and r.mode_used == SearchMode.HYBRID for r in results)
     index.close()
 
 
-@pytest.mark.parametrize("mode", [HYBRID, PREFILTER])
+@pytest.mark.parametrize("mode", [SearchMode.HYBRID, SearchMode.PREFILTER])
 def test_bm25_searches_while_the_query_text_is_embedded(tmp_path, mode):
     index = open_index(tmp_path)
     asyncio.run(index.upsert("acme", RIVERS))
@@ -101,7 +102,7 @@ def test_bm25_searches_while_the_query_text_is_embedded(tmp_path, mode):
     # The report keeps its order: the embedding, then the engines.
     assert [name for name, _ in found.stages][:2] == [
         "embed",
-        "vector" if mode == HYBRID else "bm25",
+        "vector" if mode == SearchMode.HYBRID else "bm25",
     ]
     assert "bm25" in {name for name, _ in found.stages}
     index.close()
@@ -111,16 +112,16 @@ def test_when_the_embedding_fails_the_early_bm25_list_answers_as_bm25_would(tmp_
     index = open_index(tmp_path)
     asyncio.run(index.upsert("acme", RIVERS))
     text = "river flows through town 7"
-    expected = asyncio.run(index.search(Visibility("acme"), SearchQuery(text, 5, BM25)))
+    expected = asyncio.run(index.search(Visibility("acme"), SearchQuery(text, 5, SearchMode.BM25)))
 
     async def down(texts, kind):
         raise Unavailable("embedding service: UNAVAILABLE")
 
     index._embed = down
     found = asyncio.run(
-        index.search(Visibility("acme"), SearchQuery(text, 5, HYBRID, candidates=60))
+        index.search(Visibility("acme"), SearchQuery(text, 5, SearchMode.HYBRID, candidates=60))
     )
-    assert found.mode_used == BM25 and found.fell_back
+    assert found.mode_used == SearchMode.BM25 and found.fell_back
     assert found.fallback_reason == "embedding_unavailable"
     assert [(h.id, h.score) for h in found.hits] == [(h.id, h.score) for h in expected.hits]
     index.close()

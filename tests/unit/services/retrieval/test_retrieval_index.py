@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ragline.errors import FailedPrecondition, InvalidArgument
+from ragline.vocabulary import SearchMode
 from ragline_services.retrieval.analysis import Analyzer
 from ragline_services.retrieval.documents import (
     Visibility,
@@ -20,10 +21,6 @@ from ragline_services.retrieval.documents import (
     point_id,
 )
 from ragline_services.retrieval.index import (
-    BM25,
-    HYBRID,
-    PREFILTER,
-    VECTOR,
     DocumentInput,
     Embedded,
     IndexSettings,
@@ -76,7 +73,9 @@ def ids(result) -> list[str]:
     return [h.id for h in result.hits]
 
 
-@pytest.mark.parametrize("mode", [BM25, VECTOR, HYBRID, PREFILTER])
+@pytest.mark.parametrize(
+    "mode", [SearchMode.BM25, SearchMode.VECTOR, SearchMode.HYBRID, SearchMode.PREFILTER]
+)
 async def test_writes_are_searchable_at_once_in_every_mode(tmp_path, mode):
     index = open_index(tmp_path)
     result = await index.upsert("acme", DOCS)
@@ -146,21 +145,23 @@ async def test_with_re_embedding_off_an_index_refuses_another_models_vectors(tmp
     assert "minilm-a" in caught.value.message and "minilm-b" in caught.value.message
     assert index.wal.last_seq == logged  # refused before anything was logged
     # A query the index would embed with the other model is answered by BM25, and says so.
-    found = await index.search(ACME, SearchQuery("capital of Poland Vistula", 2, HYBRID))
+    found = await index.search(ACME, SearchQuery("capital of Poland Vistula", 2, SearchMode.HYBRID))
     assert (found.mode_used, found.fell_back, found.fallback_reason) == (
-        BM25, True, "embedding_model_changed",
+        SearchMode.BM25, True, "embedding_model_changed",
     )  # fmt: skip
     assert ids(found)[0] == "warsaw"
     # Vectors the caller brings are the caller's business.
     rome = DocumentInput("rome", "Rome", "Rome is on the Tiber.", vector=tuple(toy_vector("Rome")))
     await index.upsert("acme", [rome])
-    query = SearchQuery("", 1, VECTOR, vector=tuple(toy_vector("Rome")))
+    query = SearchQuery("", 1, SearchMode.VECTOR, vector=tuple(toy_vector("Rome")))
     assert ids(await index.search(ACME, query)) == ["rome"]
     index.close()
     # The index's own model serving again: everything works as before.
     again = open_index(tmp_path, embed=Embedder("minilm-a"))
     await again.upsert("acme", [DocumentInput("oslo", "Oslo", "Oslo is in Norway.")])
-    assert (await again.search(ACME, SearchQuery("Oslo Norway", 1, HYBRID))).mode_used == HYBRID
+    assert (
+        await again.search(ACME, SearchQuery("Oslo Norway", 1, SearchMode.HYBRID))
+    ).mode_used == SearchMode.HYBRID
 
 
 async def test_another_model_re_embeds_the_index_and_bm25_answers_meanwhile(tmp_path):
@@ -173,8 +174,13 @@ async def test_another_model_re_embeds_the_index_and_bm25_answers_meanwhile(tmp_
     embed = Embedder("minilm-b")
     embed.hold = {"Warsaw. " + DOCS[0].text}  # the re-embed's first batch waits
     index = open_index(tmp_path, embed=embed)
-    during = await index.search(ACME, SearchQuery("capital of Poland Vistula", 2, HYBRID))
-    assert (during.mode_used, during.fallback_reason) == (BM25, "vector_index_reembedding")
+    during = await index.search(
+        ACME, SearchQuery("capital of Poland Vistula", 2, SearchMode.HYBRID)
+    )
+    assert (during.mode_used, during.fallback_reason) == (
+        SearchMode.BM25,
+        "vector_index_reembedding",
+    )
     assert ids(during)[0] == "warsaw"
     assert (await index.status("acme")).reembedding_to == "minilm-b"
     # A write embedded by the new model is accepted while the index moves to it.
@@ -185,13 +191,17 @@ async def test_another_model_re_embeds_the_index_and_bm25_answers_meanwhile(tmp_
     models = logged_models(index)
     assert models == {"warsaw": "minilm-b", "paris": "minilm-b", "salary": "minilm-b",
                       "tesla": "minilm-b", "rome": "minilm-b", "own": ""}  # fmt: skip
-    after = await index.search(ACME, SearchQuery("capital of Poland Vistula", 2, HYBRID))
-    assert after.mode_used == HYBRID and ids(after)[0] == "warsaw"
+    after = await index.search(ACME, SearchQuery("capital of Poland Vistula", 2, SearchMode.HYBRID))
+    assert after.mode_used == SearchMode.HYBRID and ids(after)[0] == "warsaw"
     assert after.hits[0].version > during.hits[0].version  # a re-embed is a write
     hr = Visibility("acme", frozenset({"hr"}))  # ACLs came along
-    assert "salary" not in ids(await index.search(ACME, SearchQuery("salary bands", 5, VECTOR)))
-    assert "salary" in ids(await index.search(hr, SearchQuery("salary bands", 5, VECTOR)))
-    globex = await index.search(Visibility("globex"), SearchQuery("Warsaw", 5, VECTOR))
+    assert "salary" not in ids(
+        await index.search(ACME, SearchQuery("salary bands", 5, SearchMode.VECTOR))
+    )
+    assert "salary" in ids(
+        await index.search(hr, SearchQuery("salary bands", 5, SearchMode.VECTOR))
+    )
+    globex = await index.search(Visibility("globex"), SearchQuery("Warsaw", 5, SearchMode.VECTOR))
     assert ids(globex) == ["warsaw"]
     index.close()
     assert VectorModel.load(tmp_path / "vector_model.json") == VectorModel("minilm-b")
@@ -204,14 +214,14 @@ async def test_a_document_rewritten_during_the_re_embed_keeps_its_new_text(tmp_p
     embed = Embedder("minilm-b")
     embed.hold = {"Warsaw. " + DOCS[0].text}
     index = open_index(tmp_path, embed=embed)
-    await index.search(ACME, SearchQuery("Warsaw", 1, HYBRID))  # sees the new model
+    await index.search(ACME, SearchQuery("Warsaw", 1, SearchMode.HYBRID))  # sees the new model
     await until(embed.held.is_set)  # the re-embed has read the old text and waits
     new = DocumentInput("warsaw", "Warsaw", "Warsaw now has a new text about the Vistula.")
     await index.upsert("acme", [new])
     await index.delete("acme", ["paris"])
     embed.gate.set()
     await until(lambda: not index.vector_model.reembedding_to)
-    found = await index.search(ACME, SearchQuery("Warsaw", 5, BM25, include_text=True))
+    found = await index.search(ACME, SearchQuery("Warsaw", 5, SearchMode.BM25, include_text=True))
     assert [(h.id, h.text) for h in found.hits] == [("warsaw", new.text)]
     index.close()
 
@@ -223,7 +233,7 @@ async def test_a_re_embed_interrupted_by_a_restart_goes_on_at_the_next_start(tmp
     stalled = Embedder("minilm-b")
     stalled.hold = {"Warsaw. " + DOCS[0].text}
     index = open_index(tmp_path, embed=stalled)
-    await index.search(ACME, SearchQuery("Warsaw", 1, HYBRID))
+    await index.search(ACME, SearchQuery("Warsaw", 1, SearchMode.HYBRID))
     await until(stalled.held.is_set)
     await index.stop_reembed()
     index.close()
@@ -266,8 +276,8 @@ async def test_an_index_from_before_the_record_takes_the_first_model_it_sees(tmp
     (tmp_path / "vector_model.json").unlink()
     older = open_index(tmp_path, embed=Embedder("minilm-b"))
     assert older.vector_model == VectorModel()
-    found = await older.search(ACME, SearchQuery("capital of Poland Vistula", 2, HYBRID))
-    assert found.mode_used == HYBRID and older.vector_model == VectorModel("minilm-b")
+    found = await older.search(ACME, SearchQuery("capital of Poland Vistula", 2, SearchMode.HYBRID))
+    assert found.mode_used == SearchMode.HYBRID and older.vector_model == VectorModel("minilm-b")
     assert (tmp_path / "vector_model.json").exists()
 
 
@@ -299,7 +309,7 @@ async def test_tenants_never_see_each_other(tmp_path):
     index = open_index(tmp_path)
     await index.upsert("acme", DOCS)
     await index.upsert("globex", [DocumentInput("warsaw", "Warsaw", "Globex notes on Warsaw.")])
-    for mode in (BM25, VECTOR, HYBRID, PREFILTER):
+    for mode in (SearchMode.BM25, SearchMode.VECTOR, SearchMode.HYBRID, SearchMode.PREFILTER):
         found = await index.search(Visibility("globex"), SearchQuery("Warsaw capital", 10, mode))
         assert (
             ids(found) == ["warsaw"]
@@ -319,7 +329,7 @@ async def test_tenants_never_see_each_other(tmp_path):
 async def test_acl_scopes_and_attributes_are_hard_filters(tmp_path):
     index = open_index(tmp_path)
     await index.upsert("acme", DOCS)
-    for mode in (BM25, VECTOR, HYBRID, PREFILTER):
+    for mode in (SearchMode.BM25, SearchMode.VECTOR, SearchMode.HYBRID, SearchMode.PREFILTER):
         public = await index.search(ACME, SearchQuery("salary bands engineering", 10, mode))
         assert "salary" not in ids(public)
         hr = Visibility("acme", frozenset({"hr"}))
@@ -342,7 +352,7 @@ async def test_revoked_scope_disappears(tmp_path):
             )
         ],
     )
-    for mode in (BM25, VECTOR, HYBRID):
+    for mode in (SearchMode.BM25, SearchMode.VECTOR, SearchMode.HYBRID):
         assert "salary" not in ids(await index.search(hr, SearchQuery("salary bands", 10, mode)))
 
 
@@ -351,7 +361,7 @@ async def test_delete_and_not_found(tmp_path):
     await index.upsert("acme", DOCS)
     result = await index.delete("acme", ["paris", "nope"])
     assert (result.deleted, result.not_found) == (1, 1)
-    for mode in (BM25, VECTOR, HYBRID):
+    for mode in (SearchMode.BM25, SearchMode.VECTOR, SearchMode.HYBRID):
         assert "paris" not in ids(await index.search(ACME, SearchQuery("Paris Seine", 10, mode)))
 
 
@@ -381,12 +391,14 @@ async def test_restart_replays_without_duplicates(tmp_path):
     reopened = open_index(tmp_path)
     assert reopened.applied_seq == 2
     assert reopened.bm25.count(ACME) == 3  # salary is hr-only
-    hits = (await reopened.search(ACME, SearchQuery("Warsaw", 10, BM25, include_text=True))).hits
+    hits = (
+        await reopened.search(ACME, SearchQuery("Warsaw", 10, SearchMode.BM25, include_text=True))
+    ).hits
     assert [h.text for h in hits if h.id == "warsaw"] == ["Warsaw, updated text."]
     (tmp_path / "state.json").unlink()  # BM25 rebuilt from the log: versions survive it
     reopened.close()
     rebuilt = open_index(tmp_path)
-    hits = (await rebuilt.search(ACME, SearchQuery("Warsaw Paris", 10, BM25))).hits
+    hits = (await rebuilt.search(ACME, SearchQuery("Warsaw Paris", 10, SearchMode.BM25))).hits
     assert {h.id: h.version for h in hits} == {"warsaw": 2, "paris": 1}
 
 
@@ -409,10 +421,10 @@ async def test_a_failed_apply_is_retried_and_a_later_write_never_skips_it(tmp_pa
     later = await index.upsert("acme", DOCS[1:2])  # paris, logged after the failure
     assert (await first).seq == 1 and later.seq == 2
     assert index.apply_error is None
-    assert "warsaw" in ids(await index.search(ACME, SearchQuery("Vistula", 10, BM25)))
+    assert "warsaw" in ids(await index.search(ACME, SearchQuery("Vistula", 10, SearchMode.BM25)))
     index.close()
     reopened = open_index(tmp_path)
-    for mode in (BM25, VECTOR):
+    for mode in (SearchMode.BM25, SearchMode.VECTOR):
         assert {"warsaw", "paris"} <= set(
             ids(await reopened.search(ACME, SearchQuery("Warsaw Paris capital", 10, mode)))
         ), mode
@@ -427,7 +439,7 @@ async def test_replay_keeps_log_order_for_a_key_written_then_deleted(tmp_path):
     index.close()
     (tmp_path / "state.json").unlink()  # as if BM25 had applied nothing: replay it all
     reopened = open_index(tmp_path)
-    for mode in (BM25, VECTOR):
+    for mode in (SearchMode.BM25, SearchMode.VECTOR):
         found = ids(await reopened.search(ACME, SearchQuery("Paris Rome river", 10, mode)))
         assert "paris" not in found and "rome" not in found, mode
 
@@ -439,15 +451,15 @@ async def test_bad_input(tmp_path):
     with pytest.raises(InvalidArgument, match=r"documents\[1\]\.id"):
         await index.upsert("acme", [DocumentInput("a", "", "t"), DocumentInput("a", "", "u")])
     with pytest.raises(InvalidArgument):
-        await index.search(ACME, SearchQuery("q", 5, VECTOR, vector=(1.0,)))
+        await index.search(ACME, SearchQuery("q", 5, SearchMode.VECTOR, vector=(1.0,)))
     assert index.wal.last_seq == 0  # nothing half-written
 
 
 async def test_without_a_vector_index_search_falls_back_to_bm25(tmp_path):
     index = open_index(tmp_path, exact_limit=2)
     await index.upsert("acme", DOCS)
-    found = await index.search(ACME, SearchQuery("Warsaw capital", 3, HYBRID))
-    assert found.mode_used == BM25 and found.fell_back
+    found = await index.search(ACME, SearchQuery("Warsaw capital", 3, SearchMode.HYBRID))
+    assert found.mode_used == SearchMode.BM25 and found.fell_back
     assert found.fallback_reason == "vector_index_not_ready"
     assert ids(found)[0] == "warsaw"
 
@@ -458,7 +470,7 @@ async def test_build_swaps_in_hnsw_while_queries_keep_answering(tmp_path):
     build = asyncio.create_task(index.maybe_build())
     answered = 0
     while not build.done():
-        found = await index.search(ACME, SearchQuery("Warsaw capital", 2, VECTOR))
+        found = await index.search(ACME, SearchQuery("Warsaw capital", 2, SearchMode.VECTOR))
         assert ids(found)[0] == "warsaw"
         answered += 1
         await asyncio.sleep(0.01)
@@ -466,7 +478,7 @@ async def test_build_swaps_in_hnsw_while_queries_keep_answering(tmp_path):
     status = index.vectors.status()
     assert status.indexed_points == 4 and status.built_seq == 1
     await index.upsert("acme", [DocumentInput("warsaw", "Warsaw", "Renamed to Varsovia.")])
-    found = await index.search(ACME, SearchQuery("Varsovia", 1, VECTOR))
+    found = await index.search(ACME, SearchQuery("Varsovia", 1, SearchMode.VECTOR))
     assert ids(found) == ["warsaw"]  # the delta overrides the shard's older version
 
 
@@ -478,7 +490,9 @@ async def test_stale_shard_copies_never_surface_whatever_k(tmp_path):
     # must be excluded inside the engine, not by over-fetching.
     await index.delete("acme", ["paris", "tesla"])
     await index.upsert("acme", [DocumentInput("warsaw", "Warsaw", "Renamed to Varsovia.")])
-    found = await index.search(ACME, SearchQuery("Paris capital river Tesla", 10, VECTOR))
+    found = await index.search(
+        ACME, SearchQuery("Paris capital river Tesla", 10, SearchMode.VECTOR)
+    )
     assert ids(found) == ["warsaw"]
     assert found.hits[0].version == index.applied_seq
 
@@ -514,7 +528,7 @@ def test_vectors_in_the_log_are_lossless_and_older_json_logs_still_read():
 async def test_one_tenants_documents_do_not_change_another_tenants_bm25_scores(tmp_path):
     index = open_index(tmp_path)
     await index.upsert("acme", DOCS)
-    query = SearchQuery("capital river", 10, BM25)
+    query = SearchQuery("capital river", 10, SearchMode.BM25)
     before = [(h.id, h.score) for h in (await index.search(ACME, query)).hits]
     # Another tenant writes many documents full of the query's words: in a shared index
     # their document frequencies would lower acme's idf, and its scores.
@@ -536,7 +550,9 @@ async def test_tenant_indexes_beyond_the_open_bound_are_reopened_and_still_right
     for tenant in tenants:
         await index.upsert(tenant, [DocumentInput("d", "Doc", f"words of {tenant}")])
     for tenant in tenants * 2:
-        hits = (await index.search(Visibility(tenant), SearchQuery(tenant, 5, BM25))).hits
+        hits = (
+            await index.search(Visibility(tenant), SearchQuery(tenant, 5, SearchMode.BM25))
+        ).hits
         assert [h.id for h in hits] == ["d"], tenant
     assert index.bm25.opened > 2  # evicted ones were opened again
     assert index.bm25.count() == 5 and index.bm25.count_tenant("t3") == 1
@@ -560,7 +576,7 @@ async def test_an_index_of_the_shared_layout_is_set_aside_and_rebuilt_per_tenant
     tantivy.Index(builder.build(), path=str(shared))
     reopened = open_index(tmp_path)
     assert list(tmp_path.glob("bm25.layout1-*"))
-    found = await reopened.search(ACME, SearchQuery("Vistula", 5, BM25))
+    found = await reopened.search(ACME, SearchQuery("Vistula", 5, SearchMode.BM25))
     assert [h.id for h in found.hits] == ["warsaw"]
 
 
@@ -572,7 +588,8 @@ async def test_a_per_tenant_index_without_the_fast_fields_is_rebuilt_from_the_lo
     index = open_index(tmp_path)
     await index.upsert("acme", DOCS)
     before = {
-        h.id: h.version for h in (await index.search(ACME, SearchQuery("Warsaw", 10, BM25))).hits
+        h.id: h.version
+        for h in (await index.search(ACME, SearchQuery("Warsaw", 10, SearchMode.BM25))).hits
     }
     index.close()
     (tmp_path / "bm25" / "layout.json").unlink()  # what layout 1 left: no marker, ...
@@ -583,7 +600,7 @@ async def test_a_per_tenant_index_without_the_fast_fields_is_rebuilt_from_the_lo
     tantivy.Index(builder.build(), path=str(tenant_dir.mkdir() or tenant_dir))
     reopened = open_index(tmp_path)
     assert list(tmp_path.glob("bm25.layout1-*"))
-    after = await reopened.search(ACME, SearchQuery("Warsaw", 10, BM25))
+    after = await reopened.search(ACME, SearchQuery("Warsaw", 10, SearchMode.BM25))
     assert {h.id: h.version for h in after.hits} == before
 
 
@@ -595,7 +612,7 @@ async def test_a_tenant_sees_its_own_write_numbers_and_no_global_counters(tmp_pa
     second = await index.upsert("acme", DOCS[1:2])
     assert (first.tenant_seq, second.tenant_seq) == (1, 2)  # not 1 and 7
     assert second.versions == [2] and second.seq == 7
-    found = await index.search(ACME, SearchQuery("Paris", 5, BM25))
+    found = await index.search(ACME, SearchQuery("Paris", 5, SearchMode.BM25))
     assert found.index_version == 2 and found.hits[0].version == 2
     mine = await index.status("acme")
     assert (mine.index_version, mine.log_sequence, mine.applied_sequence) == (2, 2, 2)
@@ -627,7 +644,7 @@ async def test_logs_written_before_tenant_numbering_keep_growing_numbers(tmp_pat
         await log.append({"op": "write", "upserts": [record], "deletes": []})
     log.close()
     index = open_index(tmp_path)
-    hits = (await index.search(ACME, SearchQuery("old", 5, BM25))).hits
+    hits = (await index.search(ACME, SearchQuery("old", 5, SearchMode.BM25))).hits
     assert [h.version for h in hits] == [3]
     assert (await index.upsert("acme", DOCS[:1])).tenant_seq == 4  # never below an old one
 
@@ -638,9 +655,11 @@ async def test_stop_words_in_a_question_do_not_rank_short_noisy_titles_first(tmp
         DocumentInput("noise", "What is the of the", "An unrelated note on gardening."),
         *DOCS[:2],
     ])  # fmt: skip
-    found = await index.search(ACME, SearchQuery("What is the capital of Poland?", 3, BM25))
+    found = await index.search(
+        ACME, SearchQuery("What is the capital of Poland?", 3, SearchMode.BM25)
+    )
     assert ids(found)[0] == "warsaw"  # not the title full of the question's stop words
-    only_stop_words = await index.search(ACME, SearchQuery("what is the", 3, BM25))
+    only_stop_words = await index.search(ACME, SearchQuery("what is the", 3, SearchMode.BM25))
     assert ids(only_stop_words)  # searched as it is
 
 
@@ -650,20 +669,21 @@ async def test_an_index_without_its_key_map_is_rebuilt_from_the_log(tmp_path):
     index = open_index(tmp_path)
     await index.upsert("acme", DOCS)
     before = {
-        h.id: h.version for h in (await index.search(ACME, SearchQuery("Warsaw", 10, BM25))).hits
+        h.id: h.version
+        for h in (await index.search(ACME, SearchQuery("Warsaw", 10, SearchMode.BM25))).hits
     }
     assert before
     index.close()
     (tmp_path / "bm25" / "keys.sqlite").unlink()
     reopened = open_index(tmp_path)
     assert list(tmp_path.glob("bm25.layout3-*"))
-    after = await reopened.search(ACME, SearchQuery("Warsaw", 10, BM25))
+    after = await reopened.search(ACME, SearchQuery("Warsaw", 10, SearchMode.BM25))
     assert {h.id: h.version for h in after.hits} == before
     reopened.close()
     (tmp_path / "bm25" / "layout.json").write_text('{"layout": 2}')
     again = open_index(tmp_path)
     assert list(tmp_path.glob("bm25.layout2-*"))
-    found = await again.search(ACME, SearchQuery("Warsaw", 10, BM25))
+    found = await again.search(ACME, SearchQuery("Warsaw", 10, SearchMode.BM25))
     assert {h.id: h.version for h in found.hits} == before
     again.close()
 
@@ -692,7 +712,7 @@ async def test_stopping_waits_for_a_write_whose_caller_went_away(tmp_path):
     await stopping
     index.close()
     reopened = open_index(tmp_path)
-    found = await reopened.search(ACME, SearchQuery("written while stopping", 1, BM25))
+    found = await reopened.search(ACME, SearchQuery("written while stopping", 1, SearchMode.BM25))
     assert [h.id for h in found.hits] == ["late"]
     reopened.close()
 
@@ -722,7 +742,7 @@ CHINESE = [
 async def test_chinese_and_mixed_questions_find_their_passage_in_bm25(tmp_path, question, expected):
     index = open_index(tmp_path)
     await index.upsert("acme", CHINESE)
-    assert ids(await index.search(ACME, SearchQuery(question, 1, BM25))) == [expected]
+    assert ids(await index.search(ACME, SearchQuery(question, 1, SearchMode.BM25))) == [expected]
     index.close()
 
 
@@ -753,7 +773,7 @@ async def test_an_index_made_by_the_old_analysis_answers_and_is_reindexed(tmp_pa
     index.bm25.translation_weight = 0
 
     async def top(question: str) -> list[str]:
-        return ids(await index.search(ACME, SearchQuery(question, 1, BM25)))
+        return ids(await index.search(ACME, SearchQuery(question, 1, SearchMode.BM25)))
 
     assert await top("Which river flows through Paris?") == ["paris"]
     assert await top("哪条河注入东海？") == []  # the old index holds sentences, not words
@@ -780,15 +800,19 @@ async def test_bm25_finds_a_passage_in_the_other_language_through_its_translatio
         ],
     )
     english = await index.search(
-        ACME, SearchQuery("Which sea does the Yangtze River reach?", 3, BM25)
+        ACME, SearchQuery("Which sea does the Yangtze River reach?", 3, SearchMode.BM25)
     )
     assert ids(english)[0] == "yangtze"
-    chinese = await index.search(ACME, SearchQuery("莱茵河发源于哪里？", 3, BM25))
+    chinese = await index.search(ACME, SearchQuery("莱茵河发源于哪里？", 3, SearchMode.BM25))
     assert ids(chinese)[0] == "rhine"
     # words written alike still lead: an English query naming Warsaw finds Warsaw first
-    same = await index.search(ACME, SearchQuery("Which river flows through Warsaw?", 3, BM25))
+    same = await index.search(
+        ACME, SearchQuery("Which river flows through Warsaw?", 3, SearchMode.BM25)
+    )
     assert ids(same)[0] == "warsaw"
     index.bm25.translation_weight = 0  # off: the other language is not found
     assert "yangtze" not in ids(
-        await index.search(ACME, SearchQuery("Which sea does the Yangtze River reach?", 3, BM25))
+        await index.search(
+            ACME, SearchQuery("Which sea does the Yangtze River reach?", 3, SearchMode.BM25)
+        )
     )

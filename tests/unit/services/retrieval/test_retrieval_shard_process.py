@@ -11,11 +11,9 @@ import numpy as np
 import pytest
 from test_retrieval_index import DIM, DOCS, toy_embed, toy_vector
 
+from ragline.vocabulary import SearchMode
 from ragline_services.retrieval.documents import Visibility, doc_key, point_id
 from ragline_services.retrieval.index import (
-    HYBRID,
-    PREFILTER,
-    VECTOR,
     DocumentInput,
     IndexSettings,
     RetrievalIndex,
@@ -46,11 +44,17 @@ def built_index(path, search_process: bool) -> tuple[RetrievalIndex, EdgeVectorI
 
 
 QUERIES = [
-    (Visibility("acme"), SearchQuery("city on river 3", 8, VECTOR)),
-    (Visibility("acme", frozenset({"eng"})), SearchQuery("city river region", 10, HYBRID)),
-    (Visibility("acme", attributes=(("region", "1"),)), SearchQuery("river", 10, VECTOR)),
-    (Visibility("acme"), SearchQuery("city region 2", 5, PREFILTER)),
-    (Visibility("globex"), SearchQuery("city", 5, VECTOR)),
+    (Visibility("acme"), SearchQuery("city on river 3", 8, SearchMode.VECTOR)),
+    (
+        Visibility("acme", frozenset({"eng"})),
+        SearchQuery("city river region", 10, SearchMode.HYBRID),
+    ),
+    (
+        Visibility("acme", attributes=(("region", "1"),)),
+        SearchQuery("river", 10, SearchMode.VECTOR),
+    ),
+    (Visibility("acme"), SearchQuery("city region 2", 5, SearchMode.PREFILTER)),
+    (Visibility("globex"), SearchQuery("city", 5, SearchMode.VECTOR)),
 ]
 
 

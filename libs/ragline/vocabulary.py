@@ -1,0 +1,85 @@
+"""The words the services share: model tiers, search modes and fusion methods, each one
+StrEnum, and the one place each is converted to and from its protobuf enum.
+
+A StrEnum is its text (`SearchMode.HYBRID == "hybrid"`), so logs, JSON reports and the
+plan's text parameters keep the words they always had. An UNSPECIFIED protobuf value reads
+as the server's default where the contract names one, and as None where the caller's
+silence means "the service decides" (fusion).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from ragline.v1 import common_pb2, retrieval_pb2
+
+
+class ModelTier(enum.StrEnum):
+    SMALL = "small"
+    LARGE = "large"
+
+
+class SearchMode(enum.StrEnum):
+    BM25 = "bm25"
+    VECTOR = "vector"
+    HYBRID = "hybrid"
+    # A vector search over only the passages the BM25 candidates name.
+    PREFILTER = "prefilter"
+
+
+class Fusion(enum.StrEnum):
+    RRF = "rrf"
+    SCORE = "score"
+
+
+_TIER_TO_PROTO = {
+    ModelTier.SMALL: common_pb2.MODEL_TIER_SMALL,
+    ModelTier.LARGE: common_pb2.MODEL_TIER_LARGE,
+}
+_MODE_TO_PROTO = {
+    SearchMode.BM25: retrieval_pb2.SEARCH_MODE_BM25,
+    SearchMode.VECTOR: retrieval_pb2.SEARCH_MODE_VECTOR,
+    SearchMode.HYBRID: retrieval_pb2.SEARCH_MODE_HYBRID,
+    SearchMode.PREFILTER: retrieval_pb2.SEARCH_MODE_PREFILTER,
+}
+_FUSION_TO_PROTO = {Fusion.RRF: retrieval_pb2.FUSION_RRF, Fusion.SCORE: retrieval_pb2.FUSION_SCORE}
+
+
+def _inverse(forward: dict) -> dict:
+    return {wire: word for word, wire in forward.items()}
+
+
+_TIER_FROM_PROTO = _inverse(_TIER_TO_PROTO)
+_MODE_FROM_PROTO = _inverse(_MODE_TO_PROTO)
+_FUSION_FROM_PROTO = _inverse(_FUSION_TO_PROTO)
+
+
+def tier_to_proto(tier: ModelTier) -> int:
+    return _TIER_TO_PROTO[ModelTier(tier)]
+
+
+def tier_from_proto(value: int) -> ModelTier:
+    """UNSPECIFIED is the small tier (the contract's default)."""
+    return (
+        ModelTier.SMALL if value == common_pb2.MODEL_TIER_UNSPECIFIED else _TIER_FROM_PROTO[value]
+    )
+
+
+def search_mode_to_proto(mode: SearchMode) -> int:
+    return _MODE_TO_PROTO[SearchMode(mode)]
+
+
+def search_mode_from_proto(value: int) -> SearchMode:
+    """UNSPECIFIED is HYBRID (the contract's default)."""
+    if value == retrieval_pb2.SEARCH_MODE_UNSPECIFIED:
+        return SearchMode.HYBRID
+    return _MODE_FROM_PROTO[value]
+
+
+def fusion_to_proto(fusion: Fusion | None) -> int:
+    return retrieval_pb2.FUSION_UNSPECIFIED if fusion is None else _FUSION_TO_PROTO[Fusion(fusion)]
+
+
+def fusion_from_proto(value: int) -> Fusion | None:
+    """UNSPECIFIED is None: the retrieval service's configured default decides."""
+    return None if value == retrieval_pb2.FUSION_UNSPECIFIED else _FUSION_FROM_PROTO[value]
