@@ -53,9 +53,10 @@ from ragline_app.datasets import held_out_split, load_squad, load_zh_eval, write
 from ragline_app.eval_data import eval_file
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator.plan import Kind, Plan, default_rag_plan
-from ragline_services.orchestrator.runner import SUCCEEDED, PlanRunner
+from ragline_services.orchestrator.run_context import Clients, RunContext, Settings
+from ragline_services.orchestrator.runner import NodeState, PlanRunner
 from ragline_services.orchestrator.service import OrchestratorConfig
-from ragline_services.orchestrator.steps import Clients, RunContext, Settings, executors_for
+from ragline_services.orchestrator.steps import executors_for
 
 REPO = Path(__file__).resolve().parents[1]
 FEATURES = ("similarity", "coverage", "key_terms")
@@ -111,8 +112,8 @@ async def signals_of(clients: Clients, budget: TaskBudget, question, label: str)
         await ctx.wait_settled()
     row = {"question": question.text, "label": label, "passage_id": question.passage_id}
     evidence = result.records["evidence"]
-    if evidence.state != SUCCEEDED or evidence.output.signals is None:
-        return {**row, "failed": evidence.error or "no evidence"}
+    if evidence.state != NodeState.SUCCEEDED or evidence.output.signals is None:
+        return {**row, "failure": evidence.error or "no evidence"}
     fused = result.records["fuse"].output.passages
     row.update(evidence.output.signals.as_dict())
     row["gold_in_evidence"] = any(
@@ -207,7 +208,7 @@ def curve(rows: list[dict], weights, bias, thresholds) -> list[dict]:
 
 
 def report(by_collection: dict[str, list[dict]], fit_on: str, plot_path: Path | None) -> None:
-    rows = [r for r in by_collection[fit_on] if "failed" not in r]
+    rows = [r for r in by_collection[fit_on] if "failure" not in r]
     weights, bias = fit_logistic(*matrix(rows))
     print(f"fitted on {fit_on} ({len(rows)} questions):")
     print("  weights " + ", ".join(f"{f} {w:.3f}" for f, w in zip(FEATURES, weights, strict=True)))
@@ -221,7 +222,7 @@ def report(by_collection: dict[str, list[dict]], fit_on: str, plot_path: Path | 
     thresholds = [round(t, 2) for t in np.arange(0.05, 0.96, 0.05)]
     curves = {}
     for name, found in by_collection.items():
-        ok = [r for r in found if "failed" not in r]
+        ok = [r for r in found if "failure" not in r]
         counts = {
             label: sum(r["label"] == label for r in ok) for label in ("answerable", "unanswerable")
         }

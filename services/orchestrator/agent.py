@@ -1,7 +1,7 @@
 """The agent plan: a planning call writes the lookups a question needs, they run in
 parallel, a synthesis answers from their merged evidence. Pure decisions here (routing,
 the planner's prompt and schema, what the budget affords, the plan's graph); the calls
-are steps (steps.py), the run is core.py's.
+are steps (generation_steps.py, retrieval_steps.py), the run is core.py's.
 
 The planner's reply must be JSON valid against `AgentPlan`; a malformed reply is asked for
 once more (with what was wrong), then the run falls back to the RAG plan and says so.
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ragline.budget import Amounts
+from ragline.vocabulary import SearchMode
+from ragline_services.orchestrator.params import RetrieveParams
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 
 MAX_SUBQUERIES = 4
@@ -179,7 +181,7 @@ def agent_plan(subqueries: list[SubQuery], *, allow_degrade: bool, k: int) -> Pl
         Node(
             f"lookup{i}",
             Kind.RETRIEVE,
-            params={"query": sub.query, "mode": "hybrid", "k": k, "charged": True},
+            params=RetrieveParams(query=sub.query, mode=SearchMode.HYBRID, k=k, charged=True),
             optional=allow_degrade and not sub.required,
         )
         for i, sub in enumerate(subqueries, start=1)

@@ -102,6 +102,11 @@ class CacheUse:
     # Work saved, by node: dicts as CacheSaving messages carry them.
     saved: list[dict] = field(default_factory=list)
 
+    def count(self, layer: str, *, hit: bool) -> None:
+        """A lookup in a node's layer (retrieval or tool) that hit or missed."""
+        name = f"{layer}_{'hits' if hit else 'misses'}"
+        setattr(self, name, getattr(self, name) + 1)
+
 
 class OrchestratorCaches:
     def __init__(

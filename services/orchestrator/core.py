@@ -7,6 +7,7 @@ turns an AskOutcome and the run's events into AskResponse messages.
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 import uuid
 from collections.abc import Callable
@@ -35,21 +36,33 @@ from ragline_services.orchestrator.caches import (
 )
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 from ragline_services.orchestrator.report import CriticalPath, critical_path
-from ragline_services.orchestrator.runner import SUCCEEDED, Abstain, NodeRecord, PlanRunner
-from ragline_services.orchestrator.steps import (
+from ragline_services.orchestrator.run_context import (
     Answer,
     Clients,
     NoEvidence,
     Planned,
     RunContext,
     Settings,
-    executors_for,
 )
+from ragline_services.orchestrator.runner import Abstain, NodeRecord, NodeState, PlanRunner
+from ragline_services.orchestrator.steps import executors_for
 from ragline_services.orchestrator.wording import status_detail
 
 log = structlog.get_logger("ragline.orchestrator")
 
-COMPLETE, PARTIAL, INCOMPLETE = "complete", "partial", "incomplete"
+
+class AnswerState(enum.StrEnum):
+    COMPLETE = "complete"
+    PARTIAL = "partial"
+    INCOMPLETE = "incomplete"
+
+
+class CachePolicy(enum.StrEnum):
+    USE = "use"  # read and write
+    REFRESH = "refresh"  # write only
+    BYPASS = "bypass"  # neither
+
+
 # Time a closing ledger read may take after the run (bookkeeping, not the answer).
 _CLOSE_TIMEOUT_S = 5.0
 # Time the checks of an answer-cache hit may take (each a cheap call).
@@ -62,10 +75,9 @@ class AskInput:
     limits: Amounts
     task_id: str = ""
     plan: Plan | None = None
-    # Whose view the caches hold (None: no caching), and how this run uses them:
-    # "use" (read and write), "refresh" (write only), "bypass" (neither).
+    # Whose view the caches hold (None: no caching), and how this run uses them.
     viewer: Viewer | None = None
-    cache_policy: str = "use"
+    cache_policy: CachePolicy = CachePolicy.USE
     # The agent plan (chosen by the caller or the router) instead of the RAG plan.
     agent: bool = False
     route_reason: str = ""
@@ -91,7 +103,7 @@ class AskOutcome:
     answer: str
     citations: list[ev.EvidenceItem]
     evidence: list[ev.EvidenceItem]
-    state: str
+    state: AnswerState
     reason: str
     detail: str
     plan: Plan
@@ -174,7 +186,7 @@ class Orchestrator:
     ) -> AskOutcome:
         plan = request.plan or default_plan
         key = self._answer_key(request, plan)
-        looked_up = bool(key) and request.cache_policy == "use"
+        looked_up = bool(key) and request.cache_policy == CachePolicy.USE
         if looked_up:
             # Before admission: a hit is a few cheap calls, it never queues behind runs.
             cached = await self._cached_answer(key, request, plan, received)
@@ -191,14 +203,22 @@ class Orchestrator:
                 with deadlines.deadline_scope(scope):
                     outcome = await self._run(request, emit, received, admitted, run_id, plan)
         outcome.cache.answer_miss = looked_up
-        if key and request.cache_policy != "bypass" and outcome.state == COMPLETE:
+        if (
+            key
+            and request.cache_policy != CachePolicy.BYPASS
+            and outcome.state == AnswerState.COMPLETE
+        ):
             await self._remember_answer(key, outcome, request.viewer)
         return outcome
 
     # -- the answer cache ---------------------------------------------------------------------
 
     def _answer_key(self, request: AskInput, plan: Plan) -> str:
-        if self.caches is None or request.viewer is None or request.cache_policy == "bypass":
+        if (
+            self.caches is None
+            or request.viewer is None
+            or request.cache_policy == CachePolicy.BYPASS
+        ):
             return ""
         shaping = {
             name: value
@@ -251,13 +271,16 @@ class Orchestrator:
             ]
 
         now = time.monotonic()
-        records = {node.id: NodeRecord(node, state=SUCCEEDED, cached=ANSWER) for node in plan.nodes}
+        records = {
+            node.id: NodeRecord(node, state=NodeState.SUCCEEDED, cached=ANSWER)
+            for node in plan.nodes
+        }
         return AskOutcome(
             task_id=request.task_id,
             answer=entry["answer"],
             citations=items("citations"),
             evidence=items("evidence"),
-            state=COMPLETE,
+            state=AnswerState.COMPLETE,
             reason="",
             detail="answered from the answer cache",
             plan=plan,
@@ -288,7 +311,7 @@ class Orchestrator:
         saved = []
         for node in outcome.plan.nodes:
             record = outcome.records[node.id]
-            if record.state != SUCCEEDED:
+            if record.state != NodeState.SUCCEEDED:
                 continue
             saving = earlier.get(node.id) or {
                 "node_id": node.id,
@@ -351,12 +374,12 @@ class Orchestrator:
             lambda text: emit(Delta(text)),
             caches=self.caches,
             viewer=request.viewer,
-            read_cache=request.cache_policy == "use",
-            write_cache=request.cache_policy != "bypass",
+            read_cache=request.cache_policy == CachePolicy.USE,
+            write_cache=request.cache_policy != CachePolicy.BYPASS,
         )
 
         def changed(record: NodeRecord) -> None:
-            if record.state == SUCCEEDED and record.duration_s:
+            if record.state == NodeState.SUCCEEDED and record.duration_s:
                 kind = record.node.kind
                 last = self.typical_s.get(kind, record.duration_s)
                 self.typical_s[kind] = 0.8 * last + 0.2 * record.duration_s
@@ -386,7 +409,7 @@ class Orchestrator:
             answer="",
             citations=[],
             evidence=[],
-            state=COMPLETE,
+            state=AnswerState.COMPLETE,
             reason="",
             detail="",
             plan=plan,
@@ -488,18 +511,18 @@ class Orchestrator:
         outcome.escalation_cured = answer.escalated and not answer.problems
         outcome.prefill_tokens_saved = answer.cached_input_tokens
         if answer.finish_reason == "deadline":
-            outcome.state, outcome.reason = PARTIAL, "deadline"
+            outcome.state, outcome.reason = AnswerState.PARTIAL, "deadline"
             outcome.detail = "the deadline passed while the answer was generated; it is cut"
         elif ev.is_refusal(answer.text):
-            outcome.state, outcome.reason = INCOMPLETE, "not_in_evidence"
+            outcome.state, outcome.reason = AnswerState.INCOMPLETE, "not_in_evidence"
             outcome.detail = "the model found no answer in the retrieved evidence"
             outcome.citations = []
         elif answer.problems and all(p.reason == routing.CUT for p in answer.problems):
-            outcome.state, outcome.reason = PARTIAL, "length"
+            outcome.state, outcome.reason = AnswerState.PARTIAL, "length"
             outcome.detail = "the answer reached its token limit and is cut; its text is grounded"
         elif answer.problems:
             # COMPLETE is a promise: an answer that failed a check is only a draft.
-            outcome.state, outcome.reason = INCOMPLETE, answer.problems[0].reason
+            outcome.state, outcome.reason = AnswerState.INCOMPLETE, answer.problems[0].reason
             outcome.detail = "the answer failed its checks: " + "; ".join(
                 str(p) for p in answer.problems
             )
@@ -507,15 +530,18 @@ class Orchestrator:
                 outcome.detail += " (the large tier's answer did not clear them)"
             outcome.draft_answer, outcome.answer, outcome.citations = answer.text, "", []
         elif outcome.degraded:
-            outcome.state, outcome.reason = PARTIAL, "degraded: " + ", ".join(outcome.degraded)
+            outcome.state, outcome.reason = (
+                AnswerState.PARTIAL,
+                "degraded: " + ", ".join(outcome.degraded),
+            )
             outcome.detail = "optional steps were skipped or failed; the answer stands without them"
         if outcome.dropped_citations:
             outcome.detail = (
                 f"{outcome.detail}; " if outcome.detail else ""
             ) + f"dropped citations not in the evidence: {', '.join(outcome.dropped_citations)}"
-        if outcome.state == COMPLETE and not outcome.citations:
+        if outcome.state == AnswerState.COMPLETE and not outcome.citations:
             # Unreachable while the checks hold (no citation is a signal); kept as the rule.
-            outcome.state, outcome.reason = INCOMPLETE, "ungrounded"
+            outcome.state, outcome.reason = AnswerState.INCOMPLETE, "ungrounded"
             outcome.detail = "the answer cites no passage of the evidence"
             outcome.draft_answer, outcome.answer = answer.text, ""
 
@@ -523,22 +549,26 @@ class Orchestrator:
     def _abstained(outcome: AskOutcome, record: NodeRecord) -> None:
         decision = record.exception
         assert isinstance(decision, Abstain)
-        outcome.state, outcome.reason, outcome.detail = INCOMPLETE, decision.reason, decision.detail
+        outcome.state, outcome.reason, outcome.detail = (
+            AnswerState.INCOMPLETE,
+            decision.reason,
+            decision.detail,
+        )
 
     @staticmethod
     def _failed(outcome: AskOutcome, failure: NodeRecord) -> None:
         error = failure.exception
         node = failure.node
         if isinstance(error, BudgetRefused):
-            outcome.state, outcome.reason = INCOMPLETE, "budget_exhausted"
+            outcome.state, outcome.reason = AnswerState.INCOMPLETE, "budget_exhausted"
             outcome.detail = f"step {node.id} did not fit the task budget: {error.message}"
         elif isinstance(error, NoEvidence):
-            outcome.state, outcome.reason = INCOMPLETE, "no_evidence"
+            outcome.state, outcome.reason = AnswerState.INCOMPLETE, "no_evidence"
             outcome.detail = error.message
         elif _is_deadline(error):
             evidence_in = any(
                 r.node.kind in (Kind.SELECT_EVIDENCE, Kind.RERANK, Kind.FUSE)
-                and r.state == SUCCEEDED
+                and r.state == NodeState.SUCCEEDED
                 for r in outcome.records.values()
             )
             if node.kind not in (Kind.GENERATE, Kind.SYNTHESIZE) or not evidence_in:
@@ -546,10 +576,10 @@ class Orchestrator:
                     f"the deadline passed in step {node.id} ({node.kind.value}), before the "
                     "evidence was in; ask again with a longer deadline"
                 ) from None
-            outcome.state, outcome.reason = PARTIAL, "deadline"
+            outcome.state, outcome.reason = AnswerState.PARTIAL, "deadline"
             outcome.detail = "the deadline passed before the answer could be generated"
         else:
-            outcome.state, outcome.reason = INCOMPLETE, f"{node.kind.value}_failed"
+            outcome.state, outcome.reason = AnswerState.INCOMPLETE, f"{node.kind.value}_failed"
             outcome.detail = f"step {node.id} failed: {failure.error}"
 
     # -- budget -----------------------------------------------------------------------------

@@ -4,11 +4,22 @@ explicit plan must pass before anything runs. No gRPC here."""
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ragline.errors import FieldViolation, InvalidArgument, Unimplemented
+from ragline_services.orchestrator.params import (
+    AnswerParams,
+    Bm25Params,
+    EvidenceParams,
+    FuseParams,
+    QueryParams,
+    RerankParams,
+    RetrieveParams,
+    StepParams,
+    VectorSearchParams,
+    read_params,
+)
 
 
 class Kind(enum.Enum):
@@ -25,49 +36,19 @@ class Kind(enum.Enum):
     RERANK_QUERY = "rerank_query"
 
 
-# Parameters each kind accepts, and how each is read (the value of a params map is text).
-_INT, _FLOAT, _TEXT = int, float, str
-
-
-def boolean(text: str) -> bool:
-    """A yes/no parameter: true/false, 1/0, yes/no."""
-    value = text.strip().lower()
-    if value in ("true", "1", "yes"):
-        return True
-    if value in ("false", "0", "no"):
-        return False
-    raise ValueError(text)
-
-
-PARAMS: dict[Kind, dict[str, type]] = {
-    Kind.EMBED: {"query": _TEXT},
-    Kind.BM25: {"k": _INT, "query": _TEXT},
-    Kind.VECTOR_SEARCH: {"k": _INT, "query": _TEXT, "hnsw_ef": _INT},
-    Kind.RETRIEVE: {"k": _INT, "query": _TEXT, "mode": _TEXT},
-    Kind.FUSE: {"k": _INT, "fusion": _TEXT, "vector_weight": _FLOAT},
-    Kind.RERANK: {"top_k": _INT, "late_interaction_k": _INT, "cross_encoder": boolean},
-    Kind.RERANK_QUERY: {},  # the question: what the rerank step sends
-    Kind.SELECT_EVIDENCE: {"passages": _INT, "max_tokens": _INT},
-    Kind.GENERATE: {"max_tokens": _INT, "tier": _TEXT},
-    Kind.SYNTHESIZE: {"max_tokens": _INT, "tier": _TEXT},
-    Kind.PLAN: {},
-}
-# The most each parameter may be: what the service the step calls accepts (its contract's
-# rules), so a plan that asks for more is the caller's error here, not a failed step.
-_MAXIMA: dict[str, float] = {
-    "k": 1000,  # SearchRequest.k
-    "hnsw_ef": 4096,  # SearchRequest.hnsw_ef
-    "top_k": 1000,  # RerankRequest.top_k
-    "late_interaction_k": 1000,  # RerankRequest.late_interaction_k
-    "passages": 50,  # RetrievalOptions.context_passages
-    "vector_weight": 1.0,
-}
-# `max_tokens` means answer tokens on an answering step, prompt tokens on evidence.
-_MAX_TOKENS = {Kind.SELECT_EVIDENCE: 32768, Kind.GENERATE: 8192, Kind.SYNTHESIZE: 8192}
-_CHOICES = {
-    "mode": {"bm25", "vector", "hybrid", "prefilter"},
-    "fusion": {"rrf", "score"},
-    "tier": {"small", "large"},
+# The parameters of each kind (params.py says how each is read and checked).
+PARAMS_OF: dict[Kind, type[StepParams]] = {
+    Kind.EMBED: QueryParams,
+    Kind.BM25: Bm25Params,
+    Kind.VECTOR_SEARCH: VectorSearchParams,
+    Kind.RETRIEVE: RetrieveParams,
+    Kind.FUSE: FuseParams,
+    Kind.RERANK: RerankParams,
+    Kind.RERANK_QUERY: StepParams,  # the question: what the rerank step sends
+    Kind.SELECT_EVIDENCE: EvidenceParams,
+    Kind.GENERATE: AnswerParams,
+    Kind.SYNTHESIZE: AnswerParams,
+    Kind.PLAN: StepParams,
 }
 # Kinds whose output is an answer; a plan has exactly one that nothing depends on.
 ANSWERING = {Kind.GENERATE, Kind.SYNTHESIZE}
@@ -81,11 +62,19 @@ class Node:
     id: str
     kind: Kind
     depends_on: tuple[str, ...] = ()
-    params: Mapping[str, object] = field(default_factory=dict)
+    # Its kind's parameters (PARAMS_OF); None: all unset.
+    params: StepParams | None = None
     # Seconds this node may take; None: what remains of the run.
     budget_s: float | None = None
     # May be dropped (time, budget, a failed optional service): the answer says so.
     optional: bool = False
+
+    def __post_init__(self) -> None:
+        expected = PARAMS_OF[self.kind]
+        if self.params is None:
+            object.__setattr__(self, "params", expected())
+        elif type(self.params) is not expected:
+            raise TypeError(f"a {self.kind.value} node takes {expected.__name__}")
 
 
 @dataclass(frozen=True)
@@ -223,28 +212,8 @@ def build_plan(specs: list[NodeSpec]) -> Plan:
                 bad(f"{path}.depends_on[{position}]", f"no node has the id {dep!r}")
             elif dep == spec.id:
                 bad(f"{path}.depends_on[{position}]", "a node cannot depend on itself")
-        params: dict[str, object] = {}
-        for key, text in sorted(spec.params.items()):
-            expected = PARAMS[kind].get(key)
-            if expected is None:
-                known = ", ".join(sorted(PARAMS[kind])) or "none"
-                bad(f"{path}.params[{key}]", f"is not a parameter of {kind.value} (known: {known})")
-                continue
-            try:
-                value = expected(text)
-            except ValueError:
-                bad(f"{path}.params[{key}]", f"{text!r} is not a {expected.__name__}")
-                continue
-            most = _MAX_TOKENS.get(kind) if key == "max_tokens" else _MAXIMA.get(key)
-            if key in _CHOICES and value not in _CHOICES[key]:
-                bad(f"{path}.params[{key}]", f"{text!r} is not one of {sorted(_CHOICES[key])}")
-            elif isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
-                bad(f"{path}.params[{key}]", "must not be negative")
-            elif isinstance(value, float) and not math.isfinite(value):
-                bad(f"{path}.params[{key}]", "must be a finite number")
-            elif most is not None and value > most:
-                bad(f"{path}.params[{key}]", f"is {text}; the maximum is {most:g}")
-            params[key] = value
+        params, wrong = read_params(PARAMS_OF[kind], kind.value, spec.params, path)
+        problems += wrong
         if spec.budget_s is not None and spec.budget_s <= 0:
             bad(f"{path}.budget", "must be positive when set")
         nodes.append(Node(spec.id, kind, spec.depends_on, params, spec.budget_s, spec.optional))

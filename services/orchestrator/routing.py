@@ -2,7 +2,7 @@
 answers; the large tier is asked only when a checkable signal says the small answer is
 wrong, never on the model's own confidence. A signal that the large tier's answer does not
 clear ends the answer INCOMPLETE with the signal's `reason` (COMPLETE is a promise). Pure
-checks here; the escalating call is the generate step's (steps.py), with its own
+checks here; the escalating call is the generate step's (generation_steps.py), with its own
 reservation.
 
 Signals (each names what fired):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,15 +20,19 @@ from dataclasses import dataclass, field
 from ragline import deadlines, tracing
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 
-PENDING, RUNNING, SUCCEEDED, FAILED, SKIPPED, CANCELLED = (
-    "pending",
-    "running",
-    "succeeded",
-    "failed",
-    "skipped",
-    "cancelled",
+
+class NodeState(enum.StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    CANCELLED = "cancelled"
+
+
+FINAL_STATES = frozenset(
+    {NodeState.SUCCEEDED, NodeState.FAILED, NodeState.SKIPPED, NodeState.CANCELLED}
 )
-FINAL_STATES = {SUCCEEDED, FAILED, SKIPPED, CANCELLED}
 
 
 @dataclass
@@ -35,7 +40,7 @@ class NodeRecord:
     """What happened to one node, with monotonic timestamps (None: never reached)."""
 
     node: Node
-    state: str = PENDING
+    state: NodeState = NodeState.PENDING
     began: float | None = None  # its task started (every input ready)
     reserve_start: float | None = None
     call_start: float | None = None
@@ -80,7 +85,7 @@ class Step:
         """Output of the nearest node of `kind` this node depends on, directly or not."""
         for ancestor in self._runner.plan.ancestors(self.node.id):
             record = self._runner.records[ancestor.id]
-            if ancestor.kind == kind and record.state == SUCCEEDED:
+            if ancestor.kind == kind and record.state == NodeState.SUCCEEDED:
                 return record.output
         return None
 
@@ -89,7 +94,7 @@ class Step:
 
     def output_of(self, node_id: str) -> object | None:
         record = self._runner.records[node_id]
-        return record.output if record.state == SUCCEEDED else None
+        return record.output if record.state == NodeState.SUCCEEDED else None
 
     def mark(self, what: str) -> None:
         now = time.monotonic()
@@ -163,7 +168,9 @@ class PlanRunner:
                 made.set_attribute("ragline.node.state", state)
                 if record.cached:
                     made.set_attribute("ragline.node.cached", record.cached)
-                tracing.finish(made, record.finished, record.error if state == FAILED else "")
+                tracing.finish(
+                    made, record.finished, record.error if state == NodeState.FAILED else ""
+                )
         self._on_change(record)
 
     def traced_settlement(self, record: NodeRecord, settled: float) -> None:
@@ -220,47 +227,52 @@ class PlanRunner:
                 with contextlib.suppress(BaseException):
                     await task
                 if record.state not in FINAL_STATES:
-                    self._set(record, CANCELLED)
+                    self._set(record, NodeState.CANCELLED)
         for node_id in pending:
-            self._set(self.records[node_id], SKIPPED)
+            self._set(self.records[node_id], NodeState.SKIPPED)
         answer_node = self.plan.answer_node
         answer_record = self.records[(answer_node or self.plan.nodes[-1]).id]
-        answer = answer_record.output if answer_record.state == SUCCEEDED else None
+        answer = answer_record.output if answer_record.state == NodeState.SUCCEEDED else None
         if failure is not None and isinstance(failure.exception, Abstain):
             return RunResult(self.records, None, None, self.degraded, abstained=failure)
         return RunResult(self.records, answer, failure, self.degraded)
 
     def _start(self, record: NodeRecord, deps: list[NodeRecord], running: dict) -> None:
         node = record.node
-        blocked = [d for d in deps if d.state != SUCCEEDED and not d.node.optional]
+        blocked = [d for d in deps if d.state != NodeState.SUCCEEDED and not d.node.optional]
         if blocked:
             record.error = f"input {blocked[0].node.id} did not succeed"
-            self._set(record, SKIPPED)
+            self._set(record, NodeState.SKIPPED)
             return
         reason = self._skip_reason(node) if node.optional else None
         if reason is not None:
-            self._pass_through(record, reason, SKIPPED)
+            self._pass_through(record, reason, NodeState.SKIPPED)
             return
-        self._set(record, RUNNING)
+        self._set(record, NodeState.RUNNING)
         running[asyncio.create_task(self._execute(record), name=f"node-{node.id}")] = record
 
     def _finish(self, record: NodeRecord, task: asyncio.Task) -> bool:
         """Records a finished node; True when it failed and the run cannot go on."""
         error = task.exception() if not task.cancelled() else asyncio.CancelledError()
         if error is None:
-            self._set(record, SUCCEEDED)
+            self._set(record, NodeState.SUCCEEDED)
             return False
         record.exception = error
         if isinstance(error, Abstain):
             record.note = f"abstained ({error.reason}): {error.detail}"
             answer = self.plan.answer_node
-            self._set(record, SKIPPED if answer and answer.id == record.node.id else SUCCEEDED)
+            self._set(
+                record,
+                NodeState.SKIPPED
+                if answer and answer.id == record.node.id
+                else NodeState.SUCCEEDED,
+            )
             return True
         record.error = describe(error)
         if record.node.optional:
-            self._pass_through(record, _reason_of(record.node, error), FAILED)
+            self._pass_through(record, _reason_of(record.node, error), NodeState.FAILED)
             return False
-        self._set(record, FAILED)
+        self._set(record, NodeState.FAILED)
         return True
 
     def _pass_through(self, record: NodeRecord, reason: str, state: str) -> None:

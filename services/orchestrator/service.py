@@ -25,13 +25,14 @@ from ragline.v1 import (
     retrieval_pb2,
     retrieval_pb2_grpc,
 )
+from ragline.vocabulary import Fusion
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator.caches import CacheTtls, OrchestratorCaches, signing_key
 from ragline_services.orchestrator.core import Orchestrator, OrchestratorSettings
 from ragline_services.orchestrator.metrics import OrchestratorMetrics
 from ragline_services.orchestrator.plan import Kind
+from ragline_services.orchestrator.run_context import Clients
 from ragline_services.orchestrator.servicer import OrchestratorServicer
-from ragline_services.orchestrator.steps import Clients
 
 log = structlog.get_logger("ragline.orchestrator")
 
@@ -57,7 +58,7 @@ class OrchestratorConfig(ServiceConfig):
     # whose sentences compete for the prompt, and the prompt's evidence budget in tokens
     # (about a second of prefill for the 0.5B model on 2 CPU cores).
     candidates: int = Field(50, ge=1, le=1000)
-    fusion: str = Field("score", pattern="^(rrf|score)$")
+    fusion: Fusion = Fusion.SCORE
     vector_weight: float = Field(0.4, ge=0, le=1)
     rerank: bool = True
     # More candidates do not rerank better, and stage 1's cost grows with them

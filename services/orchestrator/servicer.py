@@ -11,30 +11,24 @@ from ragline.errors import ResourceExhausted
 from ragline.identity import current_caller, current_run_id
 from ragline.server import Deferred
 from ragline.timing import current_clock, duration
-from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc, retrieval_pb2
+from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+from ragline.vocabulary import ModelTier, SearchMode, search_mode_from_proto, tier_from_proto
 from ragline_services.orchestrator import plan as plans
 from ragline_services.orchestrator.agent import needs_several_lookups
 from ragline_services.orchestrator.caches import Viewer
 from ragline_services.orchestrator.core import (
-    COMPLETE,
-    INCOMPLETE,
-    PARTIAL,
+    AnswerState,
     AskInput,
     AskOutcome,
+    CachePolicy,
     Delta,
     NodeChanged,
     Orchestrator,
 )
 from ragline_services.orchestrator.metrics import OrchestratorMetrics
-from ragline_services.orchestrator.runner import (
-    CANCELLED,
-    FAILED,
-    RUNNING,
-    SKIPPED,
-    SUCCEEDED,
-    NodeRecord,
-)
-from ragline_services.orchestrator.steps import Settings
+from ragline_services.orchestrator.params import RetrieveParams
+from ragline_services.orchestrator.run_context import Settings
+from ragline_services.orchestrator.runner import NodeRecord, NodeState
 
 _KINDS = {
     orchestrator_pb2.NODE_KIND_EMBED: plans.Kind.EMBED,
@@ -51,33 +45,21 @@ _KINDS = {
 }
 _KIND_ENUM = {kind: number for number, kind in _KINDS.items()}
 _NODE_STATES = {
-    RUNNING: orchestrator_pb2.NODE_STATE_RUNNING,
-    SUCCEEDED: orchestrator_pb2.NODE_STATE_SUCCEEDED,
-    FAILED: orchestrator_pb2.NODE_STATE_FAILED,
-    SKIPPED: orchestrator_pb2.NODE_STATE_SKIPPED,
-    CANCELLED: orchestrator_pb2.NODE_STATE_CANCELLED,
+    NodeState.RUNNING: orchestrator_pb2.NODE_STATE_RUNNING,
+    NodeState.SUCCEEDED: orchestrator_pb2.NODE_STATE_SUCCEEDED,
+    NodeState.FAILED: orchestrator_pb2.NODE_STATE_FAILED,
+    NodeState.SKIPPED: orchestrator_pb2.NODE_STATE_SKIPPED,
+    NodeState.CANCELLED: orchestrator_pb2.NODE_STATE_CANCELLED,
 }
 _ANSWER_STATES = {
-    COMPLETE: common_pb2.ANSWER_STATE_COMPLETE,
-    PARTIAL: common_pb2.ANSWER_STATE_PARTIAL,
-    INCOMPLETE: common_pb2.ANSWER_STATE_INCOMPLETE,
-}
-_MODES = {
-    retrieval_pb2.SEARCH_MODE_UNSPECIFIED: "hybrid",
-    retrieval_pb2.SEARCH_MODE_HYBRID: "hybrid",
-    retrieval_pb2.SEARCH_MODE_BM25: "bm25",
-    retrieval_pb2.SEARCH_MODE_VECTOR: "vector",
-    retrieval_pb2.SEARCH_MODE_PREFILTER: "prefilter",
+    AnswerState.COMPLETE: common_pb2.ANSWER_STATE_COMPLETE,
+    AnswerState.PARTIAL: common_pb2.ANSWER_STATE_PARTIAL,
+    AnswerState.INCOMPLETE: common_pb2.ANSWER_STATE_INCOMPLETE,
 }
 _CACHE_POLICIES = {
-    orchestrator_pb2.CACHE_POLICY_UNSPECIFIED: "use",
-    orchestrator_pb2.CACHE_POLICY_REFRESH: "refresh",
-    orchestrator_pb2.CACHE_POLICY_BYPASS: "bypass",
-}
-_TIERS = {
-    common_pb2.MODEL_TIER_UNSPECIFIED: "small",
-    common_pb2.MODEL_TIER_SMALL: "small",
-    common_pb2.MODEL_TIER_LARGE: "large",
+    orchestrator_pb2.CACHE_POLICY_UNSPECIFIED: CachePolicy.USE,
+    orchestrator_pb2.CACHE_POLICY_REFRESH: CachePolicy.REFRESH,
+    orchestrator_pb2.CACHE_POLICY_BYPASS: CachePolicy.BYPASS,
 }
 
 
@@ -87,7 +69,7 @@ def settings_of(request: orchestrator_pb2.AskRequest, config) -> Settings:
     return Settings(
         question=request.question,
         candidates=options.k or config.candidates,
-        search_mode=_MODES[options.mode],
+        search_mode=search_mode_from_proto(options.mode),
         attributes=tuple(sorted(options.attributes.items())),
         fusion=config.fusion,
         vector_weight=config.vector_weight,
@@ -98,13 +80,13 @@ def settings_of(request: orchestrator_pb2.AskRequest, config) -> Settings:
         evidence_tokens=request.max_evidence_tokens or config.evidence_tokens,
         embed_sentences=config.embed_sentences,
         answer_tokens=request.max_tokens or config.answer_tokens,
-        tier=_TIERS[request.tier],
+        tier=tier_from_proto(request.tier),
         escalate=config.escalation and request.tier == common_pb2.MODEL_TIER_UNSPECIFIED,
         allow_degrade=request.allow_degrade,
         answerable_threshold=config.answerable_threshold,
         prices={
-            "small": (config.small_input_price, config.small_output_price),
-            "large": (config.large_input_price, config.large_output_price),
+            ModelTier.SMALL: (config.small_input_price, config.small_output_price),
+            ModelTier.LARGE: (config.large_input_price, config.large_output_price),
         },
     )
 
@@ -152,7 +134,7 @@ def plan_message(plan: plans.Plan) -> orchestrator_pb2.Plan:
             id=node.id,
             kind=_KIND_ENUM[node.kind],
             depends_on=list(node.depends_on),
-            params={key: str(value) for key, value in node.params.items()},
+            params=node.params.as_text(),
             optional=node.optional,
         )
         if node.budget_s is not None:
@@ -160,11 +142,11 @@ def plan_message(plan: plans.Plan) -> orchestrator_pb2.Plan:
     return message
 
 
-def default_plan(mode: str, rerank: bool) -> plans.Plan:
+def default_plan(mode: SearchMode, rerank: bool) -> plans.Plan:
     """The default RAG plan for a search mode (PREFILTER is one retrieval step)."""
-    if mode == "hybrid":
+    if mode == SearchMode.HYBRID:
         return plans.default_rag_plan(rerank=rerank)
-    first = plans.Node("retrieve", plans.Kind.RETRIEVE, params={"mode": mode})
+    first = plans.Node("retrieve", plans.Kind.RETRIEVE, params=RetrieveParams(mode=mode))
     nodes = [first]
     ranked = "retrieve"
     if rerank:
@@ -261,7 +243,7 @@ def _offset(value: float | None, origin: float):
 
 def _node_timing(record: NodeRecord, origin: float) -> orchestrator_pb2.NodeTiming:
     state = _NODE_STATES.get(record.state, orchestrator_pb2.NODE_STATE_UNSPECIFIED)
-    if record.cached and record.state == SUCCEEDED:
+    if record.cached and record.state == NodeState.SUCCEEDED:
         state = orchestrator_pb2.NODE_STATE_CACHED
     timing = orchestrator_pb2.NodeTiming(
         node_id=record.node.id,

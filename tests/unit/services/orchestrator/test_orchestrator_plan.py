@@ -1,17 +1,24 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
 from ragline.errors import InvalidArgument, Unimplemented
+from ragline.vocabulary import ModelTier
+from ragline_services.orchestrator.params import AnswerParams, RerankParams, RetrieveParams
 from ragline_services.orchestrator.plan import (
+    PARAMS_OF,
+    RUNNABLE,
     Kind,
+    Node,
     NodeSpec,
     build_plan,
     default_rag_plan,
     topological,
 )
+from support import REPO_ROOT
 
 
 def spec(node_id, kind, depends_on=(), **params):
@@ -47,7 +54,9 @@ def test_an_explicit_plan_is_checked_and_typed():
             spec("g", "generate", ["a", "b"], max_tokens="32", tier="small"),
         ]
     )
-    assert plan.node("a").params == {"query": "warsaw", "k": 5}
+    assert plan.node("a").params == RetrieveParams(query="warsaw", k=5)
+    assert plan.node("g").params == AnswerParams(max_tokens=32, tier=ModelTier.SMALL)
+    assert plan.node("g").params.as_text() == {"max_tokens": "32", "tier": "small"}
     assert plan.answer_node.id == "g"
 
 
@@ -138,7 +147,7 @@ def test_a_rerank_node_may_turn_the_cross_encoder_on_or_off():
             spec("g", "generate", ["r"]),
         ]
     )
-    assert plan.node("r").params == {"cross_encoder": True}
+    assert plan.node("r").params == RerankParams(cross_encoder=True)
     off = build_plan(
         [
             spec("a", "retrieve"),
@@ -146,7 +155,7 @@ def test_a_rerank_node_may_turn_the_cross_encoder_on_or_off():
             spec("g", "generate", ["r"]),
         ]
     )
-    assert off.node("r").params == {"cross_encoder": False}
+    assert off.node("r").params == RerankParams(cross_encoder=False)
     found = violations(
         [
             spec("a", "retrieve"),
@@ -155,3 +164,45 @@ def test_a_rerank_node_may_turn_the_cross_encoder_on_or_off():
         ]
     )
     assert found == {"plan.nodes[1].params[cross_encoder]": "'maybe' is not a boolean"}
+
+
+def test_internal_parameters_are_not_part_of_the_contract():
+    """`charged` is set by the agent's own plan; a caller's plan cannot send it."""
+    found = violations([spec("a", "retrieve", charged="true"), spec("g", "generate", ["a"])])
+    assert found == {
+        "plan.nodes[0].params[charged]": "is not a parameter of retrieve (known: k, mode, query)"
+    }
+
+
+def test_a_node_holds_its_own_kinds_parameters():
+    assert Node("g", Kind.GENERATE).params == AnswerParams()
+    with pytest.raises(TypeError, match="AnswerParams"):
+        Node("g", Kind.GENERATE, params=RetrieveParams(k=3))
+
+
+def test_the_contract_lists_each_kinds_parameters():
+    """PlanNode.params' comment in orchestrator.proto is what a caller reads: every kind's
+    parameters there, and none that the plan would refuse."""
+    proto = (REPO_ROOT / "proto" / "ragline" / "v1" / "orchestrator.proto").read_text()
+    comment = proto[proto.index("By kind:") : proto.index("map<string, string> params")]
+    documented: dict[str, set[str]] = {}
+    current: list[str] = []
+    for line in comment.splitlines():
+        text = line.strip().removeprefix("//").strip()
+        heading = re.match(r"^([A-Z0-9_]+(?:, [A-Z0-9_]+)*): (.*)$", text)
+        also = re.match(r"^([A-Z0-9_]+) also (.*)$", text)
+        if heading:
+            current = heading.group(1).split(", ")
+            for kind in current:
+                documented.setdefault(kind, set()).update(re.findall(r"`(\w+)`", heading.group(2)))
+        elif also:
+            documented[also.group(1)].update(re.findall(r"`(\w+)`", also.group(2)))
+        elif current:
+            for kind in current:
+                documented[kind].update(re.findall(r"`(\w+)`", text))
+    accepted = {
+        kind.name: set(PARAMS_OF[kind].accepted())
+        for kind in RUNNABLE
+        if PARAMS_OF[kind].accepted()
+    }
+    assert documented == accepted

@@ -11,13 +11,7 @@ from ragline import deadlines
 from ragline.errors import DeadlineExceeded, Unavailable
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 from ragline_services.orchestrator.report import critical_path
-from ragline_services.orchestrator.runner import (
-    CANCELLED,
-    FAILED,
-    SKIPPED,
-    SUCCEEDED,
-    PlanRunner,
-)
+from ragline_services.orchestrator.runner import NodeState, PlanRunner
 
 
 class Script:
@@ -67,7 +61,7 @@ def diamond(optional_c: bool = False) -> Plan:
 async def test_a_node_starts_as_soon_as_its_own_inputs_exist():
     script = Script({"a": 0.01, "slow": 0.3, "c": 0.01})
     result = await PlanRunner(diamond(), script.executors()).run()
-    assert result.failure is None and result.records["g"].state == SUCCEEDED
+    assert result.failure is None and result.records["g"].state == NodeState.SUCCEEDED
     # c depends only on a: it ran while `slow` was still running.
     assert script.time_of("end", "c") < script.time_of("end", "slow")
     assert script.time_of("start", "g") >= script.time_of("end", "slow")
@@ -78,10 +72,10 @@ async def test_a_node_starts_as_soon_as_its_own_inputs_exist():
 async def test_a_failed_optional_node_passes_its_inputs_through():
     script = Script({}, fail={"c": Unavailable("rerank down")})
     result = await PlanRunner(diamond(optional_c=True), script.executors()).run()
-    assert result.records["c"].state == FAILED
+    assert result.records["c"].state == NodeState.FAILED
     assert result.degraded == ["rerank_unavailable"]
     assert result.records["c"].output == ["a"]  # what c received
-    assert result.records["g"].state == SUCCEEDED and result.answer[1] == ["a"]
+    assert result.records["g"].state == NodeState.SUCCEEDED and result.answer[1] == ["a"]
 
 
 async def test_a_failed_required_node_stops_the_run_and_cancels_the_rest():
@@ -90,8 +84,8 @@ async def test_a_failed_required_node_stops_the_run_and_cancels_the_rest():
     assert ("end", "slow") not in [(e, n) for e, n, _ in script.log]  # not waited for
     assert result.failure is result.records["a"]
     assert "UNAVAILABLE: retrieval down" == result.records["a"].error
-    assert result.records["slow"].state == CANCELLED and script.cancelled == ["slow"]
-    assert {result.records[n].state for n in ("c", "g")} == {SKIPPED}
+    assert result.records["slow"].state == NodeState.CANCELLED and script.cancelled == ["slow"]
+    assert {result.records[n].state for n in ("c", "g")} == {NodeState.SKIPPED}
 
 
 async def test_a_node_deadline_is_its_stage_budget_within_the_run():
@@ -131,9 +125,9 @@ async def test_optional_nodes_the_time_cannot_afford_are_skipped():
         diamond(optional_c=True), script.executors(), skip_reason=lambda node: "rerank_skipped"
     )
     result = await runner.run()
-    assert result.records["c"].state == SKIPPED and result.degraded == ["rerank_skipped"]
+    assert result.records["c"].state == NodeState.SKIPPED and result.degraded == ["rerank_skipped"]
     assert "c" not in [n for _, n, _ in script.log]
-    assert result.records["g"].state == SUCCEEDED
+    assert result.records["g"].state == NodeState.SUCCEEDED
 
 
 async def test_cancelling_the_run_cancels_every_node_in_flight():
@@ -146,7 +140,10 @@ async def test_cancelling_the_run_cancels_every_node_in_flight():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert sorted(script.cancelled) == ["a", "slow"]
-    assert runner.records["a"].state == CANCELLED and runner.records["slow"].state == CANCELLED
+    assert (
+        runner.records["a"].state == NodeState.CANCELLED
+        and runner.records["slow"].state == NodeState.CANCELLED
+    )
 
 
 async def test_a_step_that_abstains_stops_the_run_without_failing():
@@ -168,12 +165,12 @@ async def test_a_step_that_abstains_stops_the_run_without_failing():
     assert time.monotonic() - started < 2  # the slow branch was cancelled, not awaited
     assert result.failure is None and result.answer is None
     assert result.abstained is result.records["evidence"]
-    assert result.records["evidence"].state == SUCCEEDED
+    assert result.records["evidence"].state == NodeState.SUCCEEDED
     assert "nothing relevant" in result.records["evidence"].note
-    assert result.records["generate"].state == SKIPPED
-    assert result.records["slow"].state == CANCELLED and script.cancelled == ["slow"]
+    assert result.records["generate"].state == NodeState.SKIPPED
+    assert result.records["slow"].state == NodeState.CANCELLED and script.cancelled == ["slow"]
     # An answer step that abstains never ran its model: SKIPPED, not SUCCEEDED.
     script = Script({}, fail={"generate": Abstain("no_relevant_evidence", "nothing")})
     result = await PlanRunner(plan, script.executors()).run()
     assert result.abstained is result.records["generate"]
-    assert result.records["generate"].state == SKIPPED
+    assert result.records["generate"].state == NodeState.SKIPPED

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from ragline.budget import BudgetRefused
-from ragline_services.orchestrator import steps
+from ragline_services.orchestrator import evidence_steps, generation_steps, run_context
 from ragline_services.orchestrator.plan import Kind, Node
 from ragline_services.orchestrator.runner import NodeRecord
 
@@ -34,7 +34,7 @@ def step() -> SimpleNamespace:
 
 async def test_the_rerank_query_step_sends_the_question_to_prepare():
     ctx, current = Context(None), step()
-    assert await steps.rerank_query(ctx, current) is None
+    assert await evidence_steps.rerank_query(ctx, current) is None
     [(service, method, request)] = ctx.calls
     assert (service, method, request.query) == ("rerank", "Prepare", ctx.settings.question)
     assert not request.documents and current.record.note == ""
@@ -51,18 +51,18 @@ async def test_the_rerank_query_step_sends_the_question_to_prepare():
 )
 async def test_a_rerank_query_that_cannot_be_prepared_is_noted_and_does_not_fail(failure):
     current = step()
-    assert await steps.rerank_query(Context(failure), current) is None
+    assert await evidence_steps.rerank_query(Context(failure), current) is None
     assert "the rerank step encodes it" in current.record.note
 
 
 async def test_a_cancelled_rerank_query_step_stays_cancelled():
     with pytest.raises(asyncio.CancelledError):
-        await steps.rerank_query(Context(asyncio.CancelledError()), step())
+        await evidence_steps.rerank_query(Context(asyncio.CancelledError()), step())
 
 
 def test_parts_stream_in_their_order_whatever_order_they_are_written_in():
     out: list[str] = []
-    emitter = steps._InOrder(out.append, 3, "; ")
+    emitter = generation_steps._InOrder(out.append, 3, "; ")
     first, second, third = (emitter.part(i) for i in range(3))
     third("C")  # held: the parts before it are not done
     first("A")
@@ -84,14 +84,14 @@ def test_a_several_part_answer_names_each_part_in_its_signals():
 
     def answer(text: str, problems=()):
         item = ev.EvidenceItem("[1]", ev.Passage("d", "", text), text)
-        return steps.Answer(
+        return run_context.Answer(
             text=text, evidence=ev.Evidence((item,), 3, 1), cited=ev.Cited([item], []),
             finish_reason="stop", usage=Amounts(input_tokens=10, calls=1),
             cached_input_tokens=0, model="m", tier=1, problems=tuple(problems),
         )  # fmt: skip
 
     unsupported = Signal("failed_validation", "not supported (x)", "ungrounded")
-    joined = steps._joined([answer("Vistula [1]"), answer("1999 [2]", [unsupported])])
+    joined = generation_steps._joined([answer("Vistula [1]"), answer("1999 [2]", [unsupported])])
     assert joined.text == "Vistula [1]; 1999 [2]"
     assert [str(p) for p in joined.problems] == ["failed_validation: part 2: not supported (x)"]
     assert joined.usage == Amounts(input_tokens=20, calls=2)

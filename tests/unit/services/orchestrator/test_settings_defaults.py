@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ragline_services.orchestrator.run_context import Settings
 from ragline_services.orchestrator.service import OrchestratorConfig
-from ragline_services.orchestrator.steps import Settings
 
 
 def test_a_setting_the_service_configures_has_the_service_default():
