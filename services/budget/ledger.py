@@ -94,6 +94,17 @@ class Unchanged:
     """A decision that needs no write (an idempotent replay)."""
 
 
+@dataclass(frozen=True)
+class _Answer:
+    """What one operation of a batch gets: a refusal, or the records it leaves (`replayed`:
+    an idempotent replay that wrote nothing)."""
+
+    refusal: Exception | None = None
+    task: TaskRecord | None = None
+    reservation: ReservationRecord | None = None
+    replayed: bool = False
+
+
 @dataclass(eq=False)
 class _Pending:
     """One operation waiting for the task's next group commit."""
@@ -241,6 +252,32 @@ def decide_cancel(reservation_id: str, reason: str) -> Decision:
         return Write(updated, replace(reservation, state=PENDING, cancel_reason=reason))
 
     return decide
+
+
+def _decide_batch(
+    batch: list[_Pending],
+    task: TaskRecord,
+    records: dict[bytes, ReservationRecord | None],
+    now_ns: int,
+) -> tuple[TaskRecord, list[_Answer], dict[bytes, ReservationRecord]]:
+    """Each operation of a batch decided in order, each on the records the ones before it
+    left: the task as it ends, an answer per operation, and the reservations to write
+    (`records` is updated with them)."""
+    answers: list[_Answer] = []
+    changed: dict[bytes, ReservationRecord] = {}
+    for pending in batch:
+        try:
+            decision = pending.decide(task, records[pending.res_key], now_ns)
+        except _REFUSALS as error:
+            answers.append(_Answer(refusal=error))
+            continue
+        if isinstance(decision, Unchanged):
+            answers.append(_Answer(task=task, reservation=records[pending.res_key], replayed=True))
+            continue
+        task = decision.task
+        records[pending.res_key] = changed[pending.res_key] = decision.reservation
+        answers.append(_Answer(task=task, reservation=decision.reservation))
+    return task, answers, changed
 
 
 class TaskLedger:
@@ -394,21 +431,8 @@ class TaskLedger:
                 k: ReservationRecord.loads(current[k].value) if current[k] else None
                 for k in res_keys
             }
-            answers: list[tuple] = []  # per pending: ("write"|"replay", task, res) or ("error", e)
-            changed: dict[bytes, ReservationRecord] = {}
-            for pending in batch:
-                try:
-                    decision = pending.decide(task, records[pending.res_key], now)
-                except _REFUSALS as error:
-                    answers.append(("error", error))
-                    continue
-                if isinstance(decision, Unchanged):
-                    answers.append(("replay", task, records[pending.res_key]))
-                    continue
-                task = decision.task
-                records[pending.res_key] = changed[pending.res_key] = decision.reservation
-                answers.append(("write", task, decision.reservation))
-            if cached and any(answer[0] != "write" for answer in answers):
+            task, answers, changed = _decide_batch(batch, task, records, now)
+            if cached and any(a.refusal is not None or a.replayed for a in answers):
                 # A refusal or a replay must rest on fresh values, never on this cache.
                 rows, cached = await self._store.read(keys), False
                 continue
@@ -442,16 +466,16 @@ class TaskLedger:
                 if not changed or key not in puts:
                     self._remember(key, current[key])
             for pending, answer in zip(batch, answers, strict=True):
-                if answer[0] == "error":
-                    pending.future.set_exception(answer[1])
+                if answer.refusal is not None:
+                    pending.future.set_exception(answer.refusal)
                 else:
-                    kind, task_then, reservation = answer
+                    assert answer.task is not None
                     pending.future.set_result(
                         Outcome(
-                            task_then,
+                            answer.task,
                             revision,
-                            reservation,
-                            replayed=kind == "replay",
+                            answer.reservation,
+                            replayed=answer.replayed,
                             attempts=attempt,
                         )
                     )
