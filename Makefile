@@ -90,6 +90,7 @@ lint: install-test
 	$(BIN)/ruff format --check .
 	$(BIN)/python tools/buf.py lint
 	$(BIN)/python tools/buf.py breaking
+	$(BIN)/python tools/typecheck.py
 
 # The Node.js client's packages (npm registry), for its end-to-end test.
 node-client: clients/node/node_modules/.package-lock.json

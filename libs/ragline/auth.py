@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -188,9 +188,10 @@ class Authenticator:
         if self._jwks is not None:
             self._jwks.close()
 
-    def _verifying_key(self, token: str) -> tuple[object, list[str]]:
+    def _verifying_key(self, token: str) -> tuple[Any, list[str]]:
         """The key and algorithms that verify `token`: the configured key, or the key set's
-        key the token names (`kid`)."""
+        key the token names (`kid`). Any: an HMAC secret (bytes) or a public key object of
+        the `cryptography` package, as PyJWT takes either."""
         if self._jwks is None:
             return self._client_key, self._algorithms
         try:

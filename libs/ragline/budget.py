@@ -162,7 +162,7 @@ class Reservation:
             self.response = await self.budget.call("Reserve", request)
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise BudgetRefused(error.details()) from error
+                raise BudgetRefused(error.details() or "the task budget refused") from error
             if error.code() in _OUTCOME_UNKNOWN:
                 # The ledger may have granted it before the answer was lost (the budget
                 # service killed mid-call): release it by id in the background, without
@@ -279,8 +279,9 @@ class TaskBudget:
     async def call(self, method: str, request):
         if self.batcher is None or method not in BATCHED_METHODS:
             return await self.client.unary(method, request, retry=self.retry)
+        batcher = self.batcher
         return await call_with_retry(
-            lambda: self.batcher.call(method, request),
+            lambda: batcher.call(method, request),
             self.retry,
             what=f"{self.client.service}.{method}",
             margin_s=self.client.hop_margin_s,

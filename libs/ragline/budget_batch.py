@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from google.rpc import status_pb2
@@ -48,8 +49,8 @@ class _SendAlone(Exception):
 
 @dataclass(eq=False)
 class _Queued:
-    kind: str
-    request: object
+    kind: str  # the BatchItem field: reserve, settle or cancel
+    request: Any  # that field's message (ReserveRequest, SettleRequest, CancelRequest)
     timeout: float | None
     run_id: str
     future: asyncio.Future
@@ -133,7 +134,8 @@ class BudgetCallBatcher:
         timeouts = [q.timeout for q in batch]
         # The longest wait any caller allows: each caller's own deadline is kept by its
         # own timer, so a short one never cuts the others' call short.
-        timeout = None if None in timeouts else max(timeouts)
+        bounded = [t for t in timeouts if t is not None]
+        timeout = max(bounded) if len(bounded) == len(timeouts) else None
         # One run's calls carry its id; a batch of several runs' calls carries none.
         run_ids = {q.run_id for q in batch}
         run_id = ((identity.RUN_ID_KEY, run_ids.pop()),) if len(run_ids) == 1 else ()
@@ -144,12 +146,13 @@ class BudgetCallBatcher:
         try:
             reply = await self.client.stub().Batch(request, timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as error:
+            failure: Exception = error
             if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.unbatched = True
-                error = _SendAlone()
+                failure = _SendAlone()
             for queued in batch:
                 if not queued.future.done():
-                    queued.future.set_exception(error)
+                    queued.future.set_exception(failure)
             return
         except BaseException as error:  # no answer will come: nobody may wait for one
             for queued in batch:

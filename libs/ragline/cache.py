@@ -141,9 +141,9 @@ class MemoryCache:
         item = self._live(key)
         if item is None or not isinstance(item.value, int):
             item = _Item(0, time.monotonic() + ttl_s)
-        item = _Item(item.value + 1, item.expires_at)
-        self._entries[key] = item
-        return item.value
+        count = int(item.value) + 1
+        self._entries[key] = _Item(count, item.expires_at)
+        return count
 
     async def keys(self, prefix: str) -> list[str]:
         self._entries.expire()

@@ -83,6 +83,7 @@ class ChannelPool:
 
     def __init__(self, tls: TlsConfig | None = None) -> None:
         self._channels: dict[tuple[int, str], grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Future] = set()  # retired channels closing after a grace
         self._tls = tls
         self._credentials: ClientCredentials | None = None
 
@@ -104,7 +105,12 @@ class ChannelPool:
         loop = asyncio.get_running_loop()
         for (loop_id, _), channel in retired.items():
             if loop_id == id(loop):
-                loop.call_later(grace_s, lambda c=channel: asyncio.ensure_future(c.close()))
+                loop.call_later(grace_s, self._close_retired, channel)
+
+    def _close_retired(self, channel: grpc.aio.Channel) -> None:
+        closing = asyncio.ensure_future(channel.close())
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
 
     def get(self, target: str) -> grpc.aio.Channel:
         credentials = self._client_credentials()

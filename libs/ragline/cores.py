@@ -22,9 +22,9 @@ def cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
     except (OSError, ValueError):
         pass
     try:
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())  # v1: -1 = none
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return None if quota <= 0 or period <= 0 else quota / period
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())  # v1: -1 = none
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
     except (OSError, ValueError):
         return None
 

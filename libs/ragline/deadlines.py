@@ -77,9 +77,10 @@ def detached(timeout_s: float) -> Iterator[float]:
     Only for bookkeeping that must happen after the work it accounts for ran out of time
     (settling a budget reservation); never for the work itself.
     """
-    token = _deadline.set(now() + timeout_s)
+    fresh = now() + timeout_s
+    token = _deadline.set(fresh)
     try:
-        yield _deadline.get()
+        yield fresh
     finally:
         _deadline.reset(token)
 

@@ -15,8 +15,12 @@ import json
 import threading
 import time
 import urllib.request
+from typing import TYPE_CHECKING
 
 import structlog
+
+if TYPE_CHECKING:
+    import jwt
 
 log = structlog.get_logger("ragline.auth.jwks")
 
@@ -33,7 +37,7 @@ class JwksKeys:
         self.url = url
         self.refresh_s = refresh_s
         self._algorithms = set(algorithms)
-        self._keys: dict[str, object] = {}
+        self._keys: dict[str, jwt.PyJWK] = {}
         self.fetched_at: float | None = None
         self.last_error = ""
         self._wake = threading.Event()
@@ -47,7 +51,7 @@ class JwksKeys:
         """Blocks until the first fetch ended (either way); False on timeout."""
         return self._first.wait(timeout_s)
 
-    def key(self, kid: str):
+    def key(self, kid: str) -> jwt.PyJWK | None:
         """The key named `kid`, or None (and a fetch soon)."""
         found = self._keys.get(kid)
         if found is None:

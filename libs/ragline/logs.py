@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TextIO
+from collections.abc import MutableMapping
+from typing import Any, TextIO
 
 import structlog
 from opentelemetry import trace
@@ -13,7 +14,7 @@ from opentelemetry import trace
 from ragline import tracing
 
 
-def _trace_ids(logger, method: str, event: dict) -> dict:
+def _trace_ids(logger, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     if tracing.enabled():
         span_context = trace.get_current_span().get_span_context()
         if span_context.is_valid:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
@@ -171,7 +172,7 @@ class ProcessMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.grpc = GrpcServerMetrics(self.registry)
         self.tenant = TenantLabel(tenants)
-        self._server = None
+        self._server: WSGIServer | None = None
         self._readings: dict[str, Readings] = {}
         self._batchers: BatcherMetrics | None = None
 
@@ -197,8 +198,9 @@ class ProcessMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serves /metrics on host:port in a thread of its own (0: a free port); the port."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return int(self._server.server_port)
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return int(server.server_port)
 
     def close(self) -> None:
         if self._server is not None:

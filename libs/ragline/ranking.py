@@ -6,7 +6,7 @@ orchestrator's plan (BM25 and vector search as separate nodes).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 from ragline.vocabulary import SearchMode
@@ -19,14 +19,15 @@ class Candidate(Protocol):
     @property
     def key(self) -> Hashable: ...
 
-    score: float
+    @property
+    def score(self) -> float: ...
 
 
 RRF_K = 60
 
 
 def rrf(
-    bm25: list[Candidate], vector: list[Candidate], vector_weight: float, k: int
+    bm25: Sequence[Candidate], vector: Sequence[Candidate], vector_weight: float, k: int
 ) -> list[tuple[Hashable, float, dict[str, float]]]:
     """Weighted reciprocal-rank fusion: w/(60 + rank_vector) + (1 - w)/(60 + rank_bm25)."""
     fused: dict[Hashable, float] = {}
@@ -42,7 +43,7 @@ def rrf(
     return [(key, score, parts[key]) for key, score in ordered]
 
 
-def _normalised(ranked: list[Candidate]) -> dict[Hashable, float]:
+def _normalised(ranked: Sequence[Candidate]) -> dict[Hashable, float]:
     if not ranked:
         return {}
     scores = [c.score for c in ranked]
@@ -52,11 +53,11 @@ def _normalised(ranked: list[Candidate]) -> dict[Hashable, float]:
 
 
 def score_fusion(
-    bm25: list[Candidate], vector: list[Candidate], vector_weight: float, k: int
+    bm25: Sequence[Candidate], vector: Sequence[Candidate], vector_weight: float, k: int
 ) -> list[tuple[Hashable, float, dict[str, float]]]:
     """Weighted sum of min-max normalised scores (a list's missing document scores 0)."""
     b, v = _normalised(bm25), _normalised(vector)
-    raw = {c.key: {SearchMode.BM25: c.score} for c in bm25}
+    raw: dict[Hashable, dict[str, float]] = {c.key: {SearchMode.BM25: c.score} for c in bm25}
     for c in vector:
         raw.setdefault(c.key, {})[SearchMode.VECTOR] = c.score
     fused = {

@@ -42,8 +42,9 @@ class RequestClock:
         if self.first_token is None:
             self.first_token = time.monotonic()
 
-    def mark_finished(self) -> None:
+    def mark_finished(self) -> float:
         self.finished = time.monotonic()
+        return self.finished
 
     def add_stage(self, name: str, seconds: float, *, compute: bool = True) -> None:
         self.stages.append((name, seconds))

@@ -121,7 +121,7 @@ def process_tls_for(wanted: bool, variable: str) -> TlsConfig | None:
 @dataclass
 class _Loaded:
     stamp: tuple
-    configuration: object
+    configuration: grpc.ServerCertificateConfiguration
 
 
 class ServerCertificates:
@@ -133,7 +133,7 @@ class ServerCertificates:
         self._loaded = _Loaded(config.stamp(), self._configuration())
         self.reloads = 0
 
-    def _configuration(self):
+    def _configuration(self) -> grpc.ServerCertificateConfiguration:
         certificate, key = _matching_pair(self._config.cert_file, self._config.key_file)
         ca = _read(self._config.ca_file, "RAGLINE_TLS_CA_FILE") if self._config.ca_file else None
         return grpc.ssl_server_certificate_configuration([(key, certificate)], ca)

@@ -186,6 +186,7 @@ class ServerSpan:
         carrier = {k: v for k, v in metadata or () if k in ("traceparent", "tracestate")}
         parent = _PROPAGATOR.extract(carrier) if carrier else None
         service, _, method = name.lstrip("/").rpartition("/")
+        assert _tracer is not None, "a server span is made only while tracing is on"
         self.span = _tracer.start_span(
             f"{service}/{method}",
             context=parent,

@@ -10,6 +10,8 @@ silence means "the service decides" (fusion).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import TypeVar
 
 from ragline.v1 import common_pb2, retrieval_pb2
 
@@ -32,20 +34,26 @@ class Fusion(enum.StrEnum):
     SCORE = "score"
 
 
-_TIER_TO_PROTO = {
+W = TypeVar("W", bound=enum.StrEnum)
+
+
+_TIER_TO_PROTO: dict[ModelTier, common_pb2.ModelTier] = {
     ModelTier.SMALL: common_pb2.MODEL_TIER_SMALL,
     ModelTier.LARGE: common_pb2.MODEL_TIER_LARGE,
 }
-_MODE_TO_PROTO = {
+_MODE_TO_PROTO: dict[SearchMode, retrieval_pb2.SearchMode] = {
     SearchMode.BM25: retrieval_pb2.SEARCH_MODE_BM25,
     SearchMode.VECTOR: retrieval_pb2.SEARCH_MODE_VECTOR,
     SearchMode.HYBRID: retrieval_pb2.SEARCH_MODE_HYBRID,
     SearchMode.PREFILTER: retrieval_pb2.SEARCH_MODE_PREFILTER,
 }
-_FUSION_TO_PROTO = {Fusion.RRF: retrieval_pb2.FUSION_RRF, Fusion.SCORE: retrieval_pb2.FUSION_SCORE}
+_FUSION_TO_PROTO: dict[Fusion, retrieval_pb2.Fusion] = {
+    Fusion.RRF: retrieval_pb2.FUSION_RRF,
+    Fusion.SCORE: retrieval_pb2.FUSION_SCORE,
+}
 
 
-def _inverse(forward: dict) -> dict:
+def _inverse(forward: Mapping[W, int]) -> dict[int, W]:
     return {wire: word for word, wire in forward.items()}
 
 
@@ -54,7 +62,7 @@ _MODE_FROM_PROTO = _inverse(_MODE_TO_PROTO)
 _FUSION_FROM_PROTO = _inverse(_FUSION_TO_PROTO)
 
 
-def tier_to_proto(tier: ModelTier) -> int:
+def tier_to_proto(tier: ModelTier) -> common_pb2.ModelTier:
     return _TIER_TO_PROTO[ModelTier(tier)]
 
 
@@ -65,7 +73,7 @@ def tier_from_proto(value: int) -> ModelTier:
     )
 
 
-def search_mode_to_proto(mode: SearchMode) -> int:
+def search_mode_to_proto(mode: SearchMode) -> retrieval_pb2.SearchMode:
     return _MODE_TO_PROTO[SearchMode(mode)]
 
 
@@ -76,7 +84,7 @@ def search_mode_from_proto(value: int) -> SearchMode:
     return _MODE_FROM_PROTO[value]
 
 
-def fusion_to_proto(fusion: Fusion | None) -> int:
+def fusion_to_proto(fusion: Fusion | None) -> retrieval_pb2.Fusion:
     return retrieval_pb2.FUSION_UNSPECIFIED if fusion is None else _FUSION_TO_PROTO[Fusion(fusion)]
 
 

@@ -166,9 +166,9 @@ def model_shape(path: Path) -> ModelShape:
 
     def number(name: str, default: int | None = None) -> int:
         value = meta.get(f"{arch}.{name}", default)
-        if value is None:
+        if not isinstance(value, int | float | str):
             raise ValueError(f"{path}: no {arch}.{name} in the GGUF metadata")
-        return int(value)  # type: ignore[arg-type]
+        return int(value)
 
     heads = number("attention.head_count")
     head_dim = number("embedding_length") // heads

@@ -143,7 +143,7 @@ class GenerationService(Service):
             min(config.kv_store_ttl_s, KV_SWEEP_EVERY_S), self._sweep_kv_store, "kv-store-sweep"
         )
         self._engine_problem = ""  # what the last probe found wrong ("" while serving)
-        self._engines_down: dict[str, str] = {}  # tier -> why its engine cannot serve
+        self._engines_down: dict[ModelTier, str] = {}  # why a tier's engine cannot serve
 
     def register(self, server: grpc.aio.Server) -> None:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(self._servicer, server)

@@ -36,7 +36,7 @@ _FINISH = {
 
 def _sampling(message: generation_pb2.Sampling) -> dict:
     # All zero means greedy, so that answers are reproducible unless asked otherwise.
-    sampling = {
+    sampling: dict[str, float | list[str]] = {
         "temperature": message.temperature,
         "top_p": message.top_p or 1.0,
         "top_k": message.top_k,

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ragline import lexicon
 from ragline.words import (
     bigrams,
@@ -216,7 +218,7 @@ class Signals:
             return LEXICAL.probability((self.coverage, self.key_terms))
         return FITTED[self.gate].probability((self.similarity, self.coverage, self.key_terms))
 
-    def as_dict(self) -> dict[str, float | None]:
+    def as_dict(self) -> dict[str, float | str | None]:
         return {
             "similarity": None if self.similarity is None else round(self.similarity, 4),
             "coverage": round(self.coverage, 4),
@@ -262,7 +264,7 @@ def gate(found: Signals, threshold: float, *, part: str = "") -> None:
 def signals(
     question: str,
     passages: Sequence[ev.Passage],
-    similarities: Sequence[float] | None,
+    similarities: Sequence[float] | np.ndarray | None,
     embedding_model: str = "",
     sentences: Sequence[str] = (),
 ) -> Signals:

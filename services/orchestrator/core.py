@@ -21,7 +21,7 @@ from ragline.budget import Amounts, BudgetRefused, TaskBudget
 from ragline.errors import DeadlineExceeded
 from ragline.retry import DEFAULT_POLICY
 from ragline.timing import duration
-from ragline.v1 import budget_pb2, generation_pb2, retrieval_pb2
+from ragline.v1 import budget_pb2, common_pb2, generation_pb2, retrieval_pb2
 from ragline_services.orchestrator import answerability, routing
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.admission import Admission
@@ -113,11 +113,11 @@ class AskOutcome:
     admitted: float
     plan_ready: float
     finished: float
-    ledger: object | None = None  # budget_pb2.Ledger
+    ledger: budget_pb2.Ledger | None = None
     degraded: list[str] = field(default_factory=list)
     dropped_citations: list[str] = field(default_factory=list)
     model: str = ""
-    tier: int = 0
+    tier: common_pb2.ModelTier = common_pb2.MODEL_TIER_UNSPECIFIED
     prefill_tokens_saved: int = 0
     model_version: str = ""
     usage: Amounts | None = None  # the answer's generation
@@ -207,6 +207,7 @@ class Orchestrator:
             key
             and request.cache_policy != CachePolicy.BYPASS
             and outcome.state == AnswerState.COMPLETE
+            and request.viewer is not None
         ):
             await self._remember_answer(key, outcome, request.viewer)
         return outcome

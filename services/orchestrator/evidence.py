@@ -220,11 +220,11 @@ def select(
         chosen = [Sentence(best.passage, best.position, head, tokens_estimate(head))]
         used = chosen[0].tokens
     # Passages in order of their best chosen sentence; sentences in their own order.
-    best_rank = {}
+    best_rank: dict[int, int] = {}
     for rank, sentence in enumerate(chosen):
         best_rank.setdefault(sentence.passage, rank)
     items = []
-    for number, p_index in enumerate(sorted(best_rank, key=best_rank.get), start=1):
+    for number, p_index in enumerate(sorted(best_rank, key=best_rank.__getitem__), start=1):
         picked = sorted((s for s in chosen if s.passage == p_index), key=lambda s: s.position)
         items.append(
             EvidenceItem(f"[{number}]", passages[p_index], " ".join(s.text for s in picked))

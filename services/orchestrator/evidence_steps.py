@@ -20,6 +20,7 @@ from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.caches import (
     TOOL,
 )
+from ragline_services.orchestrator.params import EvidenceParams, RerankParams
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.run_context import (
     Answer,
@@ -38,8 +39,9 @@ async def rerank(ctx: RunContext, step: Step) -> Ranked:
     passages = merged(step.inputs)[: s.rerank_candidates]
     if not passages:
         return Ranked([], "reranked")
-    top_k = step.node.params.top_k or s.context_passages
-    cross_encoder = step.node.params.cross_encoder
+    given = step.node.params_as(RerankParams)
+    top_k = given.top_k or s.context_passages
+    cross_encoder = given.cross_encoder
     request = rerank_pb2.RerankRequest(
         query=s.question,
         candidates=[
@@ -47,7 +49,7 @@ async def rerank(ctx: RunContext, step: Step) -> Ranked:
             for p in passages
         ],
         top_k=top_k,
-        late_interaction_k=step.node.params.late_interaction_k or s.late_interaction_k,
+        late_interaction_k=given.late_interaction_k or s.late_interaction_k,
         allow_skip=s.allow_degrade,
         late_interaction_only=not (
             s.rerank_cross_encoder if cross_encoder is None else cross_encoder
@@ -151,8 +153,9 @@ async def _embedded(ctx: RunContext, step: Step, texts: list[str]) -> _Embedded:
 
 async def select_evidence(ctx: RunContext, step: Step) -> ev.Evidence:
     s = ctx.settings
-    count = step.node.params.passages or s.context_passages
-    budget = step.node.params.max_tokens or s.evidence_tokens
+    given = step.node.params_as(EvidenceParams)
+    count = given.passages or s.context_passages
+    budget = given.max_tokens or s.evidence_tokens
     passages = merged(step.inputs)[:count]
     sentences = ev.shortlist(s.question, ev.candidate_sentences(passages), s.embed_sentences)
     if not sentences:

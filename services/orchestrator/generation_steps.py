@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import grpc
 import numpy as np
@@ -28,6 +29,7 @@ from ragline_services.orchestrator.agent import (
     parse_plan,
 )
 from ragline_services.orchestrator.evidence_steps import embedded_or_none, evidence_of
+from ragline_services.orchestrator.params import AnswerParams, RetrieveParams
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.routing import Signal, escalation_signals
 from ragline_services.orchestrator.run_context import (
@@ -57,7 +59,7 @@ async def _generate_reserved(
     *,
     emit: Callable[[str], None] | None,
     part: str = "",
-) -> tuple[object, Amounts]:
+) -> tuple[Any, Amounts]:
     """One generation inside a reservation: the final message and what it used. `emit`
     gets the text as it streams; `part` tells apart generations one step runs side by side
     (their reservations and attempts)."""
@@ -97,7 +99,7 @@ async def _generate_reserved(
     return final, used
 
 
-def _chat(*turns: tuple[int, str]) -> generation_pb2.Chat:
+def _chat(*turns: tuple[generation_pb2.Role, str]) -> generation_pb2.Chat:
     return generation_pb2.Chat(
         messages=[generation_pb2.ChatMessage(role=role, content=text) for role, text in turns]
     )
@@ -131,13 +133,14 @@ async def _answer(
     escalated to the large tier when a check fails and the run may (the large tier's text
     is not streamed: the result carries it)."""
     s = ctx.settings
-    tier = step.node.params.tier or s.tier
+    given = step.node.params_as(AnswerParams)
+    tier = given.tier or s.tier
     user = ev.user_message(s.question, evidence, part=question)
     prompt_tokens = ev.tokens_estimate(ev.SYSTEM_PROMPT + user) + 16  # + chat template
     # The answer must fit the model's context beside the prompt (the estimate may be short
     # of the real count: a quarter more is kept free).
     room = await _context_window(ctx, tier) - int(prompt_tokens * 1.25) - 16
-    max_tokens = max(1, min(step.node.params.max_tokens or s.answer_tokens, room))
+    max_tokens = max(1, min(given.max_tokens or s.answer_tokens, room))
     request = generation_pb2.GenerateRequest(
         chat=_chat(
             (generation_pb2.ROLE_SYSTEM, ev.SYSTEM_PROMPT), (generation_pb2.ROLE_USER, user)
@@ -153,12 +156,7 @@ async def _answer(
     )
     answer = _checked(_answer_of(final, evidence, used), question)
     signals = answer.problems
-    if (
-        not signals
-        or tier != ModelTier.SMALL
-        or not s.escalate
-        or step.node.params.tier is not None
-    ):
+    if not signals or tier != ModelTier.SMALL or not s.escalate or given.tier is not None:
         return replace(answer, signals=signals)
     if not await _tier_served(ctx, ModelTier.LARGE):
         return replace(answer, signals=signals, outcome="escalation_unavailable: no large tier")
@@ -262,7 +260,7 @@ async def _synthesize(ctx: RunContext, step: Step) -> Answer:
         if node.kind != Kind.RETRIEVE:
             continue
         output = step.output_of(dep)
-        query = node.params.query or s.question
+        query = node.params_as(RetrieveParams).query or s.question
         passages = output.passages[: s.context_passages] if isinstance(output, Ranked) else []
         sentences = ev.shortlist(query, ev.candidate_sentences(passages), s.embed_sentences)
         parts.append(_Part(query, not node.optional, passages, sentences))

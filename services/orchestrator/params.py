@@ -129,8 +129,9 @@ def read_params(
         try:
             value = read(text)
         except ValueError:
-            if isinstance(read, enum.EnumMeta):
-                bad(key, f"{text!r} is not one of {sorted(member.value for member in read)}")
+            if isinstance(read, type) and issubclass(read, enum.Enum):
+                words = sorted(str(word.value) for word in read)
+                bad(key, f"{text!r} is not one of {words}")
             else:
                 bad(key, f"{text!r} is not a {read.__name__}")
             continue

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ragline.errors import FieldViolation, InvalidArgument, Unimplemented
 from ragline_services.orchestrator.params import (
@@ -20,6 +21,8 @@ from ragline_services.orchestrator.params import (
     VectorSearchParams,
     read_params,
 )
+
+P = TypeVar("P", bound=StepParams)
 
 
 class Kind(enum.Enum):
@@ -62,8 +65,8 @@ class Node:
     id: str
     kind: Kind
     depends_on: tuple[str, ...] = ()
-    # Its kind's parameters (PARAMS_OF); None: all unset.
-    params: StepParams | None = None
+    # Its kind's parameters (PARAMS_OF); by default all unset.
+    params: StepParams = field(default_factory=StepParams)
     # Seconds this node may take; None: what remains of the run.
     budget_s: float | None = None
     # May be dropped (time, budget, a failed optional service): the answer says so.
@@ -71,15 +74,23 @@ class Node:
 
     def __post_init__(self) -> None:
         expected = PARAMS_OF[self.kind]
-        if self.params is None:
+        if type(self.params) is StepParams:  # none given
             object.__setattr__(self, "params", expected())
         elif type(self.params) is not expected:
             raise TypeError(f"a {self.kind.value} node takes {expected.__name__}")
+
+    def params_as(self, expected: type[P]) -> P:
+        """The node's parameters as the step that reads them expects them (a kind whose
+        parameters extend `expected` passes)."""
+        if not isinstance(self.params, expected):
+            raise TypeError(f"node {self.id} ({self.kind.value}) has no {expected.__name__}")
+        return self.params
 
 
 @dataclass(frozen=True)
 class Plan:
     nodes: tuple[Node, ...]
+    _by_id: dict[str, Node] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_id", {n.id: n for n in self.nodes})

@@ -22,7 +22,12 @@ from ragline_services.orchestrator.caches import (
     normalise,
     stale_documents,
 )
-from ragline_services.orchestrator.params import RetrieveParams, VectorSearchParams
+from ragline_services.orchestrator.params import (
+    Bm25Params,
+    FuseParams,
+    RetrieveParams,
+    VectorSearchParams,
+)
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.run_context import (
     QueryVector,
@@ -79,7 +84,7 @@ def _ranked(reply, source: str) -> Ranked:
 async def _search(
     ctx: RunContext, step: Step, mode: SearchMode, vector: QueryVector | None
 ) -> Ranked:
-    s, params = ctx.settings, step.node.params
+    s, params = ctx.settings, step.node.params_as(Bm25Params)
     request = retrieval_pb2.SearchRequest(
         query=query_of(step, s),
         k=params.k or s.candidates,
@@ -174,19 +179,20 @@ async def vector_search(ctx: RunContext, step: Step) -> Ranked:
 
 
 async def retrieve(ctx: RunContext, step: Step) -> Ranked:
-    mode = step.node.params.mode or ctx.settings.search_mode
-    vector = step.upstream(Kind.EMBED) if step.node.params.query is None else None
+    given = step.node.params_as(RetrieveParams)
+    mode = given.mode or ctx.settings.search_mode
+    vector = step.upstream(Kind.EMBED) if given.query is None else None
     return await _search(ctx, step, mode, vector if isinstance(vector, QueryVector) else None)
 
 
 async def fuse(ctx: RunContext, step: Step) -> Ranked:
     s = ctx.settings
-    k = step.node.params.k or s.candidates
+    given = step.node.params_as(FuseParams)
+    k = given.k or s.candidates
     lists = rankings(step.inputs)
     by_source = {r.source: r for r in lists}
     if len(lists) == 2 and {SearchMode.BM25, SearchMode.VECTOR} <= set(by_source):
         passages = {p.id: p for r in lists for p in r.passages}
-        given = step.node.params
         weight = s.vector_weight if given.vector_weight is None else given.vector_weight
         if (given.fusion or s.fusion) == Fusion.RRF:
             from ragline.ranking import rrf as fusion
@@ -199,10 +205,7 @@ async def fuse(ctx: RunContext, step: Step) -> Ranked:
             k,
         )
         out = [
-            ev.Passage(
-                key, passages[key].title, passages[key].text, passages[key].version, score, parts
-            )
-            for key, score, parts in fused
+            replace(passages[str(key)], score=score, scores=parts) for key, score, parts in fused
         ]
         return Ranked(out, "fused", max(r.index_version for r in lists))
     return Ranked(

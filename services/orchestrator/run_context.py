@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 import numpy as np
@@ -24,6 +25,7 @@ from ragline.budget import Amounts, Reservation, TaskBudget
 from ragline.clients import ServiceClient
 from ragline.errors import FailedPrecondition
 from ragline.retry import DEFAULT_POLICY, call_with_retry
+from ragline.v1 import common_pb2
 from ragline.vocabulary import Fusion, ModelTier, SearchMode
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.agent import (
@@ -34,6 +36,7 @@ from ragline_services.orchestrator.caches import (
     OrchestratorCaches,
     Viewer,
 )
+from ragline_services.orchestrator.params import QueryParams
 from ragline_services.orchestrator.routing import Signal
 from ragline_services.orchestrator.runner import Step
 
@@ -94,7 +97,7 @@ class Answer:
     usage: Amounts
     cached_input_tokens: int
     model: str
-    tier: int
+    tier: common_pb2.ModelTier
     model_version: str = ""
     # Checks that failed on the small answer (the escalation signals), and whether the
     # large tier then answered; `outcome`: what became of an escalation that was wanted
@@ -228,7 +231,7 @@ class RunContext:
     def _client(self, service: str) -> ServiceClient:
         return getattr(self.clients, service)
 
-    async def call(self, step: Step, service: str, method: str, request):
+    async def call(self, step: Step, service: str, method: str, request: Any) -> Any:
         """A unary call under the per-service limit, with the kit's retry rule; the node
         records when it started and ended, its attempts and the server's own timing."""
         client = self._client(service)
@@ -276,13 +279,14 @@ class RunContext:
         step: Step,
         service: str,
         method: str,
-        request,
+        request: Any,
         amounts: Amounts,
-        usage: Callable[[object], Amounts],
+        usage: Callable[[Any], Amounts],
         *,
         counts_as_call: bool = True,
-    ):
-        """One model call inside a reservation. `counts_as_call=False`: work done ahead
+    ) -> Any:
+        """One model call inside a reservation (requests and replies are the messages of
+        the generated stub's `method`, hence Any). `counts_as_call=False`: work done ahead
         for another step's call (its tokens are charged, the call is that step's)."""
         reservation = await self.reserve(step, amounts)
         try:
@@ -336,4 +340,4 @@ def merged(inputs: list[object]) -> list[ev.Passage]:
 
 
 def query_of(step: Step, settings: Settings) -> str:
-    return step.node.params.query or settings.question
+    return step.node.params_as(QueryParams).query or settings.question

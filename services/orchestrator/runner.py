@@ -16,9 +16,15 @@ import enum
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from opentelemetry.trace import Span
 
 from ragline import deadlines, tracing
 from ragline_services.orchestrator.plan import Kind, Node, Plan
+
+if TYPE_CHECKING:
+    from ragline.v1 import common_pb2
 
 
 class NodeState(enum.StrEnum):
@@ -49,7 +55,7 @@ class NodeRecord:
     settled: float | None = None
     finished: float | None = None
     # The service's own report of its queue and compute (a ServerTiming), when it sent one.
-    server: object | None = None
+    server: common_pb2.ServerTiming | None = None
     attempts: int = 0
     error: str = ""
     exception: BaseException | None = field(default=None, repr=False)
@@ -157,9 +163,9 @@ class PlanRunner:
         self._skip_reason = skip_reason
         self.degraded: list[str] = []
         # Each node's span (tracing on): its calls are the span's children.
-        self._spans: dict[str, object] = {}
+        self._spans: dict[str, Span] = {}
 
-    def _set(self, record: NodeRecord, state: str) -> None:
+    def _set(self, record: NodeRecord, state: NodeState) -> None:
         record.state = state
         if state in FINAL_STATES:
             record.finished = time.monotonic()
@@ -275,7 +281,7 @@ class PlanRunner:
         self._set(record, NodeState.FAILED)
         return True
 
-    def _pass_through(self, record: NodeRecord, reason: str, state: str) -> None:
+    def _pass_through(self, record: NodeRecord, reason: str, state: NodeState) -> None:
         inputs = self._inputs(record.node)
         record.output = inputs[0] if len(inputs) == 1 else inputs
         record.note = reason

@@ -80,7 +80,10 @@ Changed = Callable[[str, list[str]], None]  # (tenant, ids of documents replaced
 
 # Stages that are an engine's search, a span each while tracing is on (the others are
 # short enough to read as the rest of the call's span).
-_ENGINE_STAGES = {SearchMode.BM25: "search bm25", SearchMode.VECTOR: "search vector"}
+_ENGINE_STAGES: dict[str, str] = {
+    SearchMode.BM25: "search bm25",
+    SearchMode.VECTOR: "search vector",
+}
 
 
 def _timed(stages: list[tuple[str, float]], name: str, fn, *args):

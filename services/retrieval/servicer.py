@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from google.protobuf import timestamp_pb2
 
@@ -21,7 +22,7 @@ from ragline_services.retrieval.metrics import RetrievalMetrics
 from ragline_services.retrieval.permissions import Writer
 
 
-def _finish_timing(stages: list[tuple[str, float]] = ()) -> common_pb2.ServerTiming:
+def _finish_timing(stages: Sequence[tuple[str, float]] = ()) -> common_pb2.ServerTiming:
     clock = current_clock()
     for name, seconds in stages:
         clock.add_stage(name, seconds)

@@ -108,7 +108,7 @@ def smooth_activations(
     maxima = _channel_absmax(model, list(groups), calibration)
     weights = {i.name: i for i in graph.initializer}
     producer_index = {out: i for i, node in enumerate(graph.node) for out in node.output}
-    inserts: list[tuple[int, object]] = []
+    inserts: list[tuple[int, onnx.NodeProto]] = []
     smoothed: list[SmoothedInput] = []
     for tensor, matmuls in groups.items():
         arrays = [numpy_helper.to_array(weights[m.input[1]]) for m in matmuls]

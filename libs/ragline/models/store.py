@@ -30,7 +30,9 @@ class ModelError(RuntimeError):
 def default_model_dir() -> Path:
     from ragline.config import CommonConfig
 
-    return CommonConfig().model_dir
+    model_dir = CommonConfig().model_dir
+    assert model_dir is not None  # the config fills it in (cache_dir/models)
+    return model_dir
 
 
 @dataclass(frozen=True)

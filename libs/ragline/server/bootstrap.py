@@ -102,7 +102,9 @@ class ServiceSpec:
     name: str
     grpc_service: str
     config_factory: Callable[[], ServiceConfig]
-    service_factory: Callable[[ServiceConfig, CommonConfig], Service]
+    # (the service's own config class, CommonConfig) -> Service: each service takes the
+    # config its config_factory makes, a subclass the signature cannot name.
+    service_factory: Callable[..., Service]
 
 
 class ServerRunner:
@@ -179,7 +181,7 @@ class ServerRunner:
         )
         if cfg.health_port is not None:
             await self._serve_health(cfg)
-        if self._metrics is not None:
+        if self._metrics is not None and cfg.metrics_port is not None:
             try:
                 self.metrics_port = self._metrics.serve(cfg.host, cfg.metrics_port)
             except OSError as error:

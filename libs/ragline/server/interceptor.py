@@ -12,6 +12,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 import structlog
@@ -55,9 +56,11 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         received = time.monotonic()
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
@@ -199,18 +202,16 @@ class _CallScope:
         await self.context.abort(code, message, trailing_metadata=trailing)
 
     def exit(self) -> None:
-        self.clock.mark_finished()
+        finished = self.clock.mark_finished()
         code = self._code()
         if self._counted is not None:
-            self.owner._metrics.call_finished(
-                self._counted, code, self.clock.finished - self.clock.received
-            )
+            self.owner._metrics.call_finished(self._counted, code, finished - self.clock.received)
         if self.owner._access_log:
             log.info(
                 "rpc",
                 method=self.method,
                 code=self._outcome,
-                duration_ms=round((self.clock.finished - self.clock.received) * 1000, 3),
+                duration_ms=round((finished - self.clock.received) * 1000, 3),
                 queue_wait_ms=round(self.clock.queue_wait_s * 1000, 3),
             )
         try:
@@ -227,4 +228,4 @@ class _CallScope:
         structlog.contextvars.unbind_contextvars("run_id", "stage", "tenant")
         if self._span is not None:
             number = grpc.StatusCode[code].value[0] if code in grpc.StatusCode.__members__ else 2
-            self._span.end(code, number, self.clock.finished, code in _SERVER_FAULTS)
+            self._span.end(code, number, finished, code in _SERVER_FAULTS)
