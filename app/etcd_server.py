@@ -185,28 +185,30 @@ async def provision_ledger_user(
     client = etcd3aio.Etcd3Client(listed, **tls)
     client._manager.target = etcd_target(listed)  # names too (see the budget's store)
     async with client:
+        auth = client.auth
+        assert auth is not None, "etcd3aio sets its services on connecting"
         # Signed in as root where auth is on already (an earlier run): with client
         # certificates, etcd would otherwise take the certificate's name for a user.
         try:
-            reply = await client.auth.authenticate("root", credentials.root_password, timeout=5)
+            reply = await auth.authenticate("root", credentials.root_password, timeout=5)
             client.set_token(reply.token)
         except (etcd3aio.EtcdError, grpc.aio.AioRpcError):
             pass  # auth is not enabled yet
-        users = set((await client.auth.user_list(timeout=5)).users)
-        roles = set((await client.auth.role_list(timeout=5)).roles)
+        users = set((await auth.user_list(timeout=5)).users)
+        roles = set((await auth.role_list(timeout=5)).roles)
         if "root" not in users:
-            await client.auth.user_add("root", credentials.root_password, timeout=5)
+            await auth.user_add("root", credentials.root_password, timeout=5)
         if "root" not in roles:
-            await client.auth.role_add("root", timeout=5)
-        await client.auth.user_grant_role("root", "root", timeout=5)
+            await auth.role_add("root", timeout=5)
+        await auth.user_grant_role("root", "root", timeout=5)
         if role not in roles:
-            await client.auth.role_add(role, timeout=5)
+            await auth.role_add(role, timeout=5)
         key = prefix.rstrip("/").encode() + b"/"
-        await client.auth.role_grant_permission(
+        await auth.role_grant_permission(
             role, key, etcd3aio.prefix_range_end(key), perm_type=PermissionType.READWRITE, timeout=5
         )
         if credentials.username not in users:
-            await client.auth.user_add(credentials.username, credentials.password, timeout=5)
-        await client.auth.user_grant_role(credentials.username, role, timeout=5)
-        if not (await client.auth.auth_status(timeout=5)).enabled:
-            await client.auth.auth_enable(timeout=5)
+            await auth.user_add(credentials.username, credentials.password, timeout=5)
+        await auth.user_grant_role(credentials.username, role, timeout=5)
+        if not (await auth.auth_status(timeout=5)).enabled:
+            await auth.auth_enable(timeout=5)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import grpc
 import structlog
@@ -23,11 +23,27 @@ from ragline.breaker import Breaker, BreakerOpen
 from ragline.config import ConfigError
 from ragline.errors import DeadlineExceeded, Unavailable
 
+if TYPE_CHECKING:
+    import etcd3aio
+    from etcd3aio.auth import AuthService
+    from etcd3aio.kv import KVService
+    from etcd3aio.lease import LeaseService
+
 
 @dataclass(frozen=True)
 class Versioned:
     value: bytes
     mod_revision: int
+
+
+S = TypeVar("S")
+
+
+def _service(service: S | None) -> S:
+    """One of etcd3aio's service stubs, which it sets only once connected."""
+    if service is None:
+        raise Unavailable("the budget ledger's store is not connected yet (etcd)")
+    return service
 
 
 class LedgerStore(Protocol):
@@ -106,7 +122,7 @@ class EtcdLedgerStore:
         self._breaker = Breaker(_is_silence)
         # Told of every etcd operation: its name, "ok" or "error", and its seconds.
         self.observe: Callable[[str, str, float], None] | None = None
-        self._client = None
+        self._client: etcd3aio.Etcd3Client | None = None
 
     async def connect(self) -> None:
         import etcd3aio
@@ -139,12 +155,30 @@ class EtcdLedgerStore:
                 # etcd down at start: the first operation authenticates instead
                 await self._call("authenticate", self._authenticate)
 
+    @property
+    def _connected(self) -> etcd3aio.Etcd3Client:
+        if self._client is None:
+            raise Unavailable("the budget ledger's store is not connected yet (etcd)")
+        return self._client
+
+    @property
+    def _kv(self) -> KVService:
+        return _service(self._connected.kv)
+
+    @property
+    def _lease(self) -> LeaseService:
+        return _service(self._connected.lease)
+
+    @property
+    def _auth(self) -> AuthService:
+        return _service(self._connected.auth)
+
     async def _authenticate(self) -> None:
-        self._client.set_token(None)
-        reply = await self._client.auth.authenticate(
+        self._connected.set_token(None)
+        reply = await self._auth.authenticate(
             self._access.username, self._access.password, timeout=self._timeout()
         )
-        self._client.set_token(reply.token)
+        self._connected.set_token(reply.token)
 
     async def _call(self, operation: str, make: Callable[[], Awaitable[T]]) -> T:
         """One etcd operation under the guard; with etcd auth on, an unknown token (etcd
@@ -217,7 +251,7 @@ class EtcdLedgerStore:
                 self.observe(operation, result, time.perf_counter() - started)
 
     async def read(self, keys: Sequence[bytes]) -> list[Versioned | None]:
-        kv = self._client.kv
+        kv = self._kv
         # A transaction with no comparisons: every range read at the same revision.
         reply = await self._call(
             "read",
@@ -230,7 +264,7 @@ class EtcdLedgerStore:
 
         reply = await self._call(
             "read_prefix",
-            lambda: self._client.kv.get(
+            lambda: self._kv.get(
                 prefix, range_end=etcd3aio.prefix_range_end(prefix), timeout=self._timeout()
             ),
         )
@@ -245,7 +279,7 @@ class EtcdLedgerStore:
     ) -> tuple[int | None, list[Versioned | None]]:
         from etcd3aio._protobuf import Compare
 
-        kv = self._client.kv
+        kv = self._kv
         compares = [
             Compare(result=Compare.EQUAL, target=Compare.MOD, key=key, mod_revision=revision)
             for key, revision in expected.items()
@@ -262,19 +296,17 @@ class EtcdLedgerStore:
 
     async def grant_lease(self, ttl_s: int) -> int:
         reply = await self._call(
-            "lease grant", lambda: self._client.lease.grant(ttl_s, timeout=self._timeout())
+            "lease grant", lambda: self._lease.grant(ttl_s, timeout=self._timeout())
         )
         return reply.ID
 
     async def revoke_lease(self, lease_id: int) -> None:
         await self._call(
-            "lease revoke", lambda: self._client.lease.revoke(lease_id, timeout=self._timeout())
+            "lease revoke", lambda: self._lease.revoke(lease_id, timeout=self._timeout())
         )
 
     async def ping(self) -> None:
-        await self._call(
-            "ping", lambda: self._client.kv.get(self._ping_key, timeout=self._timeout())
-        )
+        await self._call("ping", lambda: self._kv.get(self._ping_key, timeout=self._timeout()))
 
 
 def etcd_target(endpoints: Sequence[str]) -> str:

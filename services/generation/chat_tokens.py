@@ -12,20 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import Protocol
 
 from ragline import control_tokens
+from ragline_services.generation.engine import TokenizingEngine
 
 
-class ChatTokenizer(Protocol):
-    async def render_chat(self, messages: list[dict[str, str]]) -> str: ...
-
-    async def tokenize(
-        self, text: str, *, add_special: bool = True, parse_special: bool = True
-    ) -> list[int]: ...
-
-
-async def tokenize_chat(engine: ChatTokenizer, chat: list[dict[str, str]]) -> tuple[str, list[int]]:
+async def tokenize_chat(
+    engine: TokenizingEngine, chat: list[dict[str, str]]
+) -> tuple[str, list[int]]:
     """The rendered prompt and its token ids, contents tokenized as text."""
     nonce = secrets.token_hex(8)
     marks = [f"RAGLINE{nonce}C{i}X" for i in range(len(chat))]
@@ -52,7 +46,7 @@ async def tokenize_chat(engine: ChatTokenizer, chat: list[dict[str, str]]) -> tu
     return prompt, [token for part in parts for token in part]
 
 
-async def _defused(engine: ChatTokenizer, chat: list[dict[str, str]]) -> tuple[str, list[int]]:
+async def _defused(engine: TokenizingEngine, chat: list[dict[str, str]]) -> tuple[str, list[int]]:
     safe = [{**m, "content": control_tokens.defuse(m["content"])} for m in chat]
     prompt = await engine.render_chat(safe)
     return prompt, await engine.tokenize(prompt)

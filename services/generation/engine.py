@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass
@@ -56,3 +56,33 @@ class GenerationEngine(Protocol):
         iterator stops decoding at once. `prompt_ids`: the prompt already tokenized by this
         engine's `tokenize` (an engine that has one), so it is not tokenized again. An
         event may carry several tokens: those that arrived in one read."""
+
+
+# What some engines can do beyond GenerationEngine; the generator asks with isinstance.
+
+
+@runtime_checkable
+class TokenizingEngine(Protocol):
+    """An engine that tokenizes (llama-server): a chat is tokenized with its contents read
+    as text (chat_tokens.py), and the prompt it runs is those ids."""
+
+    async def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+
+    async def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]: ...
+
+
+@runtime_checkable
+class SlotStateEngine(Protocol):
+    """An engine whose slots' KV state can be saved and restored (llama-server): the
+    hot-prefix store (prefix_store.py) runs only on such an engine."""
+
+    async def prefill(self, slot: int, tokens: list[int]) -> None:
+        """Evaluates `tokens` into the slot's cache and keeps exactly these tokens."""
+
+    async def save_slot(self, slot: int, filename: str) -> int:
+        """The slot's KV state written to `filename`; the tokens saved."""
+
+    async def restore_slot(self, slot: int, filename: str) -> int:
+        """A saved state loaded into the slot; the tokens restored."""

@@ -20,7 +20,12 @@ from ragline import deadlines, tracing
 from ragline.errors import InvalidArgument, Unavailable
 from ragline.vocabulary import ModelTier
 from ragline_services.generation.chat_tokens import tokenize_chat
-from ragline_services.generation.engine import GenerationEngine, StreamEvent
+from ragline_services.generation.engine import (
+    GenerationEngine,
+    SlotStateEngine,
+    StreamEvent,
+    TokenizingEngine,
+)
 from ragline_services.generation.prefix_store import Candidate, PrefixStore, StoreOutcome
 from ragline_services.generation.scheduler import Lease, SlotScheduler
 
@@ -217,12 +222,13 @@ class Generator:
             return await self._render(tier, request, for_store)
 
     async def _render(self, tier: Tier, request: GenerationRequest, for_store: bool) -> Rendered:
-        tokenize = getattr(tier.engine, "tokenize", None)
+        engine = tier.engine
+        tokenizing = engine if isinstance(engine, TokenizingEngine) else None
         token_ids = None
-        if request.chat is not None and tokenize is not None:
+        if request.chat is not None and tokenizing is not None:
             # Tokenized once: the count and the prompt the engine runs are these ids; a
             # message's content is text, never control tokens.
-            prompt, token_ids = await tokenize_chat(tier.engine, request.chat)  # type: ignore[arg-type]
+            prompt, token_ids = await tokenize_chat(tokenizing, request.chat)
         elif request.chat is not None:
             prompt = await tier.engine.render_chat(request.chat)
         else:
@@ -230,11 +236,11 @@ class Generator:
         if not prompt.strip():
             field_name = "chat" if request.chat is not None else "prompt"
             raise InvalidArgument(field_name, "is empty; give the model something to continue")
-        if tokenize is None:  # an engine that only counts (Triton's preprocessing model)
-            return Rendered(tier, prompt, await tier.engine.count_tokens(prompt))
+        if tokenizing is None:  # an engine that only counts (Triton's preprocessing model)
+            return Rendered(tier, prompt, await engine.count_tokens(prompt))
         if token_ids is None:
             # A raw prompt is the caller's own text, control tokens included.
-            token_ids = await tokenize(prompt)
+            token_ids = await tokenizing.tokenize(prompt)
         if tier.prefix_store is None or not for_store:
             return Rendered(tier, prompt, len(token_ids), token_ids)
         boundaries = [len(token_ids)]
@@ -258,7 +264,7 @@ class Generator:
             partial = self._partial_tokens.get(memo)
             if partial is None:
                 try:
-                    _, partial = await tokenize_chat(tier.engine, chat[:upto])  # type: ignore[arg-type]
+                    _, partial = await tokenize_chat(_tokenizing(tier.engine), chat[:upto])
                 except Unavailable:
                     continue  # a template that can't render a part: no boundary there
                 with contextlib.suppress(ValueError):  # larger than the whole bound
@@ -407,7 +413,7 @@ class Generator:
             return outcome
         # Sightings count even in a warm slot: the state must outlive the slot.
         await store.look_up(owner, candidates)
-        engine = rendered.tier.engine
+        engine = _slot_states(rendered.tier.engine)
         slot = lease.slot
         held = warm
         if any(c.tokens > warm for c in candidates):
@@ -421,7 +427,7 @@ class Generator:
                 continue
             began = time.monotonic()
             try:
-                restored = await engine.restore_slot(slot.index, entry.file)  # type: ignore[attr-defined]
+                restored = await engine.restore_slot(slot.index, entry.file)
             except Unavailable as error:
                 restored, why = -1, str(error)
             else:
@@ -437,7 +443,7 @@ class Generator:
             slot.tokens = ()
             held = 0
             await store.discard(entry, why)
-            await engine.erase_slot(slot.index)
+            await rendered.tier.engine.erase_slot(slot.index)
         for candidate in sorted(candidates, key=lambda c: c.tokens):
             # Prefilling a prefix shorter than what the slot holds cuts the cache back to
             # it, and this request prefills the rest again: only for a few tokens (a chat's
@@ -468,14 +474,14 @@ class Generator:
         outcome: StoreOutcome,
         sources: tuple[str, ...] = (),
     ) -> None:
-        store, engine = rendered.tier.prefix_store, rendered.tier.engine
+        store, engine = rendered.tier.prefix_store, _slot_states(rendered.tier.engine)
         assert store is not None and rendered.token_ids is not None
         began = time.monotonic()
         file = store.new_file_name(candidate.key)
         try:
             # The prefix alone first (the request's own prefill continues from it).
-            await engine.prefill(slot, rendered.token_ids[: candidate.tokens])  # type: ignore[attr-defined]
-            saved = await engine.save_slot(slot, file)  # type: ignore[attr-defined]
+            await engine.prefill(slot, rendered.token_ids[: candidate.tokens])
+            saved = await engine.save_slot(slot, file)
         except Unavailable as error:
             log.warning("generation.prefix_save_failed", owner=owner, error=str(error))
             entry = None
@@ -487,3 +493,16 @@ class Generator:
         if entry is not None:
             outcome.saved_tokens += entry.tokens
         outcome.save_s += time.monotonic() - began
+
+
+def _tokenizing(engine: GenerationEngine) -> TokenizingEngine:
+    """The engine of a rendering that tokenized (only a tokenizing engine's does)."""
+    assert isinstance(engine, TokenizingEngine), "tokenized with an engine that cannot"
+    return engine
+
+
+def _slot_states(engine: GenerationEngine) -> SlotStateEngine:
+    """The engine of a tier with a hot-prefix store (the service makes one only for an
+    engine whose slot states can be saved)."""
+    assert isinstance(engine, SlotStateEngine), "a prefix store on an engine without slot states"
+    return engine

@@ -63,7 +63,7 @@ class _Waiter:
     tenant: str
     owner: str
     deadline: float | None
-    future: asyncio.Future = field(repr=False)
+    future: asyncio.Future[Slot] = field(repr=False)
 
 
 class SlotScheduler:
@@ -165,8 +165,10 @@ class SlotScheduler:
         itself by default) decides whose cached prefix it may reuse."""
         owner = owner or tenant
         started = time.monotonic()
-        slot = self._pick(owner) if not self._queues else None
-        if slot is None:
+        picked = self._pick(owner) if not self._queues else None
+        if picked is not None:
+            slot = picked
+        else:
             mine = len(self._queues.get(tenant, ()))
             if mine >= self.max_queue_per_tenant:
                 raise self._refuse(mine, self.max_queue_per_tenant, "this tenant")

@@ -31,7 +31,10 @@ class ScriptedEngine:
         self.tokenized: list[str] = []
         self.streams: list[dict] = []
 
-    async def tokenize(self, text: str) -> list[int]:
+    async def render_chat(self, messages: list[dict[str, str]]) -> str:
+        raise AssertionError("these tests send prompts, not chats")
+
+    async def tokenize(self, text: str, **_options) -> list[int]:
         self.tokenized.append(text)
         return [ord(c) for c in text]
 
