@@ -164,7 +164,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             if dead:
                 svc = dead[0]
                 print(
-                    f"ragline up: {svc.name} exited with code {svc.process.returncode}; stopping "
+                    f"ragline up: {svc.name} exited with code {svc.exit_code}; stopping "
                     f"the others. End of {svc.log_path}:\n{svc.log_tail()}",
                     file=sys.stderr,
                     flush=True,

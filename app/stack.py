@@ -51,6 +51,11 @@ class ServiceProcess:
         return f"{self.host}:{self.port}"
 
     @property
+    def exit_code(self) -> int | None:
+        """The process's exit status (None: not started, or still running)."""
+        return self.process.poll() if self.process is not None else None
+
+    @property
     def metrics_url(self) -> str | None:
         if self.metrics_port is None:
             return None
@@ -251,7 +256,7 @@ class Stack:
         while pending:
             for svc in self.dead():
                 raise StackError(
-                    f"{svc.name} exited with code {svc.process.returncode} during start; "
+                    f"{svc.name} exited with code {svc.exit_code} during start; "
                     f"end of {svc.log_path}:\n{svc.log_tail()}"
                 )
             statuses = await asyncio.gather(
@@ -271,17 +276,21 @@ class Stack:
 
     def stop(self, grace_s: float = 10.0) -> dict[str, int | None]:
         """SIGTERM in reverse start order, then SIGKILL whatever outlives the grace period."""
-        running = [s for s in reversed(self.services) if s.process and s.process.poll() is None]
-        for svc in running:
-            svc.process.send_signal(signal.SIGTERM)
+        running = [
+            s.process
+            for s in reversed(self.services)
+            if s.process is not None and s.process.poll() is None
+        ]
+        for process in running:
+            process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for svc in running:
+        for process in running:
             try:
-                svc.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                process.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                svc.process.kill()
-                svc.process.wait()
-        codes = {s.name: (s.process.returncode if s.process else None) for s in self.services}
+                process.kill()
+                process.wait()
+        codes = {s.name: s.exit_code for s in self.services}
         if self.etcd is not None:
             codes["etcd"] = self.etcd.stop(timeout_s=grace_s)
         return codes

@@ -5,12 +5,13 @@ scrape time."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import Counter, Histogram
 
 from ragline.metrics import LATENCY_BUCKETS, ProcessMetrics
-from ragline_services.generation.generator import Generator, Summary
+from ragline.vocabulary import ModelTier
+from ragline_services.generation.generator import Generator, Summary, Tier
 
 # Tokens per second of one sequence's decode: a 1.5B model on one CPU core to a GPU.
 DECODE_RATE_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
@@ -82,7 +83,9 @@ class GenerationMetrics:
             self.speculation.labels(tier, "drafted").inc(summary.drafted)
             self.speculation.labels(tier, "accepted").inc(summary.accepted)
 
-    def watch(self, generator: Generator, engine_problems: Callable[[], dict[str, str]]) -> None:
+    def watch(
+        self, generator: Generator, engine_problems: Callable[[], Mapping[ModelTier, str]]
+    ) -> None:
         """Each tier's slots, queue, refusals, prefix store and engine, read when scraped
         (`engine_problems()`: tier -> why its engine cannot serve, for those that cannot)."""
         reading = self._process.reading
@@ -123,23 +126,27 @@ class GenerationMetrics:
             "counter",
             ("tier",),
         )
-        for name, tier in generator.tiers.items():
+
+        def watch_tier(name: ModelTier, tier: Tier) -> None:
             scheduler = tier.scheduler
-            slots_busy.add(lambda s=scheduler: s.busy, name)
-            slots.add(lambda s=scheduler: len(s.slots), name)
-            waiting.add(lambda s=scheduler: s.waiting, name)
-            refusals.add(
-                lambda s=scheduler: {
-                    **{(reason,): count for reason, count in dict(s.refusals).items()},
-                    ("DEADLINE_EXCEEDED",): s.expired_waiting,
-                },
-                name,
-            )
-            engine_up.add(lambda n=name: 0.0 if n in engine_problems() else 1.0, name)
+            slots_busy.add(lambda: scheduler.busy, name)
+            slots.add(lambda: len(scheduler.slots), name)
+            waiting.add(lambda: scheduler.waiting, name)
+
+            def refused() -> dict[tuple[str, ...], float]:
+                counts: dict[tuple[str, ...], float] = {
+                    (reason,): count for reason, count in dict(scheduler.refusals).items()
+                }
+                return {**counts, ("DEADLINE_EXCEEDED",): scheduler.expired_waiting}
+
+            refusals.add(refused, name)
+            engine_up.add(lambda: 0.0 if name in engine_problems() else 1.0, name)
             store = tier.prefix_store
             if store is not None:
-                store_events.add(
-                    lambda c=store.counters: {(e,): getattr(c, e) for e in _STORE_EVENTS}, name
-                )
-                store_bytes.add(lambda s=store: s.stored_bytes, name)
-                saved_bytes.add(lambda c=store.counters: c.saved_bytes, name)
+                counters = store.counters
+                store_events.add(lambda: {(e,): getattr(counters, e) for e in _STORE_EVENTS}, name)
+                store_bytes.add(lambda: store.stored_bytes, name)
+                saved_bytes.add(lambda: counters.saved_bytes, name)
+
+        for name, tier in generator.tiers.items():
+            watch_tier(name, tier)

@@ -224,7 +224,7 @@ class RetrievalService(Service):
         # Only needed while queries skip the service: otherwise each one hears its model.
         if self._local is not None and self._local.serves(self.embedding_version):
             try:
-                await self.index.probe_model()
+                await self._opened.probe_model()
             except (Unavailable, DeadlineExceeded) as error:
                 log.info("retrieval.embedding_check_failed", error=str(error))
 
@@ -277,6 +277,13 @@ class RetrievalService(Service):
         log.info("retrieval.replayed", records=replayed, index_version=index.applied_seq)
         return index
 
+    @property
+    def _opened(self) -> RetrievalIndex:
+        """The index, for the work that runs only once start() opened it."""
+        if self.index is None:
+            raise RuntimeError("the retrieval index is not open yet")
+        return self.index
+
     async def start(self) -> None:
         self.index = await asyncio.to_thread(self._open_index)
         if self.metrics is not None:
@@ -303,7 +310,7 @@ class RetrievalService(Service):
             return False
         try:
             with deadlines.deadline_scope(wait_s):
-                version = await self.index.probe_model()
+                version = await self._opened.probe_model()
         except (Unavailable, DeadlineExceeded) as error:
             log.info("retrieval.query_encoder_later", reason=str(error))
             return False
@@ -318,7 +325,7 @@ class RetrievalService(Service):
         delay = 0.5
         while True:
             try:
-                await self.index.probe_model()
+                await self._opened.probe_model()
                 return
             except (Unavailable, DeadlineExceeded) as error:
                 log.info("retrieval.embedding_probe_retry", error=str(error), retry_in_s=delay)
@@ -328,9 +335,9 @@ class RetrievalService(Service):
     async def _maybe_build(self) -> None:
         # A failed build is logged by Periodic and leaves the current index serving.
         started = time.monotonic()
-        if await self.index.maybe_build() and self._servicer.metrics is not None:
+        if await self._opened.maybe_build() and self._servicer.metrics is not None:
             self._servicer.metrics.built(time.monotonic() - started)
-        await self.index.maybe_compact()
+        await self._opened.maybe_compact()
 
     async def stop(self) -> None:
         await self._builder.stop()
@@ -340,7 +347,7 @@ class RetrievalService(Service):
             self._probe.cancel()
         if self._reanalysing is not None:
             # A pass runs in a thread a cancel would not stop: the current one ends first.
-            self.index.stop_reanalysis()
+            self._opened.stop_reanalysis()
             with contextlib.suppress(Exception):
                 await self._reanalysing
         if self._adopting is not None:

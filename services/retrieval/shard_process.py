@@ -51,7 +51,7 @@ def query_shard(shard, query: ShardQuery) -> list[tuple[int, float]]:
     """(point id, score) of the nearest points the query may see, best first."""
     import qdrant_edge as qe
 
-    must = [
+    must: list[qe.FieldCondition | qe.HasIdCondition] = [
         qe.FieldCondition(key="tenant", match=qe.MatchValue(query.tenant)),
         qe.FieldCondition(key="scope", match=qe.MatchAny(list(query.scopes))),
     ]
@@ -63,7 +63,7 @@ def query_shard(shard, query: ShardQuery) -> list[tuple[int, float]]:
     request = qe.QueryRequest(
         limit=query.limit,
         query=qe.Query.Nearest(query.vector.tolist()),
-        filter=qe.Filter(must=must, must_not=must_not),
+        filter=qe.Filter(must=list(must), must_not=list(must_not) if must_not else None),
         with_payload=False,
         params=qe.SearchParams(hnsw_ef=query.hnsw_ef, exact=query.only_pids is not None),
     )
@@ -89,6 +89,7 @@ def _serve(connection: Connection, path: str) -> None:
                 break  # the parent is gone
             if verb == "stop":
                 break
+            reply: tuple[str, object]
             try:
                 reply = ("ok", query_shard(shard, payload))
             except Exception as error:  # sent back: raised where the search asked
@@ -139,10 +140,16 @@ class ShardProcess:
             self._kill()
             raise
 
+    def _link(self) -> Connection:
+        """The pipe to the child; EOFError (a dead child's answer) when there is none."""
+        if self._connection is None:
+            raise EOFError("no connection to the shard process")
+        return self._connection
+
     def _reply(self, timeout_s: float):
-        if not self._connection.poll(timeout_s):
+        if not self._link().poll(timeout_s):
             raise TimeoutError(f"the shard process gave no answer in {timeout_s} s")
-        status, value = self._connection.recv()
+        status, value = self._link().recv()
         if status == "error":
             raise RuntimeError(f"shard process ({self.path}): {value}")
         return value
@@ -151,38 +158,42 @@ class ShardProcess:
         with self._lock:
             for attempt in (1, 2):
                 if not self._running():
-                    if self._process is None:
+                    process = self._process
+                    if process is None:
                         raise RuntimeError(f"the shard process of {self.path} was closed")
                     self.restarts += 1
                     log.warning(
                         "retrieval.shard_process_restarted",
                         path=self.path,
-                        exitcode=self._process.returncode,
+                        exitcode=process.returncode,
                     )
                     self._kill()
                     self._start()
                 try:
-                    self._connection.send(("query", query))
+                    self._link().send(("query", query))
                     return self._reply(self.reply_timeout_s)
                 except (EOFError, OSError, TimeoutError):
                     self._kill()  # dead or stuck: a fresh child answers the retry
                     if attempt == 2:
                         raise
+            raise AssertionError("the second attempt returns or raises")
 
     def _kill(self) -> None:
-        if self._running():
-            self._process.kill()
-            self._process.wait(5)
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait(5)
         if self._connection is not None:
             self._connection.close()
             self._connection = None
 
     def close(self) -> None:
         with self._lock:
-            if self._running():
+            process = self._process
+            if process is not None and process.poll() is None:
                 try:
-                    self._connection.send(("stop", None))
-                    self._process.wait(10)
+                    self._link().send(("stop", None))
+                    process.wait(10)
                 except (OSError, EOFError, subprocess.TimeoutExpired):
                     pass
             self._kill()
