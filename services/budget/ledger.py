@@ -344,10 +344,11 @@ class TaskLedger:
     def _forget_task(self, task_key: bytes) -> None:
         self._seen.pop(task_key, None)
 
-    def _task_or_not_found(self, found: Versioned | None, task_id: str) -> TaskRecord:
+    def _task_or_not_found(self, found: Versioned | None, task_id: str) -> tuple[TaskRecord, int]:
+        """The task as stored and the revision it was stored at; NOT_FOUND without one."""
         if found is None:
             raise self._not_found(task_id)
-        return TaskRecord.loads(found.value)
+        return TaskRecord.loads(found.value), found.mod_revision
 
     # -- the guarded update loop, one group commit at a time per task ---------------------
 
@@ -418,7 +419,8 @@ class TaskLedger:
                     continue
                 self._forget_task(task_key)
                 raise self._not_found(task_id)
-            claim = TurnClaim.loads(current[turn_key].value if current[turn_key] else None)
+            turn_row = current[turn_key]
+            claim = TurnClaim.loads(turn_row.value if turn_row else None)
             now = self._now_ns()
             if must_wait_for_turn(claim, self.replica_id, now, self._turn_ttl_ns):
                 # Another replica kept losing to us and claimed the turn: let it write.
@@ -428,7 +430,7 @@ class TaskLedger:
                 continue
             task = TaskRecord.loads(task_row.value)
             records = {
-                k: ReservationRecord.loads(current[k].value) if current[k] else None
+                k: ReservationRecord.loads(row.value) if (row := current[k]) else None
                 for k in res_keys
             }
             task, answers, changed = _decide_batch(batch, task, records, now)
@@ -552,16 +554,17 @@ class TaskLedger:
         task_key = self._task_key(tenant, task_id)
         if not include_reservations:
             found = (await self._store.read([task_key]))[0]
-            return self._task_or_not_found(found, task_id), found.mod_revision, []
+            task, revision = self._task_or_not_found(found, task_id)
+            return task, revision, []
         prefix = self._task_prefix(tenant, task_id)
         rows = await self._store.read_prefix(prefix)
         found = next((v for k, v in rows if k == task_key), None)
-        task = self._task_or_not_found(found, task_id)
+        task, revision = self._task_or_not_found(found, task_id)
         reservations = sorted(
             (ReservationRecord.loads(v.value) for k, v in rows if k.startswith(prefix + b"r/")),
             key=lambda r: (r.created_ns, r.reservation_id),
         )
-        return task, found.mod_revision, reservations
+        return task, revision, reservations
 
     async def open_task(
         self, tenant: str, task_id: str, limits: Amounts, max_in_flight: int, timeout_s: float
@@ -592,14 +595,14 @@ class TaskLedger:
             # Another caller opened it first: drop our lease, answer like a replay.
             await self._store.revoke_lease(lease_id)
             found = fresh[0]
-        existing = self._task_or_not_found(found, task_id)
+        existing, revision = self._task_or_not_found(found, task_id)
         if existing.limits != limits or existing.max_in_flight != max_in_flight:
             raise AlreadyExists(
                 f"task {task_id} is already open with other limits "
                 f"({existing.limits.describe()}, max_in_flight={existing.max_in_flight}); use a "
                 "new task id"
             )
-        return existing, found.mod_revision, False
+        return existing, revision, False
 
     async def close_task(self, tenant: str, task_id: str) -> tuple[TaskRecord, int]:
         _check_id("task_id", task_id)
@@ -607,12 +610,12 @@ class TaskLedger:
         async with self._lock(key):
             found = (await self._store.read([key]))[0]
             for _ in range(self._max_attempts):
-                task = self._task_or_not_found(found, task_id)
+                task, stored_at = self._task_or_not_found(found, task_id)
                 if task.state == TASK_CLOSED:
-                    return task, found.mod_revision
+                    return task, stored_at
                 closed = replace(task, state=TASK_CLOSED)
                 revision, fresh = await self._store.write_if_unchanged(
-                    {key: found.mod_revision}, {key: closed.dumps()}, task.lease_id, reread=[key]
+                    {key: stored_at}, {key: closed.dumps()}, task.lease_id, reread=[key]
                 )
                 if revision is not None:
                     self._remember(key, Versioned(closed.dumps(), revision))

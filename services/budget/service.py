@@ -102,6 +102,8 @@ class BudgetService(Service):
 
     async def _update_health(self) -> None:
         reachable = await self._etcd_reachable()
+        if self.health is None:  # not serving (yet): nothing to report to
+            return
         await self.health.set_serving(
             reachable, reason="etcd reachable" if reachable else "etcd unreachable"
         )

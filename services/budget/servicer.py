@@ -102,6 +102,7 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
         return result
 
     def _outcome(self, outcome: Outcome, task_id: str):
+        assert outcome.reservation is not None, "a reservation's operation answers with it"
         return (
             reservation_proto(task_id, outcome.reservation),
             ledger_proto(outcome.task, outcome.revision, self.ledger.now_ns()),
