@@ -559,8 +559,10 @@ class Reranker:
 
     async def _cross_encoder(self, request, chosen, stage1, output) -> list[Scored]:
         started = time.perf_counter()
-        pairs = self.pair_tokenizer.encode_pairs([(request.query, c.text) for c in chosen])
-        batch = await self.pair_batcher.submit(pairs, deadlines.current_deadline(), request.tenant)
+        tokenizer, batcher = self.pair_tokenizer, self.pair_batcher
+        assert tokenizer is not None and batcher is not None, "a cascade with a cross-encoder"
+        pairs = tokenizer.encode_pairs([(request.query, c.text) for c in chosen])
+        batch = await batcher.submit(pairs, deadlines.current_deadline(), request.tenant)
         output.input_tokens += sum(p.length for p in pairs)
         scores = np.array([float(row) for row in batch.rows])
         seconds = time.perf_counter() - started

@@ -24,6 +24,7 @@ import re
 import threading
 import unicodedata
 from collections.abc import Collection
+from typing import Any
 
 from ragline import lexicon, words
 from ragline.stopwords import CHINESE_STOP_WORDS, STOP_WORDS
@@ -50,7 +51,8 @@ class Analyzer:
 
     def __init__(self) -> None:
         self._jieba = None
-        self._english = None
+        # tantivy's English analyzer, made with the segmenter (tantivy imported lazily).
+        self._english: Any = None
         self._lock = threading.Lock()
 
     def warm(self) -> None:

@@ -40,7 +40,7 @@ from ragline_services.retrieval.index import Embedded, IndexSettings, RetrievalI
 from ragline_services.retrieval.metrics import RetrievalMetrics
 from ragline_services.retrieval.query_encoder import LocalQueryEncoder
 from ragline_services.retrieval.servicer import RetrievalServicer
-from ragline_services.retrieval.vectors import EdgeVectorIndex
+from ragline_services.retrieval.vectors import EdgeVectorIndex, VectorIndex
 
 log = structlog.get_logger("ragline.retrieval")
 
@@ -174,7 +174,7 @@ class RetrievalService(Service):
         priority = (
             embedding_pb2.PRIORITY_BULK if kind == "bulk" else embedding_pb2.PRIORITY_INTERACTIVE
         )
-        rows = []
+        rows: list[list[float]] = []
         versions: set[str] = set()
         # Bulk work goes in short calls, one at a time: a question waits for one of them at
         # most, and a re-embed leaves the other cores to the callers.
@@ -236,7 +236,7 @@ class RetrievalService(Service):
             from ragline_services.retrieval.qdrant_server import QdrantServerIndex
 
             directory.mkdir(parents=True, exist_ok=True)
-            vectors = QdrantServerIndex(
+            vectors: VectorIndex = QdrantServerIndex(
                 cfg.qdrant_url,
                 cfg.qdrant_collection,
                 cfg.dim,

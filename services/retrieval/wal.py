@@ -165,7 +165,8 @@ class WriteLog:
                 for key in record.get("deletes", ()):
                     latest[key] = seq
             target = self.path.with_name(self.path.name + ".compact")
-            dropped, kept_deletes, forgotten = 0, False, set()
+            dropped, kept_deletes = 0, False
+            forgotten: set[str] = set()
             with target.open("wb") as out:
                 marks = {
                     "op": MARKS,
