@@ -227,35 +227,123 @@ async def ingest(
     preparation being given up. `token`: a client token (authentication on); every record
     must then belong to the token's tenant. `one_pass`: take passages' vectors from rerank's
     token pass when it runs the embedding service's model; `stats` is filled as it goes."""
-    from ragline.v1 import embedding_pb2, embedding_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
-    from ragline_services.retrieval.documents import passage_text
-
-    pool = ChannelPool()
-    embedder = ServiceClient(
-        embedding_pb2_grpc.EmbeddingServiceStub, embedding_addr, pool=pool, token=token
+    ingestion = Ingestion(
+        path,
+        retrieval_addr=retrieval_addr,
+        embedding_addr=embedding_addr,
+        default_tenant=default_tenant,
+        checkpoint=checkpoint,
+        progress=progress,
+        rerank_addr=rerank_addr,
+        notice=notice,
+        token=token,
+        one_pass=one_pass,
+        stats=stats if stats is not None else IngestStats(),
     )
-    bad: list[BadRecord] = []
-    written = 0
-    stats = stats if stats is not None else IngestStats()
-    preparer = RerankPreparer(rerank_addr, pool, notice, token) if rerank_addr else None
-    embedding_version = ""  # the model version the embedding service last answered with
+    return await ingestion.run(batch_size, window)
 
-    def rerank_embeds() -> bool:
+
+class Ingestion:
+    """One file ingested: its good records read past the checkpoint, grouped by tenant,
+    embedded (by the embedding service, or by rerank's token pass when that runs the same
+    model), written to retrieval, and their token vectors prepared, up to `window` batches
+    in flight. Batches are settled in order, so the checkpoint only ever covers
+    acknowledged ones."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        retrieval_addr: str,
+        embedding_addr: str,
+        default_tenant: str,
+        checkpoint: Checkpoint,
+        progress,
+        rerank_addr: str | None,
+        notice,
+        token: str | None,
+        one_pass: bool,
+        stats: IngestStats,
+    ) -> None:
+        from ragline.v1 import embedding_pb2_grpc
+
+        self.path, self.default_tenant = path, default_tenant
+        self.retrieval_addr, self.token = retrieval_addr, token
+        self.checkpoint, self.progress = checkpoint, progress
+        self.one_pass, self.stats = one_pass, stats
+        self.pool = ChannelPool()
+        self.embedder = ServiceClient(
+            embedding_pb2_grpc.EmbeddingServiceStub, embedding_addr, pool=self.pool, token=token
+        )
+        self.preparer = (
+            RerankPreparer(rerank_addr, self.pool, notice, token) if rerank_addr else None
+        )
+        self.bad: list[BadRecord] = []
+        self.written = 0
+        self.embedding_version = ""  # the model version the embedding service last answered
+        self.last_number = checkpoint.done  # of the last record read
+        # Batches in flight: (its task, its records, whether all read so far is in one).
+        self._in_flight: deque[tuple[asyncio.Task, list[Record], bool]] = deque()
+
+    async def run(self, batch_size: int, window: int) -> tuple[int, list[BadRecord]]:
+        """(documents written, bad records)."""
+        try:
+            if self.one_pass and self.preparer is not None:
+                with deadlines.deadline_scope(BATCH_TIMEOUT_S):
+                    await self._embed(["which model"])  # learns embedding_version
+            # While one batch is embedded, the one before it is written and its token
+            # vectors prepared (different services, different cores).
+            for records, drained in tenant_batches(self._good_records(), batch_size):
+                task = asyncio.ensure_future(self._flush(records))
+                self._in_flight.append((task, records, drained))
+                if len(self._in_flight) >= window:
+                    await self._settle_oldest()
+            while self._in_flight:
+                await self._settle_oldest()
+            self.checkpoint.save(self.last_number)
+        finally:
+            for task, _, _ in self._in_flight:
+                task.cancel()
+            await asyncio.gather(*(task for task, _, _ in self._in_flight), return_exceptions=True)
+            await self.pool.close()
+        return self.written, self.bad
+
+    def _good_records(self) -> Iterator[Record]:
+        for item in read_records(self.path, self.default_tenant):
+            self.last_number = item.number
+            if self.progress is not None:
+                self.progress(item.number)
+            if item.number <= self.checkpoint.done:
+                continue
+            if isinstance(item, BadRecord):
+                self.bad.append(item)
+                continue
+            yield item
+
+    async def _settle_oldest(self) -> None:
+        task, records, drained = self._in_flight.popleft()
+        await task
+        if drained:  # everything up to this batch's last record is acknowledged
+            self.checkpoint.save(records[-1].number)
+
+    def _rerank_embeds(self) -> bool:
+        preparer = self.preparer
         return bool(
-            one_pass
+            self.one_pass
             and preparer is not None
             and not preparer.given_up
             and preparer.offers_embeddings
-            and embedding_version
-            and preparer.model_version in ("", embedding_version)  # "": not known yet
+            and self.embedding_version
+            and preparer.model_version in ("", self.embedding_version)  # "": not known yet
         )
 
-    async def embed(texts: list[str]) -> list[tuple]:
+    async def _embed(self, texts: list[str]) -> list[tuple]:
         """(vector, model version) per text, from the embedding service."""
-        nonlocal embedding_version
+        from ragline.v1 import embedding_pb2
+
         replies = await asyncio.gather(
             *(
-                embedder.unary(
+                self.embedder.unary(
                     "Embed",
                     embedding_pb2.EmbedRequest(
                         texts=texts[start : start + EMBED_CHUNK],
@@ -267,92 +355,55 @@ async def ingest(
                 for start in range(0, len(texts), EMBED_CHUNK)
             )
         )
-        embedding_version = replies[-1].model_version
+        self.embedding_version = replies[-1].model_version
         # each call's own version: a rolling restart may change the model mid-batch
         return [(e.values, reply.model_version) for reply in replies for e in reply.embeddings]
 
-    async def flush(records: list[Record]) -> None:
-        nonlocal written
+    async def _flush(self, records: list[Record]) -> None:
+        from ragline_services.retrieval.documents import passage_text
+
         with deadlines.deadline_scope(BATCH_TIMEOUT_S):
             vectors = prepared = None
-            if rerank_embeds():
-                prepared = await preparer.prepare(records, embeddings=True)
+            if self._rerank_embeds():
+                assert self.preparer is not None
+                prepared = await self.preparer.prepare(records, embeddings=True)
                 # Another model's (rerank's own setting): its token vectors are kept, the
                 # vectors written are the embedding service's.
-                if prepared is not None and all(v == embedding_version for _, v in prepared):
+                if prepared is not None and all(v == self.embedding_version for _, v in prepared):
                     vectors = prepared
-                    stats.embedded_by_rerank += len(records)
+                    self.stats.embedded_by_rerank += len(records)
             if vectors is None:
-                vectors = await embed([passage_text(r.title, r.text) for r in records])
-                stats.embedded += len(records)
-            request = retrieval_pb2.UpsertRequest()
-            for record, (values, version) in zip(records, vectors, strict=True):
-                request.documents.add(
-                    id=record.id,
-                    title=record.title,
-                    text=record.text,
-                    acl=record.acl,
-                    attributes=record.attributes,
-                    vector=values,
-                    vector_model_version=version,
-                )
-            retrieval = ServiceClient(
-                retrieval_pb2_grpc.RetrievalServiceStub,
-                retrieval_addr,
-                pool=pool,
-                caller=writer(records),
-                token=token,
+                vectors = await self._embed([passage_text(r.title, r.text) for r in records])
+                self.stats.embedded += len(records)
+            await self._upsert(records, vectors)
+        self.written += len(records)
+        if self.preparer is not None and prepared is None:
+            await self.preparer.prepare(records)
+
+    async def _upsert(self, records: list[Record], vectors: list[tuple]) -> None:
+        from ragline.v1 import retrieval_pb2, retrieval_pb2_grpc
+
+        request = retrieval_pb2.UpsertRequest()
+        for record, (values, version) in zip(records, vectors, strict=True):
+            request.documents.add(
+                id=record.id,
+                title=record.title,
+                text=record.text,
+                acl=record.acl,
+                attributes=record.attributes,
+                vector=values,
+                vector_model_version=version,
             )
-            # Upserts are idempotent by document id: a retry after a lost reply rewrites
-            # the same documents.
-            await retrieval.unary("Upsert", request, retry=PATIENT_POLICY)
-        written += len(records)
-        if preparer is not None and prepared is None:
-            await preparer.prepare(records)
-
-    last_number = checkpoint.done
-
-    def good_records() -> Iterator[Record]:
-        nonlocal last_number
-        for item in read_records(path, default_tenant):
-            last_number = item.number
-            if progress is not None:
-                progress(item.number)
-            if item.number <= checkpoint.done:
-                continue
-            if isinstance(item, BadRecord):
-                bad.append(item)
-                continue
-            yield item
-
-    # Up to `window` batches in flight: while one is embedded, the one before it is
-    # written and its token vectors prepared (different services, different cores). They
-    # are awaited in order, so the checkpoint only ever covers acknowledged batches.
-    in_flight: deque[tuple[asyncio.Task, list[Record], bool]] = deque()
-
-    async def settle_oldest() -> None:
-        task, records, drained = in_flight.popleft()
-        await task
-        if drained:  # everything up to this batch's last record is acknowledged
-            checkpoint.save(records[-1].number)
-
-    try:
-        if one_pass and preparer is not None:
-            with deadlines.deadline_scope(BATCH_TIMEOUT_S):
-                await embed(["which model"])  # learns embedding_version
-        for records, drained in tenant_batches(good_records(), batch_size):
-            in_flight.append((asyncio.ensure_future(flush(records)), records, drained))
-            if len(in_flight) >= window:
-                await settle_oldest()
-        while in_flight:
-            await settle_oldest()
-        checkpoint.save(last_number)
-    finally:
-        for task, _, _ in in_flight:
-            task.cancel()
-        await asyncio.gather(*(task for task, _, _ in in_flight), return_exceptions=True)
-        await pool.close()
-    return written, bad
+        retrieval = ServiceClient(
+            retrieval_pb2_grpc.RetrievalServiceStub,
+            self.retrieval_addr,
+            pool=self.pool,
+            caller=writer(records),
+            token=self.token,
+        )
+        # Upserts are idempotent by document id: a retry after a lost reply rewrites the
+        # same documents.
+        await retrieval.unary("Upsert", request, retry=PATIENT_POLICY)
 
 
 class RerankPreparer:
