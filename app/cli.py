@@ -8,12 +8,18 @@ import json
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from ragline.config import CommonConfig
 from ragline.vocabulary import ModelTier, SearchMode, search_mode_to_proto, tier_to_proto
+
+if TYPE_CHECKING:
+    from ragline_app.etcd_server import EtcdServer
+    from ragline_app.stack import Stack
 
 
 def _service_names() -> list[str]:
@@ -47,13 +53,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    common = CommonConfig()
+    plan = _up_plan(args, common)
+    if isinstance(plan, int):
+        return plan
+    state_path = common.data_dir / "up.json"
+    try:
+        code = asyncio.run(_up(plan, args, common, state_path))
+    finally:
+        print("ragline up: stopping...", flush=True)
+        codes = plan.stack.stop(grace_s=args.grace)
+        state_path.unlink(missing_ok=True)
+        unclean = {n: c for n, c in codes.items() if c not in (0, None)}
+        if unclean:
+            print(f"ragline up: stopped; exit codes {unclean}", flush=True)
+        else:
+            print("ragline up: all services stopped cleanly", flush=True)
+    return code
+
+
+@dataclass
+class _UpPlan:
+    """What `ragline up` runs, where, and how its own health checks reach it."""
+
+    names: list[str]
+    log_dir: Path
+    stack: Stack
+    etcd: EtcdServer | None
+    client_tls: dict[str, str]
+
+
+def _up_plan(args: argparse.Namespace, common: CommonConfig) -> _UpPlan | int:
+    """The stack to start, or the exit code of a refusal (before anything starts)."""
     from ragline.auth import AuthConfig
     from ragline.config import ConfigError
     from ragline.errors import StartRefused
     from ragline_app.etcd_server import EtcdServer, LedgerCredentials
-    from ragline_app.stack import Stack, StackError, plan_ports
+    from ragline_app.stack import Stack, plan_ports
 
-    common = CommonConfig()
     try:
         AuthConfig().check_exposure(args.host)
     except StartRefused as error:
@@ -101,93 +138,99 @@ def cmd_up(args: argparse.Namespace) -> int:
         names, ports, log_dir, args.host, etcd=etcd, metrics=args.metrics, tls=service_tls
     )
     stack.client_tls = client_tls
-    if ledger_credentials is not None:
-        stack.etcd_setup = lambda: _provision_ledger(etcd, ledger_credentials)
-    state_path = common.data_dir / "up.json"
-    stop_requested = asyncio.Event()
+    if etcd is not None and ledger_credentials is not None:
+        local_etcd, credentials = etcd, ledger_credentials
+        stack.etcd_setup = lambda: _provision_ledger(local_etcd, credentials)
+    return _UpPlan(names, log_dir, stack, etcd, client_tls)
 
-    async def run() -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop_requested.set)
-        try:
-            stack.start()
-        except (RuntimeError, OSError) as error:
-            print(f"ragline up: {error}", file=sys.stderr, flush=True)
-            return 1
-        if etcd is not None:
-            print(f"  etcd          {etcd.endpoint}  (budget ledger, data in {etcd.data_dir})")
-        print(f"ragline up: starting {len(names)} services (logs in {log_dir}/)", flush=True)
-        print(f"ragline up: {_auth_notice()}", flush=True)
-        ready = asyncio.create_task(stack.wait_ready(args.ready_timeout))
-        interrupted = asyncio.create_task(stop_requested.wait())
-        await asyncio.wait({ready, interrupted}, return_when=asyncio.FIRST_COMPLETED)
-        if not ready.done():
-            ready.cancel()
-            print("ragline up: interrupted during start", flush=True)
+
+async def _up(
+    plan: _UpPlan, args: argparse.Namespace, common: CommonConfig, state_path: Path
+) -> int:
+    """Starts the stack, waits for it, loads the demo, then watches it until told to stop
+    or a service dies; the exit code."""
+    from ragline_app.stack import StackError
+
+    stack = plan.stack
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop_requested.set)
+    try:
+        stack.start()
+    except (RuntimeError, OSError) as error:
+        print(f"ragline up: {error}", file=sys.stderr, flush=True)
+        return 1
+    if plan.etcd is not None:
+        etcd = plan.etcd
+        print(f"  etcd          {etcd.endpoint}  (budget ledger, data in {etcd.data_dir})")
+    print(f"ragline up: starting {len(plan.names)} services (logs in {plan.log_dir}/)", flush=True)
+    print(f"ragline up: {_auth_notice()}", flush=True)
+    ready = asyncio.create_task(stack.wait_ready(args.ready_timeout))
+    interrupted = asyncio.create_task(stop_requested.wait())
+    await asyncio.wait({ready, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        ready.cancel()
+        print("ragline up: interrupted during start", flush=True)
+        return 130
+    try:
+        ready.result()
+    except StackError as error:
+        print(f"ragline up: {error}", file=sys.stderr, flush=True)
+        return 1
+    stack.write_state(state_path)
+    width = max(len(n) for n in plan.names)
+    for svc in stack.services:
+        metrics = f"  metrics {svc.metrics_url}" if svc.metrics_url else ""
+        print(f"  {svc.name:<{width}}  {svc.address}  SERVING{metrics}", flush=True)
+    print("ragline up: `ragline top` shows them live", flush=True)
+    if args.demo and {"retrieval", "embedding"} <= set(plan.names):
+        loading = asyncio.create_task(_load_demo(stack, common))
+        await asyncio.wait({loading, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():
+            loading.cancel()
             return 130
-        try:
-            ready.result()
-        except StackError as error:
-            print(f"ragline up: {error}", file=sys.stderr, flush=True)
-            return 1
-        stack.write_state(state_path)
-        width = max(len(n) for n in names)
-        for svc in stack.services:
-            metrics = f"  metrics {svc.metrics_url}" if svc.metrics_url else ""
-            print(f"  {svc.name:<{width}}  {svc.address}  SERVING{metrics}", flush=True)
-        print("ragline up: `ragline top` shows them live", flush=True)
-        if args.demo and {"retrieval", "embedding"} <= set(names):
-            loading = asyncio.create_task(_load_demo(stack, common))
-            await asyncio.wait({loading, interrupted}, return_when=asyncio.FIRST_COMPLETED)
-            if not loading.done():
-                loading.cancel()
-                return 130
-            if loading.exception() is not None:
-                print(
-                    f"ragline up: the demo corpus did not load: {loading.exception()}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        orchestrator = next((s for s in stack.services if s.name == "orchestrator"), None)
-        if orchestrator is not None:
+        if loading.exception() is not None:
             print(
-                'ragline up: ready. Try: ragline ask "Which river flows through Warsaw?"   or   '
-                f"grpcurl {_grpcurl_transport(client_tls)} {orchestrator.address} list",
+                f"ragline up: the demo corpus did not load: {loading.exception()}",
+                file=sys.stderr,
                 flush=True,
             )
-        else:
-            print("ragline up: ready.", flush=True)
-        print("Ctrl-C stops all services.", flush=True)
-        while not stop_requested.is_set():
-            dead = stack.dead()
-            if dead:
-                svc = dead[0]
-                print(
-                    f"ragline up: {svc.name} exited with code {svc.exit_code}; stopping "
-                    f"the others. End of {svc.log_path}:\n{svc.log_tail()}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return 1
-            try:
-                await asyncio.wait_for(stop_requested.wait(), timeout=0.5)
-            except TimeoutError:
-                pass
-        return 0
+    _print_ready(stack, plan.client_tls)
+    return await _watch(stack, stop_requested)
 
-    try:
-        code = asyncio.run(run())
-    finally:
-        print("ragline up: stopping...", flush=True)
-        codes = stack.stop(grace_s=args.grace)
-        state_path.unlink(missing_ok=True)
-        unclean = {n: c for n, c in codes.items() if c not in (0, None)}
-        if unclean:
-            print(f"ragline up: stopped; exit codes {unclean}", flush=True)
-        else:
-            print("ragline up: all services stopped cleanly", flush=True)
-    return code
+
+def _print_ready(stack: Stack, client_tls: dict[str, str]) -> None:
+    orchestrator = next((s for s in stack.services if s.name == "orchestrator"), None)
+    if orchestrator is not None:
+        print(
+            'ragline up: ready. Try: ragline ask "Which river flows through Warsaw?"   or   '
+            f"grpcurl {_grpcurl_transport(client_tls)} {orchestrator.address} list",
+            flush=True,
+        )
+    else:
+        print("ragline up: ready.", flush=True)
+    print("Ctrl-C stops all services.", flush=True)
+
+
+async def _watch(stack: Stack, stop_requested: asyncio.Event) -> int:
+    """Until told to stop (0), or a service dies (1: the others are stopped then)."""
+    while not stop_requested.is_set():
+        dead = stack.dead()
+        if dead:
+            svc = dead[0]
+            print(
+                f"ragline up: {svc.name} exited with code {svc.exit_code}; stopping "
+                f"the others. End of {svc.log_path}:\n{svc.log_tail()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+        try:
+            await asyncio.wait_for(stop_requested.wait(), timeout=0.5)
+        except TimeoutError:
+            pass
+    return 0
 
 
 async def _load_demo(stack, common: CommonConfig) -> None:
