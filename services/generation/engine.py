@@ -3,7 +3,7 @@ Triton), and the events it streams. The generator talks only to this."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -51,7 +51,7 @@ class GenerationEngine(Protocol):
         max_tokens: int,
         sampling: dict,
         prompt_ids: list[int] | None = None,
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         """Streams one completion in `slot`, ending with a final event. Closing the
         iterator stops decoding at once. `prompt_ids`: the prompt already tokenized by this
         engine's `tokenize` (an engine that has one), so it is not tokenized again. An

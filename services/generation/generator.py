@@ -278,21 +278,8 @@ class Generator:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk | Summary]:
         rendered = await self.render(request)
-        tier, prompt, prompt_tokens = rendered.tier, rendered.prompt, rendered.tokens
-        input_field = "chat" if request.chat is not None else "prompt"
-        if prompt_tokens >= tier.context_window:
-            raise InvalidArgument(
-                input_field,
-                f"is {prompt_tokens} tokens; model {tier.model} has a {tier.context_window}-token "
-                "context window",
-            )
-        if prompt_tokens + request.max_tokens > tier.context_window:
-            raise InvalidArgument(
-                "max_tokens",
-                f"is {request.max_tokens}, but the prompt takes {prompt_tokens} of the "
-                f"{tier.context_window}-token context; at most "
-                f"{tier.context_window - prompt_tokens} fit",
-            )
+        tier = rendered.tier
+        _refuse_if_it_does_not_fit(rendered, request)
         speculate = tier.speculation.mode != "none" and not tier.speculation.fell_back
         deadline = deadlines.current_deadline()
         lease = await tier.scheduler.acquire(request.tenant, deadline, owner=request.cache_owner)
@@ -302,19 +289,15 @@ class Generator:
         except BaseException:
             tier.scheduler.release(lease.slot)
             raise
-        started = time.monotonic()
-        text_parts: list[str] = []
-        first_token_at = None
-        final: StreamEvent | None = None
+        decoded = _Decoded(started=time.monotonic())
         stream = tier.engine.stream(
-            prompt,
+            rendered.prompt,
             slot=lease.slot.index,
             max_tokens=request.max_tokens,
             sampling=request.sampling,
             prompt_ids=rendered.token_ids,
         )
         stop_at = None if deadline is None else deadline - DEADLINE_MARGIN_S
-        finish = "stop"
         try:
             # One timer for the whole stream: it interrupts a read from the engine, never
             # the caller's code at a `yield`.
@@ -325,49 +308,35 @@ class Generator:
                     except StopAsyncIteration:
                         break
                     except TimeoutError:
-                        finish = "deadline"
+                        decoded.finish = "deadline"
                         break
-                    if event.final:
-                        final = event
-                        finish = {"eos": "stop", "word": "stop", "limit": "length"}.get(
-                            event.stop_type, "stop"
-                        )
-                    if event.text or event.token_ids:
-                        if first_token_at is None:
-                            first_token_at = time.monotonic()
-                        text_parts.append(event.text)
-                        yield Chunk(event.text, event.token_ids, first=len(text_parts) == 1)
+                    chunk = decoded.take(event)
+                    if chunk is not None:
+                        yield chunk
         finally:
             # Closing the engine stream stops decoding now (deadline, cancel or done).
             with contextlib.suppress(Exception):
                 await stream.aclose()
             lease.slot.tokens = tuple(rendered.token_ids or ())
             tier.scheduler.release(lease.slot)
-        completion_tokens = final.completion_tokens if final else len(text_parts)
+        decoded.ended = time.monotonic()
+        final = decoded.final
         drafted, accepted = (final.drafted, final.accepted) if final else (0, 0)
-        if tier.speculation.record(drafted, accepted) and tier.on_fall_back is not None:
-            tier.speculation.fell_back = True
-            task = asyncio.ensure_future(tier.on_fall_back(tier))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-        decode_end = time.monotonic()
+        self._note_speculation(tier, drafted, accepted)
         if tracing.sampled():
-            self._trace(tier, lease, acquired, started, first_token_at, decode_end, final)
+            self._trace(
+                tier, lease, acquired, decoded.started, decoded.first_token_at, decoded.ended, final
+            )
         yield Summary(
-            finish_reason=finish,
-            text="".join(text_parts),
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
+            finish_reason=decoded.finish,
+            text="".join(decoded.parts),
+            prompt_tokens=rendered.tokens,
+            completion_tokens=final.completion_tokens if final else len(decoded.parts),
             cached_tokens=final.cached_tokens if final else 0,
             queue_wait_s=lease.waited_s,
-            # Engine timings when it reports them, else measured here.
-            prefill_s=(final.prompt_ms / 1000)
-            if final and final.prompt_ms
-            else ((first_token_at or decode_end) - started),
-            decode_s=(final.decode_ms / 1000)
-            if final and final.decode_ms
-            else (decode_end - (first_token_at or decode_end)),
-            first_token_at=first_token_at,
+            prefill_s=decoded.prefill_s(),
+            decode_s=decoded.decode_s(),
+            first_token_at=decoded.first_token_at,
             model=tier.model,
             model_version=tier.model_version,
             tier=tier.name,
@@ -377,6 +346,15 @@ class Generator:
             fell_back=tier.speculation.fell_back,
             store=store,
         )
+
+    def _note_speculation(self, tier: Tier, drafted: int, accepted: int) -> None:
+        """Counts a sequence's drafted and accepted tokens; the tier's engine is restarted
+        without speculation (in the background) once its acceptance says to."""
+        if tier.speculation.record(drafted, accepted) and tier.on_fall_back is not None:
+            tier.speculation.fell_back = True
+            task = asyncio.ensure_future(tier.on_fall_back(tier))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     @staticmethod
     def _trace(tier, lease, acquired, started, first_token_at, decode_end, final) -> None:
@@ -506,3 +484,63 @@ def _slot_states(engine: GenerationEngine) -> SlotStateEngine:
     engine whose slot states can be saved)."""
     assert isinstance(engine, SlotStateEngine), "a prefix store on an engine without slot states"
     return engine
+
+
+def _refuse_if_it_does_not_fit(rendered: Rendered, request: GenerationRequest) -> None:
+    """The rendered prompt, and the answer it asks for beside it, within the context."""
+    tier, prompt_tokens = rendered.tier, rendered.tokens
+    if prompt_tokens >= tier.context_window:
+        raise InvalidArgument(
+            "chat" if request.chat is not None else "prompt",
+            f"is {prompt_tokens} tokens; model {tier.model} has a {tier.context_window}-token "
+            "context window",
+        )
+    if prompt_tokens + request.max_tokens > tier.context_window:
+        raise InvalidArgument(
+            "max_tokens",
+            f"is {request.max_tokens}, but the prompt takes {prompt_tokens} of the "
+            f"{tier.context_window}-token context; at most "
+            f"{tier.context_window - prompt_tokens} fit",
+        )
+
+
+_FINISH_OF_STOP = {"eos": "stop", "word": "stop", "limit": "length"}
+
+
+@dataclass
+class _Decoded:
+    """What one sequence's stream gave, as it arrives."""
+
+    started: float
+    parts: list[str] = field(default_factory=list)
+    first_token_at: float | None = None
+    final: StreamEvent | None = None
+    finish: str = "stop"  # stop | length | deadline
+    ended: float | None = None
+
+    def take(self, event: StreamEvent) -> Chunk | None:
+        """The chunk to pass on for `event` (None: it carries no text)."""
+        if event.final:
+            self.final = event
+            self.finish = _FINISH_OF_STOP.get(event.stop_type, "stop")
+        if not (event.text or event.token_ids):
+            return None
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.parts.append(event.text)
+        return Chunk(event.text, event.token_ids, first=len(self.parts) == 1)
+
+    def prefill_s(self) -> float:
+        """The engine's own timing when it reports one, else measured here."""
+        if self.final and self.final.prompt_ms:
+            return self.final.prompt_ms / 1000
+        return (self.first_token_at or self._ended()) - self.started
+
+    def decode_s(self) -> float:
+        if self.final and self.final.decode_ms:
+            return self.final.decode_ms / 1000
+        return self._ended() - (self.first_token_at or self._ended())
+
+    def _ended(self) -> float:
+        assert self.ended is not None, "timed once the stream is over"
+        return self.ended

@@ -14,7 +14,7 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -452,7 +452,7 @@ class LlamaServerEngine:
         max_tokens: int,
         sampling: dict,
         prompt_ids: list[int] | None = None,
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         """Streams one completion in `slot`: one event per read from the socket, with every
         token that arrived in it (a reader that falls behind gets fewer, larger events, not
         a queue of one-token ones). Closing the generator closes the HTTP stream, which

@@ -290,7 +290,7 @@ class GenerationService(Service):
         if not self._servicer.generator.ready or self.health is None:
             return
         tiers = self._servicer.generator.value.tiers.values()
-        problems = {}
+        problems: dict[ModelTier, str] = {}
         for tier in tiers:
             if isinstance(tier.engine, LlamaServerEngine):
                 why = await tier.engine.failure()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import codecs
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 import numpy as np
@@ -143,7 +143,7 @@ class TritonGenerationEngine:
         max_tokens: int,
         sampling: dict,
         prompt_ids: list[int] | None = None,
-    ) -> AsyncIterator[StreamEvent]:
+    ) -> AsyncGenerator[StreamEvent, None]:
         request = self._pb.ModelInferRequest(model_name=self.model, id=f"slot-{slot}")
         values = {
             "text_input": encode_bytes([prompt.encode()]),
