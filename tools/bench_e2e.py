@@ -428,8 +428,12 @@ def main() -> int:
     process = None
     if args.addr:
         orchestrator, retrieval, embedding, *rerank = args.addr.split(",")
-        addresses = {"orchestrator": orchestrator, "retrieval": retrieval, "embedding": embedding,
-                     "rerank": rerank[0] if rerank else None}  # fmt: skip
+        addresses = {
+            "orchestrator": orchestrator,
+            "retrieval": retrieval,
+            "embedding": embedding,
+            "rerank": rerank[0] if rerank else None,
+        }
     else:
         overrides = dict(item.split("=", 1) for item in args.env)
         process, addresses = start_stack(args.workdir, overrides)
@@ -440,48 +444,96 @@ def main() -> int:
         runs = []
         for level in (int(c) for c in args.concurrency.split(",")):
             runs.append(
-                asyncio.run(run_config(f"parallel plan, c={level}", addresses["orchestrator"],
-                                       sample, level, None, args.deadline))
-            )  # fmt: skip
+                asyncio.run(
+                    run_config(
+                        f"parallel plan, c={level}",
+                        addresses["orchestrator"],
+                        sample,
+                        level,
+                        None,
+                        args.deadline,
+                    )
+                )
+            )
             print(table(runs[-1:]).splitlines()[-1], file=sys.stderr)
             if outside and level == 1:
                 # The same plan on questions whose article was never ingested.
                 runs.append(
-                    asyncio.run(run_config("out of corpus, c=1", addresses["orchestrator"],
-                                           outside, 1, None, args.deadline))
-                )  # fmt: skip
+                    asyncio.run(
+                        run_config(
+                            "out of corpus, c=1",
+                            addresses["orchestrator"],
+                            outside,
+                            1,
+                            None,
+                            args.deadline,
+                        )
+                    )
+                )
                 print(table(runs[-1:]).splitlines()[-1], file=sys.stderr)
             if args.serial and level == 1:
                 runs.append(
-                    asyncio.run(run_config("serial plan, c=1", addresses["orchestrator"], sample,
-                                           1, serial_plan(), args.deadline))
-                )  # fmt: skip
+                    asyncio.run(
+                        run_config(
+                            "serial plan, c=1",
+                            addresses["orchestrator"],
+                            sample,
+                            1,
+                            serial_plan(),
+                            args.deadline,
+                        )
+                    )
+                )
                 print(table(runs[-1:]).splitlines()[-1], file=sys.stderr)
         extra: dict[str, list[Run]] = {"tiers": [], "multipart": []}
         if args.tiers:
-            tiers = (("small (pinned)", common_pb2.MODEL_TIER_SMALL),
-                     ("routed (escalation on signals)", common_pb2.MODEL_TIER_UNSPECIFIED),
-                     ("large (pinned)", common_pb2.MODEL_TIER_LARGE))  # fmt: skip
+            tiers = (
+                ("small (pinned)", common_pb2.MODEL_TIER_SMALL),
+                ("routed (escalation on signals)", common_pb2.MODEL_TIER_UNSPECIFIED),
+                ("large (pinned)", common_pb2.MODEL_TIER_LARGE),
+            )
             for label, tier in tiers:
-                run = asyncio.run(run_config(label, addresses["orchestrator"], sample, 1,
-                                             None, args.deadline, tier=tier))  # fmt: skip
+                run = asyncio.run(
+                    run_config(
+                        label, addresses["orchestrator"], sample, 1, None, args.deadline, tier=tier
+                    )
+                )
                 extra["tiers"].append(run)
                 print(cost_table([run]).splitlines()[-1], file=sys.stderr)
         if args.multipart:
             pairs = multipart_questions(split.answerable, args.multipart, args.seed)
-            choices = (("multi-part, routed", orchestrator_pb2.PLAN_CHOICE_UNSPECIFIED),
-                       ("multi-part, RAG plan", orchestrator_pb2.PLAN_CHOICE_RAG))  # fmt: skip
+            choices = (
+                ("multi-part, routed", orchestrator_pb2.PLAN_CHOICE_UNSPECIFIED),
+                ("multi-part, RAG plan", orchestrator_pb2.PLAN_CHOICE_RAG),
+            )
             for label, choice in choices:
-                run = asyncio.run(run_config(label, addresses["orchestrator"], pairs, 1, None,
-                                             args.deadline, plan_choice=choice))  # fmt: skip
+                run = asyncio.run(
+                    run_config(
+                        label,
+                        addresses["orchestrator"],
+                        pairs,
+                        1,
+                        None,
+                        args.deadline,
+                        plan_choice=choice,
+                    )
+                )
                 extra["multipart"].append(run)
                 print(multipart_table([run]).splitlines()[-1], file=sys.stderr)
         if args.cache:
             use = orchestrator_pb2.CACHE_POLICY_UNSPECIFIED
             for label in ("first ask", "asked again"):
-                run = asyncio.run(run_config(f"answer cache, {label}, c=1",
-                                             addresses["orchestrator"], sample, 1, None,
-                                             args.deadline, cache=use))  # fmt: skip
+                run = asyncio.run(
+                    run_config(
+                        f"answer cache, {label}, c=1",
+                        addresses["orchestrator"],
+                        sample,
+                        1,
+                        None,
+                        args.deadline,
+                        cache=use,
+                    )
+                )
                 hits = sum(o.answer_hit for o in run.outcomes)
                 run.name += f" ({hits} hits)"
                 runs.append(run)

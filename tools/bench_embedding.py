@@ -117,15 +117,17 @@ def single_query(store: ModelStore, questions: list[str]) -> list[dict]:
             if reference is not None
             else np.array([np.nan])
         )
-        rows.append({
-            "engine": label,
-            "p50_ms": pct(t, 50),
-            "p99_ms": pct(t, 99),
-            "speedup_vs_torch": base / np.median(t),
-            "cos_min": float(cosine.min()),
-            "cos_mean": float(cosine.mean()),
-            "batch_drift": float(np.abs(batched - alone[label]).max()),
-        })  # fmt: skip
+        rows.append(
+            {
+                "engine": label,
+                "p50_ms": pct(t, 50),
+                "p99_ms": pct(t, 99),
+                "speedup_vs_torch": base / np.median(t),
+                "cos_min": float(cosine.min()),
+                "cos_mean": float(cosine.mean()),
+                "batch_drift": float(np.abs(batched - alone[label]).max()),
+            }
+        )
     return rows
 
 
@@ -283,9 +285,10 @@ def ingest_rows(args, questions: list[str]) -> None:
         )
         try:
             r = asyncio.run(
-                during_ingest(address, passages, questions, chunk=chunk, bulk=bulk,
-                              seconds=args.seconds)
-            )  # fmt: skip
+                during_ingest(
+                    address, passages, questions, chunk=chunk, bulk=bulk, seconds=args.seconds
+                )
+            )
         finally:
             process.terminate()
             process.wait()

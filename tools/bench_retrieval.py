@@ -298,9 +298,12 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
             )
             build_s = asyncio.run(wait_built(address))
             rows.append(
-                ("ingest (fsync per 500-doc batch)",
-                 f"{ingest_s:.0f} s ({size / ingest_s:.0f} docs/s)", ingest_s)
-            )  # fmt: skip
+                (
+                    "ingest (fsync per 500-doc batch)",
+                    f"{ingest_s:.0f} s ({size / ingest_s:.0f} docs/s)",
+                    ingest_s,
+                )
+            )
             rows.append(("HNSW build (m=16, ef_construct=200)", f"~{build_s:.0f} s", build_s))
             steady = {}
             levels = [int(x) for x in args.levels.split(",")]
@@ -343,12 +346,14 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                         )
                         asyncio.run(text_load(2.0))  # warm-up: the encoder loads, caches fill
                         r = asyncio.run(text_load(args.seconds))
-                        rows.append((
-                            f"hybrid c={level}, query text (embedded {label}) p50 / p95",
-                            f"{r['p50']:.2f} / {r['p95']:.2f} ms ({r['qps']:.0f} q/s, "
-                            f"failed {r['failed']}, fell back {r['fell_back']})",
-                            r["p95"],
-                        ))  # fmt: skip
+                        rows.append(
+                            (
+                                f"hybrid c={level}, query text (embedded {label}) p50 / p95",
+                                f"{r['p50']:.2f} / {r['p95']:.2f} ms ({r['qps']:.0f} q/s, "
+                                f"failed {r['failed']}, fell back {r['fell_back']})",
+                                r["p95"],
+                            )
+                        )
                 if args.compare_query_encoder:  # back to the defaults for what follows
                     process, address = restarted(process, {})
             recall = asyncio.run(recall_at_10(address, docs, vectors, q_vecs[: args.recall]))
@@ -369,13 +374,24 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
 
                 if args.churn_rate:
                     return await load_open(
-                        address, questions, q_vecs, "hybrid", args.churn_rate, 0,
-                        until=writes_then_rebuild(), timeline=timeline,
-                    )  # fmt: skip
+                        address,
+                        questions,
+                        q_vecs,
+                        "hybrid",
+                        args.churn_rate,
+                        0,
+                        until=writes_then_rebuild(),
+                        timeline=timeline,
+                    )
                 return await load(
-                    address, questions, q_vecs, "hybrid", churn_level, 0,
+                    address,
+                    questions,
+                    q_vecs,
+                    "hybrid",
+                    churn_level,
+                    0,
                     until=writes_then_rebuild(),
-                )  # fmt: skip
+                )
 
             churn_level = 8 if 8 in levels else levels[-1]
             phases, timeline = {}, []
@@ -391,24 +407,28 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                 under = asyncio.run(churn())
                 base = steady[("hybrid", churn_level)]
                 label = f"hybrid c={churn_level}"
-            rows.append((
-                f"{label} p99 during writes + rebuild (until swapped in) vs steady",
-                f"{under['p99']:.1f} vs {base['p99']:.1f} ms = "
-                f"{under['p99'] / base['p99']:.2f}x ({under['seconds']:.0f} s, "
-                f"failed {under['failed']})",
-                under["p99"] / base["p99"],
-            ))  # fmt: skip
+            rows.append(
+                (
+                    f"{label} p99 during writes + rebuild (until swapped in) vs steady",
+                    f"{under['p99']:.1f} vs {base['p99']:.1f} ms = "
+                    f"{under['p99'] / base['p99']:.2f}x ({under['seconds']:.0f} s, "
+                    f"failed {under['failed']})",
+                    under["p99"] / base["p99"],
+                )
+            )
             if timeline:  # which part of the phase the tail comes from
                 split = phases["writes acknowledged"]
                 for name, part in (
                     ("while the writes ran", [lat for at, lat in timeline if at < split]),
                     ("then, while the rebuild ran", [lat for at, lat in timeline if at >= split]),
-                ):  # fmt: skip
-                    rows.append((
-                        f"{label} {name}: p50 / p99",
-                        f"{pct(part, 50):.1f} / {pct(part, 99):.1f} ms ({len(part)} queries)",
-                        pct(part, 99),
-                    ))  # fmt: skip
+                ):
+                    rows.append(
+                        (
+                            f"{label} {name}: p50 / p99",
+                            f"{pct(part, 50):.1f} / {pct(part, 99):.1f} ms ({len(part)} queries)",
+                            pct(part, 99),
+                        )
+                    )
         finally:
             process.terminate()
             process.wait()

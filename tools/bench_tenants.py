@@ -34,8 +34,11 @@ REPO = Path(__file__).resolve().parents[1]
 def baseline_class(rev: str, workdir: Path):
     source = subprocess.run(
         ["git", "show", f"{rev}:services/retrieval/bm25.py"],
-        cwd=REPO, check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     path = workdir / "bm25_baseline.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("bm25_baseline", path)
@@ -61,10 +64,18 @@ def run(make, passages, questions, tenants: int, directory: Path) -> dict:
     for p in passages:
         tenant = owner[p.id]
         batch = batches.setdefault(tenant, [])
-        batch.append(StoredDocument(
-            tenant=tenant, id=p.id, title=p.title, text=p.text, acl=(),
-            attributes={}, vector=None, version=1,
-        ))  # fmt: skip
+        batch.append(
+            StoredDocument(
+                tenant=tenant,
+                id=p.id,
+                title=p.title,
+                text=p.text,
+                acl=(),
+                attributes={},
+                vector=None,
+                version=1,
+            )
+        )
         if len(batch) >= 64:
             index.apply(batches.pop(tenant), [])
     for batch in batches.values():
@@ -116,8 +127,10 @@ def main() -> int:
                 result = run(make, passages, questions, tenants, directory)
                 rows.append((name, tenants, result))
                 print(name, tenants, result, file=sys.stderr)
-    print("| layout | tenants | write s | disk MB | search p50 / p95 ms (warm) | "
-          "p50 / p95 ms (cold, 8 open) | recall@10 |")  # fmt: skip
+    print(
+        "| layout | tenants | write s | disk MB | search p50 / p95 ms (warm) | "
+        "p50 / p95 ms (cold, 8 open) | recall@10 |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, tenants, r in rows:
         cold = f"{r['cold_p50_ms']:.2f} / {r['cold_p95_ms']:.2f}" if "cold_p50_ms" in r else "-"

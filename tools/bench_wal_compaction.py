@@ -69,12 +69,13 @@ async def main(args: argparse.Namespace) -> dict:
                 sizes.append((index_dir / "write.log").stat().st_size)
                 found = await stub.Search(
                     retrieval_pb2.SearchRequest(
-                        query=f"round {args.rounds - 1} document 7", k=1,
+                        query=f"round {args.rounds - 1} document 7",
+                        k=1,
                         mode=retrieval_pb2.SEARCH_MODE_BM25,
                     ),
                     timeout=30,
                     metadata=WRITER,
-                )  # fmt: skip
+                )
         finally:
             for process in (retrieval, embedding):
                 process.terminate()

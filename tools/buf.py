@@ -44,8 +44,11 @@ def ensure_buf() -> Path:
 def run(*args: str | Path, proto: Path = PROTO) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(ensure_buf()), *(str(a) for a in args)],
-        cwd=proto.parent, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=proto.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def lint(proto: Path = PROTO) -> subprocess.CompletedProcess:

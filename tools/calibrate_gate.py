@@ -216,9 +216,11 @@ def report(by_collection: dict[str, list[dict]], fit_on: str, plot_path: Path | 
     # The gate's model for runs where no sentence could be embedded (answerability.LEXICAL).
     lexical = FEATURES[1:]
     lexical_weights, lexical_bias = fit_logistic(*matrix(rows, lexical))
-    print("  without similarity: weights " + ", ".join(
-        f"{f} {w:.3f}" for f, w in zip(lexical, lexical_weights, strict=True)
-    ) + f", bias {lexical_bias:.3f}")  # fmt: skip
+    print(
+        "  without similarity: weights "
+        + ", ".join(f"{f} {w:.3f}" for f, w in zip(lexical, lexical_weights, strict=True))
+        + f", bias {lexical_bias:.3f}"
+    )
     thresholds = [round(t, 2) for t in np.arange(0.05, 0.96, 0.05)]
     curves = {}
     for name, found in by_collection.items():
@@ -227,11 +229,15 @@ def report(by_collection: dict[str, list[dict]], fit_on: str, plot_path: Path | 
             label: sum(r["label"] == label for r in ok) for label in ("answerable", "unanswerable")
         }
         gold = sum(r["label"] == "answerable" and r.get("gold_in_evidence") for r in ok)
-        print(f"\n{name}: {counts['answerable']} answerable ({gold} with the gold paragraph in "
-              f"the evidence), {counts['unanswerable']} unanswerable, "
-              f"{len(found) - len(ok)} failed")  # fmt: skip
-        print("| threshold | answerable let through | ... with gold in evidence | "
-              "unanswerable let through |")  # fmt: skip
+        print(
+            f"\n{name}: {counts['answerable']} answerable ({gold} with the gold paragraph in "
+            f"the evidence), {counts['unanswerable']} unanswerable, "
+            f"{len(found) - len(ok)} failed"
+        )
+        print(
+            "| threshold | answerable let through | ... with gold in evidence | "
+            "unanswerable let through |"
+        )
         print("|---|---|---|---|")
         curves[name] = curve(ok, weights, bias, thresholds)
         for row in curves[name]:
@@ -256,8 +262,11 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
         ys = [r["answerable_passed"] for r in rows]
         axes.plot(xs, ys, marker="o", markersize=3, label=name)
         for r in rows[1::3]:
-            axes.annotate(f"{r['threshold']:.2f}", (r["unanswerable_passed"],
-                          r["answerable_passed"]), fontsize=6)  # fmt: skip
+            axes.annotate(
+                f"{r['threshold']:.2f}",
+                (r["unanswerable_passed"], r["answerable_passed"]),
+                fontsize=6,
+            )
     axes.set_xlabel("unanswerable questions let through to generation")
     axes.set_ylabel("answerable questions let through")
     axes.set_title("Answerability gate: trade-off by threshold")

@@ -35,8 +35,10 @@ LUCENE = frozenset(
 def noisy_title(title: str, number: int) -> str:
     """A news-site slug: the real title drowned in stop words and URL parts."""
     slug = "-".join(title.lower().split())
-    return (f"https www example news com {2000 + number % 25} {number % 12 + 1} what is the "
-            f"latest on the {slug} and what it means for you in the end of the day")  # fmt: skip
+    return (
+        f"https www example news com {2000 + number % 25} {number % 12 + 1} what is the "
+        f"latest on the {slug} and what it means for you in the end of the day"
+    )
 
 
 def evaluate(path: Path, every: int, noisy: bool = False) -> list[str]:
@@ -53,8 +55,11 @@ def evaluate(path: Path, every: int, noisy: bool = False) -> list[str]:
             index.apply(docs[start : start + 500], [])
         chosen = questions[::every]
         relevant = [doc_key("eval", q.passage_id) for q in chosen]
-        for name, stop in (("all words", frozenset()), ("Lucene 33", LUCENE),
-                           ("service list", STOP_WORDS)):  # fmt: skip
+        for name, stop in (
+            ("all words", frozenset()),
+            ("Lucene 33", LUCENE),
+            ("service list", STOP_WORDS),
+        ):
             rankings, times = [], []
             index.stop_words = stop
             for q in chosen:

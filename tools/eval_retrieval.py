@@ -74,10 +74,13 @@ async def evaluate(path: Path, args) -> list[tuple[str, dict]]:
         index = RetrievalIndex(directory, vectors, IndexSettings(dim=p_vecs.shape[1]), None)
         started = time.monotonic()
         for start in range(0, len(passages), 500):
-            await index.upsert("eval", [
-                DocumentInput(p.id, p.title, p.text, vector=tuple(p_vecs[start + i]))
-                for i, p in enumerate(passages[start : start + 500])
-            ])  # fmt: skip
+            await index.upsert(
+                "eval",
+                [
+                    DocumentInput(p.id, p.title, p.text, vector=tuple(p_vecs[start + i]))
+                    for i, p in enumerate(passages[start : start + 500])
+                ],
+            )
         await index.maybe_build()
         print(
             f"{path.name}: indexed {len(passages)} passages and built HNSW in "

@@ -278,8 +278,9 @@ def main() -> int:
     try:
         if "retrieval" in addresses:
             for tenant in TENANTS:
-                asyncio.run(ensure_ingested(DEMO_CORPUS, addresses, args.workdir,
-                                            len(passages), tenant))  # fmt: skip
+                asyncio.run(
+                    ensure_ingested(DEMO_CORPUS, addresses, args.workdir, len(passages), tenant)
+                )
         results = asyncio.run(measure(addresses["orchestrator"], [q.text for q in questions], args))
     finally:
         if process is not None:

@@ -257,11 +257,17 @@ def train(
         losses.append(float(loss.detach()))
         steps += 1
         if steps % 25 == 0:
-            log(f"step {steps} ({seen} questions, {elapsed:.0f} s): loss "
-                f"{np.mean(losses[-25:]):.3f}")  # fmt: skip
+            log(
+                f"step {steps} ({seen} questions, {elapsed:.0f} s): loss "
+                f"{np.mean(losses[-25:]):.3f}"
+            )
     model.eval()
-    return {"steps": steps, "questions": seen, "seconds": round(time.monotonic() - started),
-            "final_loss": round(float(np.mean(losses[-25:])), 4) if losses else None}  # fmt: skip
+    return {
+        "steps": steps,
+        "questions": seen,
+        "seconds": round(time.monotonic() - started),
+        "final_loss": round(float(np.mean(losses[-25:])), 4) if losses else None,
+    }
 
 
 def validation_scores(score_groups) -> dict:
@@ -452,8 +458,12 @@ def main() -> int:
             shutil.copy2(path, target / "model.onnx")
             shutil.copy2(store.file(SOURCE, "tokenizer.json"), target / "tokenizer.json")
             hashes = {f: sha256_of(target / f) for f in ("model.onnx", "tokenizer.json")}
-            report = {"training": training, "validation_torch": torch_scores,
-                      "validation": scores, "validation_before_training": before}  # fmt: skip
+            report = {
+                "training": training,
+                "validation_torch": torch_scores,
+                "validation": scores,
+                "validation_before_training": before,
+            }
             (target / "export.json").write_text(
                 json.dumps({"sha256": hashes, "report": report}, indent=1)
             )

@@ -25,8 +25,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = REPO / "tools" / "typecheck_baseline.txt"
-LINKS = {"ragline": REPO / "libs" / "ragline", "ragline_services": REPO / "services",
-         "ragline_app": REPO / "app"}  # fmt: skip
+LINKS = {
+    "ragline": REPO / "libs" / "ragline",
+    "ragline_services": REPO / "services",
+    "ragline_app": REPO / "app",
+}
 _ERROR = re.compile(r"^(?P<path>[^:]+):(?P<line>\d+): error: (?P<message>.*)$")
 
 

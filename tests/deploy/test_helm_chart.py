@@ -19,8 +19,10 @@ pytestmark = pytest.mark.deploy
 def test_the_chart_lints_renders_and_validates(helm, flavour):
     lint = subprocess.run(
         [helm, "lint", "--strict", str(CHART), *KEYS, *VALUES[flavour]],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert lint.returncode == 0, lint.stdout + lint.stderr
     objects = render(helm, CHART, *VALUES[flavour])
     assert not invalid(objects)
@@ -31,8 +33,9 @@ def test_the_chart_lints_renders_and_validates(helm, flavour):
         assert ("PodDisruptionBudget", f"rl-{service}") in kinds
     assert ("StatefulSet", "rl-retrieval") in kinds and ("StatefulSet", "rl-etcd") in kinds
     workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
-    ragline = [w for w in workloads if w["spec"]["template"]["spec"]["containers"][0]["args"][0]
-               == "serve"]  # fmt: skip
+    ragline = [
+        w for w in workloads if w["spec"]["template"]["spec"]["containers"][0]["args"][0] == "serve"
+    ]
     assert len(ragline) == 6
     for workload in ragline:
         container = workload["spec"]["template"]["spec"]["containers"][0]
@@ -63,8 +66,12 @@ def test_stateless_inner_services_are_called_through_a_headless_name_of_every_po
     objects = render(helm)
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
     config = config_map(objects)
-    for name, port in (("embedding", 50101), ("rerank", 50103), ("generation", 50104),
-                       ("budget", 50105)):  # fmt: skip
+    for name, port in (
+        ("embedding", 50101),
+        ("rerank", 50103),
+        ("generation", 50104),
+        ("budget", 50105),
+    ):
         headless = services[f"rl-{name}-pods"]["spec"]
         assert headless["clusterIP"] == "None"
         assert headless["selector"] == services[f"rl-{name}"]["spec"]["selector"]

@@ -75,11 +75,10 @@ def _edit(path, old: str, new: str) -> None:
 
 # Each broken copy must be caught: proof that the checks above can fail.
 BREAKAGES = {
-    "misspelt field": (
-        "ensemble/config.pbtxt", 'data_type: TYPE_STRING', 'datatype: TYPE_STRING'
-    ),
+    "misspelt field": ("ensemble/config.pbtxt", "data_type: TYPE_STRING", "datatype: TYPE_STRING"),
     "unmapped tensor": (
-        "ensemble/config.pbtxt", 'key: "input_ids" value: "_INPUT_ID"',
+        "ensemble/config.pbtxt",
+        'key: "input_ids" value: "_INPUT_ID"',
         'key: "input_ids" value: "_INPUT_IDS"',
     ),
     "type mismatch between steps": (
@@ -88,13 +87,16 @@ BREAKAGES = {
         '{ name: "input_lengths" data_type: TYPE_INT64',
     ),
     "unknown step input": (
-        "ensemble/config.pbtxt", 'key: "streaming" value: "stream"',
+        "ensemble/config.pbtxt",
+        'key: "streaming" value: "stream"',
         'key: "stream" value: "stream"',
     ),
     "name not its directory": (
-        "postprocessing/config.pbtxt", 'name: "postprocessing"', 'name: "detokenize"'
+        "postprocessing/config.pbtxt",
+        'name: "postprocessing"',
+        'name: "detokenize"',
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("breakage", BREAKAGES)

@@ -42,16 +42,22 @@ def test_ingest_and_ask_with_tokens_through_all_six_services(jwt_stack, tmp_path
     writer = mint_token(AUTH_CLIENT_KEY, "acme", principal="ana", scopes=["ragline:write"])
     ingested = subprocess.run(
         [*RAGLINE, "ingest", str(SQUAD_SAMPLE), "--token", writer],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ingested.returncode == 0, ingested.stdout + ingested.stderr
     assert "203" in ingested.stdout + ingested.stderr
 
     reader = mint_token(AUTH_CLIENT_KEY, "acme", principal="ana")
     asked = subprocess.run(
         [*RAGLINE, "ask", "Which river flows through Warsaw?", "--token", reader],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert asked.returncode == 0, asked.stdout + asked.stderr
     assert "vistula" in asked.stdout.lower(), asked.stdout
     assert "[COMPLETE]" in asked.stdout and "Warsaw (squad_dev_sample:0:" in asked.stdout
@@ -60,14 +66,18 @@ def test_ingest_and_ask_with_tokens_through_all_six_services(jwt_stack, tmp_path
     other = mint_token(AUTH_CLIENT_KEY, "globex", principal="bo")
     elsewhere = subprocess.run(
         [*RAGLINE, "ask", "Which river flows through Warsaw?", "--token", other],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "[COMPLETE]" not in elsewhere.stdout, elsewhere.stdout
     assert "Warsaw (squad_dev_sample" not in elsewhere.stdout
 
 
-@pytest.mark.parametrize("name", ["orchestrator", "embedding", "retrieval", "rerank",
-                                  "generation", "budget"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", ["orchestrator", "embedding", "retrieval", "rerank", "generation", "budget"]
+)
 def test_health_and_reflection_answer_without_a_token(jwt_stack, grpcurl_bin, name):
     address = jwt_stack[name].address
     listed = subprocess.run(
@@ -97,8 +107,14 @@ def hs256_forgery(secret: bytes, claims: dict) -> str:
 def claims(**changes) -> dict:
     """The claims `mint_token` writes, changed."""
     now = int(time.time())
-    made = {"tenant": "acme", "sub": "ana", "scopes": [], "aud": "ragline", "iat": now,
-            "exp": now + 60}  # fmt: skip
+    made = {
+        "tenant": "acme",
+        "sub": "ana",
+        "scopes": [],
+        "aud": "ragline",
+        "iat": now,
+        "exp": now + 60,
+    }
     made.update(changes)
     return {k: v for k, v in made.items() if v is not None}
 

@@ -105,12 +105,18 @@ class FakeQdrant(q.CollectionsServicer, q.PointsServicer):
                 if all(_matches(point_id, payload, c) for c in request.filter.must):
                     scored.append((float(vector @ query), point_id, payload))
         scored.sort(key=lambda item: -item[0])
-        return q.QueryResponse(result=[
-            q.ScoredPoint(id=q.PointId(num=pid), score=score,
-                          payload={"key": q.Value(string_value=payload["key"])}
-                          if request.with_payload.enable else {})
-            for score, pid, payload in scored[: request.limit]
-        ])  # fmt: skip
+        return q.QueryResponse(
+            result=[
+                q.ScoredPoint(
+                    id=q.PointId(num=pid),
+                    score=score,
+                    payload={"key": q.Value(string_value=payload["key"])}
+                    if request.with_payload.enable
+                    else {},
+                )
+                for score, pid, payload in scored[: request.limit]
+            ]
+        )
 
 
 class _RequireApiKey(grpc.ServerInterceptor):

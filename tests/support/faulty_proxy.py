@@ -48,8 +48,10 @@ class FaultyProxy:
                 writer.write(chunk)
                 await writer.drain()
 
-        tasks = [asyncio.ensure_future(client_to_upstream()),
-                 asyncio.ensure_future(upstream_to_client())]  # fmt: skip
+        tasks = [
+            asyncio.ensure_future(client_to_upstream()),
+            asyncio.ensure_future(upstream_to_client()),
+        ]
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         for task in tasks:
             task.cancel()

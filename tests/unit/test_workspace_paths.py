@@ -24,9 +24,10 @@ def named_paths(text: str) -> set[str]:
 
 def test_every_path_workspace_md_names_exists():
     missing = sorted(
-        p for p in named_paths((REPO_ROOT / "WORKSPACE.md").read_text())
+        p
+        for p in named_paths((REPO_ROOT / "WORKSPACE.md").read_text())
         if not (REPO_ROOT / p).exists()
-    )  # fmt: skip
+    )
     assert not missing, f"WORKSPACE.md names paths that do not exist: {missing}"
 
 

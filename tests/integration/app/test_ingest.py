@@ -131,8 +131,9 @@ def test_jsonl_good_records_go_in_bad_ones_are_reported_and_reruns_resume(ingest
 def test_a_resume_point_belongs_to_one_tenant_and_one_version_of_the_file(ingest_stack, tmp_path):
     retrieval, env = ingest_stack
     source = tmp_path / "plain.jsonl"
-    source.write_text("".join(json.dumps({"id": f"p{i}", "text": f"passage {i}"}) + "\n"
-                              for i in range(6)))  # fmt: skip
+    source.write_text(
+        "".join(json.dumps({"id": f"p{i}", "text": f"passage {i}"}) + "\n" for i in range(6))
+    )
     assert "ingested 6 documents" in run_ingest(env, str(source), "--tenant", "first").stdout
     # The same file for another tenant is a new input: all of it is written there.
     second = run_ingest(env, str(source), "--tenant", "second")

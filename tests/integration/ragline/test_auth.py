@@ -73,23 +73,27 @@ async def test_tokens_decide_tenant_and_scopes_and_services_vouch_for_each_other
         ("authorization", f"Bearer {mint_token(AUTH_CLIENT_KEY, 'acme', ttl_s=-120)}"),
     )  # past the 30 s leeway
     assert await code_of(call(retrieval.address, "Search", search, expired)) == (
-        grpc.StatusCode.UNAUTHENTICATED, "TOKEN_EXPIRED",
-    )  # fmt: skip
+        grpc.StatusCode.UNAUTHENTICATED,
+        "TOKEN_EXPIRED",
+    )
     # A token that would live for a year: a leaked one would be a key.
     forever = (
         ("authorization", f"Bearer {mint_token(AUTH_CLIENT_KEY, 'acme', ttl_s=365 * 86400)}"),
     )
     assert await code_of(call(retrieval.address, "Search", search, forever)) == (
-        grpc.StatusCode.UNAUTHENTICATED, "TOKEN_LIFETIME",
-    )  # fmt: skip
+        grpc.StatusCode.UNAUTHENTICATED,
+        "TOKEN_LIFETIME",
+    )
     asks_more = (*bearer("acme"), ("x-ragline-scopes", "hr"))
     assert await code_of(call(retrieval.address, "Search", search, asks_more)) == (
-        grpc.StatusCode.PERMISSION_DENIED, "SCOPE_NOT_HELD",
-    )  # fmt: skip
+        grpc.StatusCode.PERMISSION_DENIED,
+        "SCOPE_NOT_HELD",
+    )
     other_tenant = (*bearer("acme"), ("x-ragline-tenant", "globex"))
     assert await code_of(call(retrieval.address, "Search", search, other_tenant)) == (
-        grpc.StatusCode.PERMISSION_DENIED, "TENANT_MISMATCH",
-    )  # fmt: skip
+        grpc.StatusCode.PERMISSION_DENIED,
+        "TENANT_MISMATCH",
+    )
 
     plain = await call(retrieval.address, "Search", search, bearer("acme"))
     assert [h.id for h in plain.hits] == ["river"]

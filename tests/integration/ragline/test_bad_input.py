@@ -112,7 +112,7 @@ async def test_run_id_is_echoed_in_trailers(all_services):
         ("budget", "BudgetServiceStub", "GetLedger", "GetLedgerRequest", "task_id"),
         ("orchestrator", "OrchestratorServiceStub", "Ask", "AskRequest", "question"),
     ],
-)  # fmt: skip
+)
 async def test_every_service_names_the_field_and_a_stable_reason(
     all_services, service, stub, method, message, field
 ):

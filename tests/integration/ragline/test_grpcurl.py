@@ -131,8 +131,15 @@ def _readme_budget_commands() -> list[tuple[str, str, str]]:
 def test_readme_budget_examples_run_as_documented(all_services, grpcurl_bin):
     commands = _readme_budget_commands()
     assert [m.rsplit("/", 1)[1] for _, m in commands] == [
-        "OpenTask", "Reserve", "Reserve", "Settle", "Reserve", "Cancel", "GetLedger", "CloseTask",
-    ]  # fmt: skip
+        "OpenTask",
+        "Reserve",
+        "Reserve",
+        "Settle",
+        "Reserve",
+        "Cancel",
+        "GetLedger",
+        "CloseTask",
+    ]
     tenant = f"readme-{uuid.uuid4().hex[:8]}"
     outputs = []
     for body, method in commands:

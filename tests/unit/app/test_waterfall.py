@@ -15,18 +15,31 @@ def report() -> orchestrator_pb2.TimingReport:
         overhead_ratio=1.11,
     )
     embed = timing.nodes.add(node_id="embed", kind=orchestrator_pb2.NODE_KIND_EMBED, state=1)
-    for name, at in (("reserve_start", 0.0), ("call_start", 0.01), ("call_end", 0.05),
-                     ("settled", 0.06)):  # fmt: skip
+    for name, at in (
+        ("reserve_start", 0.0),
+        ("call_start", 0.01),
+        ("call_end", 0.05),
+        ("settled", 0.06),
+    ):
         getattr(embed, name).CopyFrom(duration(at))
     generate = timing.nodes.add(
         node_id="generate", kind=orchestrator_pb2.NODE_KIND_GENERATE, state=1
     )
-    for name, at in (("reserve_start", 0.05), ("call_start", 0.06), ("first_byte", 0.7),
-                     ("call_end", 0.95), ("settled", 0.97)):  # fmt: skip
+    for name, at in (
+        ("reserve_start", 0.05),
+        ("call_start", 0.06),
+        ("first_byte", 0.7),
+        ("call_end", 0.95),
+        ("settled", 0.97),
+    ):
         getattr(generate, name).CopyFrom(duration(at))
     generate.server.total.CopyFrom(duration(0.88))
-    timing.nodes.add(node_id="rerank", kind=orchestrator_pb2.NODE_KIND_RERANK, state=2,
-                     error="UNAVAILABLE: rerank down")  # fmt: skip
+    timing.nodes.add(
+        node_id="rerank",
+        kind=orchestrator_pb2.NODE_KIND_RERANK,
+        state=2,
+        error="UNAVAILABLE: rerank down",
+    )
     return timing
 
 

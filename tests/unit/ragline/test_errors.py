@@ -57,9 +57,10 @@ def test_every_error_carries_a_stable_reason_in_the_ragline_domain():
 
     base = errors.RaglineError
     classes = [
-        c for c in vars(errors).values()
+        c
+        for c in vars(errors).values()
         if isinstance(c, type) and issubclass(c, base) and c is not base
-    ]  # fmt: skip
+    ]
     assert len(classes) >= 12
     for cls in classes:
         error = cls("field", "why") if cls is InvalidArgument else cls("something happened")

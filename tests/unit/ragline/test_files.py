@@ -20,5 +20,8 @@ def test_a_tree_is_fsynced_files_first_then_directories_bottom_up(tmp_path, monk
     expected_files = {str(root / "point_ids.npy"), str(root / "segments" / "0" / "data")}
     assert set(synced[:2]) == expected_files
     assert synced[2:] == [
-        str(root / "segments" / "0"), str(root / "segments"), str(root), str(tmp_path),
-    ]  # fmt: skip
+        str(root / "segments" / "0"),
+        str(root / "segments"),
+        str(root),
+        str(tmp_path),
+    ]

@@ -41,8 +41,10 @@ def test_only_glosses_that_translate_are_kept():
     assert words.english("干") == [frozenset({"dry"})]
     assert words.english("河") == [frozenset({"river"})]
     assert words.english("重建") == [
-        frozenset({"rebuild"}), frozenset({"reestablish"}), frozenset({"reconstruction"}),
-    ]  # fmt: skip
+        frozenset({"rebuild"}),
+        frozenset({"reestablish"}),
+        frozenset({"reconstruction"}),
+    ]
     assert words.english("3C") == []  # not Chinese characters
     assert words.english("没有") == []
 

@@ -116,11 +116,16 @@ async def test_batched_and_unbatched_results_are_identical(embedding_pair):
     assert max(r.batch_size for r in batched_replies) > 1, "nothing was batched"
     assert {r.batch_size for r in unbatched_replies} == {1}
     # A tenant is shown its own texts only: the batch size would show others' traffic.
-    tenant_view = await asyncio.gather(*(
-        embed(batched.address, embedding_pb2.EmbedRequest(texts=[t]),
-              metadata=(("x-ragline-tenant", "acme"),))
-        for t in texts
-    ))  # fmt: skip
+    tenant_view = await asyncio.gather(
+        *(
+            embed(
+                batched.address,
+                embedding_pb2.EmbedRequest(texts=[t]),
+                metadata=(("x-ragline-tenant", "acme"),),
+            )
+            for t in texts
+        )
+    )
     assert {r.batch_size for r in tenant_view} == {1}
     assert np.abs(together - alone).max() < 1e-6
 

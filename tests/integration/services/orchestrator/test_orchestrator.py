@@ -169,9 +169,11 @@ async def test_a_deadline_during_generation_ends_the_run_partial_and_frees_the_s
     deadline_s = first_token + decoding / 2
     task_id = f"deadline-{uuid.uuid4().hex[:8]}"
     request = orchestrator_pb2.AskRequest(
-        question=LONG_ANSWER, task_id=task_id, max_tokens=2000,
+        question=LONG_ANSWER,
+        task_id=task_id,
+        max_tokens=2000,
         cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
-    )  # fmt: skip
+    )
     started = time.monotonic()
     # The server ends the run itself, in time to send the result: no DEADLINE_EXCEEDED from
     # the client's own timer is accepted here.
@@ -224,9 +226,11 @@ async def test_a_cancelled_ask_frees_the_generation_slot_and_settles_its_ledger(
     natural = await long_answer_s(orchestrator)
     task_id = f"cancel-{uuid.uuid4().hex[:8]}"
     request = orchestrator_pb2.AskRequest(
-        question=LONG_ANSWER, task_id=task_id, max_tokens=2000,
+        question=LONG_ANSWER,
+        task_id=task_id,
+        max_tokens=2000,
         cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
-    )  # fmt: skip
+    )
     async with grpc.aio.insecure_channel(orchestrator.address) as channel:
         call = orchestrator_pb2_grpc.OrchestratorServiceStub(channel).Ask(
             request, timeout=60, metadata=who()
@@ -352,13 +356,16 @@ async def test_two_independent_branches_take_the_longer_one_not_the_sum(rag_stac
             id=f"r{branch}", kind=orchestrator_pb2.NODE_KIND_RETRIEVE, params={"query": query}
         )
         plan.nodes.add(
-            id=f"e{branch}", kind=orchestrator_pb2.NODE_KIND_SELECT_EVIDENCE,
+            id=f"e{branch}",
+            kind=orchestrator_pb2.NODE_KIND_SELECT_EVIDENCE,
             depends_on=[f"r{branch}"],
-        )  # fmt: skip
+        )
         plan.nodes.add(
-            id=f"g{branch}", kind=orchestrator_pb2.NODE_KIND_GENERATE, depends_on=[f"e{branch}"],
+            id=f"g{branch}",
+            kind=orchestrator_pb2.NODE_KIND_GENERATE,
+            depends_on=[f"e{branch}"],
             params={"max_tokens": "24"},
-        )  # fmt: skip
+        )
     plan.nodes.add(id="s", kind=orchestrator_pb2.NODE_KIND_SYNTHESIZE, depends_on=["ga", "gb"])
     request = orchestrator_pb2.AskRequest(question=WARSAW, plan=plan)
     result = result_of(await ask(orchestrator.address, request))
@@ -380,22 +387,27 @@ async def test_two_independent_branches_take_the_longer_one_not_the_sum(rag_stac
     ("nodes", "field"),
     [
         ([("a", "RETRIEVE", ["ghost"]), ("g", "GENERATE", ["a"])], "plan.nodes[0].depends_on[0]"),
-        ([("a", "RETRIEVE", []), ("a", "RETRIEVE", []), ("g", "GENERATE", ["a"])],
-         "plan.nodes[1].id"),
+        (
+            [("a", "RETRIEVE", []), ("a", "RETRIEVE", []), ("g", "GENERATE", ["a"])],
+            "plan.nodes[1].id",
+        ),
         ([("a", "RETRIEVE", ["g"]), ("g", "GENERATE", ["a"])], "plan.nodes[0].depends_on"),
         ([("a", "RETRIEVE", [])], "plan.nodes"),
-        ([("a", "RETRIEVE", []), ("g", "GENERATE", ["a"]), ("x", "FUSE", ["", "a"])],
-         "plan.nodes[2].depends_on[0]"),
+        (
+            [("a", "RETRIEVE", []), ("g", "GENERATE", ["a"]), ("x", "FUSE", ["", "a"])],
+            "plan.nodes[2].depends_on[0]",
+        ),
     ],
-)  # fmt: skip
+)
 async def test_bad_plans_are_refused_naming_the_field(rag_stack, nodes, field):
     orchestrator = rag_stack.orchestrator()
     plan = orchestrator_pb2.Plan()
     for node_id, kind, depends_on in nodes:
         plan.nodes.add(
-            id=node_id, kind=orchestrator_pb2.NodeKind.Value(f"NODE_KIND_{kind}"),
+            id=node_id,
+            kind=orchestrator_pb2.NodeKind.Value(f"NODE_KIND_{kind}"),
             depends_on=depends_on,
-        )  # fmt: skip
+        )
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await ask(orchestrator.address, orchestrator_pb2.AskRequest(question=WARSAW, plan=plan))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -404,17 +416,23 @@ async def test_bad_plans_are_refused_naming_the_field(rag_stack, nodes, field):
 
 @pytest.mark.parametrize(
     ("kind", "param", "value"),
-    [("BM25", "k", "5000"), ("VECTOR_SEARCH", "hnsw_ef", "100000"),
-     ("VECTOR_SEARCH", "k", "99999999999"), ("RERANK", "top_k", "2000"),
-     ("GENERATE", "max_tokens", "100000"), ("FUSE", "vector_weight", "2.5")],
-)  # fmt: skip
+    [
+        ("BM25", "k", "5000"),
+        ("VECTOR_SEARCH", "hnsw_ef", "100000"),
+        ("VECTOR_SEARCH", "k", "99999999999"),
+        ("RERANK", "top_k", "2000"),
+        ("GENERATE", "max_tokens", "100000"),
+        ("FUSE", "vector_weight", "2.5"),
+    ],
+)
 async def test_a_parameter_beyond_what_its_step_accepts_is_refused_naming_it(
     rag_stack, kind, param, value
 ):
     orchestrator = rag_stack.orchestrator()
     plan = orchestrator_pb2.Plan()
-    plan.nodes.add(id="s", kind=orchestrator_pb2.NodeKind.Value(f"NODE_KIND_{kind}"),
-                   params={param: value})  # fmt: skip
+    plan.nodes.add(
+        id="s", kind=orchestrator_pb2.NodeKind.Value(f"NODE_KIND_{kind}"), params={param: value}
+    )
     answer = "g" if kind != "GENERATE" else "x"
     if kind == "GENERATE":
         plan.nodes[0].id = "g0"

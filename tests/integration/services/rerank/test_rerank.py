@@ -114,13 +114,17 @@ async def test_stage_two_is_skipped_when_the_deadline_cannot_afford_it(launcher)
     [
         ({"query": "q"}, "candidates"),
         ({"query": "", "candidates": [{"id": "a", "text": "t"}]}, "query"),
-        ({"query": "q", "candidates": [{"id": f"c{i}", "text": "t"} for i in range(1001)]},
-         "candidates"),
-        ({"query": "q", "candidates": [{"id": "a", "text": "t"}, {"id": "a", "text": "u"}]},
-         "candidates[1].id"),
+        (
+            {"query": "q", "candidates": [{"id": f"c{i}", "text": "t"} for i in range(1001)]},
+            "candidates",
+        ),
+        (
+            {"query": "q", "candidates": [{"id": "a", "text": "t"}, {"id": "a", "text": "u"}]},
+            "candidates[1].id",
+        ),
         ({"query": "q", "candidates": [{"id": "a", "text": ""}]}, "candidates[0].text"),
     ],
-)  # fmt: skip
+)
 async def test_bad_input_is_invalid_argument_naming_the_field(rerank_pair, fields, field):
     service, _ = rerank_pair
     with pytest.raises(grpc.aio.AioRpcError) as caught:

@@ -422,10 +422,12 @@ def test_a_corrupt_log_stops_the_service_with_a_repair_command_that_works(
 
     refused = launcher.start(
         "retrieval",
-        env={"RAGLINE_EMBEDDING_ADDR": embedding_service.address,
-             "RAGLINE_RETRIEVAL_INDEX_DIR": str(index_dir)},
+        env={
+            "RAGLINE_EMBEDDING_ADDR": embedding_service.address,
+            "RAGLINE_RETRIEVAL_INDEX_DIR": str(index_dir),
+        },
         wait=False,
-    )  # fmt: skip
+    )
     assert refused.process.wait(timeout=60) == 1
     launcher.forget(refused)
     said = refused.log_path.read_text()
@@ -434,8 +436,10 @@ def test_a_corrupt_log_stops_the_service_with_a_repair_command_that_works(
 
     repair = subprocess.run(
         [sys.executable, "-m", "ragline_services.retrieval.wal", "repair", str(log_path)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert repair.returncode == 0 and "records lost to the damage: [2]" in repair.stdout
     restarted = start_retrieval(launcher, embedding_service, index_dir)
 

@@ -14,8 +14,11 @@ MINILM = "minilm-l6"
 
 def test_key_terms_are_names_and_numbers_after_the_first_word():
     assert answerability.key_terms("Who won the 2030 FIFA World Cup?") == [
-        "2030", "fifa", "world", "cup",
-    ]  # fmt: skip
+        "2030",
+        "fifa",
+        "world",
+        "cup",
+    ]
     assert answerability.key_terms("Which river flows through Warsaw?") == ["warsaw"]
     assert answerability.key_terms("What is a river?") == []
 
@@ -161,9 +164,12 @@ def test_a_question_whose_closest_sentence_is_in_the_other_language_is_judged_by
     assert mixed.gate == answerability.CROSS_LINGUAL_GATE and mixed.probability > 0.25
     # both in the question's language: the fitted gate, as before
     rhine = answerability.signals(
-        "Into which sea does the Rhine flow?", [YANGTZE, RHINE], [0.80, 0.83], me5,
+        "Into which sea does the Rhine flow?",
+        [YANGTZE, RHINE],
+        [0.80, 0.83],
+        me5,
         [sentence, "The Rhine flows."],
-    )  # fmt: skip
+    )
     assert rhine.gate == "me5-small"
 
 

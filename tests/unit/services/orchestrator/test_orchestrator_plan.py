@@ -77,9 +77,13 @@ def test_duplicate_ids_are_refused():
 
 def test_cycles_are_refused_with_the_cycle_named():
     found = violations(
-        [spec("a", "retrieve", ["c"]), spec("b", "fuse", ["a"]), spec("c", "rerank", ["b"]),
-         spec("g", "generate", ["c"])]
-    )  # fmt: skip
+        [
+            spec("a", "retrieve", ["c"]),
+            spec("b", "fuse", ["a"]),
+            spec("c", "rerank", ["b"]),
+            spec("g", "generate", ["c"]),
+        ]
+    )
     ((field, why),) = found.items()
     assert field.endswith(".depends_on") and "cycle" in why and "a -> " in why
 

@@ -85,10 +85,16 @@ def test_a_several_part_answer_names_each_part_in_its_signals():
     def answer(text: str, problems=()):
         item = ev.EvidenceItem("[1]", ev.Passage("d", "", text), text)
         return run_context.Answer(
-            text=text, evidence=ev.Evidence((item,), 3, 1), cited=ev.Cited([item], []),
-            finish_reason="stop", usage=Amounts(input_tokens=10, calls=1),
-            cached_input_tokens=0, model="m", tier=1, problems=tuple(problems),
-        )  # fmt: skip
+            text=text,
+            evidence=ev.Evidence((item,), 3, 1),
+            cited=ev.Cited([item], []),
+            finish_reason="stop",
+            usage=Amounts(input_tokens=10, calls=1),
+            cached_input_tokens=0,
+            model="m",
+            tier=1,
+            problems=tuple(problems),
+        )
 
     unsupported = Signal("failed_validation", "not supported (x)", "ungrounded")
     joined = generation_steps._joined([answer("Vistula [1]"), answer("1999 [2]", [unsupported])])

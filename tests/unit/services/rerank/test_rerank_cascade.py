@@ -112,9 +112,10 @@ async def test_stage_one_cuts_to_late_interaction_k_and_stage_two_orders_the_res
     models = Models()
     reranker = await make(models, late_interaction_weight=1.0, cross_encoder_candidates=2)
     out = await reranker.rerank(
-        RerankInput("acme", "which river flows through warsaw", CANDIDATES, top_k=2,
-                    late_interaction_k=3)
-    )  # fmt: skip
+        RerankInput(
+            "acme", "which river flows through warsaw", CANDIDATES, top_k=2, late_interaction_k=3
+        )
+    )
     assert out.stages_run == [LATE_INTERACTION, CROSS_ENCODER] and not out.skipped
     assert [r.id for r in out.results] == ["gold", "near"]
     assert set(out.results[0].scores) == {LATE_INTERACTION, CROSS_ENCODER}

@@ -103,12 +103,17 @@ def test_visibility_filters_select_without_moving_scores(tmp_path):
         DocumentInput("b", "", "alpha delta", acl=("eng",), attributes={"lang": "en"}),
     ]
     asyncio.run(index.upsert("acme", docs))
-    plain = asyncio.run(index.search(Visibility("acme", frozenset({"eng"})), SearchQuery(
-        "alpha", 5, SearchMode.BM25)))  # fmt: skip
-    narrowed = asyncio.run(index.search(
-        Visibility("acme", frozenset({"eng", "ops"}), (("lang", "en"),)),
-        SearchQuery("alpha", 5, SearchMode.BM25),
-    ))  # fmt: skip
+    plain = asyncio.run(
+        index.search(
+            Visibility("acme", frozenset({"eng"})), SearchQuery("alpha", 5, SearchMode.BM25)
+        )
+    )
+    narrowed = asyncio.run(
+        index.search(
+            Visibility("acme", frozenset({"eng", "ops"}), (("lang", "en"),)),
+            SearchQuery("alpha", 5, SearchMode.BM25),
+        )
+    )
     scores = {h.id: h.score for h in plain.hits}
     assert {h.id: h.score for h in narrowed.hits} == scores and len(scores) == 2
     index.close()

@@ -35,8 +35,11 @@ print(json.dumps({{"mode": mode, "threads": threads}}))
 def probe(idle: bool) -> dict:
     out = subprocess.run(
         [sys.executable, "-c", PROBE.format(idle=idle)],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -63,9 +66,17 @@ async def test_the_live_documents_are_streamed_as_of_the_seq_asked(tmp_path):
     log = WriteLog(tmp_path / "write.log")
 
     def doc(doc_id: str, text: str) -> dict:
-        return {"tenant": "acme", "id": doc_id, "title": "", "text": text, "acl": [],
-                "attributes": {}, "vector": encode_vector([0.1, 0.2]), "version": 0,
-                "model": "m"}  # fmt: skip
+        return {
+            "tenant": "acme",
+            "id": doc_id,
+            "title": "",
+            "text": text,
+            "acl": [],
+            "attributes": {},
+            "vector": encode_vector([0.1, 0.2]),
+            "version": 0,
+            "model": "m",
+        }
 
     for upserts, deletes in (
         ([doc("a", "a1"), doc("b", "b1")], []),  # 1

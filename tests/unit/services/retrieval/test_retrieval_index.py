@@ -101,8 +101,9 @@ class Embedder:
             self.held.set()
             await self.gate.wait()
         shift = sum(map(ord, self.model_version)) % DIM
-        return Embedded(np.roll((await toy_embed(texts, kind)).vectors, shift, axis=1),
-                        self.model_version)  # fmt: skip
+        return Embedded(
+            np.roll((await toy_embed(texts, kind)).vectors, shift, axis=1), self.model_version
+        )
 
 
 def logged_models(index: RetrievalIndex) -> dict[str, str]:
@@ -147,8 +148,10 @@ async def test_with_re_embedding_off_an_index_refuses_another_models_vectors(tmp
     # A query the index would embed with the other model is answered by BM25, and says so.
     found = await index.search(ACME, SearchQuery("capital of Poland Vistula", 2, SearchMode.HYBRID))
     assert (found.mode_used, found.fell_back, found.fallback_reason) == (
-        SearchMode.BM25, True, "embedding_model_changed",
-    )  # fmt: skip
+        SearchMode.BM25,
+        True,
+        "embedding_model_changed",
+    )
     assert ids(found)[0] == "warsaw"
     # Vectors the caller brings are the caller's business.
     rome = DocumentInput("rome", "Rome", "Rome is on the Tiber.", vector=tuple(toy_vector("Rome")))
@@ -189,8 +192,14 @@ async def test_another_model_re_embeds_the_index_and_bm25_answers_meanwhile(tmp_
     await until(lambda: not index.vector_model.reembedding_to)
     assert index.vector_model == VectorModel("minilm-b")
     models = logged_models(index)
-    assert models == {"warsaw": "minilm-b", "paris": "minilm-b", "salary": "minilm-b",
-                      "tesla": "minilm-b", "rome": "minilm-b", "own": ""}  # fmt: skip
+    assert models == {
+        "warsaw": "minilm-b",
+        "paris": "minilm-b",
+        "salary": "minilm-b",
+        "tesla": "minilm-b",
+        "rome": "minilm-b",
+        "own": "",
+    }
     after = await index.search(ACME, SearchQuery("capital of Poland Vistula", 2, SearchMode.HYBRID))
     assert after.mode_used == SearchMode.HYBRID and ids(after)[0] == "warsaw"
     assert after.hits[0].version > during.hits[0].version  # a re-embed is a write
@@ -532,10 +541,13 @@ async def test_one_tenants_documents_do_not_change_another_tenants_bm25_scores(t
     before = [(h.id, h.score) for h in (await index.search(ACME, query)).hits]
     # Another tenant writes many documents full of the query's words: in a shared index
     # their document frequencies would lower acme's idf, and its scores.
-    await index.upsert("globex", [
-        DocumentInput(f"g{i}", "Capital", f"capital river capital river number {i}")
-        for i in range(200)
-    ])  # fmt: skip
+    await index.upsert(
+        "globex",
+        [
+            DocumentInput(f"g{i}", "Capital", f"capital river capital river number {i}")
+            for i in range(200)
+        ],
+    )
     after = [(h.id, h.score) for h in (await index.search(ACME, query)).hits]
     assert before and after == before
 
@@ -651,10 +663,13 @@ async def test_logs_written_before_tenant_numbering_keep_growing_numbers(tmp_pat
 
 async def test_stop_words_in_a_question_do_not_rank_short_noisy_titles_first(tmp_path):
     index = open_index(tmp_path)
-    await index.upsert("acme", [
-        DocumentInput("noise", "What is the of the", "An unrelated note on gardening."),
-        *DOCS[:2],
-    ])  # fmt: skip
+    await index.upsert(
+        "acme",
+        [
+            DocumentInput("noise", "What is the of the", "An unrelated note on gardening."),
+            *DOCS[:2],
+        ],
+    )
     found = await index.search(
         ACME, SearchQuery("What is the capital of Poland?", 3, SearchMode.BM25)
     )

@@ -12,9 +12,15 @@ from ragline_services.retrieval.keymap import KeyMap
 
 def doc(tenant, doc_id, version=1, acl=(), attributes=None) -> StoredDocument:
     return StoredDocument(
-        tenant, doc_id, "", "text", tuple(acl), dict(attributes or {}),
-        np.zeros(1, np.float32), version,
-    )  # fmt: skip
+        tenant,
+        doc_id,
+        "",
+        "text",
+        tuple(acl),
+        dict(attributes or {}),
+        np.zeros(1, np.float32),
+        version,
+    )
 
 
 def pid(tenant, doc_id) -> int:
@@ -39,11 +45,15 @@ def test_entries_are_replaced_deleted_and_kept_apart_by_tenant(tmp_path):
 
 def test_visibility_is_any_scope_and_every_attribute(tmp_path):
     keys = KeyMap(tmp_path / "keys.sqlite")
-    keys.apply("acme", [
-        doc("acme", "public"),
-        doc("acme", "hr", acl=("hr", "finance")),
-        doc("acme", "en", attributes={"lang": "en", "team": "x"}),
-    ], [])  # fmt: skip
+    keys.apply(
+        "acme",
+        [
+            doc("acme", "public"),
+            doc("acme", "hr", acl=("hr", "finance")),
+            doc("acme", "en", attributes={"lang": "en", "team": "x"}),
+        ],
+        [],
+    )
     entries = keys.lookup("acme", [pid("acme", d) for d in ("public", "hr", "en")])
     visible = {
         name: sorted(e.key.split("\x1f")[1] for e in entries.values() if e.visible_to(visibility))

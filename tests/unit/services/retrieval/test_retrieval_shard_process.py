@@ -23,10 +23,15 @@ from ragline_services.retrieval.shard_process import ShardProcess, ShardQuery
 from ragline_services.retrieval.vectors import EdgeVectorIndex
 
 MORE = [
-    DocumentInput(f"city{i}", f"City {i}", f"City {i} lies on river {i % 7} in region {i % 3}.",
-                  acl=("eng",) if i % 4 == 0 else (), attributes={"region": str(i % 3)})
+    DocumentInput(
+        f"city{i}",
+        f"City {i}",
+        f"City {i} lies on river {i % 7} in region {i % 3}.",
+        acl=("eng",) if i % 4 == 0 else (),
+        attributes={"region": str(i % 3)},
+    )
     for i in range(40)
-]  # fmt: skip
+]
 
 
 def built_index(path, search_process: bool) -> tuple[RetrievalIndex, EdgeVectorIndex]:

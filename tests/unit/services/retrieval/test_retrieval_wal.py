@@ -227,6 +227,10 @@ async def test_a_reembed_reads_the_stale_documents_in_batches_of_one_tenant(tmp_
     batches = list(stale_batches(log.path, stale, 2))
     assert all(len(batch) <= 2 and {s.item["tenant"] for s in batch} == {t} for t, batch in batches)
     found = {s.key: s.item["text"] for _, batch in batches for s in batch}
-    assert found == {"acme\x1fa1": "a1 again", "acme\x1fa3": "x", "acme\x1fa4": "x",
-                     "globex\x1fg0": "x"}  # fmt: skip
+    assert found == {
+        "acme\x1fa1": "a1 again",
+        "acme\x1fa3": "x",
+        "acme\x1fa4": "x",
+        "globex\x1fg0": "x",
+    }
     log.close()
