@@ -48,10 +48,7 @@ _CPU_FEATURES = (
     ("bf16", _AVX512 | {"avx512_bf16"}, ("GGML_AVX512_BF16",)),
     ("avxvnni", {"avx_vnni"}, ("GGML_AVX_VNNI",)),
 )
-# Not AMX: this llama.cpp's AMX kernels die of SIGILL at their first tile instruction on
-# a CPU that has it (measured here, a Xeon with amx_int8 under a 6.18 kernel; the tile
-# configuration on the stack is optimized away and worker threads never ask the kernel for
-# tile state: llama.cpp PR 26954, open).
+# Not AMX: this llama.cpp's AMX kernels die of SIGILL on a CPU that has it (docs/tuning.md).
 
 
 @dataclass(frozen=True)
@@ -301,7 +298,7 @@ class LlamaServerEngine:
             "--slot-save-path", str(self.slot_dir),
         ]  # fmt: skip
         if s.speculation == "ngram":
-            # 3-token lookup, 8-token drafts: the best of the n-gram settings measured here.
+            # 3-token lookup, drafts of up to draft_max (docs/tuning.md).
             command += [
                 "--spec-type",
                 "ngram-simple",
