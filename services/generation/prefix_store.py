@@ -35,6 +35,7 @@ service calls ForgetSources after each delete and overwrite).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import hashlib
 import json
@@ -82,11 +83,11 @@ class StoredPrefix:
     # What the prompt held (GenerateRequest.sources): a ForgetSources naming one drops it.
     sources: tuple[str, ...] = ()
 
-    def encode(self) -> bytes:
+    def encode(self) -> builtins.bytes:
         return json.dumps(asdict(self)).encode()
 
     @staticmethod
-    def decode(data: bytes) -> StoredPrefix:
+    def decode(data: builtins.bytes) -> StoredPrefix:
         """An entry read back from the shared index, trusted only once checked: its file
         must be a state file named for its own key (a name this store made for it, inside
         its directory), so an entry cannot point one owner's key at another's state or

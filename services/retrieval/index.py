@@ -333,6 +333,13 @@ class RetrievalIndex:
         self.bm25_seq = seq
         atomic_write_text(self._state_path, json.dumps({"bm25_seq": seq}))
 
+    @property
+    def _embedder(self) -> Embed:
+        """The embedding call; UNAVAILABLE where none is configured (BM25 only)."""
+        if self._embed is None:
+            raise Unavailable("no embedding service is configured for this index")
+        return self._embed
+
     # -- writes -----------------------------------------------------------------------------
 
     async def upsert(
@@ -524,7 +531,7 @@ class RetrievalIndex:
         while (found := await asyncio.to_thread(next, batches, None)) is not None:
             tenant, batch = found
             texts = [passage_text(s.item["title"], s.item["text"]) for s in batch]
-            embedded = await self._embed(texts, "bulk")
+            embedded = await self._embedder(texts, "bulk")
             if embedded.model_version != target:
                 await self._check_vector_model(embedded.model_version, writing=True)
                 return False
@@ -634,6 +641,7 @@ class RetrievalIndex:
 
         async def logged_and_applied() -> tuple[int, int]:
             seq, tseq = await self.wal.append_numbered(record)
+            assert tseq is not None  # a write names its tenant
             # A document's version is its write's number among the tenant's writes.
             upserts = [
                 StoredDocument.from_record({**r, "version": tseq}) for r in record["upserts"]
@@ -714,7 +722,7 @@ class RetrievalIndex:
                     )
                 started = time.perf_counter()
                 try:
-                    embedded = await self._embed([query.text], "query")
+                    embedded = await self._embedder([query.text], "query")
                 except (Unavailable, DeadlineExceeded) as error:
                     log.warning("retrieval.embed_failed", error=str(error))
                     mode, reason = SearchMode.BM25, "embedding_unavailable"
