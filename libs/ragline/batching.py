@@ -22,7 +22,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -53,8 +53,8 @@ DEFAULT_BUCKETS = (8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256
 @dataclass
 class BatchResult:
     # One model output per text of the request, in order (a vector, a score, a matrix of
-    # token vectors: whatever the run returns for a text).
-    rows: list[np.ndarray]
+    # token vectors: whatever the run returns for a text, hence Any).
+    rows: list[Any]
     enqueued: float
     batch_started: float
     compute_s: float

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -55,9 +55,12 @@ def split_method(full_method: str) -> tuple[str, str]:
 Read = Callable[[], "float | dict[tuple[str, ...], float]"]
 
 
-def read_safely(read: Callable[[], object]) -> object:
+T = TypeVar("T")
+
+
+def read_safely(read: Callable[[], T]) -> T | float:
     """A value the event loop changes, read from the scrape's thread: a read torn by a
-    change (a dict resized under it) is tried again."""
+    change (a dict resized under it) is tried again; NaN when it kept tearing."""
     for _ in range(3):
         try:
             return read()

@@ -321,7 +321,7 @@ def etcd_target(endpoints: Sequence[str]) -> str:
     """The gRPC target of etcd's client endpoints: IP literals as a static `ipv4:`/`ipv6:`
     list; one DNS name as `dns:///name:port`. Several names cannot be one target."""
     hosts = [endpoint.rpartition(":")[0].strip("[]") for endpoint in endpoints]
-    families = set()
+    families: set[int | str] = set()  # 4, 6, or "name"
     for host in hosts:
         try:
             families.add(ipaddress.ip_address(host).version)

@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from ragline.metrics import LATENCY_BUCKETS, ProcessMetrics, read_safely
 from ragline_services.retrieval.index import RetrievalIndex, SearchResult
+from ragline_services.retrieval.vectors import VectorIndexStatus
 
 # An HNSW build: seconds for a small corpus, an hour for a large one.
 BUILD_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 10800.0)
@@ -25,7 +26,8 @@ class IndexCollector(Collector):
     def _families(self, read: bool):
         index = self.index
         vectors = read_safely(index.vectors.status) if read else None
-        known = vectors is not None and not isinstance(vectors, float)  # not a torn read
+        # None: not read, or a torn read (NaN)
+        status = vectors if isinstance(vectors, VectorIndexStatus) else None
         # (kind, name, meaning, value or None when the vector index could not be read)
         rows = (
             ("gauge", "documents", "Live documents, every tenant's.", index.bm25.count),
@@ -33,19 +35,19 @@ class IndexCollector(Collector):
                 "gauge",
                 "delta_documents",
                 "Vectors written since the last HNSW build (searched exhaustively).",
-                (lambda: vectors.points - vectors.indexed_points) if known else None,
+                (lambda: status.points - status.indexed_points) if status else None,
             ),
             (
                 "gauge",
                 "vector_index_ready",
                 "1 once vector search can serve (else searches fall back to BM25).",
-                (lambda: vectors.ready) if known else None,
+                (lambda: status.ready) if status else None,
             ),
             (
                 "gauge",
                 "rebuilding",
                 "1 while an HNSW build runs.",
-                (lambda: vectors.building) if known else None,
+                (lambda: status.building) if status else None,
             ),
             (
                 "gauge",

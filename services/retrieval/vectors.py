@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -175,17 +175,17 @@ def _tenant_deltas(
         grouped.setdefault(entry.tenant, []).append((key, entry))
     out = {}
     for tenant, items in grouped.items():
-        live = [(key, entry) for key, entry in items if entry.vector is not None]
+        live = [(entry, entry.vector) for _, entry in items if entry.vector is not None]
         out[tenant] = _TenantDelta(
-            pids=[entry.point_id for _, entry in live],
-            rows={entry.point_id: row for row, (_, entry) in enumerate(live)},
+            pids=[entry.point_id for entry, _ in live],
+            rows={entry.point_id: row for row, (entry, _) in enumerate(live)},
             matrix=(
-                np.stack([entry.vector for _, entry in live])
+                np.stack([vector for _, vector in live])
                 if live
                 else np.zeros((0, dim), dtype=np.float32)
             ),
-            scopes=[entry.scopes for _, entry in live],
-            attrs=[entry.attrs for _, entry in live],
+            scopes=[entry.scopes for entry, _ in live],
+            attrs=[entry.attrs for entry, _ in live],
             shadow_ids=_in_shard([entry.point_id for _, entry in items], shard_pids),
         )
     return out
@@ -226,7 +226,8 @@ class EdgeVectorIndex:
         # Searches in flight per shard (by id): a swapped-out shard is closed and its files
         # removed only once the last search that took it has finished.
         self._readers: dict[int, int] = {}
-        self._retired: list[tuple[object, Path]] = []
+        # (a qdrant_edge shard, its folder); the package has no type stubs.
+        self._retired: list[tuple[Any, Path]] = []
         self._shard_points = 0
         self.built_seq = 0
         self.building = False
