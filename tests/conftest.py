@@ -327,7 +327,7 @@ async def external_llama(tmp_path):
     store.prepare(model)
     engine = LlamaServerEngine(
         EngineSettings(
-            store.file(model, store.spec(model).assembled or "model.gguf"),
+            store.gguf_file(model),
             find_llama_server(common.cache_dir).path,
             slots=1,
             context_per_slot=2048,

@@ -174,7 +174,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-llama-") as logs:
         for model_name in args.models.split(","):
-            model = store.file(model_name, store.spec(model_name).assembled or "model.gguf")
+            model = store.gguf_file(model_name)
             for threads in (int(t) for t in args.threads.split(",")):
                 print(f"{model_name}, {threads} thread(s)")
                 results = asyncio.run(

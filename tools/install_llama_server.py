@@ -77,9 +77,8 @@ def smoke_model() -> Path | None:
     from ragline_services.generation.service import GenerationConfig
 
     name = GenerationConfig.model_fields["small_model"].default
-    store = ModelStore(CommonConfig().model_dir)
     try:
-        path = store.file(name, store.spec(name).assembled or "model.gguf")
+        path = ModelStore(CommonConfig().model_dir).gguf_file(name)
     except ModelError:
         return None
     return path if path.exists() else None

@@ -174,39 +174,32 @@ def engine_version(binary: Path, timeout_s: float = 30.0) -> EngineVersion:
     return EngineVersion(version=version or (lines[-1] if lines else "?"))
 
 
-def engine_runs_model(binary: Path, model: Path, timeout_s: float = 120.0) -> str | None:
-    """Starts `binary` on `model` and waits for its health: None when it serves, else why
-    not. `--version` runs no kernel; loading a model runs the warm-up decode, which is
-    where a build for instructions this CPU lacks dies (SIGILL)."""
+async def engine_serves(binary: Path, model: Path, timeout_s: float = 120.0) -> str | None:
+    """Starts `binary` on `model` as the service starts its engine (the same command line,
+    one small slot) and waits for its health: None when it serves, else why not.
+    `--version` runs no kernel; loading a model runs the warm-up decode, which is where a
+    build for instructions this CPU lacks dies (SIGILL)."""
     from ragline.processes import free_ports
 
-    port = free_ports(1)[0]
-    command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-               "-c", "256", "-np", "1", "-t", "1"]  # fmt: skip
-    with tempfile.TemporaryFile() as log:  # a file, not a pipe: its logs never block it
+    with tempfile.TemporaryDirectory() as folder:
+        settings = EngineSettings(model, binary, slots=1, context_per_slot=256, speculation="none")
+        engine = LlamaServerEngine(settings, free_ports(1)[0], Path(folder) / "llama-server.log")
         try:
-            process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-            )
-        except OSError as error:
-            return repr(error)
-        give_up = time.monotonic() + timeout_s
-        try:
-            while time.monotonic() < give_up:
-                if process.poll() is not None:
-                    log.seek(0)
-                    tail = log.read().decode(errors="replace")[-300:]
-                    return f"exit {process.returncode} loading {model.name}: {tail}"
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).is_success:
-                        return None
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-            return f"not healthy within {timeout_s:.0f} s on {model.name}"
+            await engine.start(wait_s=timeout_s)
+        except (Unavailable, OSError) as error:
+            if engine.exited:
+                assert engine.process is not None
+                tail = engine.log_tail(300)
+                return f"exit {engine.process.returncode} loading {model.name}: {tail}"
+            return str(error)
         finally:
-            process.kill()
-            process.wait()
+            await engine.close()
+    return None
+
+
+def engine_runs_model(binary: Path, model: Path, timeout_s: float = 120.0) -> str | None:
+    """engine_serves, for a caller without an event loop (the install tool)."""
+    return asyncio.run(engine_serves(binary, model, timeout_s))
 
 
 def glibc_version() -> tuple[int, int] | None:

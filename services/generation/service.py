@@ -160,7 +160,7 @@ class GenerationService(Service):
         spec = store.spec(model)
         if spec.kind != "gguf":
             raise FailedPrecondition(f"model {model} is a {spec.kind}, not a gguf model")
-        model_path = store.file(model, spec.assembled or "model.gguf")
+        model_path = store.gguf_file(model)
         context = min(cfg.context_per_seq, int(spec.extra.get("context", cfg.context_per_seq)))
         shape = await asyncio.to_thread(model_shape, model_path)
         try:
@@ -178,7 +178,7 @@ class GenerationService(Service):
         log.info("generation.slots", tier=name, model=model, plan=plan.describe())
         draft_path = None
         if speculation == "draft":
-            draft_path = store.file(draft_model, store.spec(draft_model).assembled or "model.gguf")
+            draft_path = store.gguf_file(draft_model)
         log_dir = cfg.engine_log_dir or (self.common.data_dir / "logs")
         engine = LlamaServerEngine(
             EngineSettings(

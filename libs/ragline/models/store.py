@@ -207,6 +207,11 @@ class ModelStore:
         self.verify(name)
         return self.directory(name) / file_name
 
+    def gguf_file(self, name: str) -> Path:
+        """Path of a verified gguf model's weights: the assembled file of a split model,
+        else its model.gguf."""
+        return self.file(name, self.spec(name).assembled or "model.gguf")
+
     def version(self, name: str) -> str:
         """The version caches and indexes key on: the pinned sha256 of the model's main file
         (the assembled file, the one model file, or `main`), never a re-hash at start."""

@@ -58,13 +58,13 @@ def state_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.bin"))
 
 
-def engine_env(engine: str) -> dict[str, str]:
+async def engine_env(engine: str) -> dict[str, str]:
     """`found`: the llama-server the service finds (a build for this machine where there is
     one); `prebuilt`: the prebuilt package's, which `make llama-server` installs."""
     if engine == "found":
         return {}
     from ragline_services.generation.llama_engine import (
-        engine_runs_model,
+        engine_serves,
         prebuilt_installable,
         prebuilt_llama_server,
     )
@@ -76,7 +76,7 @@ def engine_env(engine: str) -> dict[str, str]:
         pytest.skip("the prebuilt llama-server cannot be installed here (glibc < 2.35)")
     # As `make llama-server` decides: a prebuilt binary that cannot run a model on this CPU
     # (SIGILL in its kernels) is not the one the service runs here.
-    failure = engine_runs_model(binary, small_model_file())
+    failure = await engine_serves(binary, small_model_file())
     if failure:
         pytest.skip(f"the prebuilt llama-server does not run on this CPU: {failure[:120]}")
     return {"RAGLINE_GENERATION_LLAMA_SERVER": str(binary)}
@@ -87,8 +87,7 @@ def small_model_file() -> Path:
     from ragline_services.generation.service import GenerationConfig
 
     name = GenerationConfig.model_fields["small_model"].default
-    store = ModelStore(CommonConfig().model_dir)
-    return store.file(name, store.spec(name).assembled or "model.gguf")
+    return ModelStore(CommonConfig().model_dir).gguf_file(name)
 
 
 @pytest.mark.parametrize("engine", ["found", "prebuilt"])
@@ -96,7 +95,7 @@ async def test_a_saved_prefix_is_restored_for_its_tenant_after_a_restart_never_f
     launcher, redis_server, tmp_path, engine
 ):
     env = store_env(
-        tmp_path / "kv", RAGLINE_GENERATION_CACHE_URL=redis_server.url, **engine_env(engine)
+        tmp_path / "kv", RAGLINE_GENERATION_CACHE_URL=redis_server.url, **(await engine_env(engine))
     )
     service = await asyncio.to_thread(launcher.start, "generation", env=env)
     first = await final(service.address, prompt(1), "ann")
