@@ -84,10 +84,6 @@ def search_mode_from_proto(value: int) -> SearchMode:
     return _MODE_FROM_PROTO[value]
 
 
-def fusion_to_proto(fusion: Fusion | None) -> retrieval_pb2.Fusion:
-    return retrieval_pb2.FUSION_UNSPECIFIED if fusion is None else _FUSION_TO_PROTO[Fusion(fusion)]
-
-
 def fusion_from_proto(value: int) -> Fusion | None:
     """UNSPECIFIED is None: the retrieval service's configured default decides."""
     return None if value == retrieval_pb2.FUSION_UNSPECIFIED else _FUSION_FROM_PROTO[value]

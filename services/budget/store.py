@@ -48,7 +48,7 @@ S = TypeVar("S")
 
 
 def _service(service: S | None) -> S:
-    """One of etcd3aio's service stubs, which it sets only once connected."""
+    """What is there only once connected: the client, and etcd3aio's service stubs on it."""
     if service is None:
         raise Unavailable("the budget ledger's store is not connected yet (etcd)")
     return service
@@ -165,9 +165,7 @@ class EtcdLedgerStore:
 
     @property
     def _connected(self) -> etcd3aio.Etcd3Client:
-        if self._client is None:
-            raise Unavailable("the budget ledger's store is not connected yet (etcd)")
-        return self._client
+        return _service(self._client)
 
     @property
     def _kv(self) -> KVService:

@@ -99,6 +99,11 @@ class GenerationRequest:
     sources: tuple[str, ...] = ()
 
     @property
+    def input_field(self) -> str:
+        """The request field that holds its input (the one a refusal names)."""
+        return "chat" if self.chat is not None else "prompt"
+
+    @property
     def cache_owner(self) -> str:
         """Who may reuse this prompt's cached prefix (a warm slot, a stored state): the
         same tenant with the same visibility. A principal who sees less must not learn,
@@ -208,9 +213,8 @@ class Generator:
             size = len((request.prompt or "").encode())
         at_least = size // MAX_BYTES_PER_TOKEN
         if at_least >= tier.context_window:
-            field_name = "chat" if request.chat is not None else "prompt"
             raise InvalidArgument(
-                field_name,
+                request.input_field,
                 f"is {size} bytes: at least {at_least} tokens, more than model "
                 f"{tier.model}'s {tier.context_window}-token context window",
             )
@@ -230,12 +234,13 @@ class Generator:
             # message's content is text, never control tokens.
             prompt, token_ids = await tokenize_chat(tokenizing, request.chat)
         elif request.chat is not None:
-            prompt = await tier.engine.render_chat(request.chat)
+            prompt = await engine.render_chat(request.chat)
         else:
             prompt = request.prompt or ""
         if not prompt.strip():
-            field_name = "chat" if request.chat is not None else "prompt"
-            raise InvalidArgument(field_name, "is empty; give the model something to continue")
+            raise InvalidArgument(
+                request.input_field, "is empty; give the model something to continue"
+            )
         if tokenizing is None:  # an engine that only counts (Triton's preprocessing model)
             return Rendered(tier, prompt, await engine.count_tokens(prompt))
         if token_ids is None:
@@ -279,7 +284,7 @@ class Generator:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk | Summary]:
         rendered = await self.render(request)
         tier = rendered.tier
-        _refuse_if_it_does_not_fit(rendered, request)
+        _refuse_if_its_tokens_do_not_fit(rendered, request)
         speculate = tier.speculation.mode != "none" and not tier.speculation.fell_back
         deadline = deadlines.current_deadline()
         lease = await tier.scheduler.acquire(request.tenant, deadline, owner=request.cache_owner)
@@ -486,12 +491,12 @@ def _slot_states(engine: GenerationEngine) -> SlotStateEngine:
     return engine
 
 
-def _refuse_if_it_does_not_fit(rendered: Rendered, request: GenerationRequest) -> None:
+def _refuse_if_its_tokens_do_not_fit(rendered: Rendered, request: GenerationRequest) -> None:
     """The rendered prompt, and the answer it asks for beside it, within the context."""
     tier, prompt_tokens = rendered.tier, rendered.tokens
     if prompt_tokens >= tier.context_window:
         raise InvalidArgument(
-            "chat" if request.chat is not None else "prompt",
+            request.input_field,
             f"is {prompt_tokens} tokens; model {tier.model} has a {tier.context_window}-token "
             "context window",
         )

@@ -11,7 +11,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-import structlog
 
 from ragline.budget import Amounts, BudgetRefused
 from ragline.errors import RaglineError
@@ -40,8 +39,6 @@ from ragline_services.orchestrator.run_context import (
     RunContext,
 )
 from ragline_services.orchestrator.runner import Step
-
-log = structlog.get_logger("ragline.orchestrator")
 
 _FINISH = {
     generation_pb2.FINISH_REASON_STOP: "stop",

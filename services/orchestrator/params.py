@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 
 from ragline.errors import FieldViolation
 from ragline.vocabulary import Fusion, ModelTier, SearchMode
@@ -39,10 +39,14 @@ class StepParams:
     """The parameters of a kind that takes none; the base of every other kind's."""
 
     @classmethod
+    def settable(cls) -> dict[str, Field]:
+        """The fields a plan may set, by name (internal ones, set by the server's own plans,
+        are not among them)."""
+        return {f.name: f for f in fields(cls) if "read" in f.metadata}
+
+    @classmethod
     def accepted(cls) -> list[str]:
-        """The names a plan may set (internal ones, set by the server's own plans, are not
-        among them)."""
-        return sorted(f.name for f in fields(cls) if "read" in f.metadata)
+        return sorted(cls.settable())
 
     def as_text(self) -> dict[str, str]:
         """The parameters set (those that differ from their default), as a plan's text."""
@@ -112,7 +116,7 @@ def read_params(
     params_type: type[StepParams], kind_name: str, texts: Mapping[str, str], path: str
 ) -> tuple[StepParams, list[FieldViolation]]:
     """`texts` read into `params_type`, and every problem, each naming its key."""
-    by_name = {f.name: f for f in fields(params_type) if "read" in f.metadata}
+    by_name = params_type.settable()
     values: dict[str, object] = {}
     problems: list[FieldViolation] = []
 

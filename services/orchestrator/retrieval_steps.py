@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import numpy as np
-import structlog
 
 from ragline.budget import Amounts
 from ragline.ranking import score_fusion
@@ -38,10 +37,6 @@ from ragline_services.orchestrator.run_context import (
     rankings,
 )
 from ragline_services.orchestrator.runner import Step
-
-log = structlog.get_logger("ragline.orchestrator")
-
-# -- the steps -------------------------------------------------------------------------------
 
 
 async def embed(ctx: RunContext, step: Step) -> QueryVector:

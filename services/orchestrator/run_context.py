@@ -330,13 +330,13 @@ def merged(inputs: list[object]) -> list[ev.Passage]:
     """One ranking of every passage the inputs carry: round robin by rank, no repeats."""
     lists = [r.passages for r in rankings(inputs)]
     seen: set[str] = set()
-    merged = []
+    out = []
     for rank in range(max((len(x) for x in lists), default=0)):
         for passages in lists:
             if rank < len(passages) and passages[rank].id not in seen:
                 seen.add(passages[rank].id)
-                merged.append(passages[rank])
-    return merged
+                out.append(passages[rank])
+    return out
 
 
 def query_of(step: Step, settings: Settings) -> str:

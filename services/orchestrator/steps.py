@@ -1,5 +1,6 @@
-"""Each kind of plan step, and the executors a run's PlanRunner is given (the steps
-themselves live in run_context, retrieval_steps, evidence_steps and generation_steps)."""
+"""Which function runs each kind of plan step, and the executors a run's PlanRunner is
+given. The steps live by stage in retrieval_steps, evidence_steps and generation_steps;
+what they share is run_context's."""
 
 from __future__ import annotations
 
@@ -12,9 +13,7 @@ from ragline_services.orchestrator.evidence_steps import rerank, rerank_query, s
 from ragline_services.orchestrator.generation_steps import generate, plan_question
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.retrieval_steps import bm25, embed, fuse, retrieve, vector_search
-from ragline_services.orchestrator.run_context import (
-    RunContext,
-)
+from ragline_services.orchestrator.run_context import RunContext
 from ragline_services.orchestrator.runner import Step
 
 log = structlog.get_logger("ragline.orchestrator")
