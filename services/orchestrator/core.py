@@ -17,12 +17,11 @@ import grpc
 import structlog
 
 from ragline import deadlines
-from ragline.budget import Amounts, BudgetRefused, TaskBudget
-from ragline.errors import DeadlineExceeded
+from ragline.budget import Amounts, TaskBudget
 from ragline.retry import DEFAULT_POLICY
 from ragline.timing import duration
-from ragline.v1 import budget_pb2, common_pb2, generation_pb2, retrieval_pb2
-from ragline_services.orchestrator import answerability, routing
+from ragline.v1 import budget_pb2, generation_pb2, retrieval_pb2
+from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.admission import Admission
 from ragline_services.orchestrator.agent import Costs, affordable, agent_plan, with_planning
@@ -37,24 +36,23 @@ from ragline_services.orchestrator.caches import (
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 from ragline_services.orchestrator.report import CriticalPath, critical_path
 from ragline_services.orchestrator.run_context import (
-    Answer,
     Clients,
-    NoEvidence,
     Planned,
     RunContext,
     Settings,
 )
-from ragline_services.orchestrator.runner import Abstain, NodeRecord, NodeState, PlanRunner
+from ragline_services.orchestrator.runner import NodeRecord, NodeState, PlanRunner
 from ragline_services.orchestrator.steps import executors_for
+from ragline_services.orchestrator.verdict import (
+    AnswerState,
+    Written,
+    abstained,
+    answered,
+    failed,
+)
 from ragline_services.orchestrator.wording import status_detail
 
 log = structlog.get_logger("ragline.orchestrator")
-
-
-class AnswerState(enum.StrEnum):
-    COMPLETE = "complete"
-    PARTIAL = "partial"
-    INCOMPLETE = "incomplete"
 
 
 class CachePolicy(enum.StrEnum):
@@ -97,15 +95,15 @@ class Delta:
 Event = NodeChanged | Delta
 
 
-@dataclass
+@dataclass(frozen=True)
 class AskOutcome:
+    """Everything the servicer reports of one run, built once at its end."""
+
     task_id: str
-    answer: str
-    citations: list[ev.EvidenceItem]
-    evidence: list[ev.EvidenceItem]
     state: AnswerState
     reason: str
     detail: str
+    written: Written
     plan: Plan
     records: dict[str, NodeRecord]
     critical: CriticalPath
@@ -115,24 +113,11 @@ class AskOutcome:
     finished: float
     ledger: budget_pb2.Ledger | None = None
     degraded: list[str] = field(default_factory=list)
-    dropped_citations: list[str] = field(default_factory=list)
-    model: str = ""
-    tier: common_pb2.ModelTier = common_pb2.MODEL_TIER_UNSPECIFIED
-    prefill_tokens_saved: int = 0
-    model_version: str = ""
-    usage: Amounts | None = None  # the answer's generation
     cache: CacheUse = field(default_factory=CacheUse)
     # Which plan answered ("rag", "agent", "rag_fallback", "explicit") and why.
     route: str = "rag"
     route_detail: str = ""
     subqueries: list[str] = field(default_factory=list)
-    # Checkable signals that fired on the small answer, whether the large tier answered,
-    # and whether its answer cleared them.
-    signals: list[str] = field(default_factory=list)
-    escalated: bool = False
-    escalation_cured: bool = False
-    # INCOMPLETE answers that failed their checks: the text written, unverified.
-    draft_answer: str = ""
     # The gate's estimate that the evidence answers the question (None: not computed).
     answerability: float | None = None
 
@@ -191,7 +176,7 @@ class Orchestrator:
             # Before admission: a hit is a few cheap calls, it never queues behind runs.
             cached = await self._cached_answer(key, request, plan, received)
             if cached is not None:
-                emit(Delta(cached.answer))
+                emit(Delta(cached.written.answer))
                 return cached
         tenant = request.viewer.tenant if request.viewer is not None else ""
         # A caller's deadline is capped: no run holds a place (or a queue entry) for longer.
@@ -278,12 +263,17 @@ class Orchestrator:
         }
         return AskOutcome(
             task_id=request.task_id,
-            answer=entry["answer"],
-            citations=items("citations"),
-            evidence=items("evidence"),
             state=AnswerState.COMPLETE,
             reason="",
             detail="answered from the answer cache",
+            written=Written(
+                answer=entry["answer"],
+                citations=items("citations"),
+                evidence=items("evidence"),
+                model=entry["model"],
+                tier=entry["tier"],
+                model_version=entry["model_version"],
+            ),
             plan=plan,
             records=records,
             critical=critical_path(plan, records),
@@ -291,9 +281,6 @@ class Orchestrator:
             admitted=received,
             plan_ready=now,
             finished=now,
-            model=entry["model"],
-            tier=entry["tier"],
-            model_version=entry["model_version"],
             cache=CacheUse(answer_hit=True, saved=entry["saved"]),
             route=entry.get("route", "rag"),
             route_detail="answered from the answer cache",
@@ -302,6 +289,7 @@ class Orchestrator:
 
     async def _remember_answer(self, key: str, outcome: AskOutcome, viewer: Viewer) -> None:
         assert self.caches is not None
+        written = outcome.written
 
         def rows(items: list[ev.EvidenceItem]) -> list[list]:
             return [
@@ -322,27 +310,27 @@ class Orchestrator:
                 "output_tokens": 0,
             }
             saving = {**saving, "layer": ANSWER}
-            if node.kind in (Kind.GENERATE, Kind.SYNTHESIZE) and outcome.usage is not None:
+            if node.kind in (Kind.GENERATE, Kind.SYNTHESIZE) and written.usage is not None:
                 stages = _stages(record.server)
                 saving.update(
-                    input_tokens=outcome.usage.input_tokens,
-                    output_tokens=outcome.usage.output_tokens,
+                    input_tokens=written.usage.input_tokens,
+                    output_tokens=written.usage.output_tokens,
                     prefill_s=stages.get("prefill", 0.0),
                     decode_s=stages.get("decode", 0.0),
                 )
             saved.append(saving)
-        documents = {i.passage.id: i.passage.version for i in outcome.citations + outcome.evidence}
+        documents = {i.passage.id: i.passage.version for i in written.citations + written.evidence}
         await self.caches.put(
             ANSWER,
             key,
             {
-                "answer": outcome.answer,
-                "citations": rows(outcome.citations),
-                "evidence": rows(outcome.evidence),
+                "answer": written.answer,
+                "citations": rows(written.citations),
+                "evidence": rows(written.evidence),
                 "documents": documents,
-                "model": outcome.model,
-                "model_version": outcome.model_version,
-                "tier": outcome.tier,
+                "model": written.model,
+                "model_version": written.model_version,
+                "tier": written.tier,
                 "saved": saved,
                 "route": outcome.route,
                 "subqueries": outcome.subqueries,
@@ -405,40 +393,38 @@ class Orchestrator:
         finally:
             await ctx.wait_settled()
             ledger = await self._final_ledger(budget, close=own_task)
-        outcome = AskOutcome(
+        degraded = list(dict.fromkeys([*result.degraded, *ctx.degraded]))
+        written = Written()
+        if result.abstained is not None:
+            verdict = abstained(result.abstained)
+        elif result.failure is not None:
+            verdict = failed(result.failure, result.records)
+        else:
+            verdict, written = answered(result.answer, degraded)
+        detail = verdict.detail
+        if route.name == "rag_fallback":
+            detail = "; ".join(filter(None, [detail, route.detail]))
+        return AskOutcome(
             task_id=task_id,
-            answer="",
-            citations=[],
-            evidence=[],
-            state=AnswerState.COMPLETE,
-            reason="",
-            detail="",
+            state=verdict.state,
+            reason=verdict.reason,
+            detail=status_detail(request.settings.question, verdict.reason, detail),
+            written=written,
             plan=plan,
             records=result.records,
             critical=critical_path(plan, result.records),
             received=received,
             admitted=admitted,
             plan_ready=plan_ready,
-            finished=0.0,
+            finished=time.monotonic(),
             ledger=ledger,
-            degraded=list(dict.fromkeys([*result.degraded, *ctx.degraded])),
+            degraded=degraded,
             cache=ctx.cache_use,
             route=route.name,
             route_detail=route.detail,
             subqueries=route.subqueries,
+            answerability=_answerability(result.records),
         )
-        outcome.answerability = _answerability(result.records)
-        if result.abstained is not None:
-            self._abstained(outcome, result.abstained)
-        elif result.failure is not None:
-            self._failed(outcome, result.failure)
-        else:
-            self._answered(outcome, result.answer)
-        if route.name == "rag_fallback":
-            outcome.detail = "; ".join(filter(None, [outcome.detail, route.detail]))
-        outcome.detail = status_detail(request.settings.question, outcome.reason, outcome.detail)
-        outcome.finished = time.monotonic()
-        return outcome
 
     # -- the agent plan -------------------------------------------------------------------------
 
@@ -494,94 +480,6 @@ class Orchestrator:
         except grpc.aio.AioRpcError:
             return None  # unknown: nothing dropped in advance; reservations still guard
         return Amounts.from_proto(ledger.remaining)
-
-    # -- outcome ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _answered(outcome: AskOutcome, answer: Answer) -> None:
-        outcome.answer = answer.text
-        outcome.citations = answer.cited.citations
-        outcome.evidence = list(answer.evidence.items)
-        outcome.dropped_citations = answer.cited.dropped
-        outcome.model, outcome.tier = answer.model, answer.tier
-        outcome.model_version, outcome.usage = answer.model_version, answer.usage
-        outcome.signals = [str(signal) for signal in answer.signals]
-        if answer.outcome:
-            outcome.signals.append(answer.outcome)
-        outcome.escalated = answer.escalated
-        outcome.escalation_cured = answer.escalated and not answer.problems
-        outcome.prefill_tokens_saved = answer.cached_input_tokens
-        if answer.finish_reason == "deadline":
-            outcome.state, outcome.reason = AnswerState.PARTIAL, "deadline"
-            outcome.detail = "the deadline passed while the answer was generated; it is cut"
-        elif ev.is_refusal(answer.text):
-            outcome.state, outcome.reason = AnswerState.INCOMPLETE, "not_in_evidence"
-            outcome.detail = "the model found no answer in the retrieved evidence"
-            outcome.citations = []
-        elif answer.problems and all(p.reason == routing.CUT for p in answer.problems):
-            outcome.state, outcome.reason = AnswerState.PARTIAL, "length"
-            outcome.detail = "the answer reached its token limit and is cut; its text is grounded"
-        elif answer.problems:
-            # COMPLETE is a promise: an answer that failed a check is only a draft.
-            outcome.state, outcome.reason = AnswerState.INCOMPLETE, answer.problems[0].reason
-            outcome.detail = "the answer failed its checks: " + "; ".join(
-                str(p) for p in answer.problems
-            )
-            if answer.escalated:
-                outcome.detail += " (the large tier's answer did not clear them)"
-            outcome.draft_answer, outcome.answer, outcome.citations = answer.text, "", []
-        elif outcome.degraded:
-            outcome.state, outcome.reason = (
-                AnswerState.PARTIAL,
-                "degraded: " + ", ".join(outcome.degraded),
-            )
-            outcome.detail = "optional steps were skipped or failed; the answer stands without them"
-        if outcome.dropped_citations:
-            outcome.detail = (
-                f"{outcome.detail}; " if outcome.detail else ""
-            ) + f"dropped citations not in the evidence: {', '.join(outcome.dropped_citations)}"
-        if outcome.state == AnswerState.COMPLETE and not outcome.citations:
-            # Unreachable while the checks hold (no citation is a signal); kept as the rule.
-            outcome.state, outcome.reason = AnswerState.INCOMPLETE, "ungrounded"
-            outcome.detail = "the answer cites no passage of the evidence"
-            outcome.draft_answer, outcome.answer = answer.text, ""
-
-    @staticmethod
-    def _abstained(outcome: AskOutcome, record: NodeRecord) -> None:
-        decision = record.exception
-        assert isinstance(decision, Abstain)
-        outcome.state, outcome.reason, outcome.detail = (
-            AnswerState.INCOMPLETE,
-            decision.reason,
-            decision.detail,
-        )
-
-    @staticmethod
-    def _failed(outcome: AskOutcome, failure: NodeRecord) -> None:
-        error = failure.exception
-        node = failure.node
-        if isinstance(error, BudgetRefused):
-            outcome.state, outcome.reason = AnswerState.INCOMPLETE, "budget_exhausted"
-            outcome.detail = f"step {node.id} did not fit the task budget: {error.message}"
-        elif isinstance(error, NoEvidence):
-            outcome.state, outcome.reason = AnswerState.INCOMPLETE, "no_evidence"
-            outcome.detail = error.message
-        elif _is_deadline(error):
-            evidence_in = any(
-                r.node.kind in (Kind.SELECT_EVIDENCE, Kind.RERANK, Kind.FUSE)
-                and r.state == NodeState.SUCCEEDED
-                for r in outcome.records.values()
-            )
-            if node.kind not in (Kind.GENERATE, Kind.SYNTHESIZE) or not evidence_in:
-                raise DeadlineExceeded(
-                    f"the deadline passed in step {node.id} ({node.kind.value}), before the "
-                    "evidence was in; ask again with a longer deadline"
-                ) from None
-            outcome.state, outcome.reason = AnswerState.PARTIAL, "deadline"
-            outcome.detail = "the deadline passed before the answer could be generated"
-        else:
-            outcome.state, outcome.reason = AnswerState.INCOMPLETE, f"{node.kind.value}_failed"
-            outcome.detail = f"step {node.id} failed: {failure.error}"
 
     # -- budget -----------------------------------------------------------------------------
 
@@ -672,12 +570,3 @@ def _stages(timing) -> dict[str, float]:
     if timing is None:
         return {}
     return {stage.name: stage.duration.ToNanoseconds() / 1e9 for stage in timing.stages}
-
-
-def _is_deadline(error: BaseException | None) -> bool:
-    if isinstance(error, DeadlineExceeded | TimeoutError):
-        return True
-    return (
-        isinstance(error, grpc.aio.AioRpcError)
-        and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    )

@@ -92,6 +92,6 @@ class OrchestratorMetrics:
                 self.cache_lookups.labels(layer, "hit").inc(hits)
             if misses:
                 self.cache_lookups.labels(layer, "miss").inc(misses)
-        if outcome.escalated:
-            first = outcome.signals[0] if outcome.signals else "unknown"
+        if outcome.written.escalated:
+            first = outcome.written.signals[0] if outcome.written.signals else "unknown"
             self.escalations.labels(reason_kind(first)).inc()

@@ -276,7 +276,7 @@ def _cache_report(outcome: AskOutcome) -> orchestrator_pb2.CacheReport:
         answer_hit=use.answer_hit,
         retrieval_hits=use.retrieval_hits,
         retrieval_misses=use.retrieval_misses,
-        prefill_tokens_saved=outcome.prefill_tokens_saved,
+        prefill_tokens_saved=outcome.written.prefill_tokens_saved,
         tool_hits=use.tool_hits,
         tool_misses=use.tool_misses,
     )
@@ -320,26 +320,26 @@ def _result(outcome: AskOutcome, run_id: str) -> orchestrator_pb2.AskResult:
         trace_id=tracing.trace_id(),
     )
     result = orchestrator_pb2.AskResult(
-        answer=outcome.answer,
-        citations=[_citation(item) for item in outcome.citations],
-        evidence=[_citation(item) for item in outcome.evidence],
+        answer=outcome.written.answer,
+        citations=[_citation(item) for item in outcome.written.citations],
+        evidence=[_citation(item) for item in outcome.written.evidence],
         status=common_pb2.AnswerStatus(
             state=_ANSWER_STATES[outcome.state], reason=outcome.reason, detail=outcome.detail
         ),
         timing=report,
         cache=_cache_report(outcome),
         task_id=outcome.task_id,
-        model=outcome.model,
-        tier=outcome.tier,
+        model=outcome.written.model,
+        tier=outcome.written.tier,
         degraded=outcome.degraded,
-        dropped_citations=outcome.dropped_citations,
+        dropped_citations=outcome.written.dropped_citations,
         route=outcome.route,
         route_detail=outcome.route_detail,
         subqueries=outcome.subqueries,
-        escalation_signals=outcome.signals,
-        escalated=outcome.escalated,
-        draft_answer=outcome.draft_answer,
-        escalation_cured=outcome.escalation_cured,
+        escalation_signals=outcome.written.signals,
+        escalated=outcome.written.escalated,
+        draft_answer=outcome.written.draft_answer,
+        escalation_cured=outcome.written.escalation_cured,
         answerability=outcome.answerability or 0.0,
     )
     if outcome.ledger is not None:
