@@ -129,7 +129,7 @@ def _values(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str
     }
 
 
-def _scopes_claim(value) -> frozenset[str]:
+def _scopes_claim(value: Any) -> frozenset[str]:  # a token's claim: any JSON
     if value is None:
         return frozenset()
     items = value.split() if isinstance(value, str) else value
@@ -212,7 +212,7 @@ class Authenticator:
             )
         return key.key, [key.algorithm_name]
 
-    def authenticate(self, metadata) -> Authenticated:
+    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Authenticated:
         if not self.enabled:
             caller = caller_from_metadata(metadata)
             return Authenticated(caller, "metadata" if caller else "none")

@@ -75,7 +75,7 @@ class _Item:
     texts: Sequence[TokenizedText]
     deadline: float | None
     enqueued: float
-    future: asyncio.Future = field(repr=False)
+    future: asyncio.Future[BatchResult] = field(repr=False)
     tenant: str = ""
 
 
@@ -143,7 +143,7 @@ class MicroBatcher:
         self.name = name
         self.max_parallel_runs = max(1, max_parallel_runs)
         self._runners = asyncio.Semaphore(self.max_parallel_runs)
-        self._running: set[asyncio.Task] = set()
+        self._running: set[asyncio.Task[None]] = set()
         self.max_batch_texts = max_batch_texts
         self.max_bulk_batch_texts = max_bulk_batch_texts or max_batch_texts
         self.max_wait_s = max_wait_s
@@ -156,7 +156,7 @@ class MicroBatcher:
         self._queued_by_tenant: dict[str, int] = {}
         self._queued_texts = 0
         self._wakeup = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         # Recent throughput, for the retry hint of a full queue.
         self._texts_per_s = 100.0
         self.batches = 0
@@ -224,7 +224,7 @@ class MicroBatcher:
             raise self._refuse(mine, self.max_queue_texts_per_tenant, "this tenant")
         if self._queued_texts + len(texts) > self.max_queue_texts:
             raise self._refuse(self._queued_texts, self.max_queue_texts, "all tenants")
-        future = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
         self._queues.setdefault((URGENT if urgent else BULK, tenant), deque()).append(
             _Item(texts, deadline, time.monotonic(), future, tenant)
         )
@@ -271,7 +271,7 @@ class MicroBatcher:
                     self._running.add(task)
                     task.add_done_callback(self._batch_done)
 
-    def _batch_done(self, task: asyncio.Task) -> None:
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
         self._runners.release()
 
@@ -346,7 +346,7 @@ class MicroBatcher:
     async def _run_batch(self, batch: list[_Item], lane: int = URGENT) -> None:
         started = time.monotonic()
         flat = [text for item in batch for text in item.texts]
-        rows: list = [None] * len(flat)
+        rows: list[np.ndarray | None] = [None] * len(flat)
         try:
             for group in bucket_groups(
                 [t.length for t in flat], self.max_batch_texts, self._buckets

@@ -17,15 +17,21 @@ import asyncio
 import contextlib
 import uuid
 from dataclasses import dataclass, fields
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
+from google.protobuf.message import Message
 
 from ragline import deadlines
 from ragline.budget_batch import BATCHED_METHODS, batcher_for
 from ragline.clients import ServiceClient
 from ragline.errors import ResourceExhausted
 from ragline.retry import DEFAULT_POLICY, RetryPolicy, call_with_retry
+
+if TYPE_CHECKING:
+    from ragline.v1 import common_pb2
 
 log = structlog.get_logger("ragline.budget")
 
@@ -73,7 +79,7 @@ class Amounts:
     def from_dict(cls, data: dict[str, int]) -> Amounts:
         return cls(**{f.name: int(data.get(f.name, 0)) for f in fields(cls)})
 
-    def to_proto(self):
+    def to_proto(self) -> common_pb2.BudgetAmounts:
         from ragline.v1 import common_pb2
 
         return common_pb2.BudgetAmounts(
@@ -84,7 +90,7 @@ class Amounts:
         )
 
     @classmethod
-    def from_proto(cls, message) -> Amounts:
+    def from_proto(cls, message: common_pb2.BudgetAmounts) -> Amounts:
         return cls(*(getattr(message, f) for f in AMOUNT_FIELDS))
 
     def describe(self) -> str:
@@ -113,7 +119,7 @@ _OUTCOME_UNKNOWN = (
     grpc.StatusCode.INTERNAL,
 )
 # Settlements being retried, held so that they are not collected mid-way.
-_late_settlements: set[asyncio.Task] = set()
+_late_settlements: set[asyncio.Task[None]] = set()
 
 
 def late_settlements() -> int:
@@ -144,7 +150,12 @@ class Reservation:
         await self.open()
         return self
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         cancelled = exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
         await self.close(failed=exc_type is not None, cancelled=cancelled)
 
@@ -276,7 +287,7 @@ class TaskBudget:
     ) -> Reservation:
         return Reservation(self, reservation_id or uuid.uuid4().hex, amounts, stage)
 
-    async def call(self, method: str, request):
+    async def call(self, method: str, request: Message) -> Any:  # the reply of `method`
         if self.batcher is None or method not in BATCHED_METHODS:
             return await self.client.unary(method, request, retry=self.retry)
         batcher = self.batcher

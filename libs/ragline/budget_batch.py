@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.rpc import status_pb2
@@ -31,6 +32,13 @@ from grpc_status import rpc_status
 
 from ragline import deadlines, identity
 from ragline.clients import ServiceClient
+
+if TYPE_CHECKING:
+    from ragline.v1 import budget_pb2
+
+Metadata = tuple[tuple[str, str], ...]
+# Calls that may share a batch: same event loop (its id), same identity metadata.
+BatchKey = tuple[int, Metadata]
 
 # Method -> the BatchItem / BatchResult field that carries it.
 BATCHED_METHODS = {"Reserve": "reserve", "Settle": "settle", "Cancel": "cancel"}
@@ -53,11 +61,11 @@ class _Queued:
     request: Any  # that field's message (ReserveRequest, SettleRequest, CancelRequest)
     timeout: float | None
     run_id: str
-    future: asyncio.Future
+    future: asyncio.Future[Any]  # the reply message of `kind`
     expiry: asyncio.TimerHandle | None = field(default=None)
 
 
-def item_error(status) -> grpc.aio.AioRpcError:
+def item_error(status: budget_pb2.ItemStatus) -> grpc.aio.AioRpcError:
     """The error the item's own call would have raised, from its ItemStatus."""
     code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
     rich = status_pb2.Status(code=status.code, message=status.message, details=status.details)
@@ -77,20 +85,20 @@ class BudgetCallBatcher:
         self.client = client
         self.max_items = max(1, min(max_items, MAX_BATCH_ITEMS))
         self.unbatched = False  # the server answered UNIMPLEMENTED to Batch
-        self._queued: dict[tuple, list[_Queued]] = {}  # (loop, identity) -> this turn's calls
-        self._sending: set[asyncio.Task] = set()  # batches and releases in flight
+        self._queued: dict[BatchKey, list[_Queued]] = {}  # this turn's calls
+        self._sending: set[asyncio.Task[None]] = set()  # batches and releases in flight
         self.batches_sent = 0
         self.items_sent = 0
         self.released = 0  # reservations granted after their caller left, released
 
-    async def call(self, method: str, request):
+    async def call(self, method: str, request: Any) -> Any:
         """One call's answer (its response message), or the error its own call would raise."""
         kind = BATCHED_METHODS[method]
         if self.unbatched:
             return await self.client.unary(method, request)
         timeout, metadata = self.client.call_options(method, None)
         loop = asyncio.get_running_loop()
-        key = (id(loop), tuple(kv for kv in metadata if kv[0] not in _NOT_IN_KEY))
+        key: BatchKey = (id(loop), tuple(kv for kv in metadata if kv[0] not in _NOT_IN_KEY))
         run_id = next((v for k, v in metadata if k == identity.RUN_ID_KEY), "")
         queued = _Queued(kind, request, timeout, run_id, loop.create_future())
         if timeout is not None:
@@ -118,17 +126,17 @@ class BudgetCallBatcher:
                 )
             )
 
-    def _flush(self, key: tuple) -> None:
+    def _flush(self, key: BatchKey) -> None:
         batch = [q for q in self._queued.pop(key, []) if not q.future.done()]
         for start in range(0, len(batch), self.max_items):
             self._spawn(self._send(key[1], batch[start : start + self.max_items]))
 
-    def _spawn(self, work) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
-    async def _send(self, identity_metadata: tuple, batch: list[_Queued]) -> None:
+    async def _send(self, identity_metadata: Metadata, batch: list[_Queued]) -> None:
         from ragline.v1 import budget_pb2
 
         timeouts = [q.timeout for q in batch]
@@ -183,7 +191,9 @@ class BudgetCallBatcher:
                     )
                 )
 
-    async def _release(self, identity_metadata: tuple, reserve) -> None:
+    async def _release(
+        self, identity_metadata: Metadata, reserve: budget_pb2.ReserveRequest
+    ) -> None:
         """Settles, with no use, a reservation whose caller left before it was granted
         (what `Reservation` itself settles on a cancel; the same request, so either one
         landing second is a replay)."""

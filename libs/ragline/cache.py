@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import time
 import urllib.parse
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 from cachetools import TLRUCache
 from pydantic_settings import SettingsConfigDict
@@ -30,6 +31,8 @@ from pydantic_settings import SettingsConfigDict
 from ragline.breaker import Breaker, BreakerOpen
 from ragline.config import ConfigError, EmptyMeansUnset
 from ragline.errors import Unavailable
+
+T = TypeVar("T")
 
 
 class RedisAccess(EmptyMeansUnset):
@@ -47,7 +50,7 @@ class RedisAccess(EmptyMeansUnset):
     cert_file: Path | None = None
     key_file: Path | None = None
 
-    def client_arguments(self, url: str) -> dict:
+    def client_arguments(self, url: str) -> dict[str, Any]:
         """redis-py's arguments beside the URL."""
         parsed = urllib.parse.urlsplit(url)
         if parsed.password:
@@ -55,7 +58,7 @@ class RedisAccess(EmptyMeansUnset):
                 "a cache URL holds a password, which logs would show: move it to "
                 "RAGLINE_REDIS_PASSWORD (and the user to RAGLINE_REDIS_USERNAME)"
             )
-        arguments: dict = {}
+        arguments: dict[str, Any] = {}
         if self.username:
             arguments["username"] = self.username
         if self.password:
@@ -182,18 +185,20 @@ class RedisCache:
             **arguments,
         )
 
-    async def _call(self, what: str, call):
+    async def _call(self, what: str, call: Awaitable[T]) -> T:
         try:
             with self._breaker.attempt():
                 return await call
         except BreakerOpen as error:
-            call.close()  # never sent
+            if isinstance(call, Coroutine):
+                call.close()  # never sent
             raise Unavailable(f"cache {what} on {self.url} skipped: {error}") from None
         except self._errors as error:
             raise Unavailable(f"cache {what} on {self.url} failed: {error}") from error
 
     async def get(self, key: str) -> bytes | None:
-        return await self._call("get", self._client.get(key))
+        value = await self._call("get", self._client.get(key))
+        return cast("bytes | None", value)  # the client does not decode responses
 
     async def set(self, key: str, value: bytes, ttl_s: float) -> None:
         await self._call("set", self._client.set(key, value, px=max(int(ttl_s * 1000), 1)))

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
+from google.protobuf.message import Message
+from opentelemetry import trace
 
 from ragline import auth, deadlines, identity, tracing
 from ragline.config import TRANSPORT_CAP_BYTES, CommonConfig, channel_target
@@ -51,7 +54,11 @@ _CHANNEL_OPTIONS = [
 
 
 def open_channel(
-    target: str, tls: TlsConfig | None = None, options=(), *, credentials=None
+    target: str,
+    tls: TlsConfig | None = None,
+    options: Sequence[tuple[str, Any]] = (),
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> grpc.aio.Channel:
     """An aio channel to `target`, under TLS when `tls` (default: the environment's
     RAGLINE_TLS_*) says so. `credentials`: channel credentials already made from it."""
@@ -83,7 +90,7 @@ class ChannelPool:
 
     def __init__(self, tls: TlsConfig | None = None) -> None:
         self._channels: dict[tuple[int, str], grpc.aio.Channel] = {}
-        self._closing: set[asyncio.Future] = set()  # retired channels closing after a grace
+        self._closing: set[asyncio.Future[None]] = set()  # retired channels closing after a grace
         self._tls = tls
         self._credentials: ClientCredentials | None = None
 
@@ -171,14 +178,17 @@ class ServiceClient:
         """The stub's service name, for messages (`EmbeddingService`)."""
         return self.stub_class.__name__.removesuffix("Stub")
 
-    def stub(self):
-        """The generated stub on this event loop's channel."""
+    def stub(self) -> Any:
+        """The generated stub on this event loop's channel (its methods are called by
+        name, so to the checker it is Any)."""
         channel = self._pool.get(self.target)
         if self._stub_cache is None or self._stub_cache[0] is not channel:
             self._stub_cache = (channel, self.stub_class(channel))
         return self._stub_cache[1]
 
-    def call_options(self, method: str, stage_budget_s: float | None = None, span=None):
+    def call_options(
+        self, method: str, stage_budget_s: float | None = None, span: trace.Span | None = None
+    ) -> tuple[float | None, tuple[tuple[str, str], ...]]:
         """(timeout, metadata) of a call made now: the deadline rule, the identity, and
         the trace context of `span` (the call's client span) while tracing is on."""
         timeout = deadlines.outbound_timeout(
@@ -202,14 +212,14 @@ class ServiceClient:
     async def unary(
         self,
         method: str,
-        request,
+        request: Message,
         *,
         stage_budget_s: float | None = None,
         retry: RetryPolicy | None = None,
-    ):
+    ) -> Any:  # the reply message of `method`
         span = tracing.client_span(self.rpc_service, method)
 
-        async def attempt():
+        async def attempt() -> Any:
             timeout, metadata = self.call_options(method, stage_budget_s, span)
             return await getattr(self.stub(), method)(request, timeout=timeout, metadata=metadata)
 
@@ -227,8 +237,8 @@ class ServiceClient:
         return reply
 
     async def stream(
-        self, method: str, request, *, stage_budget_s: float | None = None
-    ) -> AsyncIterator:
+        self, method: str, request: Message, *, stage_budget_s: float | None = None
+    ) -> AsyncIterator[Any]:  # the reply messages of `method`
         span = tracing.client_span(self.rpc_service, method)
         failed: BaseException | None = None
         try:
@@ -253,7 +263,7 @@ def connect(
     name: str,
     stub_class: Callable[[grpc.aio.Channel], object],
     common: CommonConfig | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> ServiceClient:
     """A client of the service registered as `name`, at its configured address."""
     common = common or CommonConfig()

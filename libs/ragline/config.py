@@ -13,9 +13,9 @@ import os
 import re
 import typing
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -28,7 +28,7 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 _ADDRESS_VARIABLE = re.compile(r"^RAGLINE_([A-Z][A-Z0-9_]*)_ADDR$")
 
 
-def _optional_path(annotation) -> bool:
+def _optional_path(annotation: Any) -> bool:  # a field's type, as pydantic holds it
     args = typing.get_args(annotation)
     return type(None) in args and any(a is Path for a in args)
 
@@ -40,8 +40,8 @@ class EmptyMeansUnset(BaseSettings):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _empty_path_is_unset(cls, value, info):
-        field = cls.model_fields.get(info.field_name)
+    def _empty_path_is_unset(cls, value: Any, info: ValidationInfo) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
         if value == "" and field is not None and _optional_path(field.annotation):
             return None
         return value

@@ -13,9 +13,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
+from typing import Any, TypeVar
 
 from ragline.errors import DeadlineExceeded, RaglineError, Unavailable
+
+T = TypeVar("T")
 
 # gRPC rounds the grpc-timeout header up (0.975 s arrives as ~1.0 s, 12.345 s as 12.4 s),
 # which would let a callee believe it has more time than its caller gave it. ragline
@@ -104,7 +107,7 @@ class StreamDeadline:
     def __init__(self, when: float | None) -> None:
         self.when = when
         self.expired = False
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[Any] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._reading = False
         self._cancelled = False  # this timer's cancel is on its way to the read
@@ -115,7 +118,7 @@ class StreamDeadline:
             self._timer = asyncio.get_running_loop().call_at(self.when, self._expire)
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if self._timer is not None:
             self._timer.cancel()
 
@@ -125,7 +128,7 @@ class StreamDeadline:
             self._cancelled = True
             self._task.cancel()
 
-    async def read(self, stream: AsyncIterator):
+    async def read(self, stream: AsyncIterator[T]) -> T:
         if self.expired:
             raise TimeoutError
         self._reading = True
@@ -141,12 +144,12 @@ class StreamDeadline:
             self._reading = False
 
 
-def set_deadline(deadline: float | None):
+def set_deadline(deadline: float | None) -> Token[float | None]:
     """Sets the absolute deadline; returns a token for `reset_deadline`."""
     return _deadline.set(deadline)
 
 
-def reset_deadline(token) -> None:
+def reset_deadline(token: Token[float | None]) -> None:
     _deadline.reset(token)
 
 

@@ -6,8 +6,9 @@ in-process query encoder that runs the very model that service runs."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from ragline import deadlines
 from ragline.batching import MicroBatcher, pad
 from ragline.errors import InvalidArgument
 from ragline.pooling import normalise
-from ragline.tokenization import Tokenizer
+from ragline.tokenization import TokenizedText, Tokenizer
 
 if TYPE_CHECKING:
     from ragline.embedding_backends import EmbeddingBackend
@@ -99,7 +100,7 @@ class Embedder:
         )
 
 
-def input_prefixes(extra: dict) -> dict[str, str]:
+def input_prefixes(extra: dict[str, Any]) -> dict[str, str]:
     """What an asymmetric model wants before each kind of text, from its manifest entry's
     `query_prefix` / `passage_prefix` (none for symmetric ones)."""
     return {
@@ -110,7 +111,7 @@ def input_prefixes(extra: dict) -> dict[str, str]:
 def batch_invariant(spec: ModelSpec) -> bool:
     """Whether a text's vector is the same whatever shares its batch (false for dynamic
     activation quantization, whose scales come from the whole batch)."""
-    return spec.extra.get("batch_invariant", True)
+    return bool(spec.extra.get("batch_invariant", True))
 
 
 def texts_per_run(spec: ModelSpec, limit: int) -> int:
@@ -128,13 +129,13 @@ async def start_embedder(
     *,
     version: str,
     max_batch_texts: int = 32,
-    **batcher_options,
+    **batcher_options: Any,
 ) -> Embedder:
     """An Embedder over `backend` for the model `spec`, its batcher started and one run
     made (kernels loaded, memory allocated, so the first caller does not pay for them). The
     one way a process embeds with a model of the store; runs hold `texts_per_run`."""
 
-    async def run(texts):
+    async def run(texts: Sequence[TokenizedText]) -> np.ndarray:
         return await backend.embed(*pad(texts))
 
     batcher = MicroBatcher(

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import grpc
 from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 
 DOMAIN = "ragline.dev"
 
 
-def _packed(message) -> any_pb2.Any:
+def _packed(message: Message) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)
     return packed

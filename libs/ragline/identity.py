@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterable
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 
 from ragline.errors import InvalidArgument, PermissionDenied, Unauthenticated
@@ -131,12 +131,16 @@ def current_run_id() -> str | None:
     return _run_id.get()
 
 
-def bind(caller: Caller | None, run_id: str | None):
+# What `bind` returns and `unbind` takes: the reset tokens of the two context variables.
+Bound = tuple["Token[Caller | None]", "Token[str | None]"]
+
+
+def bind(caller: Caller | None, run_id: str | None) -> Bound:
     """Sets caller and run id for the enclosed work; returns tokens for `unbind`."""
     return _caller.set(caller), _run_id.set(run_id)
 
 
-def unbind(tokens) -> None:
+def unbind(tokens: Bound) -> None:
     caller_token, run_token = tokens
     _run_id.reset(run_token)
     _caller.reset(caller_token)

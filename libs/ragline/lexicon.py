@@ -162,7 +162,7 @@ class Lexicon:
     def __init__(self, english: dict[str, str], chinese: dict[str, str], names: str) -> None:
         self._english = english
         self._chinese = chinese
-        self._by_term: dict[str, tuple] = {}
+        self._by_term: dict[str, tuple[tuple[str, str, tuple[frozenset[str], ...]], ...]] = {}
         self._by_term_lock = threading.Lock()
         self._names = frozenset(names.split(" "))
 

@@ -14,7 +14,9 @@ from opentelemetry import trace
 from ragline import tracing
 
 
-def _trace_ids(logger, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+def _trace_ids(
+    logger: Any, method: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
     if tracing.enabled():
         span_context = trace.get_current_span().get_span_context()
         if span_context.is_valid:
@@ -53,4 +55,5 @@ def configure_logging(
 
 
 def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
-    return structlog.get_logger(name)
+    logger: structlog.stdlib.BoundLogger = structlog.get_logger(name)
+    return logger

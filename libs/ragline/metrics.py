@@ -15,9 +15,9 @@ other tenant is `other`, so a label never grows with the number of tenants.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -27,13 +27,16 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
+if TYPE_CHECKING:
+    from ragline.batching import MicroBatcher
+
 # A `_created` series per counter and histogram doubles what Prometheus stores for a
 # timestamp it can infer from the reset itself.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus_client
 
 UNARY, SERVER_STREAM = "unary", "server_stream"
 OTHER_TENANT = "other"
@@ -89,14 +92,14 @@ class Readings(Collector):
         labels' values to values."""
         self._sources.append((label_values, read))
 
-    def _family(self):
+    def _family(self) -> GaugeMetricFamily | CounterMetricFamily:
         family = GaugeMetricFamily if self.kind == "gauge" else CounterMetricFamily
         return family(self.name, self.documentation, labels=self.labels)
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return [self._family()]
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         family = self._family()
         for fixed, read in self._sources:
             value = read_safely(read)
@@ -265,7 +268,7 @@ class BatcherMetrics:
             ("batcher", "reason"),
         )
 
-    def watch(self, batcher) -> None:
+    def watch(self, batcher: MicroBatcher) -> None:
         """Records `batcher`'s runs from now on (a ragline.batching.MicroBatcher)."""
         name = batcher.name
         batcher.observer = self

@@ -18,4 +18,5 @@ def mean_pool_normalise(hidden: np.ndarray, attention_mask: np.ndarray) -> np.nd
 
 def normalise(vectors: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return (vectors / np.clip(norms, 1e-12, None)).astype(np.float32)
+    unit: np.ndarray = (vectors / np.clip(norms, 1e-12, None)).astype(np.float32)
+    return unit

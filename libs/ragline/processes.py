@@ -34,7 +34,7 @@ def _exec_dying_with(parent: int, command: list[str]) -> None:
     os.execvp(command[0], command)
 
 
-def terminate(process: subprocess.Popen, timeout_s: float) -> tuple[int, bool]:
+def terminate(process: subprocess.Popen[bytes], timeout_s: float) -> tuple[int, bool]:
     """Stops `process`: SIGTERM, a grace period, then SIGKILL. Returns (exit code, killed).
 
     Blocks for up to `timeout_s`: call it from a worker thread inside an event loop."""
@@ -63,7 +63,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def wait_listening(
-    process: subprocess.Popen, host: str, port: int, *, wait_s: float, name: str, log: Path
+    process: subprocess.Popen[bytes], host: str, port: int, *, wait_s: float, name: str, log: Path
 ) -> None:
     """Returns once `process` accepts connections on host:port; RuntimeError (with the end
     of its log) when it exits first or does not listen within `wait_s`."""

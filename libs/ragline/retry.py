@@ -57,7 +57,7 @@ def retry_delay_of(error: grpc.aio.AioRpcError) -> float | None:
         if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
-            return info.retry_delay.ToNanoseconds() / 1e9
+            return float(info.retry_delay.ToNanoseconds()) / 1e9
     return None
 
 

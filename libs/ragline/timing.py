@@ -10,10 +10,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from google.protobuf import duration_pb2
+
+if TYPE_CHECKING:
+    from ragline.v1 import common_pb2
 
 
 def duration(seconds: float) -> duration_pb2.Duration:
@@ -66,7 +70,7 @@ class RequestClock:
         start = self.started or self.handler_started or time.monotonic()
         return start - self.received
 
-    def to_proto(self):
+    def to_proto(self) -> common_pb2.ServerTiming:
         from ragline.v1 import common_pb2
 
         end = self.finished if self.finished is not None else time.monotonic()
@@ -96,9 +100,9 @@ def current_clock() -> RequestClock:
     return clock
 
 
-def bind_clock(clock: RequestClock):
+def bind_clock(clock: RequestClock) -> Token[RequestClock | None]:
     return _clock.set(clock)
 
 
-def unbind_clock(token) -> None:
+def unbind_clock(token: Token[RequestClock | None]) -> None:
     _clock.reset(token)

@@ -82,7 +82,7 @@ class TlsConfig(EmptyMeansUnset):
     def files(self) -> tuple[Path, ...]:
         return tuple(p for p in (self.cert_file, self.key_file, self.ca_file) if p is not None)
 
-    def stamp(self) -> tuple:
+    def stamp(self) -> Stamp:
         """What changes when a file is replaced (a Secret's symlink swap included)."""
         return tuple(_stamp(path) for path in self.files())
 
@@ -118,9 +118,13 @@ def process_tls_for(wanted: bool, variable: str) -> TlsConfig | None:
     return tls
 
 
+# Each file's (inode, mtime, size), None where it is missing: what a replacement changes.
+Stamp = tuple[tuple[int, int, int] | None, ...]
+
+
 @dataclass
 class _Loaded:
-    stamp: tuple
+    stamp: Stamp
     configuration: grpc.ServerCertificateConfiguration
 
 
@@ -141,11 +145,13 @@ class ServerCertificates:
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
             self._loaded.configuration,
-            self.fetch,
+            # types-grpcio says the fetcher never returns None; gRPC's own documentation:
+            # None keeps the current configuration.
+            self.fetch,  # type: ignore[arg-type]
             require_client_authentication=self._config.mode == "mtls",
         )
 
-    def fetch(self):
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """gRPC's per-handshake question: a new configuration, or None to keep the last.
         Runs on gRPC's thread; a stat of each file when nothing changed."""
         stamp = self._config.stamp()

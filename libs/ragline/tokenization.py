@@ -5,10 +5,14 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ragline.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HfTokenizer
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,7 @@ class Tokenizer:
         self._json = tokenizer_json
         self._tokenizer = self._load(truncation="longest_first")
 
-    def _load(self, truncation: str):
+    def _load(self, truncation: str) -> HfTokenizer:
         """A tokenizer of the file cutting as `truncation` says. Parsing holds the GIL (0.65 s
         for multilingual-e5's 250k-piece vocabulary, seconds on a busy machine): each one
         is made only when used."""
@@ -44,12 +48,13 @@ class Tokenizer:
     # and cuts the second (a passage), unless the query alone is too long: then both are cut,
     # as the texts' own tokenizer cuts (`longest_first`).
     @functools.cached_property
-    def _pairs(self):
+    def _pairs(self) -> HfTokenizer:
         return self._load(truncation="only_second")
 
     def vocabulary(self) -> dict[str, int]:
         """Token string -> id (special tokens included)."""
-        return self._tokenizer.get_vocab(with_added_tokens=True)
+        vocabulary: dict[str, int] = self._tokenizer.get_vocab(with_added_tokens=True)
+        return vocabulary
 
     def encode_pairs(self, pairs: list[tuple[str, str]]) -> list[TokenizedText]:
         """[CLS] first [SEP] second [SEP], with segment ids, cut to max_tokens."""

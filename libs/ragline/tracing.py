@@ -23,13 +23,20 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind as SpanKind  # part of this module's span() API
+from opentelemetry.trace import Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import Attributes
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 TRACE_ID_KEY = "x-ragline-trace-id"
 EXPORTERS = ("otlp", "console", "jsonl")
@@ -51,7 +58,7 @@ class JsonLinesExporter:
         self._path = path
         self._lock = threading.Lock()
 
-    def export(self, spans: Sequence) -> object:
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         from opentelemetry.sdk.trace.export import SpanExportResult
 
         lines = "".join(json.dumps(json.loads(span.to_json())) + "\n" for span in spans)
@@ -66,7 +73,7 @@ class JsonLinesExporter:
         return True
 
 
-def _exporter(name: str, traces_file: Path | None):
+def _exporter(name: str, traces_file: Path | None) -> SpanExporter:
     if name == "otlp":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
@@ -80,7 +87,9 @@ def _exporter(name: str, traces_file: Path | None):
             raise TracingConfigError(
                 "OTEL_TRACES_EXPORTER=jsonl needs RAGLINE_TRACES_FILE (where spans go)"
             )
-        return JsonLinesExporter(traces_file)
+        # The SDK's exporter interface, implemented without importing the SDK at module
+        # import (a process with tracing off never loads it).
+        return cast("SpanExporter", JsonLinesExporter(traces_file))
     raise TracingConfigError(
         f"OTEL_TRACES_EXPORTER={name!r} is not one of {', '.join(EXPORTERS)} (or none)"
     )
@@ -211,7 +220,7 @@ class ServerSpan:
 
 @contextlib.contextmanager
 def span(
-    name: str, kind: SpanKind = SpanKind.INTERNAL, attributes: Mapping | None = None
+    name: str, kind: SpanKind = SpanKind.INTERNAL, attributes: Attributes = None
 ) -> Iterator[trace.Span | None]:
     """A child span of the current one around a block (an engine's call), or nothing
     while tracing is off or the trace is not kept. An exception ends it with an error
@@ -227,7 +236,7 @@ def record(
     name: str,
     started: float,
     finished: float,
-    attributes: Mapping | None = None,
+    attributes: Attributes = None,
     *,
     error: str = "",
     parent: trace.Span | None = None,
@@ -240,7 +249,7 @@ def record(
 
 
 def start(
-    name: str, started: float, attributes: Mapping | None = None, *, parent=None
+    name: str, started: float, attributes: Attributes = None, *, parent: trace.Span | None = None
 ) -> trace.Span | None:
     """A span that began at `started` (a monotonic reading) and ends later (`finish`)."""
     if _tracer is None or not _sampled(parent):

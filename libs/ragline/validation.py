@@ -8,8 +8,10 @@ names each field path (`documents[2].text`), so a caller knows what to fix.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
@@ -131,7 +133,7 @@ def _has_checks(descriptor: Descriptor) -> bool:
     return _search_checks(descriptor, frozenset())
 
 
-def _search_checks(descriptor: Descriptor, visiting: frozenset) -> bool:
+def _search_checks(descriptor: Descriptor, visiting: frozenset[str]) -> bool:
     checks = _checks_for(descriptor)
     if checks.required_oneofs:
         return True
@@ -159,7 +161,7 @@ def _enum_names(field: FieldDescriptor) -> str:
 
 
 def _check_scalar(
-    check: _FieldCheck, value, path: str, out: list[FieldViolation], *, is_item: bool
+    check: _FieldCheck, value: Any, path: str, out: list[FieldViolation], *, is_item: bool
 ) -> None:
     field = check.field
     if field.type == FieldDescriptor.TYPE_ENUM:
@@ -197,7 +199,7 @@ def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-def _all_finite(values) -> bool:
+def _all_finite(values: Iterable[float]) -> bool:
     """One pass in C over a whole vector (4 ms for 512 vectors of 384): a NaN or an
     infinity makes the sum one (so does a sum past 1.8e308, which no embedding reaches)."""
     return math.isfinite(sum(values))
@@ -305,7 +307,7 @@ def check_size(message: Message, limit_bytes: int) -> None:
     )
 
 
-def _item_size(value) -> int:
+def _item_size(value: object) -> int:
     if isinstance(value, Message):
         return value.ByteSize()
     if isinstance(value, str):

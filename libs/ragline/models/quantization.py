@@ -40,7 +40,7 @@ def matmuls_after_gelu(model_path: Path) -> list[str]:
     graph = onnx.load(str(model_path)).graph
     producers = {output: node for node in graph.node for output in node.output}
 
-    def is_gelu(node, depth: int = 0) -> bool:
+    def is_gelu(node: onnx.NodeProto | None, depth: int = 0) -> bool:
         if node is None or depth > 3:
             return False
         if node.op_type in ("Gelu", "Erf"):
@@ -80,11 +80,12 @@ def quantize_static_qdq(
         quantize_static,
     )
 
-    class Reader(CalibrationDataReader):
+    # onnxruntime ships no type information: its base class is Any to the checker.
+    class Reader(CalibrationDataReader):  # type: ignore[misc]
         def __init__(self) -> None:
             self.feeds = iter(calibration)
 
-        def get_next(self):
+        def get_next(self) -> dict[str, np.ndarray] | None:
             return next(self.feeds, None)
 
     with _preprocessed(fp32) as prepared:

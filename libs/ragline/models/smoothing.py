@@ -18,8 +18,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import onnx
 
 import numpy as np
+
+# Model inputs by name, as ONNX Runtime takes them.
+Feed = dict[str, np.ndarray]
 
 # Floors that keep a dead channel (all zeros) or a zero weight row from dividing by zero.
 _FLOOR = 1e-5
@@ -35,7 +42,7 @@ class SmoothedInput:
     spread_after: float
 
 
-def _weight_matmuls_by_input(graph) -> dict[str, list]:
+def _weight_matmuls_by_input(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
     """Activation tensor -> the MatMuls that multiply it by a constant weight they alone use
     (a weight shared with another node cannot take one reader's scales)."""
     initializers = {i.name for i in graph.initializer}
@@ -43,7 +50,7 @@ def _weight_matmuls_by_input(graph) -> dict[str, list]:
     for node in graph.node:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
-    groups: dict[str, list] = {}
+    groups: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         if node.op_type != "MatMul" or node.input[1] not in initializers:
             continue
@@ -53,7 +60,9 @@ def _weight_matmuls_by_input(graph) -> dict[str, list]:
     return groups
 
 
-def _channel_absmax(model, tensors: list[str], calibration: Iterable[dict]) -> dict:
+def _channel_absmax(
+    model: onnx.ModelProto, tensors: list[str], calibration: Iterable[Feed]
+) -> dict[str, np.ndarray]:
     """Per last-axis channel, max |x| of each tensor over the calibration feeds, padding
     positions (attention mask 0) left out where the tensor has the feed's [batch, seq]."""
     import onnx
@@ -92,7 +101,7 @@ def _spread(channel_max: np.ndarray) -> float:
 
 
 def smooth_activations(
-    fp32: Path, target: Path, calibration: Iterable[dict], alpha: float
+    fp32: Path, target: Path, calibration: Iterable[Feed], alpha: float
 ) -> list[SmoothedInput]:
     """Writes `target`: `fp32` with every weight MatMul's input smoothed (see the module);
     `calibration` yields input feeds. The result computes the same function in fp32 (up to

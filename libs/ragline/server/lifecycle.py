@@ -53,7 +53,7 @@ class Periodic:
         self.interval_s = interval_s
         self.action = action
         self.name = name
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=self.name)
