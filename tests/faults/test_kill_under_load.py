@@ -109,7 +109,8 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
     print(
         f"\n{part}: while down {len(answered)} of {len(down)} asks answered; "
         f"serving {serving_s:.1f} s after the restart, COMPLETE again after "
-        f"{recovered_s:.1f} s (allowed {allowed_s:.1f} s), writes again after {writes_back_s:.1f} s; "
+        f"{recovered_s:.1f} s (allowed {allowed_s:.1f} s), writes again after "
+        f"{writes_back_s:.1f} s; "
         f"asks {asks.summary()}; writes acknowledged "
         f"{len(writes.acknowledged)}, failed {len(writes.failures)}: "
         f"{sorted(set(writes.failures))[:3]}"
