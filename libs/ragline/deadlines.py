@@ -88,6 +88,10 @@ def detached(timeout_s: float) -> Iterator[float]:
         _deadline.reset(token)
 
 
+class StreamInterrupted(Exception):
+    """`StreamDeadline.interrupt()` ended the read (the stream itself is still open)."""
+
+
 class StreamDeadline:
     """One timer for a stream read piece by piece, with the reader's own code (a
     generator's `yield`) between the reads.
@@ -111,6 +115,7 @@ class StreamDeadline:
         self._timer: asyncio.TimerHandle | None = None
         self._reading = False
         self._cancelled = False  # this timer's cancel is on its way to the read
+        self._interrupted = False
 
     def __enter__(self) -> StreamDeadline:
         self._task = asyncio.current_task()
@@ -124,13 +129,25 @@ class StreamDeadline:
 
     def _expire(self) -> None:
         self.expired = True
-        if self._reading and self._task is not None:
+        self._cancel_read()
+
+    def interrupt(self) -> None:
+        """Ends the read in progress, or the next one, with StreamInterrupted (a reader
+        asked to stop now, its stream to be closed or read again later)."""
+        self._interrupted = True
+        self._cancel_read()
+
+    def _cancel_read(self) -> None:
+        if self._reading and self._task is not None and not self._cancelled:
             self._cancelled = True
             self._task.cancel()
 
     async def read(self, stream: AsyncIterator[T]) -> T:
         if self.expired:
             raise TimeoutError
+        if self._interrupted:
+            self._interrupted = False
+            raise StreamInterrupted
         self._reading = True
         try:
             return await anext(stream)
@@ -138,7 +155,10 @@ class StreamDeadline:
             # Ours only when no other cancellation was asked for meanwhile.
             if self._cancelled and self._task is not None and self._task.uncancel() == 0:
                 self._cancelled = False
-                raise TimeoutError from None
+                if self.expired:
+                    raise TimeoutError from None
+                self._interrupted = False
+                raise StreamInterrupted from None
             raise
         finally:
             self._reading = False

@@ -11,7 +11,7 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 from cachetools import LRUCache
@@ -287,7 +287,12 @@ class Generator:
         _refuse_if_its_tokens_do_not_fit(rendered, request)
         speculate = tier.speculation.mode != "none" and not tier.speculation.fell_back
         deadline = deadlines.current_deadline()
-        lease = await tier.scheduler.acquire(request.tenant, deadline, owner=request.cache_owner)
+        # A sequence can be paused and resumed where its prompt is token ids of this
+        # engine: the resumed prompt is them and the tokens generated so far.
+        pausable = rendered.token_ids is not None and isinstance(tier.engine, TokenizingEngine)
+        lease = await tier.scheduler.acquire(
+            request.tenant, deadline, owner=request.cache_owner, pausable=pausable
+        )
         acquired = time.monotonic()
         try:
             store = await self._use_store(rendered, lease, request.cache_owner, request.sources)
@@ -295,33 +300,55 @@ class Generator:
             tier.scheduler.release(lease.slot)
             raise
         decoded = _Decoded(started=time.monotonic())
-        stream = tier.engine.stream(
-            rendered.prompt,
-            slot=lease.slot.index,
-            max_tokens=request.max_tokens,
-            sampling=request.sampling,
-            prompt_ids=rendered.token_ids,
-        )
         stop_at = None if deadline is None else deadline - DEADLINE_MARGIN_S
         try:
-            # One timer for the whole stream: it interrupts a read from the engine, never
-            # the caller's code at a `yield`.
+            # One timer for the whole sequence: it interrupts a read from the engine, never
+            # the caller's code at a `yield`; the scheduler's pause interrupts one too.
             with deadlines.StreamDeadline(stop_at) as timer:
-                while True:
-                    try:
-                        event = await timer.read(stream)
-                    except StopAsyncIteration:
-                        break
-                    except TimeoutError:
+                lease.interrupt = timer.interrupt
+                # One engine stream per stretch the sequence runs unpaused.
+                while not decoded.over:
+                    if not await tier.scheduler.wait_resumed(lease, stop_at):
                         decoded.finish = "deadline"
                         break
-                    chunk = decoded.take(event)
-                    if chunk is not None:
-                        yield chunk
+                    left = request.max_tokens - len(decoded.token_ids)
+                    if decoded.token_ids and left <= 0:
+                        decoded.finish = "length"
+                        break
+                    stream = tier.engine.stream(
+                        rendered.prompt,
+                        slot=lease.slot.index,
+                        max_tokens=left,
+                        sampling=request.sampling,
+                        prompt_ids=(
+                            None
+                            if rendered.token_ids is None
+                            else [*rendered.token_ids, *decoded.token_ids]
+                        ),
+                    )
+                    try:
+                        while True:
+                            try:
+                                event = await timer.read(stream)
+                            except StopAsyncIteration:
+                                decoded.over = True
+                                break
+                            except TimeoutError:
+                                decoded.finish, decoded.over = "deadline", True
+                                break
+                            except deadlines.StreamInterrupted:
+                                decoded.pauses += 1
+                                break  # paused: its slot keeps the KV cache
+                            chunk = decoded.take(event)
+                            if chunk is not None:
+                                yield chunk
+                    finally:
+                        # Closing the engine stream stops decoding now (deadline, cancel,
+                        # pause or done).
+                        with contextlib.suppress(Exception):
+                            await stream.aclose()
         finally:
-            # Closing the engine stream stops decoding now (deadline, cancel or done).
-            with contextlib.suppress(Exception):
-                await stream.aclose()
+            lease.interrupt = None
             lease.slot.tokens = tuple(rendered.token_ids or ())
             tier.scheduler.release(lease.slot)
         decoded.ended = time.monotonic()
@@ -336,7 +363,7 @@ class Generator:
             finish_reason=decoded.finish,
             text="".join(decoded.parts),
             prompt_tokens=rendered.tokens,
-            completion_tokens=final.completion_tokens if final else len(decoded.parts),
+            completion_tokens=decoded.completion_tokens(),
             cached_tokens=final.cached_tokens if final else 0,
             queue_wait_s=lease.waited_s,
             prefill_s=decoded.prefill_s(),
@@ -512,6 +539,20 @@ def _refuse_if_its_tokens_do_not_fit(rendered: Rendered, request: GenerationRequ
 _FINISH_OF_STOP = {"eos": "stop", "word": "stop", "limit": "length"}
 
 
+def _joined(first: StreamEvent, later: StreamEvent) -> StreamEvent:
+    """The final figures of one sequence run as two engine streams."""
+    return replace(
+        later,
+        prompt_tokens=first.prompt_tokens,
+        cached_tokens=first.cached_tokens,
+        completion_tokens=first.completion_tokens + later.completion_tokens,
+        prompt_ms=first.prompt_ms + later.prompt_ms,
+        decode_ms=first.decode_ms + later.decode_ms,
+        drafted=first.drafted + later.drafted,
+        accepted=first.accepted + later.accepted,
+    )
+
+
 @dataclass
 class _Decoded:
     """What one sequence's stream gave, as it arrives."""
@@ -522,18 +563,29 @@ class _Decoded:
     final: StreamEvent | None = None
     finish: str = "stop"  # stop | length | deadline
     ended: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    pauses: int = 0  # times the scheduler paused the sequence
+    over: bool = False  # the engine ended it, or the deadline did
 
     def take(self, event: StreamEvent) -> Chunk | None:
         """The chunk to pass on for `event` (None: it carries no text)."""
         if event.final:
-            self.final = event
+            # A sequence paused and resumed ran as several engine streams: its figures are
+            # their sums (the prompt and its cache as the first one found them).
+            self.final = event if self.final is None else _joined(self.final, event)
             self.finish = _FINISH_OF_STOP.get(event.stop_type, "stop")
+        self.token_ids.extend(event.token_ids)
         if not (event.text or event.token_ids):
             return None
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         self.parts.append(event.text)
         return Chunk(event.text, event.token_ids, first=len(self.parts) == 1)
+
+    def completion_tokens(self) -> int:
+        if self.pauses:  # a stream cut by a pause sent no figures: its tokens are counted
+            return len(self.token_ids)
+        return self.final.completion_tokens if self.final else len(self.parts)
 
     def prefill_s(self) -> float:
         """The engine's own timing when it reports one, else measured here."""

@@ -103,6 +103,13 @@ class GenerationMetrics:
             "counter",
             ("tier", "reason"),
         )
+        pauses = reading(
+            "ragline_generation_pauses_total",
+            "Sequences of heavier tenants paused while a light tenant's request ran "
+            "(priority slots); each resumes where it stopped.",
+            "counter",
+            ("tier",),
+        )
         engine_up = reading(
             "ragline_generation_engine_up",
             "1 while the tier's engine serves, 0 while it cannot (health is NOT_SERVING).",
@@ -140,6 +147,7 @@ class GenerationMetrics:
                 return {**counts, ("DEADLINE_EXCEEDED",): scheduler.expired_waiting}
 
             refusals.add(refused, name)
+            pauses.add(lambda: scheduler.pauses, name)
             engine_up.add(lambda: 0.0 if name in engine_problems() else 1.0, name)
             store = tier.prefix_store
             if store is not None:

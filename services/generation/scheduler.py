@@ -20,6 +20,15 @@ over. An erase that fails or is cancelled leaves the slot its previous owner's, 
 next other owner erases it again: nobody can hit, or time, a prefix cached for another
 tenant, or for a principal of its own tenant who sees more. The queues and their turns
 are per tenant.
+
+Light tenants first (`priority_slots`): a request of a tenant that has nothing running or
+waiting, while another tenant has two or more, is a priority request. It takes a free slot
+(the `priority_slots` kept beside the others are for it), and every running sequence of
+the heavier tenants is paused: its holder stops its engine stream (the slot keeps its KV
+cache) and waits, then resumes where it stopped once no priority request runs. Meanwhile
+no sequence of theirs starts. On a CPU, where sequences decoding together share the cores,
+a tenant asking one question at a time then gets the engine to itself instead of a share
+of it beside a flood.
 """
 
 from __future__ import annotations
@@ -48,14 +57,24 @@ class Slot:
     # unknown or erased), so a warm slot is not overwritten by a shorter stored prefix.
     tokens: tuple[int, ...] = ()
     taken_at: float = 0.0  # when its current lease began
+    reserved: bool = False  # one of the priority slots
 
 
-@dataclass
+@dataclass(eq=False)
 class Lease:
     slot: Slot
     waited_s: float
     warm: bool  # the slot already held this owner's cache
     erased: bool  # the slot was taken from another owner and erased first
+    tenant: str = ""
+    priority: bool = False  # a light tenant's request (see the module)
+    # Whether its holder can stop its sequence and resume it later.
+    pausable: bool = False
+    # Set while its sequence must stay paused; `interrupt` (registered by the holder) ends
+    # the holder's read of the engine stream at once.
+    paused: bool = False
+    interrupt: Callable[[], None] | None = field(default=None, repr=False)
+    resumed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
 
 @dataclass
@@ -64,6 +83,7 @@ class _Waiter:
     owner: str
     deadline: float | None
     future: asyncio.Future[Slot] = field(repr=False)
+    priority: bool = False
 
 
 class SlotScheduler:
@@ -75,8 +95,14 @@ class SlotScheduler:
         *,
         max_queue_per_tenant: int = 0,
         typical_request_s: float = 2.0,
+        priority_slots: int = 0,
     ) -> None:
-        self.slots = [Slot(i) for i in range(slots)]
+        # The engine's slots: `slots` for anyone, then `priority_slots` for priority requests.
+        self.slots = [Slot(i) for i in range(slots)] + [
+            Slot(slots + i, reserved=True) for i in range(priority_slots)
+        ]
+        self.priority_slots = priority_slots
+        self._leases: list[Lease] = []
         self.max_queue = max_queue
         self.max_queue_per_tenant = max_queue_per_tenant or max((max_queue + 1) // 2, 1)
         self.erase = erase
@@ -91,6 +117,7 @@ class SlotScheduler:
         # and those whose deadline passed while they waited.
         self.refusals: Counter[str] = Counter()
         self.expired_waiting = 0
+        self.pauses = 0  # sequences paused for a priority request
 
     @property
     def busy(self) -> int:
@@ -146,10 +173,57 @@ class SlotScheduler:
             metadata={"queue": "generation"},
         )
 
-    def _pick(self, owner: str) -> Slot | None:
-        if self._paused:
+    def _load(self, tenant: str) -> int:
+        """What a tenant has in generation: its leases and its waiting requests."""
+        held = sum(lease.tenant == tenant for lease in self._leases)
+        return held + len(self._queues.get(tenant, ()))
+
+    def _is_priority(self, tenant: str) -> bool:
+        return (
+            self.priority_slots > 0
+            and self._load(tenant) == 0
+            and any(self._load(lease.tenant) >= 2 for lease in self._leases)
+        )
+
+    def _held_back(self, tenant: str) -> bool:
+        """A heavy tenant starts nothing while a priority request runs."""
+        return self._load(tenant) >= 2 and any(lease.priority for lease in self._leases)
+
+    def _pause_heavier(self) -> None:
+        for lease in self._leases:
+            if lease.priority or not lease.pausable or lease.paused:
+                continue
+            if self._load(lease.tenant) < 2:
+                continue
+            lease.paused = True
+            lease.resumed.clear()
+            self.pauses += 1
+            if lease.interrupt is not None:
+                lease.interrupt()
+
+    def _resume_when_clear(self) -> None:
+        if any(lease.priority for lease in self._leases):
+            return
+        for lease in self._leases:
+            if lease.paused:
+                lease.paused = False
+                lease.resumed.set()
+
+    async def wait_resumed(self, lease: Lease, deadline: float | None) -> bool:
+        """Waits while `lease` is paused; False when its deadline passed first."""
+        if not lease.paused:
+            return True
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
+        try:
+            await asyncio.wait_for(lease.resumed.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def _pick(self, owner: str, tenant: str = "", *, priority: bool = False) -> Slot | None:
+        if self._paused or (not priority and self._held_back(tenant)):
             return None
-        free = [s for s in self.slots if not s.busy]
+        free = [s for s in self.slots if not s.busy and (priority or not s.reserved)]
         if not free:
             return None
         own = [s for s in free if s.owner == owner]
@@ -160,12 +234,18 @@ class SlotScheduler:
             return empty[0]
         return min(free, key=lambda s: s.last_used)  # least recently used other owner's
 
-    async def acquire(self, tenant: str, deadline: float | None, owner: str = "") -> Lease:
+    async def acquire(
+        self, tenant: str, deadline: float | None, owner: str = "", *, pausable: bool = False
+    ) -> Lease:
         """A slot for a request of `tenant` (its queue and turn); `owner` (the tenant
-        itself by default) decides whose cached prefix it may reuse."""
+        itself by default) decides whose cached prefix it may reuse. `pausable`: the
+        holder can pause its sequence when asked (Lease.paused, wait_resumed)."""
         owner = owner or tenant
         started = time.monotonic()
-        picked = self._pick(owner) if not self._queues else None
+        priority = self._is_priority(tenant)
+        picked = (
+            self._pick(owner, tenant, priority=priority) if priority or not self._queues else None
+        )
         if picked is not None:
             slot = picked
         else:
@@ -175,7 +255,9 @@ class SlotScheduler:
             if self.waiting >= self.max_queue:
                 raise self._refuse(self.waiting, self.max_queue, "all tenants")
             self._refuse_if_it_would_only_time_out(tenant, deadline)
-            waiter = _Waiter(tenant, owner, deadline, asyncio.get_running_loop().create_future())
+            waiter = _Waiter(
+                tenant, owner, deadline, asyncio.get_running_loop().create_future(), priority
+            )
             self._queues.setdefault(tenant, deque()).append(waiter)
             try:
                 timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
@@ -193,6 +275,14 @@ class SlotScheduler:
         slot.busy = True
         slot.taken_at = time.monotonic()
         self._idle.clear()
+        lease = Lease(slot, 0.0, False, False, tenant=tenant, priority=priority, pausable=pausable)
+        self._leases.append(lease)
+        if priority:
+            self._pause_heavier()
+        elif self._held_back(tenant) and pausable:
+            # Handed a slot as a priority request began: it waits like those it paused.
+            lease.paused = True
+            self.pauses += 1
         warm = slot.owner == owner
         erased = False
         if slot.owner not in (None, owner):
@@ -206,7 +296,8 @@ class SlotScheduler:
             erased = True
             slot.tokens = ()
         slot.owner = owner
-        return Lease(slot, time.monotonic() - started, warm, erased)
+        lease.waited_s, lease.warm, lease.erased = time.monotonic() - started, warm, erased
+        return lease
 
     def _abandon(self, waiter: _Waiter) -> None:
         queue = self._queues.get(waiter.tenant)
@@ -219,6 +310,8 @@ class SlotScheduler:
             self.release(waiter.future.result())
 
     def release(self, slot: Slot) -> None:
+        self._leases = [lease for lease in self._leases if lease.slot is not slot]
+        self._resume_when_clear()
         slot.busy = False
         slot.last_used = time.monotonic()
         if slot.taken_at:
@@ -244,23 +337,31 @@ class SlotScheduler:
             self._hand_over()
 
     def _hand_over(self) -> None:
-        while self._queues:
-            tenant = next(iter(self._queues))
-            queue = self._queues[tenant]
-            waiter = queue[0]
-            if waiter.future.done():
-                queue.popleft()
-                if not queue:
-                    del self._queues[tenant]
-                continue
-            slot = self._pick(waiter.owner)
+        handed = True
+        while handed and self._queues:
+            handed = False
+            for tenant in list(self._queues):
+                if self._hand_over_to(tenant):
+                    handed = True
+                    break
+
+    def _hand_over_to(self, tenant: str) -> bool:
+        """Gives the first waiter of `tenant` a slot if one is free for it; whether the
+        queues changed."""
+        queue = self._queues[tenant]
+        waiter = queue[0]
+        slot = None
+        if not waiter.future.done():  # else it gave up: just dropped
+            slot = self._pick(waiter.owner, tenant, priority=waiter.priority)
             if slot is None:
-                return
-            queue.popleft()
-            # The tenant goes to the back of the round: the next free slot is another's.
-            del self._queues[tenant]
-            if queue:
-                self._queues[tenant] = queue
+                return False
+        queue.popleft()
+        # The tenant goes to the back of the round: the next free slot is another's.
+        del self._queues[tenant]
+        if queue:
+            self._queues[tenant] = queue
+        if slot is not None:
             slot.busy = True  # reserved for the waiter; acquire() finishes the hand-over
             self._idle.clear()
             waiter.future.set_result(slot)
+        return True

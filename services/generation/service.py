@@ -57,6 +57,10 @@ class GenerationConfig(ServiceConfig):
     # Sequences decoded together per tier (llama-server slots): a hard cap; the slots a
     # tier gets are fewer when its memory share holds fewer (see generation/memory.py).
     max_num_seqs: int = Field(4, ge=1)
+    # Slots beside those, kept for a light tenant's request (one asking one question at a
+    # time while another floods): the heavier tenants' sequences pause while it runs
+    # (generation/scheduler.py). 0: none, and nothing is ever paused.
+    priority_slots: int = Field(1, ge=0)
     # Memory for all tiers' engines (weights, buffers, KV caches) in MiB; 0: half of the
     # memory available when the service starts.
     memory_budget_mb: int = Field(0, ge=0)
@@ -108,8 +112,9 @@ class GenerationConfig(ServiceConfig):
     llama_server: Path | None = None
     llama_cache: Path | None = None
     # A llama-server already running per tier (for example a sidecar container), started
-    # with the flags this service would use (slots = max_num_seqs, --slot-save-path,
-    # --cache-ram 0, --slot-prompt-similarity 0); empty: the service starts its own.
+    # with the flags this service would use (slots = max_num_seqs + priority_slots,
+    # --slot-save-path, --cache-ram 0, --slot-prompt-similarity 0); empty: the service
+    # starts its own.
     # Speculation then is whatever that server was started with (no fallback restart).
     small_llama_url: str = ""
     large_llama_url: str = ""
@@ -169,13 +174,21 @@ class GenerationService(Service):
                 context_per_seq=context,
                 cache_type_k=cfg.cache_type_k,
                 cache_type_v=cfg.cache_type_v,
-                max_num_seqs=cfg.max_num_seqs,
+                max_num_seqs=cfg.max_num_seqs + cfg.priority_slots,
                 budget=self._memory_budget,
                 tiers=2 if cfg.large_model else 1,
             )
         except NotEnoughMemory as error:
             raise FailedPrecondition(f"tier {name} ({model}): {error}") from None
-        log.info("generation.slots", tier=name, model=model, plan=plan.describe())
+        # The priority slots come out of what memory holds only while one other remains.
+        priority_slots = min(cfg.priority_slots, plan.slots - 1)
+        log.info(
+            "generation.slots",
+            tier=name,
+            model=model,
+            plan=plan.describe(),
+            priority_slots=priority_slots,
+        )
         draft_path = None
         if speculation == "draft":
             draft_path = store.gguf_file(draft_model)
@@ -201,10 +214,11 @@ class GenerationService(Service):
         self.engines.append(engine)
         await engine.start()
         scheduler = SlotScheduler(
-            plan.slots,
+            plan.slots - priority_slots,
             cfg.max_queue,
             engine.erase_slot,
             max_queue_per_tenant=cfg.max_queue_per_tenant,
+            priority_slots=priority_slots,
         )
         model_version = store.version(model)
         return Tier(

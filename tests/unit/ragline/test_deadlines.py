@@ -148,3 +148,49 @@ async def test_stream_deadline_and_a_caller_cancel_together_stay_cancelled():
     loop.call_at(at, task.cancel)
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_an_interrupt_ends_the_read_in_progress_and_the_stream_reads_on():
+    loop = asyncio.get_running_loop()
+    stream = _ticks(0.2, 3)
+    with deadlines.StreamDeadline(None) as timer:
+        loop.call_later(0.02, timer.interrupt)
+        started = loop.time()
+        with pytest.raises(deadlines.StreamInterrupted):
+            await timer.read(stream)
+        assert loop.time() - started < 0.15  # at once, not at the next item
+        assert asyncio.current_task().cancelling() == 0
+        fresh = _ticks(0.001, 2)  # a reader asked to stop opens its stream again
+        assert [await timer.read(fresh), await timer.read(fresh)] == [0, 1]
+
+
+async def test_an_interrupt_between_reads_ends_the_next_one_once():
+    stream = _ticks(0.001, 3)
+    with deadlines.StreamDeadline(None) as timer:
+        assert await timer.read(stream) == 0
+        timer.interrupt()  # while the reader's own code runs
+        with pytest.raises(deadlines.StreamInterrupted):
+            await timer.read(stream)
+        assert await timer.read(stream) == 1
+
+
+async def test_an_interrupt_never_hides_the_deadline_or_a_caller_cancel():
+    loop = asyncio.get_running_loop()
+    with deadlines.StreamDeadline(loop.time() + 0.02) as timer:
+        await asyncio.sleep(0.05)
+        timer.interrupt()
+        with pytest.raises(TimeoutError):
+            await timer.read(_ticks(10.0))
+
+    async def reader():
+        with deadlines.StreamDeadline(None) as timer:
+            loop.call_later(0.01, timer.interrupt)
+            with pytest.raises(deadlines.StreamInterrupted):
+                await timer.read(_ticks(10.0))
+            await timer.read(_ticks(10.0))
+
+    task = asyncio.create_task(reader())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

@@ -216,3 +216,95 @@ async def test_a_slot_is_warm_only_for_its_owner_within_a_tenant():
     public = await scheduler.acquire("acme", None, owner="acme|")
     assert not public.warm and public.erased and eraser.erased == [0]
     scheduler.release(public.slot)
+
+
+# -- light tenants first (priority slots) ------------------------------------------------
+
+
+class Interrupts:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> None:
+        self.count += 1
+
+
+async def flood_holding_both_slots(scheduler: SlotScheduler, deadline=None):
+    """A flooding tenant with both ordinary slots running and one more request waiting."""
+    running = [await scheduler.acquire("flood", deadline, pausable=True) for _ in range(2)]
+    for lease in running:
+        lease.interrupt = Interrupts()
+    waiting = asyncio.create_task(scheduler.acquire("flood", deadline, pausable=True))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    return running, waiting
+
+
+async def test_a_light_tenants_request_runs_alone_and_the_flood_resumes_after_it():
+    scheduler = SlotScheduler(2, 8, Eraser(), priority_slots=1)
+    running, waiting = await flood_holding_both_slots(scheduler)
+    quiet = await asyncio.wait_for(scheduler.acquire("quiet", None), 1)
+    assert quiet.priority and quiet.slot.reserved  # at once, in the kept slot
+    assert all(lease.paused and lease.interrupt.count == 1 for lease in running)
+    assert scheduler.pauses == 2
+    # A flood sequence that ends meanwhile hands its slot to nobody of the flood.
+    scheduler.release(running[0].slot)
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    scheduler.release(quiet.slot)
+    assert not running[1].paused and await scheduler.wait_resumed(running[1], None)
+    third = await asyncio.wait_for(waiting, 1)
+    assert not third.paused and not third.priority
+
+
+async def test_a_tenant_alone_never_takes_the_priority_slot_nor_pauses_itself():
+    scheduler = SlotScheduler(1, 8, Eraser(), priority_slots=1)
+    first = await scheduler.acquire("acme", None, pausable=True)
+    second = asyncio.create_task(scheduler.acquire("acme", None, pausable=True))
+    await asyncio.sleep(0.01)
+    assert not second.done()  # queued behind its own request, the kept slot stays free
+    assert not first.paused and scheduler.pauses == 0
+    scheduler.release(first.slot)
+    assert not (await asyncio.wait_for(second, 1)).slot.reserved
+
+
+async def test_two_tenants_with_one_request_each_share_as_before():
+    scheduler = SlotScheduler(2, 8, Eraser(), priority_slots=1)
+    acme = await scheduler.acquire("acme", None, pausable=True)
+    globex = await scheduler.acquire("globex", None, pausable=True)
+    assert not (acme.priority or globex.priority or acme.paused or globex.paused)
+    assert not acme.slot.reserved and not globex.slot.reserved
+
+
+async def test_without_priority_slots_nothing_is_paused():
+    scheduler = SlotScheduler(2, 8, Eraser())
+    running, waiting = await flood_holding_both_slots(scheduler)
+    quiet = asyncio.create_task(scheduler.acquire("quiet", None))
+    await asyncio.sleep(0.01)
+    assert not quiet.done()  # it waits its turn, as before
+    assert not any(lease.paused for lease in running) and scheduler.pauses == 0
+    # Behind at most one request of the flood (the turns go round), as before.
+    for lease in running:
+        scheduler.release(lease.slot)
+    assert (await asyncio.wait_for(quiet, 1)).tenant == "quiet"
+    assert (await asyncio.wait_for(waiting, 1)).tenant == "flood"
+
+
+async def test_a_paused_sequence_whose_deadline_passes_stops_waiting():
+    scheduler = SlotScheduler(2, 8, Eraser(), priority_slots=1)
+    running, waiting = await flood_holding_both_slots(scheduler)
+    await asyncio.wait_for(scheduler.acquire("quiet", None), 1)
+    started = time.monotonic()
+    assert not await scheduler.wait_resumed(running[0], time.monotonic() + 0.05)
+    assert time.monotonic() - started < 1.0
+    waiting.cancel()
+
+
+async def test_a_sequence_that_cannot_pause_runs_on():
+    scheduler = SlotScheduler(2, 8, Eraser(), priority_slots=1)
+    fixed = [await scheduler.acquire("flood", None) for _ in range(2)]
+    queued = asyncio.create_task(scheduler.acquire("flood", None))
+    await asyncio.sleep(0)
+    quiet = await asyncio.wait_for(scheduler.acquire("quiet", None), 1)
+    assert quiet.priority and not any(lease.paused for lease in fixed)
+    queued.cancel()

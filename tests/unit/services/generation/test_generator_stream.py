@@ -97,3 +97,54 @@ async def test_a_stalled_stream_ends_at_the_deadline_with_what_it_had():
     assert loop.time() - started < 2.0
     assert summary.finish_reason == "deadline"
     assert summary.text == "Par" and len(chunks) == 1
+
+
+class ContinuingEngine(ScriptedEngine):
+    """Decodes `words` one per `step_s`, each stream going on from the tokens its prompt
+    already ends with (as llama-server does from its slot's cache)."""
+
+    def __init__(self, words: list[str], step_s: float = 0.02) -> None:
+        super().__init__([])
+        self.words = words
+        self.step_s = step_s
+        self.prompt_length = 0
+
+    async def stream(self, prompt, *, slot, max_tokens, sampling, prompt_ids=None):
+        self.streams.append({"prompt_ids": prompt_ids, "max_tokens": max_tokens})
+        self.prompt_length = self.prompt_length or len(prompt_ids)
+        done = len(prompt_ids) - self.prompt_length
+        assert prompt_ids[self.prompt_length :] == [1000 + i for i in range(done)]
+        emitted = 0
+        for index in range(done, min(done + max_tokens, len(self.words))):
+            await asyncio.sleep(self.step_s)
+            emitted += 1
+            yield StreamEvent(text=self.words[index], token_ids=[1000 + index])
+        yield StreamEvent(final=True, stop_type="eos", completion_tokens=emitted)
+
+
+async def test_a_paused_sequence_resumes_where_it_stopped_with_every_token_once():
+    engine = ContinuingEngine([f" w{i}" for i in range(6)])
+    generator = generator_on(engine)
+    scheduler = SlotScheduler(2, 4, engine.erase_slot, priority_slots=1)
+    generator.tier(ModelTier.SMALL).scheduler = scheduler
+    request = GenerationRequest(tenant="ann", tier=ModelTier.SMALL, max_tokens=8, prompt="Hi")
+    texts, summary = [], None
+    other = None
+    async for event in generator.generate(request):
+        if isinstance(event, Chunk):
+            texts.append(event.text)
+            if len(texts) == 2:
+                # Ann floods (a second request of hers runs); a quiet tenant asks.
+                other = await scheduler.acquire("ann", None, pausable=True)
+                quiet = await scheduler.acquire("bob", None)
+                assert quiet.priority
+                asyncio.get_running_loop().call_later(0.1, scheduler.release, quiet.slot)
+        else:
+            summary = event
+    assert other is not None and scheduler.pauses >= 1
+    assert "".join(texts) == "".join(engine.words)  # nothing lost, nothing twice
+    assert len(engine.streams) == 2
+    resumed = engine.streams[1]
+    assert resumed["prompt_ids"] == [ord("H"), ord("i"), 1000, 1001]
+    assert resumed["max_tokens"] == 6
+    assert summary.completion_tokens == 6 and summary.finish_reason == "stop"

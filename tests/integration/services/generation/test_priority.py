@@ -1,0 +1,89 @@
+"""Light tenants first, on a real llama-server: a tenant's single request beside a flood gets
+the engine to itself (the flood's sequences pause), and every paused sequence resumes where
+it stopped, to the same text it gives unpaused."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from ragline.processes import free_ports
+from ragline.v1 import generation_pb2, generation_pb2_grpc
+from support import SMALL_GENERATION
+from support.metrics import sample_values, scrape
+
+pytestmark = pytest.mark.integration
+
+# Greedy and long: the model counts on for every token it is given.
+COUNTING = "Count from 1 to 300, separated by commas: 1, 2, 3, 4,"
+TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def two_slots_and_a_priority_one(module_launcher):
+    (metrics_port,) = free_ports(1)
+    handle = module_launcher.start(
+        "generation",
+        env={
+            **SMALL_GENERATION,
+            "RAGLINE_GENERATION_MAX_NUM_SEQS": "2",
+            "RAGLINE_GENERATION_PRIORITY_SLOTS": "1",
+            "RAGLINE_GENERATION_MAX_QUEUE": "8",
+            "RAGLINE_GENERATION_METRICS_PORT": str(metrics_port),
+        },
+    )
+    return handle, metrics_port
+
+
+async def generate(stub, who: str, started: asyncio.Event | None = None):
+    """(the text, when the last message came) of one counting generation as tenant `who`;
+    `started` is set at its first token."""
+    request = generation_pb2.GenerateRequest(
+        prompt=COUNTING, max_tokens=TOKENS, speculation=generation_pb2.SPECULATION_OFF
+    )
+    messages = []
+    async for message in stub.Generate(request, timeout=120, metadata=(("x-ragline-tenant", who),)):
+        messages.append(message)
+        if started is not None:
+            started.set()
+    final = messages[-1].final
+    assert final.text == "".join(m.text for m in messages[:-1])
+    return final.text, final.usage.output_tokens, time.monotonic()
+
+
+def pauses(metrics_port: int) -> float:
+    counted = sample_values(scrape(metrics_port), "ragline_generation_pauses", "_total")
+    assert ("small",) in counted, "the pauses counter is not exported"
+    return counted[("small",)]
+
+
+async def test_a_light_tenant_runs_alone_beside_a_flood_which_resumes_unchanged(
+    two_slots_and_a_priority_one,
+):
+    handle, metrics_port = two_slots_and_a_priority_one
+    async with grpc.aio.insecure_channel(handle.address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        # The flood alone: what its two sequences say decoding side by side.
+        alone = await asyncio.gather(generate(stub, "flood"), generate(stub, "flood"))
+        assert all(tokens == TOKENS for _, tokens, _ in alone), "the count stopped early"
+        before = pauses(metrics_port)
+
+        started = [asyncio.Event(), asyncio.Event()]
+        flood = [asyncio.create_task(generate(stub, "flood", s)) for s in started]
+        for event in started:
+            await asyncio.wait_for(event.wait(), 60)
+        # Both flood sequences decode; the same long request from a quiet tenant.
+        quiet_text, quiet_tokens, quiet_done = await generate(stub, "quiet")
+        flooded = await asyncio.gather(*flood)
+
+    assert pauses(metrics_port) - before >= 2, "the flood's sequences were not paused"
+    # It started last and, alone on the engine, ended first.
+    assert all(quiet_done < done for _, _, done in flooded)
+    assert quiet_tokens == TOKENS and quiet_text == alone[0][0]
+    # Paused mid-count and resumed from their slots' caches: not a token lost or repeated.
+    assert [(text, tokens) for text, tokens, _ in flooded] == [
+        (text, tokens) for text, tokens, _ in alone
+    ]
