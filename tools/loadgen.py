@@ -18,7 +18,9 @@ every ask offered (none dropped): COMPLETE within the deadline (goodput, per sec
 as a share of what was offered), refused at once (RESOURCE_EXHAUSTED, with how long the
 refusal took), cut at the deadline (PARTIAL deadline), DEADLINE_EXCEEDED, other outcomes,
 and latency p50/p95/p99 of the answered. Goodput is compared with the unloaded capacity,
-the quiet tenant's p95 with its unloaded p95.
+the quiet tenant's p95 with its unloaded p95. Then where the quiet tenant's time went, per
+phase (mean seconds of its answered asks: admission, each plan node, and the generation
+service's queue, prefill, decode and paused time).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
@@ -59,10 +61,49 @@ class Ask:
     state: str = ""  # COMPLETE | PARTIAL | INCOMPLETE, or the status code's name
     reason: str = ""
     retry_after_s: float = 0.0  # a refusal's RetryInfo delay
+    # Where an answered ask's time went (timing report): admission, each node's span, and
+    # the generation service's own stages (queue, prefill, decode, paused).
+    spent: dict[str, float] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
         return self.state == "COMPLETE"
+
+
+def time_spent(report: orchestrator_pb2.TimingReport) -> dict[str, float]:
+    def s(duration) -> float:
+        return duration.ToNanoseconds() / 1e9
+
+    spent = {"admission": s(report.admission_wait)}
+    for node in report.nodes:
+        if node.HasField("finished") and node.HasField("began"):
+            spent[node.node_id] = s(node.finished) - s(node.began)
+        if node.kind == orchestrator_pb2.NODE_KIND_GENERATE and node.HasField("server"):
+            spent["generation queue"] = s(node.server.queue_wait)
+            for stage in node.server.stages:
+                spent[f"generation {stage.name}"] = s(stage.duration)
+    return spent
+
+
+def breakdown(asks: list[dict], tenant: str, phases: list[str]) -> str:
+    """Mean seconds per part of `tenant`'s answered asks, per phase: where a flood's time
+    goes into a quiet tenant's answers."""
+    means: dict[str, dict[str, float]] = {}
+    for phase in phases:
+        spent = [a["spent"] for a in asks if a["tenant"] == tenant and a["phase"] == phase]
+        spent = [x for x in spent if x]
+        parts = sorted({k for x in spent for k in x})
+        means[phase] = {k: float(np.mean([x.get(k, 0.0) for x in spent])) for k in parts}
+    parts = list(dict.fromkeys(k for phase in phases for k in means[phase]))
+    lines = [
+        f"{tenant} tenant, mean seconds per answered ask:",
+        "| part | " + " | ".join(phases) + " |",
+        "|---|" + "---|" * len(phases),
+    ]
+    for part in parts:
+        cells = " | ".join(f"{means[p].get(part, 0.0):.3f}" for p in phases)
+        lines.append(f"| {part} | {cells} |")
+    return "\n".join(lines)
 
 
 class Asker:
@@ -95,6 +136,7 @@ class Asker:
                         status = message.result.status
                         record.state = common_pb2.AnswerState.Name(status.state)[13:]
                         record.reason = status.reason
+                        record.spent = time_spent(message.result.timing)
         except grpc.aio.AioRpcError as error:
             record.state = error.code().name
             record.retry_after_s = retry_delay_of(error) or 0.0
@@ -287,6 +329,8 @@ def main() -> int:
             process.send_signal(signal.SIGINT)
             process.wait(timeout=60)
     print(table(results))
+    phases = [p for p in results if not p.startswith("_") and p != "capacity"]
+    print(breakdown(results["_asks"], "quiet", phases))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     if args.plot:

@@ -97,6 +97,8 @@ class GenerationRequest:
     visibility: frozenset[str] = frozenset()
     # What the prompt holds (document ids): its saved KV states name them, to be forgotten.
     sources: tuple[str, ...] = ()
+    # The caller says this is a light tenant's request (scheduler.py: it goes first).
+    light_tenant: bool = False
 
     @property
     def input_field(self) -> str:
@@ -137,6 +139,7 @@ class Summary:
     accepted: int
     fell_back: bool
     store: StoreOutcome = field(default_factory=StoreOutcome)
+    paused_s: float = 0.0  # paused for light tenants' requests (scheduler.py)
 
 
 @dataclass
@@ -291,7 +294,11 @@ class Generator:
         # engine: the resumed prompt is them and the tokens generated so far.
         pausable = rendered.token_ids is not None and isinstance(tier.engine, TokenizingEngine)
         lease = await tier.scheduler.acquire(
-            request.tenant, deadline, owner=request.cache_owner, pausable=pausable
+            request.tenant,
+            deadline,
+            owner=request.cache_owner,
+            pausable=pausable,
+            light=request.light_tenant,
         )
         acquired = time.monotonic()
         try:
@@ -308,7 +315,11 @@ class Generator:
                 lease.interrupt = timer.interrupt
                 # One engine stream per stretch the sequence runs unpaused.
                 while not decoded.over:
-                    if not await tier.scheduler.wait_resumed(lease, stop_at):
+                    paused_at = time.monotonic() if lease.paused else None
+                    resumed = await tier.scheduler.wait_resumed(lease, stop_at)
+                    if paused_at is not None:
+                        decoded.paused_s += time.monotonic() - paused_at
+                    if not resumed:
                         decoded.finish = "deadline"
                         break
                     left = request.max_tokens - len(decoded.token_ids)
@@ -377,6 +388,7 @@ class Generator:
             accepted=accepted,
             fell_back=tier.speculation.fell_back,
             store=store,
+            paused_s=decoded.paused_s,
         )
 
     def _note_speculation(self, tier: Tier, drafted: int, accepted: int) -> None:
@@ -565,6 +577,7 @@ class _Decoded:
     ended: float | None = None
     token_ids: list[int] = field(default_factory=list)
     pauses: int = 0  # times the scheduler paused the sequence
+    paused_s: float = 0.0
     over: bool = False  # the engine ended it, or the deadline did
 
     def take(self, event: StreamEvent) -> Chunk | None:

@@ -21,10 +21,12 @@ next other owner erases it again: nobody can hit, or time, a prefix cached for a
 tenant, or for a principal of its own tenant who sees more. The queues and their turns
 are per tenant.
 
-Light tenants first (`priority_slots`): a request of a tenant that has nothing running or
-waiting, while another tenant has two or more, is a priority request. It takes a free slot
+Light tenants first (`priority_slots`): a request its caller marks as a light tenant's
+(the orchestrator does, for a run of a tenant with no other run in flight while another
+tenant has several), or else a request of a tenant that has nothing running or waiting
+here while another tenant has two or more, is a priority request. It takes a free slot
 (the `priority_slots` kept beside the others are for it), and every running sequence of
-the heavier tenants is paused: its holder stops its engine stream (the slot keeps its KV
+the other tenants is paused: its holder stops its engine stream (the slot keeps its KV
 cache) and waits, then resumes where it stopped once no priority request runs. Meanwhile
 no sequence of theirs starts. On a CPU, where sequences decoding together share the cores,
 a tenant asking one question at a time then gets the engine to itself instead of a share
@@ -178,22 +180,22 @@ class SlotScheduler:
         held = sum(lease.tenant == tenant for lease in self._leases)
         return held + len(self._queues.get(tenant, ()))
 
-    def _is_priority(self, tenant: str) -> bool:
-        return (
-            self.priority_slots > 0
-            and self._load(tenant) == 0
-            and any(self._load(lease.tenant) >= 2 for lease in self._leases)
+    def _is_priority(self, tenant: str, light: bool) -> bool:
+        if self.priority_slots == 0:
+            return False
+        if light:
+            return True
+        return self._load(tenant) == 0 and any(
+            self._load(lease.tenant) >= 2 for lease in self._leases
         )
 
     def _held_back(self, tenant: str) -> bool:
-        """A heavy tenant starts nothing while a priority request runs."""
-        return self._load(tenant) >= 2 and any(lease.priority for lease in self._leases)
+        """Another tenant starts nothing while a priority request runs."""
+        return any(lease.priority and lease.tenant != tenant for lease in self._leases)
 
-    def _pause_heavier(self) -> None:
+    def _pause_others(self, light: str) -> None:
         for lease in self._leases:
-            if lease.priority or not lease.pausable or lease.paused:
-                continue
-            if self._load(lease.tenant) < 2:
+            if lease.priority or not lease.pausable or lease.paused or lease.tenant == light:
                 continue
             lease.paused = True
             lease.resumed.clear()
@@ -235,14 +237,21 @@ class SlotScheduler:
         return min(free, key=lambda s: s.last_used)  # least recently used other owner's
 
     async def acquire(
-        self, tenant: str, deadline: float | None, owner: str = "", *, pausable: bool = False
+        self,
+        tenant: str,
+        deadline: float | None,
+        owner: str = "",
+        *,
+        pausable: bool = False,
+        light: bool = False,
     ) -> Lease:
         """A slot for a request of `tenant` (its queue and turn); `owner` (the tenant
         itself by default) decides whose cached prefix it may reuse. `pausable`: the
-        holder can pause its sequence when asked (Lease.paused, wait_resumed)."""
+        holder can pause its sequence when asked (Lease.paused, wait_resumed). `light`:
+        the caller marks it a light tenant's request (see the module)."""
         owner = owner or tenant
         started = time.monotonic()
-        priority = self._is_priority(tenant)
+        priority = self._is_priority(tenant, light)
         picked = (
             self._pick(owner, tenant, priority=priority) if priority or not self._queues else None
         )
@@ -278,7 +287,7 @@ class SlotScheduler:
         lease = Lease(slot, 0.0, False, False, tenant=tenant, priority=priority, pausable=pausable)
         self._leases.append(lease)
         if priority:
-            self._pause_heavier()
+            self._pause_others(tenant)
         elif self._held_back(tenant) and pausable:
             # Handed a slot as a priority request began: it waits like those it paused.
             lease.paused = True

@@ -71,6 +71,7 @@ def generation_request(
         sampling=_sampling(request.sampling),
         visibility=visibility,
         sources=tuple(request.sources),
+        light_tenant=request.light_tenant,
     )
 
 
@@ -125,6 +126,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             clock.add_stage("kv_save", summary.store.save_s)
         clock.add_stage("prefill", summary.prefill_s)
         clock.add_stage("decode", summary.decode_s)
+        if summary.paused_s:
+            clock.add_stage("paused", summary.paused_s)  # while a light tenant's request ran
         clock.mark_finished()
         drafted, accepted = summary.drafted, summary.accepted
         return generation_pb2.GenerateFinal(

@@ -110,6 +110,15 @@ class Admission:
         active |= set(self._running) | set(self._queues) | {tenant}
         return max(1, self.max_in_flight // len(active))
 
+    def light(self, tenant: str) -> bool:
+        """Whether `tenant`, its run admitted, is a light tenant beside a flood: no other
+        run of its own in flight or waiting, while another tenant has two or more. Its
+        generation goes first (GenerateRequest.light_tenant)."""
+        if self._running[tenant] != 1 or self._queues.get(tenant):
+            return False
+        others = (set(self._running) | set(self._queues)) - {tenant}
+        return any(self._running[t] + len(self._queues.get(t, ())) >= 2 for t in others)
+
     @contextlib.asynccontextmanager
     async def admit(self, deadline: float | None, tenant: str = "") -> AsyncIterator[float]:
         """Holds a place while the run goes on; yields the time it was admitted."""

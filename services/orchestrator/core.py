@@ -185,8 +185,11 @@ class Orchestrator:
                 left = deadlines.remaining()
                 # Keep back time to settle, close the ledger and send the result.
                 scope = None if left is None else max(left - self.settings.answer_margin_s, 0.001)
+                light = self.admission.light(tenant)
                 with deadlines.deadline_scope(scope):
-                    outcome = await self._run(request, emit, received, admitted, run_id, plan)
+                    outcome = await self._run(
+                        request, emit, received, admitted, run_id, plan, light_tenant=light
+                    )
         outcome.cache.answer_miss = looked_up
         if (
             key
@@ -346,6 +349,8 @@ class Orchestrator:
         admitted: float,
         run_id: str,
         plan: Plan,
+        *,
+        light_tenant: bool = False,
     ) -> AskOutcome:
         # A caller's own task id may be shared by several Asks (one budget for an agent's
         # whole job): joined if open, opened if not, never closed here. A task this run
@@ -365,6 +370,7 @@ class Orchestrator:
             viewer=request.viewer,
             read_cache=request.cache_policy == CachePolicy.USE,
             write_cache=request.cache_policy != CachePolicy.BYPASS,
+            light_tenant=light_tenant,
         )
 
         def changed(record: NodeRecord) -> None:

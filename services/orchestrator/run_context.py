@@ -165,8 +165,11 @@ class RunContext:
         viewer: Viewer | None = None,
         read_cache: bool = True,
         write_cache: bool = True,
+        light_tenant: bool = False,
     ) -> None:
         self.clients = clients
+        # A light tenant's run beside a flood (admission.py): its generations go first.
+        self.light_tenant = light_tenant
         self.budget = budget
         self.settings = settings
         self.run_id = run_id

@@ -51,7 +51,8 @@ async def generate(stub, who: str, started: asyncio.Event | None = None):
             started.set()
     final = messages[-1].final
     assert final.text == "".join(m.text for m in messages[:-1])
-    return final.text, final.usage.output_tokens, time.monotonic()
+    paused = {s.name for s in final.timing.stages} & {"paused"}
+    return final.text, final.usage.output_tokens, time.monotonic(), paused
 
 
 def pauses(metrics_port: int) -> float:
@@ -68,7 +69,7 @@ async def test_a_light_tenant_runs_alone_beside_a_flood_which_resumes_unchanged(
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         # The flood alone: what its two sequences say decoding side by side.
         alone = await asyncio.gather(generate(stub, "flood"), generate(stub, "flood"))
-        assert all(tokens == TOKENS for _, tokens, _ in alone), "the count stopped early"
+        assert all(tokens == TOKENS for _, tokens, _, _ in alone), "the count stopped early"
         before = pauses(metrics_port)
 
         started = [asyncio.Event(), asyncio.Event()]
@@ -76,14 +77,17 @@ async def test_a_light_tenant_runs_alone_beside_a_flood_which_resumes_unchanged(
         for event in started:
             await asyncio.wait_for(event.wait(), 60)
         # Both flood sequences decode; the same long request from a quiet tenant.
-        quiet_text, quiet_tokens, quiet_done = await generate(stub, "quiet")
+        quiet_text, quiet_tokens, quiet_done, _ = await generate(stub, "quiet")
         flooded = await asyncio.gather(*flood)
 
     assert pauses(metrics_port) - before >= 2, "the flood's sequences were not paused"
     # It started last and, alone on the engine, ended first.
-    assert all(quiet_done < done for _, _, done in flooded)
+    assert all(quiet_done < done for _, _, done, _ in flooded)
+    # The time they waited is in their reports, a stage of its own.
+    assert all(paused == {"paused"} for *_, paused in flooded)
+    assert not any(paused for *_, paused in alone)
     assert quiet_tokens == TOKENS and quiet_text == alone[0][0]
     # Paused mid-count and resumed from their slots' caches: not a token lost or repeated.
-    assert [(text, tokens) for text, tokens, _ in flooded] == [
-        (text, tokens) for text, tokens, _ in alone
+    assert [(text, tokens) for text, tokens, *_ in flooded] == [
+        (text, tokens) for text, tokens, *_ in alone
     ]

@@ -453,3 +453,47 @@ async def test_a_step_this_version_cannot_run_is_unimplemented(rag_stack):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await ask(orchestrator.address, orchestrator_pb2.AskRequest(question=WARSAW, plan=plan))
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_a_tenant_asking_alone_beside_a_flood_has_its_generation_marked_light(rag_stack):
+    """The front door, which sees a flood's runs in flight, tells the generation service
+    which request is a light tenant's (GenerateRequest.light_tenant): that one goes first."""
+    from support.generation_proxy import GenerationProxy
+    from support.retrieval import Client
+
+    warsaw = "Warsaw is the capital of Poland. It stands on the Vistula River."
+    writer = Client(rag_stack.retrieval.address)
+    for tenant in ("flood-t", "quiet-t"):
+        await writer.upsert(tenant, [{"id": "w", "title": "Warsaw", "text": warsaw}])
+    await writer.close()
+    proxy = GenerationProxy(rag_stack.generation.address, lambda request: "Vistula [1]")
+    proxy.hold_s = 1.5  # the flood's answers stay in flight
+    await proxy.start()
+    try:
+        orchestrator = await asyncio.to_thread(
+            rag_stack.orchestrator, generation_addr=proxy.address, max_in_flight=4
+        )
+
+        async def ask_as(tenant: str):
+            request = orchestrator_pb2.AskRequest(
+                question=WARSAW, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+            )
+            async with grpc.aio.insecure_channel(orchestrator.address) as channel:
+                stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+                call = stub.Ask(request, timeout=60, metadata=who(tenant))
+                return [m async for m in call][-1].result
+
+        flood = [asyncio.create_task(ask_as("flood-t")) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while proxy.in_flight < 2:  # both flood runs are generating
+            assert time.monotonic() < deadline, "the flood's runs never reached generation"
+            await asyncio.sleep(0.02)
+        quiet = await ask_as("quiet-t")
+        await asyncio.gather(*flood)
+        alone = await ask_as("quiet-t")  # nobody floods now
+    finally:
+        await proxy.stop()
+    assert quiet.answer and alone.answer
+    marked = [(r.light_tenant, r.max_tokens) for r in proxy.scripted]
+    assert len(marked) == 4
+    assert [light for light, _ in marked] == [False, False, True, False]

@@ -308,3 +308,16 @@ async def test_a_sequence_that_cannot_pause_runs_on():
     quiet = await asyncio.wait_for(scheduler.acquire("quiet", None), 1)
     assert quiet.priority and not any(lease.paused for lease in fixed)
     queued.cancel()
+
+
+async def test_a_request_its_caller_marks_light_pauses_the_others_whatever_they_hold():
+    scheduler = SlotScheduler(2, 8, Eraser(), priority_slots=1)
+    flood = await scheduler.acquire("flood", None, pausable=True)  # only one here
+    flood.interrupt = Interrupts()
+    quiet = await asyncio.wait_for(scheduler.acquire("quiet", None, light=True), 1)
+    assert quiet.priority and flood.paused and flood.interrupt.count == 1
+    later = asyncio.create_task(scheduler.acquire("flood", None, pausable=True))
+    await asyncio.sleep(0.01)
+    assert not later.done()  # nothing of another tenant starts meanwhile
+    scheduler.release(quiet.slot)
+    assert not flood.paused and not (await asyncio.wait_for(later, 1)).paused

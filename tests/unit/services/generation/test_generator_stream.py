@@ -148,3 +148,4 @@ async def test_a_paused_sequence_resumes_where_it_stopped_with_every_token_once(
     assert resumed["prompt_ids"] == [ord("H"), ord("i"), 1000, 1001]
     assert resumed["max_tokens"] == 6
     assert summary.completion_tokens == 6 and summary.finish_reason == "stop"
+    assert 0.05 < summary.paused_s < 5  # the time paused is reported apart

@@ -173,3 +173,23 @@ async def test_a_flood_leaves_an_active_quiet_tenant_its_share_free():
     assert alone.in_flight == 2
     gate.set()
     await asyncio.gather(*both)
+
+
+async def test_a_tenant_asking_alone_beside_a_flood_is_the_light_one():
+    admission = Admission(max_in_flight=4, max_queue=8)
+    release = asyncio.Event()
+
+    async def flood_run():
+        async with admission.admit(None, "flood"):
+            await release.wait()
+
+    async with admission.admit(None, "quiet"):
+        assert not admission.light("quiet")  # nobody floods yet
+        flood = [asyncio.create_task(flood_run()) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        assert admission.light("quiet")
+        assert not admission.light("flood")
+    async with admission.admit(None, "quiet"), admission.admit(None, "quiet"):
+        assert not admission.light("quiet")  # two of its own in flight: not light
+    release.set()
+    await asyncio.gather(*flood)
