@@ -30,6 +30,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,8 +43,21 @@ if TYPE_CHECKING:
 # What a recipe reports, kept beside the model (export.json).
 Report = dict[str, Any]
 Feed = dict[str, np.ndarray]
-# (folded graph, target, tokenizer, calibration text, the graph's input names) -> facts
-Quantize = Callable[[Path, Path, "Tokenizer", dict[str, Any], set[str]], Report]
+
+
+@dataclass(frozen=True)
+class QuantizeJob:
+    """What a recipe's quantizing step works on; it writes `target`."""
+
+    folded: Path  # the source graph, its weights folded to constants
+    target: Path
+    tokenizer: Tokenizer
+    calibration: dict[str, Any]  # the manifest's calibration file
+    inputs: set[str]  # the graph's input names
+
+
+# A recipe's quantizing step: the facts it reports.
+Quantize = Callable[[QuantizeJob], Report]
 
 # Per-token cosine to the source graph, mean over held-out text (measured for the
 # MiniLM-L6 graph: 0.984 mean, 0.946 min over the 96 held-out texts).
@@ -109,8 +123,8 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _derived(
     store: ModelStore, spec: ModelSpec, target_dir: Path, log: Log, quantize: Quantize
 ) -> Report:
-    """The steps every recipe shares: fold the source's weights, `quantize(folded, target,
-    tokenizer, calibration, input names)`, then compare the result with the source on the
+    """The steps every recipe shares: fold the source's weights, `quantize(QuantizeJob(folded,
+    target, tokenizer, calibration, input names))`, then compare the result with the source on the
     held-out text, each run holding as many texts as the services will run it with
     (`ragline.embedder.texts_per_run`: one for a model the manifest marks not batch
     invariant, whose activation scales come from its run).
@@ -131,7 +145,7 @@ def _derived(
         folded = Path(tmp) / "folded.onnx"
         inputs = _fold_weights(source, folded)
         target = target_dir / "model.onnx"
-        facts = quantize(folded, target, tokenizer, calibration, inputs)
+        facts = quantize(QuantizeJob(folded, target, tokenizer, calibration, inputs))
         held_out = list(
             calibration_feeds(tokenizer, calibration["held_out"], inputs, batch=per_run)
         )
@@ -163,18 +177,13 @@ def static_int8_qdq(store: ModelStore, spec: ModelSpec, target_dir: Path, log: L
     """Writes `target_dir/model.onnx`; returns the report kept beside it."""
     from ragline.models.quantization import quantize_static_qdq
 
-    def quantize(
-        folded: Path,
-        target: Path,
-        tokenizer: Tokenizer,
-        calibration: dict[str, Any],
-        inputs: set[str],
-    ) -> Report:
-        log(f"calibrating {spec.name} on {len(calibration['calibrate'])} texts")
+    def quantize(job: QuantizeJob) -> Report:
+        texts = job.calibration["calibrate"]
+        log(f"calibrating {spec.name} on {len(texts)} texts")
         quantize_static_qdq(
-            folded,
-            target,
-            calibration_feeds(tokenizer, calibration["calibrate"], inputs),
+            job.folded,
+            job.target,
+            calibration_feeds(job.tokenizer, texts, job.inputs),
             op_types=("MatMul",),
             # Measured on MiniLM-L6 (cosine to fp32, min / mean): every weight MatMul
             # 0.877 / 0.925; leaving the feed-forward outputs (fed by GELU, outlier
@@ -182,7 +191,7 @@ def static_int8_qdq(store: ModelStore, spec: ModelSpec, target_dir: Path, log: L
             weights_only_matmuls=True,
             keep_fp32_after_gelu=True,
         )
-        return {"calibration": f"{spec.calibration}: {len(calibration['calibrate'])} texts"}
+        return {"calibration": f"{spec.calibration}: {len(texts)} texts"}
 
     return _derived(store, spec, target_dir, log, quantize)
 
@@ -191,15 +200,9 @@ def dynamic_int8(store: ModelStore, spec: ModelSpec, target_dir: Path, log: Log)
     """Writes `target_dir/model.onnx`; returns the report kept beside it."""
     from ragline.models.quantization import quantize_dynamic_int8
 
-    def quantize(
-        folded: Path,
-        target: Path,
-        tokenizer: Tokenizer,
-        calibration: dict[str, Any],
-        inputs: set[str],
-    ) -> Report:
+    def quantize(job: QuantizeJob) -> Report:
         log(f"quantizing {spec.name}'s weights")
-        quantize_dynamic_int8(folded, target)
+        quantize_dynamic_int8(job.folded, job.target)
         return {}
 
     # Activation scales come from each run's own input: the manifest marks such a graph
@@ -212,24 +215,18 @@ def smoothed_dynamic_int8(store: ModelStore, spec: ModelSpec, target_dir: Path, 
     from ragline.models.quantization import quantize_dynamic_int8
     from ragline.models.smoothing import smooth_activations
 
-    def quantize(
-        folded: Path,
-        target: Path,
-        tokenizer: Tokenizer,
-        calibration: dict[str, Any],
-        inputs: set[str],
-    ) -> Report:
-        texts = calibration["calibrate"]
+    def quantize(job: QuantizeJob) -> Report:
+        texts = job.calibration["calibrate"]
         log(f"smoothing {spec.name}'s activations on {len(texts)} texts, then quantizing")
         with tempfile.TemporaryDirectory() as tmp:
             smoothed_path = Path(tmp) / "smoothed.onnx"
             smoothed = smooth_activations(
-                folded,
+                job.folded,
                 smoothed_path,
-                calibration_feeds(tokenizer, texts, inputs),
+                calibration_feeds(job.tokenizer, texts, job.inputs),
                 SMOOTHING_ALPHA,
             )
-            quantize_dynamic_int8(smoothed_path, target)
+            quantize_dynamic_int8(smoothed_path, job.target)
         return {
             "calibration": f"{spec.calibration}: {len(texts)} texts",
             "smoothing_alpha": SMOOTHING_ALPHA,
