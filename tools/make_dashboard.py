@@ -381,7 +381,7 @@ ROWS: list[tuple[str, list]] = [
                 ],
             ),
             (
-                "Finishes and refusals/s",
+                "Finishes, refusals and pauses/s",
                 "reqps",
                 [
                     (
@@ -391,6 +391,10 @@ ROWS: list[tuple[str, list]] = [
                     (
                         q("sum by (tier, reason) (rate(ragline_generation_refusals_total{S}[R]))"),
                         "refused {{tier}} {{reason}}",
+                    ),
+                    (
+                        q("sum by (tier) (rate(ragline_generation_pauses_total{S}[R]))"),
+                        "paused for a light tenant {{tier}}",
                     ),
                 ],
             ),
