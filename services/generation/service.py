@@ -57,9 +57,9 @@ class GenerationConfig(ServiceConfig):
     # Sequences decoded together per tier (llama-server slots): a hard cap; the slots a
     # tier gets are fewer when its memory share holds fewer (see generation/memory.py).
     max_num_seqs: int = Field(4, ge=1)
-    # Slots beside those, kept for a light tenant's request (one asking one question at a
-    # time while another floods): the heavier tenants' sequences pause while it runs
-    # (generation/scheduler.py). 0: none, and nothing is ever paused.
+    # Slots beside those (when the memory budget holds them), kept for a light tenant's
+    # request (one asking one question at a time while another floods): the other tenants'
+    # sequences pause while it runs (generation/scheduler.py). 0: none, nothing paused.
     priority_slots: int = Field(1, ge=0)
     # Memory for all tiers' engines (weights, buffers, KV caches) in MiB; 0: half of the
     # memory available when the service starts.
@@ -180,8 +180,9 @@ class GenerationService(Service):
             )
         except NotEnoughMemory as error:
             raise FailedPrecondition(f"tier {name} ({model}): {error}") from None
-        # The priority slots come out of what memory holds only while one other remains.
-        priority_slots = min(cfg.priority_slots, plan.slots - 1)
+        # The priority slots are what memory holds beyond max_num_seqs: a tight budget
+        # keeps the ordinary ones and none of those.
+        priority_slots = plan.slots - min(plan.slots, cfg.max_num_seqs)
         log.info(
             "generation.slots",
             tier=name,
