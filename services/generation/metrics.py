@@ -92,7 +92,11 @@ class GenerationMetrics:
         slots_busy = reading(
             "ragline_generation_slots_busy", "Slots decoding now.", labels=("tier",)
         )
-        slots = reading("ragline_generation_slots", "Slots (sequences at once).", labels=("tier",))
+        slots = reading(
+            "ragline_generation_slots",
+            "Slots (sequences at once), the priority slots included.",
+            labels=("tier",),
+        )
         waiting = reading(
             "ragline_generation_requests_waiting", "Requests queued for a slot.", labels=("tier",)
         )
