@@ -91,11 +91,14 @@ async def ask(address: str, question: str, tenant: str, cache) -> common_pb2.Ans
 
 
 def files_holding(directory: Path, text: bytes) -> list[str]:
-    return sorted(
-        str(path.relative_to(directory))
-        for path in directory.rglob("*")
-        if path.is_file() and text in path.read_bytes()
-    )
+    found = []
+    for path in directory.rglob("*"):
+        try:
+            if path.is_file() and text in path.read_bytes():
+                found.append(str(path.relative_to(directory)))
+        except FileNotFoundError:
+            continue  # removed between the listing and the read (an index swap)
+    return sorted(found)
 
 
 def token_rows(directory: Path, tenant: str, doc_id: str) -> int:
