@@ -62,6 +62,12 @@ class Slot:
     reserved: bool = False  # one of the priority slots
 
 
+def _set_event() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
 @dataclass(eq=False)
 class Lease:
     slot: Slot
@@ -72,11 +78,14 @@ class Lease:
     priority: bool = False  # a light tenant's request (see the module)
     # Whether its holder can stop its sequence and resume it later.
     pausable: bool = False
-    # Set while its sequence must stay paused; `interrupt` (registered by the holder) ends
-    # the holder's read of the engine stream at once.
-    paused: bool = False
+    # `interrupt` (registered by the holder) ends the holder's read of the engine stream at
+    # once; `resumed` is clear while its sequence must stay paused.
     interrupt: Callable[[], None] | None = field(default=None, repr=False)
-    resumed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    resumed: asyncio.Event = field(default_factory=_set_event, repr=False)
+
+    @property
+    def paused(self) -> bool:
+        return not self.resumed.is_set()
 
 
 @dataclass
@@ -197,7 +206,6 @@ class SlotScheduler:
         for lease in self._leases:
             if lease.priority or not lease.pausable or lease.paused or lease.tenant == light:
                 continue
-            lease.paused = True
             lease.resumed.clear()
             self.pauses += 1
             if lease.interrupt is not None:
@@ -207,9 +215,7 @@ class SlotScheduler:
         if any(lease.priority for lease in self._leases):
             return
         for lease in self._leases:
-            if lease.paused:
-                lease.paused = False
-                lease.resumed.set()
+            lease.resumed.set()
 
     async def wait_resumed(self, lease: Lease, deadline: float | None) -> bool:
         """Waits while `lease` is paused; False when its deadline passed first."""
@@ -290,7 +296,7 @@ class SlotScheduler:
             self._pause_others(tenant)
         elif self._held_back(tenant) and pausable:
             # Handed a slot as a priority request began: it waits like those it paused.
-            lease.paused = True
+            lease.resumed.clear()
             self.pauses += 1
         warm = slot.owner == owner
         erased = False
