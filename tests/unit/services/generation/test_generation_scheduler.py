@@ -245,6 +245,9 @@ async def test_a_light_tenants_request_runs_alone_and_the_flood_resumes_after_it
     running, waiting = await flood_holding_both_slots(scheduler)
     quiet = await asyncio.wait_for(scheduler.acquire("quiet", None), 1)
     assert quiet.priority and quiet.slot.reserved  # at once, in the kept slot
+    # The kept slot comes first in the engine's slots: llama-server fills each step's batch
+    # in slot order, so what a paused sequence still has in the step under way goes after.
+    assert quiet.slot.index == 0 and {lease.slot.index for lease in running} == {1, 2}
     assert all(lease.paused and lease.interrupt.count == 1 for lease in running)
     assert scheduler.pauses == 2
     # A flood sequence that ends meanwhile hands its slot to nobody of the flood.
@@ -255,6 +258,14 @@ async def test_a_light_tenants_request_runs_alone_and_the_flood_resumes_after_it
     assert not running[1].paused and await scheduler.wait_resumed(running[1], None)
     third = await asyncio.wait_for(waiting, 1)
     assert not third.paused and not third.priority
+
+
+async def test_a_light_request_takes_the_kept_slot_even_beside_a_free_ordinary_one():
+    scheduler = SlotScheduler(2, 8, Eraser(), priority_slots=1)
+    flood = await scheduler.acquire("flood", None, pausable=True)
+    flood.interrupt = Interrupts()
+    quiet = await asyncio.wait_for(scheduler.acquire("quiet", None, light=True), 1)
+    assert quiet.priority and quiet.slot.index == 0 and flood.slot.index == 1
 
 
 async def test_a_tenant_alone_never_takes_the_priority_slot_nor_pauses_itself():
