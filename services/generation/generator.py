@@ -140,6 +140,7 @@ class Summary:
     fell_back: bool
     store: StoreOutcome = field(default_factory=StoreOutcome)
     paused_s: float = 0.0  # paused for light tenants' requests (scheduler.py)
+    engine_wait_s: float = 0.0  # see _Decoded.engine_wait_s
 
 
 @dataclass
@@ -326,6 +327,7 @@ class Generator:
                     if decoded.token_ids and left <= 0:
                         decoded.finish = "length"
                         break
+                    stretch_started = time.monotonic()
                     stream = tier.engine.stream(
                         rendered.prompt,
                         slot=lease.slot.index,
@@ -358,6 +360,7 @@ class Generator:
                         # pause or done).
                         with contextlib.suppress(Exception):
                             await stream.aclose()
+                        decoded.streamed_s += time.monotonic() - stretch_started
         finally:
             lease.interrupt = None
             lease.slot.tokens = tuple(rendered.token_ids or ())
@@ -389,6 +392,7 @@ class Generator:
             fell_back=tier.speculation.fell_back,
             store=store,
             paused_s=decoded.paused_s,
+            engine_wait_s=decoded.engine_wait_s(),
         )
 
     def _note_speculation(self, tier: Tier, drafted: int, accepted: int) -> None:
@@ -579,6 +583,7 @@ class _Decoded:
     pauses: int = 0  # times the scheduler paused the sequence
     paused_s: float = 0.0
     over: bool = False  # the engine ended it, or the deadline did
+    streamed_s: float = 0.0  # inside the engine's streams, from each request to its end
 
     def take(self, event: StreamEvent) -> Chunk | None:
         """The chunk to pass on for `event` (None: it carries no text)."""
@@ -605,6 +610,16 @@ class _Decoded:
         if self.final and self.final.prompt_ms:
             return self.final.prompt_ms / 1000
         return (self.first_token_at or self._ended()) - self.started
+
+    def engine_wait_s(self) -> float:
+        """Time in the engine's streams that its own prefill and decode figures leave out:
+        waiting for the step it joins (each engine step runs to its end, whatever the
+        other sequences put in it), and the stretches a pause cut (their figures never
+        come), and any time the reader of the stream kept it waiting. Only where the
+        engine reports its figures."""
+        if not (self.final and self.final.prompt_ms):
+            return 0.0
+        return max(self.streamed_s - self.prefill_s() - self.decode_s(), 0.0)
 
     def decode_s(self) -> float:
         if self.final and self.final.decode_ms:

@@ -128,6 +128,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         clock.add_stage("decode", summary.decode_s)
         if summary.paused_s:
             clock.add_stage("paused", summary.paused_s)  # while a light tenant's request ran
+        if summary.engine_wait_s >= 0.001:
+            clock.add_stage("engine_wait", summary.engine_wait_s)
         clock.mark_finished()
         drafted, accepted = summary.drafted, summary.accepted
         return generation_pb2.GenerateFinal(
