@@ -7,6 +7,14 @@ retry elsewhere (or later) can still help: when what is ahead of it in the queue
 run's slow case (the 90th percentile of recent run times) does not fit its deadline. What is
 admitted can finish; nothing is let in only to be cut at its deadline.
 
+Run times are measured per tenant as well as for everyone: a tenant's runs can take far
+longer than the others' (a flood whose generations pause for a light tenant's, a tenant
+whose questions need the large model), and a run its deadline cut counts as one that did
+not fit (it needed more than it had). A tenant's run with a place free is still refused
+when most of its recent runs ran out of time and another of its runs is under way (that
+one keeps measuring, so the estimate follows when things get faster); one that must queue
+is refused when its wait and its tenant's slow case do not fit.
+
 Fairness between tenants: each tenant queues apart (at most `max_queue_per_tenant`, so a
 flood cannot fill the queue for everyone), and a freed place goes to the waiting tenant with
 the fewest runs in flight (round robin among equals). While several tenants are active
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
@@ -34,6 +43,36 @@ from ragline.errors import DeadlineExceeded, ResourceExhausted
 
 # Recent runs whose durations set the expected and the slow run time.
 _WINDOW = 64
+# A tenant's recent runs, and how many make its own estimate (fewer: everyone's).
+_TENANT_WINDOW = 16
+_TENANT_SAMPLES = 4
+# The half-life of a tenant's ask rate (asks refused included), and how many times another
+# tenant's rate makes it the heavier one.
+_RATE_HALF_LIFE_S = 10.0
+_HEAVIER = 2.0
+# Tenants remembered (when they last asked, their run times) before idle ones are forgotten.
+_TENANTS_KEPT = 4096
+_FORGET_AFTER_S = 600.0
+
+
+@dataclass
+class Place:
+    """A run's place while it runs: when it was admitted, and whether its deadline cut it
+    (the caller says so; a run that ends in DeadlineExceeded is one)."""
+
+    admitted: float
+    ran_out: bool = False
+
+
+@dataclass
+class _Run:
+    held_s: float
+    ran_out: bool
+
+    @property
+    def needed_s(self) -> float:
+        """What the run needed: its time, or more than any deadline where it ran out."""
+        return math.inf if self.ran_out else self.held_s
 
 
 @dataclass
@@ -62,33 +101,54 @@ class Admission:
         # Waiters by tenant; the dict's order is the round-robin order among equals.
         self._queues: dict[str, deque[_Waiter]] = {}
         self._runs: deque[float] = deque([typical_run_s], maxlen=_WINDOW)
+        self._tenant_runs: dict[str, deque[_Run]] = {}
         self._last_asked: dict[str, float] = {}  # when each tenant last asked
+        self._asks: dict[str, float] = {}  # each tenant's asks, decayed (see _rate)
         self._recheck: asyncio.TimerHandle | None = None
 
     @property
     def waiting(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
-    @property
-    def typical_run_s(self) -> float:
-        """The median of recent run times."""
-        return float(np.median(self._runs))
+    def _own_runs(self, tenant: str | None) -> deque[_Run] | None:
+        """`tenant`'s recent runs when there are enough to go by."""
+        runs = None if tenant is None else self._tenant_runs.get(tenant)
+        return runs if runs is not None and len(runs) >= _TENANT_SAMPLES else None
 
-    @property
-    def mean_run_s(self) -> float:
-        """The mean of recent run times: k runs ahead take about k of it in all (the
-        median undercounts when quick abstentions sit beside slow answers)."""
-        return float(np.mean(self._runs))
+    def typical_run_s(self, tenant: str | None = None) -> float:
+        """The median of recent run times (`tenant`'s own where there are enough)."""
+        own = self._own_runs(tenant)
+        return float(np.median(self._runs if own is None else [r.held_s for r in own]))
 
-    @property
-    def slow_run_s(self) -> float:
-        """The 90th percentile of recent run times: what a run admitted now must be ready
-        to take."""
-        return float(np.percentile(self._runs, 90))
+    def mean_run_s(self, tenant: str | None = None) -> float:
+        """The mean of recent run times (`tenant`'s own where there are enough): k runs
+        ahead take about k of it in all (the median undercounts when quick abstentions sit
+        beside slow answers)."""
+        own = self._own_runs(tenant)
+        return float(np.mean(self._runs if own is None else [r.held_s for r in own]))
 
-    def retry_after_s(self) -> float:
+    def slow_run_s(self, tenant: str | None = None) -> float:
+        """The 90th percentile of recent run times, `tenant`'s own where there are enough
+        (infinite when more than a tenth of them ran out of time): what a run admitted now
+        must be ready to take."""
+        own = self._own_runs(tenant)
+        if own is None:
+            return float(np.percentile(self._runs, 90))
+        return float(np.percentile([r.needed_s for r in own], 90, method="higher"))
+
+    def ran_out_mostly(self, tenant: str) -> bool:
+        """Whether most of `tenant`'s recent runs ran out of time."""
+        own = self._own_runs(tenant)
+        return own is not None and 2 * sum(r.ran_out for r in own) > len(own)
+
+    def retry_after_s(self, tenant: str | None = None) -> float:
         ahead = self.in_flight + self.waiting + 1 - self.max_in_flight
-        return max(self.typical_run_s * ahead / max(self.max_in_flight, 1), 0.05)
+        everyone = self.typical_run_s() * ahead / max(self.max_in_flight, 1)
+        if tenant is None or self._own_runs(tenant) is None:
+            return max(everyone, 0.05)
+        # Its own place frees when one of its runs ends.
+        own = self.typical_run_s(tenant) / max(self._running[tenant], 1)
+        return max(everyone, own, 0.05)
 
     def expected_wait_s(self, tenant: str = "") -> float:
         """How long a run of `tenant` queued now would wait: nothing while a place within
@@ -98,9 +158,10 @@ class Admission:
         share = self.share(tenant)
         if self.in_flight < self.max_in_flight and self._running[tenant] < share:
             return 0.0
-        places = share if self._running[tenant] >= share else self.max_in_flight
         ahead = len(self._queues.get(tenant, ())) + 1
-        return self.mean_run_s * ahead / places
+        if self._running[tenant] >= share:  # its own runs must end first
+            return self.mean_run_s(tenant) * ahead / share
+        return self.mean_run_s() * ahead / self.max_in_flight
 
     def share(self, tenant: str, now: float | None = None) -> int:
         """The places `tenant` may hold now: all of them while it is the only active tenant,
@@ -110,20 +171,39 @@ class Admission:
         active |= set(self._running) | set(self._queues) | {tenant}
         return max(1, self.max_in_flight // len(active))
 
+    def _rate(self, tenant: str, now: float) -> float:
+        """`tenant`'s asks (admitted or refused), each counted less as it ages (halved every
+        _RATE_HALF_LIFE_S): proportional to its recent ask rate."""
+        asks = self._asks.get(tenant, 0.0)
+        if not asks:
+            return 0.0
+        return asks * 0.5 ** ((now - self._last_asked[tenant]) / _RATE_HALF_LIFE_S)
+
     def light(self, tenant: str) -> bool:
         """Whether `tenant`, its run admitted, is a light tenant beside a flood: no other
-        run of its own in flight or waiting, while another tenant has two or more. Its
-        generation goes first (GenerateRequest.light_tenant)."""
+        run of its own in flight or waiting, while another tenant with work here has two
+        or more runs in flight or waiting, or asks at least twice as often (a flood the
+        front door throttles to one run may still ask many times more). Its generation goes
+        first (GenerateRequest.light_tenant)."""
         if self._running[tenant] != 1 or self._queues.get(tenant):
             return False
-        others = (set(self._running) | set(self._queues)) - {tenant}
-        return any(self._running[t] + len(self._queues.get(t, ())) >= 2 for t in others)
+        now = time.monotonic()
+        mine = self._rate(tenant, now)
+        for other in (set(self._running) | set(self._queues)) - {tenant}:
+            if self._running[other] + len(self._queues.get(other, ())) >= 2:
+                return True
+            if self._rate(other, now) >= _HEAVIER * mine:
+                return True
+        return False
 
     @contextlib.asynccontextmanager
-    async def admit(self, deadline: float | None, tenant: str = "") -> AsyncIterator[float]:
-        """Holds a place while the run goes on; yields the time it was admitted."""
+    async def admit(self, deadline: float | None, tenant: str = "") -> AsyncIterator[Place]:
+        """Holds a place while the run goes on; the caller marks it if it ran out of time."""
         started = time.monotonic()
+        self._asks[tenant] = self._rate(tenant, started) + 1.0
         self._last_asked[tenant] = started
+        if len(self._last_asked) > _TENANTS_KEPT:
+            self._forget_idle_tenants(started)
         if (
             self._queues
             or self.in_flight >= self.max_in_flight
@@ -131,13 +211,46 @@ class Admission:
         ):
             await self._wait(deadline, started, tenant)  # may be handed a place at once
         else:
+            self._refuse_if_its_runs_run_out(deadline, started, tenant)
             self._take(tenant)
-        admitted = time.monotonic()
+        place = Place(time.monotonic())
         try:
-            yield admitted
+            yield place
+        except DeadlineExceeded:
+            place.ran_out = True
+            raise
         finally:
-            self._runs.append(time.monotonic() - admitted)
+            held = time.monotonic() - place.admitted
+            self._runs.append(held)
+            own = self._tenant_runs.setdefault(tenant, deque(maxlen=_TENANT_WINDOW))
+            own.append(_Run(held, place.ran_out))
             self._release(tenant)
+
+    def _refuse_if_its_runs_run_out(
+        self, deadline: float | None, started: float, tenant: str
+    ) -> None:
+        """A run with a place free is refused when most of its tenant's recent runs ran
+        out of time and another of them is under way: it would most likely be cut too."""
+        if deadline is None or not self._running[tenant] or not self.ran_out_mostly(tenant):
+            return
+        retry = self.retry_after_s(tenant)
+        raise ResourceExhausted(
+            f"the orchestrator cannot finish this run in time: most of this tenant's recent "
+            f"runs ran out of time (typically {self.typical_run_s(tenant):.1f} s) and "
+            f"{self._running[tenant]} of them are under way; retry in about {retry:.1f} s "
+            "(or with a longer deadline)",
+            retry_after_s=retry,
+            reason="DEADLINE_TOO_SHORT_FOR_QUEUE",
+            metadata={"queue": "orchestrator", "scope": "tenant"},
+        )
+
+    def _forget_idle_tenants(self, now: float) -> None:
+        busy = set(self._running) | set(self._queues)
+        for tenant, at in list(self._last_asked.items()):
+            if tenant not in busy and now - at > _FORGET_AFTER_S:
+                del self._last_asked[tenant]
+                self._asks.pop(tenant, None)
+                self._tenant_runs.pop(tenant, None)
 
     def _refuse_if_it_cannot_finish(self, deadline: float | None, started: float, tenant: str):
         """A run that must queue is refused when its wait and a slow run do not fit its
@@ -146,22 +259,27 @@ class Admission:
             return
         left = deadline - started
         wait = self.expected_wait_s(tenant)
-        if wait + self.slow_run_s <= left:
+        slow = self.slow_run_s(tenant)
+        if wait + slow <= left:
             return
-        retry = self.retry_after_s()
+        retry = self.retry_after_s(tenant)
+        takes = (
+            f"a run takes up to about {slow:.1f} s now"
+            if math.isfinite(slow)
+            else "more than a tenth of this tenant's recent runs ran out of time"
+        )
         # It would only wait, or run, to time out: say so now, while a retry can help.
         raise ResourceExhausted(
             f"the orchestrator cannot finish this run in time: it would wait about "
-            f"{wait:.1f} s and a run takes up to about {self.slow_run_s:.1f} s now, more "
-            f"than the {left:.1f} s its deadline leaves; retry in about {retry:.1f} s (or "
-            "with a longer deadline)",
+            f"{wait:.1f} s and {takes}, more than the {left:.1f} s its deadline leaves; "
+            f"retry in about {retry:.1f} s (or with a longer deadline)",
             retry_after_s=retry,
             reason="DEADLINE_TOO_SHORT_FOR_QUEUE",
             metadata={"queue": "orchestrator"},
         )
 
     async def _wait(self, deadline: float | None, started: float, tenant: str) -> None:
-        retry = self.retry_after_s()
+        retry = self.retry_after_s(tenant)
         if self.in_flight >= self.max_in_flight or self._running[tenant] >= self.share(tenant):
             self._refuse_if_it_cannot_finish(deadline, started, tenant)
         mine = len(self._queues.get(tenant, ()))

@@ -181,15 +181,16 @@ class Orchestrator:
         tenant = request.viewer.tenant if request.viewer is not None else ""
         # A caller's deadline is capped: no run holds a place (or a queue entry) for longer.
         with deadlines.deadline_scope(self.settings.max_deadline_s or None):
-            async with self.admission.admit(deadlines.current_deadline(), tenant) as admitted:
+            async with self.admission.admit(deadlines.current_deadline(), tenant) as place:
                 left = deadlines.remaining()
                 # Keep back time to settle, close the ledger and send the result.
                 scope = None if left is None else max(left - self.settings.answer_margin_s, 0.001)
                 light = self.admission.light(tenant)
                 with deadlines.deadline_scope(scope):
                     outcome = await self._run(
-                        request, emit, received, admitted, run_id, plan, light_tenant=light
+                        request, emit, received, place.admitted, run_id, plan, light_tenant=light
                     )
+                place.ran_out = outcome.reason == "deadline"
         outcome.cache.answer_miss = looked_up
         if (
             key

@@ -497,3 +497,56 @@ async def test_a_tenant_asking_alone_beside_a_flood_has_its_generation_marked_li
     marked = [(r.light_tenant, r.max_tokens) for r in proxy.scripted]
     assert len(marked) == 4
     assert [light for light, _ in marked] == [False, False, True, False]
+
+
+async def test_a_tenant_whose_runs_keep_running_out_of_time_is_refused_at_once(rag_stack):
+    """Admission learns from how runs end: once most of a tenant's recent runs were cut at
+    their deadline, its next run while another of its runs is under way is refused at once
+    (RESOURCE_EXHAUSTED with a retry delay) instead of admitted only to be cut too. Its run
+    alone, and another tenant's, are still admitted."""
+    from support.generation_proxy import GenerationProxy
+    from support.retrieval import Client
+
+    warsaw = "Warsaw is the capital of Poland. It stands on the Vistula River."
+    writer = Client(rag_stack.retrieval.address)
+    for tenant in ("late-t", "other-t"):
+        await writer.upsert(tenant, [{"id": "w", "title": "Warsaw", "text": warsaw}])
+    await writer.close()
+    proxy = GenerationProxy(rag_stack.generation.address, lambda request: "Vistula [1]")
+    proxy.hold_s = 30.0  # every answer outlasts its run's deadline
+    await proxy.start()
+    try:
+        orchestrator = await asyncio.to_thread(
+            rag_stack.orchestrator, generation_addr=proxy.address, max_in_flight=4
+        )
+        async with grpc.aio.insecure_channel(orchestrator.address) as channel:
+            stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+
+            async def ask_as(tenant: str, deadline_s: float = 2.0):
+                request = orchestrator_pb2.AskRequest(
+                    question=WARSAW, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+                )
+                call = stub.Ask(request, timeout=deadline_s, metadata=who(tenant))
+                return [m async for m in call][-1].result
+
+            cut = await asyncio.gather(*(ask_as("late-t") for _ in range(4)))
+            assert all(r.status.reason == "deadline" for r in cut), [r.status for r in cut]
+            running = asyncio.create_task(ask_as("late-t", deadline_s=5.0))  # alone: admitted
+
+            async def generating() -> bool:
+                return proxy.in_flight >= 1
+
+            assert await wait_until(generating, timeout_s=5.0)
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await ask_as("late-t", deadline_s=10.0)
+            refused_in = time.monotonic() - started
+            other = await ask_as("other-t")  # another tenant: admitted (and cut, as here)
+            await running
+    finally:
+        await proxy.stop()
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "ran out of time" in caught.value.details() and refused_in < 1.0
+    status = rpc_status.from_call(caught.value)
+    assert any(d.Is(error_details_pb2.RetryInfo.DESCRIPTOR) for d in status.details)
+    assert other.status.reason == "deadline"

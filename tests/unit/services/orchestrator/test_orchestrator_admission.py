@@ -193,3 +193,97 @@ async def test_a_tenant_asking_alone_beside_a_flood_is_the_light_one():
         assert not admission.light("quiet")  # two of its own in flight: not light
     release.set()
     await asyncio.gather(*flood)
+
+
+async def _runs_of(admission: Admission, tenant: str, ran_out: list[bool]) -> None:
+    """Records finished runs of `tenant`, each marked as its deadline left it."""
+    for cut in ran_out:
+        async with admission.admit(None, tenant) as place:
+            place.ran_out = cut
+
+
+async def test_a_tenant_whose_runs_mostly_ran_out_is_refused_at_once_while_one_runs():
+    admission = Admission(max_in_flight=4, max_queue=8)
+    await _runs_of(admission, "flood", [True, True, True, False])
+    await _runs_of(admission, "quiet", [False] * 4)
+    release = asyncio.Event()
+    # Alone, it still runs: that run keeps measuring what its runs take.
+    probe = asyncio.create_task(hold(admission, release, deadline=time.monotonic() + 10))
+    probe_tenant = asyncio.create_task(
+        _admit_as_until(admission, "flood", release, time.monotonic() + 10)
+    )
+    await asyncio.sleep(0.01)
+    assert admission.in_flight == 2
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted, match="ran out of time") as caught:
+        async with admission.admit(time.monotonic() + 10, "flood"):
+            pass
+    assert time.monotonic() - started < 0.1 and caught.value.retry_after_s > 0
+    assert caught.value.reason == "DEADLINE_TOO_SHORT_FOR_QUEUE"
+    # Places are free: another tenant, and a run without a deadline, are admitted.
+    async with admission.admit(time.monotonic() + 10, "quiet"):
+        pass
+    async with admission.admit(None, "flood"):
+        pass
+    release.set()
+    await asyncio.gather(probe, probe_tenant)
+
+
+async def test_a_run_that_ends_in_deadline_exceeded_counts_as_one_that_ran_out():
+    admission = Admission(max_in_flight=4, max_queue=8)
+    for _ in range(3):
+        with pytest.raises(DeadlineExceeded):
+            async with admission.admit(None, "flood"):
+                raise DeadlineExceeded("cut")
+    await _runs_of(admission, "flood", [False])
+    assert admission.ran_out_mostly("flood") and not admission.ran_out_mostly("quiet")
+    # As its runs fit again, the estimate follows.
+    await _runs_of(admission, "flood", [False] * 4)
+    assert not admission.ran_out_mostly("flood")
+
+
+async def test_a_queued_run_is_judged_by_its_own_tenants_run_times():
+    admission = Admission(max_in_flight=2, max_queue=8, typical_run_s=0.5)
+    await _runs_of(admission, "slow", [False] * 4)
+    for run in admission._tenant_runs["slow"]:
+        run.held_s = 6.0  # its runs take 6 s; everyone's (0.5 s) would let it queue
+    release = asyncio.Event()
+    running = [
+        asyncio.create_task(_admit_as_until(admission, "slow", release, None)) for _ in range(2)
+    ]
+    await asyncio.sleep(0.01)
+    # Its two places free in about 6 s / 2, then a run of up to 6 s: more than 8 s.
+    with pytest.raises(ResourceExhausted, match=r"would wait about 3\.0 s"):
+        async with admission.admit(time.monotonic() + 8, "slow"):
+            pass
+    # A tenant with no runs of its own measured queues on everyone's figures.
+    other = asyncio.create_task(_admit_as_until(admission, "other", release, time.monotonic() + 10))
+    await asyncio.sleep(0.01)
+    assert admission.waiting == 1
+    release.set()
+    await asyncio.gather(*running, other)
+
+
+async def _admit_as_until(
+    admission: Admission, tenant: str, release: asyncio.Event, deadline: float | None
+) -> None:
+    async with admission.admit(deadline, tenant):
+        await release.wait()
+
+
+async def test_a_tenant_beside_one_that_asks_far_more_often_is_the_light_one():
+    """The front door may hold a flood to one run in flight (its others refused): the
+    tenant asking at least twice as often is still the heavier one."""
+    admission = Admission(max_in_flight=4, max_queue=8)
+    release = asyncio.Event()
+    await _runs_of(admission, "flood", [False] * 5)  # five asks just now
+    flood = asyncio.create_task(_admit_as_until(admission, "flood", release, None))
+    await asyncio.sleep(0.01)
+    async with admission.admit(None, "quiet"):
+        assert admission.light("quiet") and not admission.light("flood")
+    # A tenant asking as often as the other (both with one run in flight) is not light.
+    await _runs_of(admission, "steady", [False] * 5)
+    async with admission.admit(None, "steady"):
+        assert not admission.light("steady")
+    release.set()
+    await flood
