@@ -180,19 +180,22 @@ class Admission:
         return asks * 0.5 ** ((now - self._last_asked[tenant]) / _RATE_HALF_LIFE_S)
 
     def light(self, tenant: str) -> bool:
-        """Whether `tenant`, its run admitted, is a light tenant beside a flood: no other
-        run of its own in flight or waiting, while another tenant with work here has two
-        or more runs in flight or waiting, or asks at least twice as often (a flood the
-        front door throttles to one run may still ask many times more). Its generation goes
-        first (GenerateRequest.light_tenant)."""
+        """Whether `tenant`, with one run in flight, is a light tenant beside a flood now:
+        no other run of its own in flight or waiting, while another tenant has two or more,
+        or is active and asks at least twice as often (a flood the front door refuses
+        still asks: it may have nothing in flight this moment and a run admitted the
+        next). Its generation goes first (GenerateRequest.light_tenant), and the heavier
+        tenants' generations wait for it."""
         if self._running[tenant] != 1 or self._queues.get(tenant):
             return False
         now = time.monotonic()
         mine = self._rate(tenant, now)
-        for other in (set(self._running) | set(self._queues)) - {tenant}:
+        for other, asked in self._last_asked.items():
+            if other == tenant:
+                continue
             if self._running[other] + len(self._queues.get(other, ())) >= 2:
                 return True
-            if self._rate(other, now) >= _HEAVIER * mine:
+            if now - asked < self.activity_s and self._rate(other, now) >= _HEAVIER * mine:
                 return True
         return False
 

@@ -185,10 +185,15 @@ class Orchestrator:
                 left = deadlines.remaining()
                 # Keep back time to settle, close the ledger and send the result.
                 scope = None if left is None else max(left - self.settings.answer_margin_s, 0.001)
-                light = self.admission.light(tenant)
                 with deadlines.deadline_scope(scope):
                     outcome = await self._run(
-                        request, emit, received, place.admitted, run_id, plan, light_tenant=light
+                        request,
+                        emit,
+                        received,
+                        place.admitted,
+                        run_id,
+                        plan,
+                        light_tenant=lambda: self.admission.light(tenant),
                     )
                 place.ran_out = outcome.reason == "deadline"
         outcome.cache.answer_miss = looked_up
@@ -351,7 +356,7 @@ class Orchestrator:
         run_id: str,
         plan: Plan,
         *,
-        light_tenant: bool = False,
+        light_tenant: Callable[[], bool] | None = None,
     ) -> AskOutcome:
         # A caller's own task id may be shared by several Asks (one budget for an agent's
         # whole job): joined if open, opened if not, never closed here. A task this run

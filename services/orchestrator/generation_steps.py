@@ -61,7 +61,7 @@ async def _generate_reserved(
     gets the text as it streams; `part` tells apart generations one step runs side by side
     (their reservations and attempts)."""
     max_tokens = request.max_tokens
-    request.light_tenant = ctx.light_tenant
+    request.light_tenant = ctx.light_tenant()
     reservation = await ctx.reserve(
         step,
         Amounts(

@@ -165,11 +165,12 @@ class RunContext:
         viewer: Viewer | None = None,
         read_cache: bool = True,
         write_cache: bool = True,
-        light_tenant: bool = False,
+        light_tenant: Callable[[], bool] | None = None,
     ) -> None:
         self.clients = clients
-        # A light tenant's run beside a flood (admission.py): its generations go first.
-        self.light_tenant = light_tenant
+        # Whether the run is a light tenant's beside a flood now (admission.py): its
+        # generations go first. Asked at each generation: a flood may start meanwhile.
+        self.light_tenant = light_tenant or (lambda: False)
         self.budget = budget
         self.settings = settings
         self.run_id = run_id
