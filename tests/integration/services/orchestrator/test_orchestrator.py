@@ -458,20 +458,28 @@ async def test_a_step_this_version_cannot_run_is_unimplemented(rag_stack):
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-async def test_a_tenant_asking_alone_beside_a_flood_has_its_generation_marked_light(rag_stack):
-    """The front door, which sees a flood's runs in flight, tells the generation service
-    which request is a light tenant's (GenerateRequest.light_tenant): that one goes first."""
+async def warsaw_behind_a_proxy(rag_stack, *tenants: str, hold_s: float):
+    """The Warsaw passage in each tenant's index, and a started generation proxy whose
+    scripted answer (citing it) waits `hold_s` before its first word."""
     from support.generation_proxy import GenerationProxy
     from support.retrieval import Client
 
     warsaw = "Warsaw is the capital of Poland. It stands on the Vistula River."
     writer = Client(rag_stack.retrieval.address)
-    for tenant in ("flood-t", "quiet-t"):
+    for tenant in tenants:
         await writer.upsert(tenant, [{"id": "w", "title": "Warsaw", "text": warsaw}])
     await writer.close()
     proxy = GenerationProxy(rag_stack.generation.address, lambda request: "Vistula [1]")
-    proxy.hold_s = 1.5  # the flood's answers stay in flight
+    proxy.hold_s = hold_s
     await proxy.start()
+    return proxy
+
+
+async def test_a_tenant_asking_alone_beside_a_flood_has_its_generation_marked_light(rag_stack):
+    """The front door, which sees a flood's runs in flight, tells the generation service
+    which request is a light tenant's (GenerateRequest.light_tenant): that one goes first."""
+    # The flood's answers stay in flight.
+    proxy = await warsaw_behind_a_proxy(rag_stack, "flood-t", "quiet-t", hold_s=1.5)
     try:
         orchestrator = await asyncio.to_thread(
             rag_stack.orchestrator, generation_addr=proxy.address, max_in_flight=4
@@ -507,17 +515,8 @@ async def test_a_tenant_whose_runs_keep_running_out_of_time_is_refused_at_once(r
     their deadline, its next run while another of its runs is under way is refused at once
     (RESOURCE_EXHAUSTED with a retry delay) instead of admitted only to be cut too. Its run
     alone, and another tenant's, are still admitted."""
-    from support.generation_proxy import GenerationProxy
-    from support.retrieval import Client
-
-    warsaw = "Warsaw is the capital of Poland. It stands on the Vistula River."
-    writer = Client(rag_stack.retrieval.address)
-    for tenant in ("late-t", "other-t"):
-        await writer.upsert(tenant, [{"id": "w", "title": "Warsaw", "text": warsaw}])
-    await writer.close()
-    proxy = GenerationProxy(rag_stack.generation.address, lambda request: "Vistula [1]")
-    proxy.hold_s = 30.0  # every answer outlasts its run's deadline
-    await proxy.start()
+    # Every answer outlasts its run's deadline.
+    proxy = await warsaw_behind_a_proxy(rag_stack, "late-t", "other-t", hold_s=30.0)
     try:
         orchestrator = await asyncio.to_thread(
             rag_stack.orchestrator, generation_addr=proxy.address, max_in_flight=4
