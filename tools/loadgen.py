@@ -8,7 +8,7 @@ points at a running orchestrator, and ingests the demo corpus (five SQuAD articl
 two tenants, `flood` and `quiet`, once. Then:
 1. capacity: `--max-in-flight` closed-loop workers of tenant `flood` for --seconds/2: the
    COMPLETE answers per second the stack sustains (its capacity);
-2. the quiet tenant alone, one question at a time, for --seconds/2: its unloaded latency;
+2. the quiet tenant alone, one question at a time, for --seconds: its unloaded latency;
 3. for each load (a multiple of the capacity): the flood tenant asks open loop (Poisson
    arrivals at load x capacity, each with its own deadline, never waiting for the one
    before) while the quiet tenant keeps asking one question at a time.
@@ -18,7 +18,12 @@ every ask offered (none dropped): COMPLETE within the deadline (goodput, per sec
 as a share of what was offered), refused at once (RESOURCE_EXHAUSTED, with how long the
 refusal took), cut at the deadline (PARTIAL deadline), DEADLINE_EXCEEDED, other outcomes,
 and latency p50/p95/p99 of the answered. Goodput is compared with the unloaded capacity,
-the quiet tenant's p95 with its unloaded p95. Then where the quiet tenant's time went, per
+the quiet tenant's p95 with its unloaded p95 over the same questions: it asks the same
+sequence in every phase (answers differ in length, and the p95 of a few dozen questions
+drawn at random moves with which came up), each phase as a tenant of its own with the
+same documents (`quiet`, `quiet-2x`, ...: no phase finds the engine's caches warm with
+another's prompts), and a loaded phase's p95 is compared with that of the same first
+questions asked alone. Then where the quiet tenant's time went, per
 phase (mean seconds of its answered asks: admission, each plan node, and the generation
 service's queue, prefill, decode and paused time).
 """
@@ -60,6 +65,7 @@ class Ask:
     seconds: float = 0.0
     state: str = ""  # COMPLETE | PARTIAL | INCOMPLETE, or the status code's name
     reason: str = ""
+    question: str = ""
     retry_after_s: float = 0.0  # a refusal's RetryInfo delay
     # Where an answered ask's time went (timing report): admission, each node's span, and
     # the generation service's own stages (queue, prefill, decode, paused).
@@ -106,8 +112,15 @@ def breakdown(asks: list[dict], tenant: str, phases: list[str]) -> str:
     return "\n".join(lines)
 
 
+def quiet_tenant(phase: str) -> str:
+    """The quiet tenant of a phase: its own per loaded phase (see the module)."""
+    return "quiet" if not phase.endswith("x") else f"quiet-{phase}"
+
+
 class Asker:
-    def __init__(self, address: str, questions: list[str], deadline_s: float) -> None:
+    def __init__(
+        self, address: str, questions: list[str], deadline_s: float, tenants: list[str]
+    ) -> None:
         self.pool = ChannelPool()
         self.clients = {
             tenant: ServiceClient(
@@ -116,22 +129,30 @@ class Asker:
                 pool=self.pool,
                 caller=identity.Caller(tenant),
             )
-            for tenant in TENANTS
+            for tenant in tenants
         }
         self.questions = questions
         self.deadline_s = deadline_s
         self.rng = random.Random(5)
+        # The quiet tenant's questions: the same sequence from the start of every phase.
+        self.sequences: dict[str, random.Random] = {}
         self.asks: list[Ask] = []
 
+    def _question(self, tenant: str, phase: str) -> str:
+        if tenant != "quiet":
+            return self.rng.choice(self.questions)
+        return self.sequences.setdefault(phase, random.Random(7)).choice(self.questions)
+
     async def ask(self, tenant: str, phase: str) -> Ask:
-        record = Ask(tenant, phase, time.monotonic())
+        record = Ask(tenant, phase, time.monotonic(), question=self._question(tenant, phase))
         self.asks.append(record)
         request = orchestrator_pb2.AskRequest(
-            question=self.rng.choice(self.questions), cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+            question=record.question, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
         )
+        client = self.clients[quiet_tenant(phase) if tenant == "quiet" else tenant]
         try:
             with deadlines.deadline_scope(self.deadline_s):
-                async for message in self.clients[tenant].stream("Ask", request):
+                async for message in client.stream("Ask", request):
                     if message.WhichOneof("event") == "result":
                         status = message.result.status
                         record.state = common_pb2.AnswerState.Name(status.state)[13:]
@@ -195,7 +216,7 @@ def summary(asks: list[Ask], seconds: float) -> dict:
 
 
 async def measure(address: str, questions: list[str], args) -> dict:
-    asker = Asker(address, questions, args.deadline)
+    asker = Asker(address, questions, args.deadline, tenants(args))
     half = args.seconds / 2
     # Warm-up: every slot and cache path sees traffic once; not measured.
     await asker.closed_loop("flood", "warm-up", args.max_in_flight, 10)
@@ -206,10 +227,10 @@ async def measure(address: str, questions: list[str], args) -> dict:
     results["capacity"] = {"flood": capacity}
     rate = capacity["goodput_per_s"]
     print(f"capacity: {rate:.2f} COMPLETE answers/s", file=sys.stderr)
-    await asker.closed_loop("quiet", "quiet alone", 1, half)
-    results["quiet alone"] = {
-        "quiet": summary([a for a in asker.asks if a.phase == "quiet alone"], half)
-    }
+    # As long as a loaded phase, so it asks at least the questions each of those asks.
+    await asker.closed_loop("quiet", "quiet alone", 1, args.seconds)
+    alone = [a for a in asker.asks if a.phase == "quiet alone"]
+    results["quiet alone"] = {"quiet": summary(alone, args.seconds)}
     offered_rate = capacity["offered"] / half  # asks/s the capacity run got through
     for load in (float(x) for x in args.load.split(",")):
         phase = f"{load:g}x"
@@ -224,6 +245,8 @@ async def measure(address: str, questions: list[str], args) -> dict:
             )
             for tenant in TENANTS
         }
+        asked = results[phase]["quiet"]["offered"]
+        results[phase]["quiet"]["unloaded_p95"] = summary(alone[:asked], args.seconds)["p95"]
     await asker.pool.close()
     results["_asks"] = [asdict(a) for a in asker.asks]
     return results
@@ -236,14 +259,15 @@ def table(results: dict) -> str:
         f"capacity {capacity:.2f} COMPLETE/s; quiet tenant alone p95 {quiet_p95:.2f} s",
         "| phase | tenant | offered | COMPLETE | goodput/s (of capacity) | refused at once "
         "(p95 s) | cut at deadline | DEADLINE_EXCEEDED | other | p50 / p95 / p99 (s) | "
-        "p95 / unloaded |",
+        "p95 / unloaded, same questions |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for phase, by_tenant in results.items():
         if phase.startswith("_"):
             continue
         for tenant, s in by_tenant.items():
-            ratio = s["p95"] / quiet_p95 if tenant == "quiet" and quiet_p95 else float("nan")
+            unloaded = s.get("unloaded_p95", quiet_p95)  # the same questions asked alone
+            ratio = s["p95"] / unloaded if tenant == "quiet" and unloaded else float("nan")
             lines.append(
                 f"| {phase} | {tenant} | {s['offered']} | {s['complete']} | "
                 f"{s['goodput_per_s']:.2f} ({s['goodput_per_s'] / capacity:.0%}) | "
@@ -262,7 +286,6 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     capacity = results["capacity"]["flood"]["goodput_per_s"]
-    quiet_p95 = results["quiet alone"]["quiet"]["p95"]
     phases = [p for p in results if p.endswith("x")]
     loads = [float(p[:-1]) for p in phases]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -275,7 +298,7 @@ def plot(results: dict, path: Path) -> None:
     left.set_xlabel("offered load (x capacity)")
     left.legend(fontsize=8)
     left.grid(alpha=0.3)
-    quiet = [results[p]["quiet"]["p95"] / quiet_p95 for p in phases]
+    quiet = [results[p]["quiet"]["p95"] / results[p]["quiet"]["unloaded_p95"] for p in phases]
     right.plot(loads, quiet, marker="o", label="quiet tenant p95 / unloaded p95")
     right.axhline(1.5, color="grey", linestyle=":", label="goal: 1.5")
     right.set_xlabel("offered load (x capacity)")
@@ -284,6 +307,12 @@ def plot(results: dict, path: Path) -> None:
     figure.suptitle("Ask under open-loop load: goodput and a quiet tenant's latency")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+def tenants(args) -> list[str]:
+    """Every tenant the run asks as: the flood, and the quiet tenant of each phase."""
+    loaded = [quiet_tenant(f"{float(x):g}x") for x in args.load.split(",")]
+    return [*TENANTS, *loaded]
 
 
 def main() -> int:
@@ -319,7 +348,7 @@ def main() -> int:
         process, addresses = start_stack(args.workdir, overrides)
     try:
         if "retrieval" in addresses:
-            for tenant in TENANTS:
+            for tenant in tenants(args):
                 asyncio.run(
                     ensure_ingested(DEMO_CORPUS, addresses, args.workdir, len(passages), tenant)
                 )
