@@ -34,7 +34,7 @@ import contextlib
 import math
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,6 +76,25 @@ class _Run:
 
 
 @dataclass
+class _Tenant:
+    """What admission remembers of a tenant: when it last asked, its asks (admitted or
+    refused) each counted less as it ages (halved every _RATE_HALF_LIFE_S), and its recent
+    runs."""
+
+    last_asked: float
+    asks: float = 0.0
+    runs: deque[_Run] = field(default_factory=lambda: deque(maxlen=_TENANT_WINDOW))
+
+    def rate(self, now: float) -> float:
+        """Proportional to its recent ask rate."""
+        return self.asks * 0.5 ** ((now - self.last_asked) / _RATE_HALF_LIFE_S)
+
+    def asked(self, now: float) -> None:
+        self.asks = self.rate(now) + 1.0
+        self.last_asked = now
+
+
+@dataclass
 class _Waiter:
     tenant: str
     deadline: float | None
@@ -101,9 +120,7 @@ class Admission:
         # Waiters by tenant; the dict's order is the round-robin order among equals.
         self._queues: dict[str, deque[_Waiter]] = {}
         self._runs: deque[float] = deque([typical_run_s], maxlen=_WINDOW)
-        self._tenant_runs: dict[str, deque[_Run]] = {}
-        self._last_asked: dict[str, float] = {}  # when each tenant last asked
-        self._asks: dict[str, float] = {}  # each tenant's asks, decayed (see _rate)
+        self._tenants: dict[str, _Tenant] = {}
         self._recheck: asyncio.TimerHandle | None = None
 
     @property
@@ -112,20 +129,23 @@ class Admission:
 
     def _own_runs(self, tenant: str | None) -> deque[_Run] | None:
         """`tenant`'s recent runs when there are enough to go by."""
-        runs = None if tenant is None else self._tenant_runs.get(tenant)
-        return runs if runs is not None and len(runs) >= _TENANT_SAMPLES else None
+        known = None if tenant is None else self._tenants.get(tenant)
+        return known.runs if known is not None and len(known.runs) >= _TENANT_SAMPLES else None
+
+    def _held_s(self, tenant: str | None) -> Sequence[float]:
+        """Recent run times: `tenant`'s own where there are enough, else everyone's."""
+        own = self._own_runs(tenant)
+        return self._runs if own is None else [r.held_s for r in own]
 
     def typical_run_s(self, tenant: str | None = None) -> float:
         """The median of recent run times (`tenant`'s own where there are enough)."""
-        own = self._own_runs(tenant)
-        return float(np.median(self._runs if own is None else [r.held_s for r in own]))
+        return float(np.median(self._held_s(tenant)))
 
     def mean_run_s(self, tenant: str | None = None) -> float:
         """The mean of recent run times (`tenant`'s own where there are enough): k runs
         ahead take about k of it in all (the median undercounts when quick abstentions sit
         beside slow answers)."""
-        own = self._own_runs(tenant)
-        return float(np.mean(self._runs if own is None else [r.held_s for r in own]))
+        return float(np.mean(self._held_s(tenant)))
 
     def slow_run_s(self, tenant: str | None = None) -> float:
         """The 90th percentile of recent run times, `tenant`'s own where there are enough
@@ -167,17 +187,9 @@ class Admission:
         """The places `tenant` may hold now: all of them while it is the only active tenant,
         else its equal share (at least one)."""
         now = time.monotonic() if now is None else now
-        active = {t for t, at in self._last_asked.items() if now - at < self.activity_s}
+        active = {t for t, k in self._tenants.items() if now - k.last_asked < self.activity_s}
         active |= set(self._running) | set(self._queues) | {tenant}
         return max(1, self.max_in_flight // len(active))
-
-    def _rate(self, tenant: str, now: float) -> float:
-        """`tenant`'s asks (admitted or refused), each counted less as it ages (halved every
-        _RATE_HALF_LIFE_S): proportional to its recent ask rate."""
-        asks = self._asks.get(tenant, 0.0)
-        if not asks:
-            return 0.0
-        return asks * 0.5 ** ((now - self._last_asked[tenant]) / _RATE_HALF_LIFE_S)
 
     def light(self, tenant: str) -> bool:
         """Whether `tenant`, with one run in flight, is a light tenant beside a flood now:
@@ -189,13 +201,14 @@ class Admission:
         if self._running[tenant] != 1 or self._queues.get(tenant):
             return False
         now = time.monotonic()
-        mine = self._rate(tenant, now)
-        for other, asked in self._last_asked.items():
+        mine = self._tenants[tenant].rate(now)
+        for other, known in self._tenants.items():
             if other == tenant:
                 continue
             if self._running[other] + len(self._queues.get(other, ())) >= 2:
                 return True
-            if now - asked < self.activity_s and self._rate(other, now) >= _HEAVIER * mine:
+            active = now - known.last_asked < self.activity_s
+            if active and known.rate(now) >= _HEAVIER * mine:
                 return True
         return False
 
@@ -203,9 +216,9 @@ class Admission:
     async def admit(self, deadline: float | None, tenant: str = "") -> AsyncIterator[Place]:
         """Holds a place while the run goes on; the caller marks it if it ran out of time."""
         started = time.monotonic()
-        self._asks[tenant] = self._rate(tenant, started) + 1.0
-        self._last_asked[tenant] = started
-        if len(self._last_asked) > _TENANTS_KEPT:
+        known = self._tenants.setdefault(tenant, _Tenant(started))
+        known.asked(started)
+        if len(self._tenants) > _TENANTS_KEPT:
             self._forget_idle_tenants(started)
         if (
             self._queues
@@ -225,8 +238,7 @@ class Admission:
         finally:
             held = time.monotonic() - place.admitted
             self._runs.append(held)
-            own = self._tenant_runs.setdefault(tenant, deque(maxlen=_TENANT_WINDOW))
-            own.append(_Run(held, place.ran_out))
+            known.runs.append(_Run(held, place.ran_out))
             self._release(tenant)
 
     def _refuse_if_its_runs_run_out(
@@ -249,11 +261,9 @@ class Admission:
 
     def _forget_idle_tenants(self, now: float) -> None:
         busy = set(self._running) | set(self._queues)
-        for tenant, at in list(self._last_asked.items()):
-            if tenant not in busy and now - at > _FORGET_AFTER_S:
-                del self._last_asked[tenant]
-                self._asks.pop(tenant, None)
-                self._tenant_runs.pop(tenant, None)
+        for tenant, known in list(self._tenants.items()):
+            if tenant not in busy and now - known.last_asked > _FORGET_AFTER_S:
+                del self._tenants[tenant]
 
     def _refuse_if_it_cannot_finish(self, deadline: float | None, started: float, tenant: str):
         """A run that must queue is refused when its wait and a slow run do not fit its

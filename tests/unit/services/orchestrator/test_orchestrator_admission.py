@@ -245,7 +245,7 @@ async def test_a_run_that_ends_in_deadline_exceeded_counts_as_one_that_ran_out()
 async def test_a_queued_run_is_judged_by_its_own_tenants_run_times():
     admission = Admission(max_in_flight=2, max_queue=8, typical_run_s=0.5)
     await _runs_of(admission, "slow", [False] * 4)
-    for run in admission._tenant_runs["slow"]:
+    for run in admission._tenants["slow"].runs:
         run.held_s = 6.0  # its runs take 6 s; everyone's (0.5 s) would let it queue
     release = asyncio.Event()
     running = [
