@@ -232,8 +232,7 @@ async def measure(address: str, questions: list[str], args) -> dict:
     alone = [a for a in asker.asks if a.phase == "quiet alone"]
     results["quiet alone"] = {"quiet": summary(alone, args.seconds)}
     offered_rate = capacity["offered"] / half  # asks/s the capacity run got through
-    for load in (float(x) for x in args.load.split(",")):
-        phase = f"{load:g}x"
+    for load, phase in loads(args):
         print(f"{phase}: flood at {load * offered_rate:.2f} asks/s", file=sys.stderr)
         await asyncio.gather(
             asker.open_loop("flood", phase, load * offered_rate, args.seconds),
@@ -309,10 +308,14 @@ def plot(results: dict, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def loads(args) -> list[tuple[float, str]]:
+    """Each offered load (x capacity) and the name of its phase."""
+    return [(float(x), f"{float(x):g}x") for x in args.load.split(",")]
+
+
 def tenants(args) -> list[str]:
     """Every tenant the run asks as: the flood, and the quiet tenant of each phase."""
-    loaded = [quiet_tenant(f"{float(x):g}x") for x in args.load.split(",")]
-    return [*TENANTS, *loaded]
+    return [*TENANTS, *(quiet_tenant(phase) for _, phase in loads(args))]
 
 
 def main() -> int:
