@@ -24,7 +24,9 @@ share free for its next question instead of taking every place that frees. A ten
 uses every place.
 
 A queued run whose deadline passes leaves the queue with DEADLINE_EXCEEDED before any work;
-a cancelled one just leaves.
+a cancelled one just leaves. One handed a place with less time left than its tenant's runs
+typically take (what was ahead of it ran longer than expected) is refused then, and the
+place goes on to the next.
 """
 
 from __future__ import annotations
@@ -78,12 +80,13 @@ class _Run:
 @dataclass
 class _Tenant:
     """What admission remembers of a tenant: when it last asked, its asks (admitted or
-    refused) each counted less as it ages (halved every _RATE_HALF_LIFE_S), and its recent
-    runs."""
+    refused) each counted less as it ages (halved every _RATE_HALF_LIFE_S), its recent
+    runs, and when it was last refused."""
 
     last_asked: float
     asks: float = 0.0
     runs: deque[_Run] = field(default_factory=lambda: deque(maxlen=_TENANT_WINDOW))
+    last_refused: float = -math.inf  # when the front door last refused it
 
     def rate(self, now: float) -> float:
         """Proportional to its recent ask rate."""
@@ -99,6 +102,7 @@ class _Waiter:
     tenant: str
     deadline: float | None
     future: asyncio.Future = field(repr=False)
+    queued: float = field(default_factory=time.monotonic)
 
 
 class Admission:
@@ -193,19 +197,28 @@ class Admission:
 
     def light(self, tenant: str) -> bool:
         """Whether `tenant`, with one run in flight, is a light tenant beside a flood now:
-        no other run of its own in flight or waiting, while another tenant has two or more,
-        or is active and asks at least twice as often (a flood the front door refuses
-        still asks: it may have nothing in flight this moment and a run admitted the
-        next). Its generation goes first (GenerateRequest.light_tenant), and the heavier
-        tenants' generations wait for it."""
+        no other run of its own in flight or waiting and none refused lately, while
+        another tenant asks for more than it gets: two or more runs in flight or waiting,
+        a refusal within activity_s (the front door may hold a flood to one run in flight
+        or none, and the next may be admitted while this one generates), or it is active
+        and asks at least twice as often. Its generation goes first
+        (GenerateRequest.light_tenant), and the heavier tenants' generations wait for it:
+        a tenant within its share before those beyond theirs, as fair queueing serves a
+        sparse flow before a backlogged one. (Ask rates alone misjudged a quiet tenant
+        asking back to back: half a flood's rate, now and then more.)"""
         if self._running[tenant] != 1 or self._queues.get(tenant):
             return False
         now = time.monotonic()
-        mine = self._tenants[tenant].rate(now)
+        me = self._tenants[tenant]
+        if now - me.last_refused < self.activity_s:
+            return False
+        mine = me.rate(now)
         for other, known in self._tenants.items():
             if other == tenant:
                 continue
             if self._running[other] + len(self._queues.get(other, ())) >= 2:
+                return True
+            if now - known.last_refused < self.activity_s:
                 return True
             active = now - known.last_asked < self.activity_s
             if active and known.rate(now) >= _HEAVIER * mine:
@@ -220,15 +233,19 @@ class Admission:
         known.asked(started)
         if len(self._tenants) > _TENANTS_KEPT:
             self._forget_idle_tenants(started)
-        if (
-            self._queues
-            or self.in_flight >= self.max_in_flight
-            or self._running[tenant] >= self.share(tenant, started)
-        ):
-            await self._wait(deadline, started, tenant)  # may be handed a place at once
-        else:
-            self._refuse_if_its_runs_run_out(deadline, started, tenant)
-            self._take(tenant)
+        try:
+            if (
+                self._queues
+                or self.in_flight >= self.max_in_flight
+                or self._running[tenant] >= self.share(tenant, started)
+            ):
+                await self._wait(deadline, started, tenant)  # may be handed a place at once
+            else:
+                self._refuse_if_its_runs_run_out(deadline, started, tenant)
+                self._take(tenant)
+        except ResourceExhausted:
+            known.last_refused = time.monotonic()
+            raise
         place = Place(time.monotonic())
         try:
             yield place
@@ -362,8 +379,29 @@ class Admission:
                 continue
             if waiter.deadline is not None and waiter.deadline <= now:
                 continue  # expired: dropped; its own wait ends with DEADLINE_EXCEEDED
+            if waiter.deadline is not None and waiter.deadline - now < self.typical_run_s(
+                waiter.tenant
+            ):
+                # Its runs took longer than it was queued for: the place goes to one
+                # that can finish instead of to a run most likely cut at its deadline.
+                waiter.future.set_exception(self._too_late(waiter, now))
+                continue
             self._take(waiter.tenant)
             waiter.future.set_result(None)
+
+    def _too_late(self, waiter: _Waiter, now: float) -> ResourceExhausted:
+        retry = self.retry_after_s(waiter.tenant)
+        left = (waiter.deadline or now) - now
+        return ResourceExhausted(
+            f"the orchestrator cannot finish this run in time: it waited "
+            f"{now - waiter.queued:.1f} s for a place and {left:.1f} s of its deadline are "
+            f"left, less than this tenant's runs typically take "
+            f"({self.typical_run_s(waiter.tenant):.1f} s); retry in about {retry:.1f} s "
+            "(or with a longer deadline)",
+            retry_after_s=retry,
+            reason="DEADLINE_TOO_SHORT_FOR_QUEUE",
+            metadata={"queue": "orchestrator"},
+        )
 
     def _recheck_later(self) -> None:
         if self._recheck is None or self._recheck.cancelled():

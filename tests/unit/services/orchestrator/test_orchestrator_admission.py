@@ -290,3 +290,56 @@ async def test_a_tenant_beside_one_that_asks_far_more_often_is_the_light_one():
     await _runs_of(admission, "steady", [False] * 5)
     async with admission.admit(None, "steady"):
         assert not admission.light("steady")
+
+
+async def test_a_tenant_beside_one_the_front_door_refuses_is_the_light_one():
+    """A quiet tenant asking back to back can ask half as often as a flood, now and then
+    more: the flood's refusals, not its rate alone, make the quiet tenant the light one."""
+    admission = Admission(max_in_flight=2, max_queue=8)
+    await _runs_of(admission, "flood", [False] * 4)
+    await _runs_of(admission, "quiet", [False] * 4)
+    for tenant in ("flood", "quiet"):
+        for run in admission._tenants[tenant].runs:
+            run.held_s = 6.0
+    release = asyncio.Event()
+    flood = asyncio.create_task(_admit_as_until(admission, "flood", release, None))
+    await asyncio.sleep(0.01)
+    async with admission.admit(None, "quiet"):
+        # Asking about as often, neither has more than one run: nobody is light yet.
+        assert not admission.light("quiet")
+        # Its share held, a flood run that cannot wait 6 s is refused.
+        with pytest.raises(ResourceExhausted):
+            async with admission.admit(time.monotonic() + 1, "flood"):
+                pass
+        assert admission.light("quiet") and not admission.light("flood")
+        # A tenant refused lately is not light itself.
+        with pytest.raises(ResourceExhausted):
+            async with admission.admit(time.monotonic() + 1, "quiet"):
+                pass
+        assert not admission.light("quiet")
+    release.set()
+    await flood
+
+
+async def test_a_run_handed_a_place_too_late_to_finish_is_refused_and_the_place_goes_on():
+    admission = Admission(max_in_flight=1, max_queue=8)
+    await _runs_of(admission, "slow", [False] * 4)
+    for run in admission._tenants["slow"].runs:
+        run.held_s = 2.0
+    release = asyncio.Event()
+    running = asyncio.create_task(_admit_as_until(admission, "slow", release, None))
+    await asyncio.sleep(0.01)
+    # Queued with room for its wait and a run as measured then (2 s + 2 s).
+    late = asyncio.create_task(_admit_as_until(admission, "slow", release, time.monotonic() + 5))
+    other = asyncio.create_task(_admit_as_until(admission, "other", release, None))
+    await asyncio.sleep(0.01)
+    assert admission.waiting == 2
+    # What ran meanwhile took far longer: its runs now take 8 s, more than it has left.
+    for run in admission._tenants["slow"].runs:
+        run.held_s = 8.0
+    release.set()
+    with pytest.raises(ResourceExhausted, match=r"waited 0\.\d s for a place") as caught:
+        await late
+    assert caught.value.reason == "DEADLINE_TOO_SHORT_FOR_QUEUE" and caught.value.retry_after_s
+    await asyncio.gather(running, other)  # the place went on to the next waiter
+    assert admission.in_flight == 0 and admission.waiting == 0
