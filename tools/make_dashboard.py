@@ -396,6 +396,13 @@ ROWS: list[tuple[str, list]] = [
                         q("sum by (tier) (rate(ragline_generation_pauses_total{S}[R]))"),
                         "paused for a light tenant {{tier}}",
                     ),
+                    (
+                        q(
+                            "sum by (tier) "
+                            "(rate(ragline_generation_kept_for_deadline_total{S}[R]))"
+                        ),
+                        "kept running for its deadline {{tier}}",
+                    ),
                 ],
             ),
             (

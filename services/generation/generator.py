@@ -354,6 +354,7 @@ class Generator:
                                 break  # paused: its slot keeps the KV cache
                             chunk = decoded.take(event)
                             if chunk is not None:
+                                lease.decoding = True
                                 yield chunk
                     finally:
                         # Closing the engine stream stops decoding now (deadline, cancel,
@@ -366,6 +367,8 @@ class Generator:
             lease.slot.tokens = tuple(rendered.token_ids or ())
             tier.scheduler.release(lease.slot)
         decoded.ended = time.monotonic()
+        if decoded.finish != "deadline" and decoded.first_token_at is not None:
+            tier.scheduler.note_decode(decoded.decode_s())
         final = decoded.final
         drafted, accepted = (final.drafted, final.accepted) if final else (0, 0)
         self._note_speculation(tier, drafted, accepted)

@@ -114,6 +114,13 @@ class GenerationMetrics:
             "counter",
             ("tier",),
         )
+        kept_for_deadline = reading(
+            "ragline_generation_kept_for_deadline_total",
+            "Decoding sequences of heavier tenants left running (or resumed) beside a light "
+            "tenant's request because their deadline was closer than a decode takes.",
+            "counter",
+            ("tier",),
+        )
         engine_up = reading(
             "ragline_generation_engine_up",
             "1 while the tier's engine serves, 0 while it cannot (health is NOT_SERVING).",
@@ -152,6 +159,7 @@ class GenerationMetrics:
 
             refusals.add(refused, name)
             pauses.add(lambda: scheduler.pauses, name)
+            kept_for_deadline.add(lambda: scheduler.kept_for_deadline, name)
             engine_up.add(lambda: 0.0 if name in engine_problems() else 1.0, name)
             store = tier.prefix_store
             if store is not None:

@@ -31,6 +31,15 @@ cache) and waits, then resumes where it stopped once no priority request runs. M
 no sequence of theirs starts. On a CPU, where sequences decoding together share the cores,
 a tenant asking one question at a time then gets the engine to itself instead of a share
 of it beside a flood.
+
+Pausing reorders work; it must not throw away an answer nearly done. A sequence that is
+decoding (its holder marks it at its first token) and whose deadline is closer than a
+decode takes (the 90th percentile of recent sequences' decode times, once
+_DECODES_BEFORE_ESTIMATING have finished) is not paused, and a paused one is resumed when
+its deadline comes that close: cut at its deadline, everything it had done for its
+admitted run would be lost. It decodes beside the priority request, one token in each of
+its steps, which costs that request little; a sequence still reading its prompt stays
+paused (its prompt would fill the priority request's steps).
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ from ragline.errors import DeadlineExceeded, ResourceExhausted
 
 # Leases seen before a wait is estimated (and a request refused on it).
 _HOLDS_BEFORE_ESTIMATING = 4
+# Decodes seen before the time one takes is estimated (until then every sequence pauses).
+_DECODES_BEFORE_ESTIMATING = 4
 
 
 @dataclass
@@ -82,6 +93,9 @@ class Lease:
     # once; `resumed` is clear while its sequence must stay paused.
     interrupt: Callable[[], None] | None = field(default=None, repr=False)
     resumed: asyncio.Event = field(default_factory=_set_event, repr=False)
+    deadline: float | None = None
+    # Its first token is out (set by the holder): near its deadline it is not paused.
+    decoding: bool = False
 
     @property
     def paused(self) -> bool:
@@ -131,6 +145,10 @@ class SlotScheduler:
         self.refusals: Counter[str] = Counter()
         self.expired_waiting = 0
         self.pauses = 0  # sequences paused for a priority request
+        # Sequences resumed (or left running) beside a priority request: their deadline
+        # was closer than a decode takes.
+        self.kept_for_deadline = 0
+        self._decodes: deque[float] = deque(maxlen=64)  # seconds recent decodes took
 
     @property
     def busy(self) -> int:
@@ -204,9 +222,32 @@ class SlotScheduler:
         """Another tenant starts nothing while a priority request runs."""
         return any(lease.priority and lease.tenant != tenant for lease in self._leases)
 
+    def note_decode(self, seconds: float) -> None:
+        """How long a finished sequence's decode took (the engine's own figure)."""
+        self._decodes.append(seconds)
+
+    def _decode_s(self) -> float | None:
+        """What a decode takes (its 90th percentile), once enough have been seen."""
+        if len(self._decodes) < _DECODES_BEFORE_ESTIMATING:
+            return None
+        return statistics.quantiles(self._decodes, n=10, method="inclusive")[-1]
+
+    def _finish_by(self, lease: Lease) -> float | None:
+        """When a paused `lease` must run again to finish decoding by its deadline (None:
+        it waits for the priority request, however long)."""
+        decode = self._decode_s()
+        if not lease.decoding or lease.deadline is None or decode is None:
+            return None
+        return lease.deadline - decode
+
     def _pause_others(self, light: str) -> None:
+        now = time.monotonic()
         for lease in self._leases:
             if lease.priority or not lease.pausable or lease.paused or lease.tenant == light:
+                continue
+            finish_by = self._finish_by(lease)
+            if finish_by is not None and finish_by <= now:
+                self.kept_for_deadline += 1
                 continue
             lease.resumed.clear()
             self.pauses += 1
@@ -220,14 +261,21 @@ class SlotScheduler:
             lease.resumed.set()
 
     async def wait_resumed(self, lease: Lease, deadline: float | None) -> bool:
-        """Waits while `lease` is paused; False when its deadline passed first."""
+        """Waits while `lease` is paused; False when its deadline passed first. A decoding
+        sequence runs again once its deadline is closer than a decode takes."""
         if not lease.paused:
             return True
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
+        finish_by = self._finish_by(lease)
+        until = min((t for t in (deadline, finish_by) if t is not None), default=None)
+        timeout = None if until is None else max(until - time.monotonic(), 0)
         try:
             await asyncio.wait_for(lease.resumed.wait(), timeout)
         except TimeoutError:
-            return False
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self.kept_for_deadline += 1
+            lease.resumed.set()  # not paused again: it runs beside the priority request
+            return True
         return True
 
     def _pick(self, owner: str, tenant: str = "", *, priority: bool = False) -> Slot | None:
@@ -294,7 +342,16 @@ class SlotScheduler:
         slot.busy = True
         slot.taken_at = time.monotonic()
         self._idle.clear()
-        lease = Lease(slot, 0.0, False, False, tenant=tenant, priority=priority, pausable=pausable)
+        lease = Lease(
+            slot,
+            0.0,
+            False,
+            False,
+            tenant=tenant,
+            priority=priority,
+            pausable=pausable,
+            deadline=deadline,
+        )
         self._leases.append(lease)
         if priority:
             self._pause_others(tenant)

@@ -332,3 +332,50 @@ async def test_a_request_its_caller_marks_light_pauses_the_others_whatever_they_
     assert not later.done()  # nothing of another tenant starts meanwhile
     scheduler.release(quiet.slot)
     assert not flood.paused and not (await asyncio.wait_for(later, 1)).paused
+
+
+async def _decoding(scheduler: SlotScheduler, tenant: str, deadline: float, decoding=True):
+    lease = await scheduler.acquire(tenant, deadline, pausable=True)
+    lease.interrupt = Interrupts()
+    lease.decoding = decoding
+    return lease
+
+
+async def test_a_decoding_sequence_closer_to_its_deadline_than_a_decode_is_not_paused():
+    scheduler = SlotScheduler(2, 8, Eraser(), priority_slots=1)
+    for _ in range(4):
+        scheduler.note_decode(1.0)  # decodes take about 1 s
+    now = time.monotonic()
+    near = await _decoding(scheduler, "flood", now + 0.5)
+    far = await _decoding(scheduler, "flood", now + 30)
+    quiet = await asyncio.wait_for(scheduler.acquire("quiet", None, light=True), 1)
+    assert quiet.priority and far.paused and far.interrupt.count == 1
+    # Paused now, it would be cut at its deadline with its answer nearly done.
+    assert not near.paused and near.interrupt.count == 0
+    assert scheduler.kept_for_deadline == 1
+
+
+async def test_a_paused_decoding_sequence_runs_again_when_its_deadline_nears():
+    scheduler = SlotScheduler(2, 8, Eraser(), priority_slots=1)
+    for _ in range(4):
+        scheduler.note_decode(0.3)
+    deadline = time.monotonic() + 0.6
+    decoding = await _decoding(scheduler, "flood", deadline)
+    reading = await _decoding(scheduler, "flood", deadline, decoding=False)
+    await asyncio.wait_for(scheduler.acquire("quiet", None, light=True), 1)
+    assert decoding.paused and reading.paused  # both had more than a decode left
+    started = time.monotonic()
+    # The priority request still runs: the decoding one resumes 0.3 s before its deadline.
+    assert await scheduler.wait_resumed(decoding, deadline)
+    assert 0.2 < time.monotonic() - started < 0.5 and not decoding.paused
+    # One still reading its prompt waits (it would fill the priority request's steps).
+    assert not await scheduler.wait_resumed(reading, deadline)
+    assert time.monotonic() >= deadline and scheduler.kept_for_deadline == 1
+
+
+async def test_until_decodes_were_measured_every_sequence_pauses():
+    scheduler = SlotScheduler(2, 8, Eraser(), priority_slots=1)
+    near = await _decoding(scheduler, "flood", time.monotonic() + 0.2)
+    await asyncio.wait_for(scheduler.acquire("quiet", None, light=True), 1)
+    assert near.paused
+    assert not await scheduler.wait_resumed(near, near.deadline)

@@ -149,3 +149,26 @@ async def test_a_paused_sequence_resumes_where_it_stopped_with_every_token_once(
     assert resumed["max_tokens"] == 6
     assert summary.completion_tokens == 6 and summary.finish_reason == "stop"
     assert 0.05 < summary.paused_s < 5  # the time paused is reported apart
+
+
+async def test_a_sequence_decoding_near_its_deadline_is_not_paused_for_a_light_request():
+    engine = ContinuingEngine([f" w{i}" for i in range(6)], step_s=0.05)
+    generator = generator_on(engine)
+    scheduler = SlotScheduler(2, 4, engine.erase_slot, priority_slots=1)
+    generator.tier(ModelTier.SMALL).scheduler = scheduler
+    for _ in range(4):
+        scheduler.note_decode(2.0)  # decodes take about 2 s; this one has less left
+    request = GenerationRequest(tenant="ann", tier=ModelTier.SMALL, max_tokens=8, prompt="Hi")
+    texts, summary = [], None
+    with deadlines.deadline_scope(1.5):
+        async for event in generator.generate(request):
+            if isinstance(event, Chunk):
+                texts.append(event.text)
+                if len(texts) == 2:
+                    quiet = await scheduler.acquire("bob", None, light=True)
+                    asyncio.get_running_loop().call_later(0.1, scheduler.release, quiet.slot)
+            else:
+                summary = event
+    assert scheduler.pauses == 0 and scheduler.kept_for_deadline == 1
+    assert len(engine.streams) == 1 and "".join(texts) == "".join(engine.words)
+    assert summary.finish_reason == "stop" and summary.paused_s == 0
