@@ -5,27 +5,31 @@ tenant leave a quiet one its share?
 
 Starts the stack (`ragline up --base-port 0 --no-demo`, data in --workdir) unless --addr
 points at a running orchestrator, and ingests the demo corpus (five SQuAD articles) into
-two tenants, `flood` and `quiet`, once. Then:
+every tenant it asks as, once. Then:
 1. capacity: `--max-in-flight` closed-loop workers of tenant `flood` for --seconds/2: the
    COMPLETE answers per second the stack sustains (its capacity);
-2. the quiet tenant alone, one question at a time, for --seconds: its unloaded latency;
-3. for each load (a multiple of the capacity): the flood tenant asks open loop (Poisson
-   arrivals at load x capacity, each with its own deadline, never waiting for the one
-   before) while the quiet tenant keeps asking one question at a time.
+2. for each load (a multiple of the capacity), --rounds rounds of two blocks, each
+   --seconds/--rounds long: the quiet tenant alone, one question at a time (its unloaded
+   latency), then the flood tenant asking open loop (Poisson arrivals at load x capacity,
+   each with its own deadline, never waiting for the one before) while the quiet tenant
+   keeps asking one question at a time. A block ends when its asks in flight have, then
+   the stack idles for BETWEEN_BLOCKS_S.
 
 Every ask has --deadline and bypasses the caches. Reported per phase and tenant, over
 every ask offered (none dropped): COMPLETE within the deadline (goodput, per second and
 as a share of what was offered), refused at once (RESOURCE_EXHAUSTED, with how long the
 refusal took), cut at the deadline (PARTIAL deadline), DEADLINE_EXCEEDED, other outcomes,
 and latency p50/p95/p99 of the answered. Goodput is compared with the unloaded capacity,
-the quiet tenant's p95 with its unloaded p95 over the same questions: it asks the same
-sequence in every phase (answers differ in length, and the p95 of a few dozen questions
-drawn at random moves with which came up), each phase as a tenant of its own with the
-same documents (`quiet`, `quiet-2x`, ...: no phase finds the engine's caches warm with
-another's prompts), and a loaded phase's p95 is compared with that of the same first
-questions asked alone. Then where the quiet tenant's time went, per
-phase (mean seconds of its answered asks: admission, each plan node, and the generation
-service's queue, prefill, decode and paused time).
+the quiet tenant's p95 with its unloaded p95 over the same questions in the same stretch
+of time: the alone and the loaded blocks alternate, so the two see the same machine (a
+shared machine's speed drifts by a quarter between runs minutes apart); the quiet tenant
+asks the same sequence in both (answers differ in length, and the p95 of a few dozen
+questions drawn at random moves with which came up), each as a tenant of its own with the
+same documents (`quiet-2x-alone`, `quiet-2x`, ...: neither finds the engine's caches warm
+with the other's prompts), and the loaded p95 is compared with that of the same first
+questions asked alone. Then where the quiet tenant's time went, per phase (mean seconds
+of its answered asks: admission, each plan node, and the generation service's queue,
+prefill, decode and paused time).
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ from ragline_app.ingest import DEMO_CORPUS
 
 REPO = Path(__file__).resolve().parents[1]
 TENANTS = ("flood", "quiet")
+# Idle between blocks: longer than the front door's activity window (5 s), so the tenant of
+# one block is not still an active tenant asking often in the next (in the loaded block that
+# made the flood's first run the light one, ahead of the quiet tenant).
+BETWEEN_BLOCKS_S = 6.0
 
 
 @dataclass
@@ -113,8 +121,8 @@ def breakdown(asks: list[dict], tenant: str, phases: list[str]) -> str:
 
 
 def quiet_tenant(phase: str) -> str:
-    """The quiet tenant of a phase: its own per loaded phase (see the module)."""
-    return "quiet" if not phase.endswith("x") else f"quiet-{phase}"
+    """The quiet tenant of a phase: one of its own per measured phase (see the module)."""
+    return "quiet" if phase == "warm-up" else "quiet-" + phase.replace(" ", "-")
 
 
 class Asker:
@@ -136,6 +144,7 @@ class Asker:
         self.rng = random.Random(5)
         # The quiet tenant's questions: the same sequence from the start of every phase.
         self.sequences: dict[str, random.Random] = {}
+        self.arrivals: dict[str, random.Random] = {}  # the flood's, per phase
         self.asks: list[Ask] = []
 
     def _question(self, tenant: str, phase: str) -> str:
@@ -179,7 +188,7 @@ class Asker:
 
     async def open_loop(self, tenant: str, phase: str, rate: float, seconds: float) -> None:
         stop = time.monotonic() + seconds
-        rng = random.Random(11)
+        rng = self.arrivals.setdefault(phase, random.Random(11))
         running = set()
         while time.monotonic() < stop:
             task = asyncio.ensure_future(self.ask(tenant, phase))
@@ -227,17 +236,20 @@ async def measure(address: str, questions: list[str], args) -> dict:
     results["capacity"] = {"flood": capacity}
     rate = capacity["goodput_per_s"]
     print(f"capacity: {rate:.2f} COMPLETE answers/s", file=sys.stderr)
-    # As long as a loaded phase, so it asks at least the questions each of those asks.
-    await asker.closed_loop("quiet", "quiet alone", 1, args.seconds)
-    alone = [a for a in asker.asks if a.phase == "quiet alone"]
-    results["quiet alone"] = {"quiet": summary(alone, args.seconds)}
     offered_rate = capacity["offered"] / half  # asks/s the capacity run got through
+    block = args.seconds / args.rounds
     for load, phase in loads(args):
         print(f"{phase}: flood at {load * offered_rate:.2f} asks/s", file=sys.stderr)
-        await asyncio.gather(
-            asker.open_loop("flood", phase, load * offered_rate, args.seconds),
-            asker.closed_loop("quiet", phase, 1, args.seconds),
-        )
+        for _ in range(args.rounds):
+            await asker.closed_loop("quiet", alone_phase(phase), 1, block)
+            await asyncio.sleep(BETWEEN_BLOCKS_S)
+            await asyncio.gather(
+                asker.open_loop("flood", phase, load * offered_rate, block),
+                asker.closed_loop("quiet", phase, 1, block),
+            )
+            await asyncio.sleep(BETWEEN_BLOCKS_S)
+        alone = [a for a in asker.asks if a.phase == alone_phase(phase)]
+        results[alone_phase(phase)] = {"quiet": summary(alone, args.seconds)}
         results[phase] = {
             tenant: summary(
                 [a for a in asker.asks if a.phase == phase and a.tenant == tenant], args.seconds
@@ -251,11 +263,15 @@ async def measure(address: str, questions: list[str], args) -> dict:
     return results
 
 
+def alone_phase(phase: str) -> str:
+    """The blocks of a load's phase in which the quiet tenant asks alone."""
+    return f"{phase} alone"
+
+
 def table(results: dict) -> str:
     capacity = results["capacity"]["flood"]["goodput_per_s"]
-    quiet_p95 = results["quiet alone"]["quiet"]["p95"]
     lines = [
-        f"capacity {capacity:.2f} COMPLETE/s; quiet tenant alone p95 {quiet_p95:.2f} s",
+        f"capacity {capacity:.2f} COMPLETE/s",
         "| phase | tenant | offered | COMPLETE | goodput/s (of capacity) | refused at once "
         "(p95 s) | cut at deadline | DEADLINE_EXCEEDED | other | p50 / p95 / p99 (s) | "
         "p95 / unloaded, same questions |",
@@ -265,8 +281,8 @@ def table(results: dict) -> str:
         if phase.startswith("_"):
             continue
         for tenant, s in by_tenant.items():
-            unloaded = s.get("unloaded_p95", quiet_p95)  # the same questions asked alone
-            ratio = s["p95"] / unloaded if tenant == "quiet" and unloaded else float("nan")
+            unloaded = s.get("unloaded_p95")  # the same questions asked alone
+            ratio = s["p95"] / unloaded if unloaded else float("nan")
             lines.append(
                 f"| {phase} | {tenant} | {s['offered']} | {s['complete']} | "
                 f"{s['goodput_per_s']:.2f} ({s['goodput_per_s'] / capacity:.0%}) | "
@@ -315,7 +331,8 @@ def loads(args) -> list[tuple[float, str]]:
 
 def tenants(args) -> list[str]:
     """Every tenant the run asks as: the flood, and the quiet tenant of each phase."""
-    return [*TENANTS, *(quiet_tenant(phase) for _, phase in loads(args))]
+    phases = [p for _, phase in loads(args) for p in (alone_phase(phase), phase)]
+    return [*TENANTS, *(quiet_tenant(phase) for phase in phases)]
 
 
 def main() -> int:
@@ -327,7 +344,12 @@ def main() -> int:
         "--addr", help="a running stack: orchestrator,retrieval,embedding,rerank addresses"
     )
     parser.add_argument("--load", default="0.5,1,2,3", help="offered load, x capacity")
-    parser.add_argument("--seconds", type=float, default=60.0, help="per load phase")
+    parser.add_argument(
+        "--seconds", type=float, default=60.0, help="per load, loaded and alone alike"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="alone and loaded blocks alternating, per load"
+    )
     parser.add_argument("--deadline", type=float, default=10.0, help="per Ask, seconds")
     parser.add_argument(
         "--max-in-flight",
