@@ -397,10 +397,7 @@ ROWS: list[tuple[str, list]] = [
                         "paused for a light tenant {{tier}}",
                     ),
                     (
-                        q(
-                            "sum by (tier) "
-                            "(rate(ragline_generation_kept_for_deadline_total{S}[R]))"
-                        ),
+                        q("sum by (tier) (rate(ragline_generation_kept_for_deadline_total{S}[R]))"),
                         "kept running for its deadline {{tier}}",
                     ),
                 ],
