@@ -351,7 +351,9 @@ class Admission:
             if not queue:
                 del self._queues[waiter.tenant]
         elif waiter.future.done() and not waiter.future.cancelled():
-            self._release(waiter.tenant)  # the place was handed over as the waiter gave up
+            # Handed over as the waiter gave up: the place goes back (a refusal held none).
+            if waiter.future.exception() is None:
+                self._release(waiter.tenant)
 
     def _release(self, tenant: str) -> None:
         self.in_flight -= 1

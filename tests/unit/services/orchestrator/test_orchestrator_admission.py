@@ -6,7 +6,7 @@ import time
 import pytest
 
 from ragline.errors import DeadlineExceeded, ResourceExhausted
-from ragline_services.orchestrator.admission import Admission
+from ragline_services.orchestrator.admission import Admission, _Waiter
 
 
 async def hold(admission: Admission, release: asyncio.Event, deadline=None, log=None, name=""):
@@ -343,3 +343,20 @@ async def test_a_run_handed_a_place_too_late_to_finish_is_refused_and_the_place_
     assert caught.value.reason == "DEADLINE_TOO_SHORT_FOR_QUEUE" and caught.value.retry_after_s
     await asyncio.gather(running, other)  # the place went on to the next waiter
     assert admission.in_flight == 0 and admission.waiting == 0
+
+
+
+async def test_a_waiter_refused_as_its_deadline_passes_gives_back_no_place():
+    """A refusal at hand-over took no place: when the waiter's own timeout fires in the
+    same turn (before the refusal reaches it), giving up must not free a place."""
+    admission = Admission(max_in_flight=1, max_queue=8)
+    release = asyncio.Event()
+    holder = asyncio.create_task(_admit_as_until(admission, "other", release, None))
+    await asyncio.sleep(0.01)
+    waiter = _Waiter("slow", time.monotonic() + 1, asyncio.get_running_loop().create_future())
+    waiter.future.set_exception(ResourceExhausted("refused at hand-over"))
+    admission._abandon(waiter)  # what its wait does on TimeoutError
+    assert admission.in_flight == 1  # the holder's place, and only it
+    release.set()
+    await holder
+    assert admission.in_flight == 0
