@@ -24,9 +24,9 @@ share free for its next question instead of taking every place that frees. A ten
 uses every place.
 
 A queued run whose deadline passes leaves the queue with DEADLINE_EXCEEDED before any work;
-a cancelled one just leaves. One handed a place with less time left than its tenant's runs
-typically take (what was ahead of it ran longer than expected) is refused then, and the
-place goes on to the next.
+a cancelled one just leaves. One handed a place with less time left than a slow run of its
+tenant (what was ahead of it ran longer than expected: the test it passed to queue no
+longer holds) is refused then, and the place goes on to the next.
 """
 
 from __future__ import annotations
@@ -381,11 +381,12 @@ class Admission:
                 continue
             if waiter.deadline is not None and waiter.deadline <= now:
                 continue  # expired: dropped; its own wait ends with DEADLINE_EXCEEDED
-            if waiter.deadline is not None and waiter.deadline - now < self.typical_run_s(
+            if waiter.deadline is not None and waiter.deadline - now < self.slow_run_s(
                 waiter.tenant
             ):
-                # Its runs took longer than it was queued for: the place goes to one
-                # that can finish instead of to a run most likely cut at its deadline.
+                # Queued because its wait and a slow run fit; what was ahead of it took
+                # longer, and a slow run no longer fits: the place goes to one that can
+                # finish instead of to a run likely cut at its deadline.
                 waiter.future.set_exception(self._too_late(waiter, now))
                 continue
             self._take(waiter.tenant)
@@ -394,12 +395,16 @@ class Admission:
     def _too_late(self, waiter: _Waiter, now: float) -> ResourceExhausted:
         retry = self.retry_after_s(waiter.tenant)
         left = (waiter.deadline or now) - now
+        slow = self.slow_run_s(waiter.tenant)
+        takes = (
+            f"a slow run of this tenant takes {slow:.1f} s now"
+            if math.isfinite(slow)
+            else "more than a tenth of this tenant's recent runs ran out of time"
+        )
         return ResourceExhausted(
             f"the orchestrator cannot finish this run in time: it waited "
             f"{now - waiter.queued:.1f} s for a place and {left:.1f} s of its deadline are "
-            f"left, less than this tenant's runs typically take "
-            f"({self.typical_run_s(waiter.tenant):.1f} s); retry in about {retry:.1f} s "
-            "(or with a longer deadline)",
+            f"left; {takes}; retry in about {retry:.1f} s (or with a longer deadline)",
             retry_after_s=retry,
             reason="DEADLINE_TOO_SHORT_FOR_QUEUE",
             metadata={"queue": "orchestrator"},
