@@ -38,8 +38,10 @@ decode takes (the 90th percentile of recent sequences' decode times, once
 _DECODES_BEFORE_ESTIMATING have finished) is not paused, and a paused one is resumed when
 its deadline comes that close: cut at its deadline, everything it had done for its
 admitted run would be lost. It decodes beside the priority request, one token in each of
-its steps, which costs that request little; a sequence still reading its prompt stays
-paused (its prompt would fill the priority request's steps).
+its steps, which costs that request little (while that request reads its prompt, a step is
+up to a whole batch of prompt tokens, so the kept sequence gains little then); a sequence
+still reading its prompt stays paused (its prompt would fill the priority request's
+steps).
 """
 
 from __future__ import annotations
