@@ -345,7 +345,6 @@ async def test_a_run_handed_a_place_too_late_to_finish_is_refused_and_the_place_
     assert admission.in_flight == 0 and admission.waiting == 0
 
 
-
 async def test_a_waiter_refused_as_its_deadline_passes_gives_back_no_place():
     """A refusal at hand-over took no place: when the waiter's own timeout fires in the
     same turn (before the refusal reaches it), giving up must not free a place."""
