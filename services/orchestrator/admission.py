@@ -265,16 +265,31 @@ class Admission:
         out of time and another of them is under way: it would most likely be cut too."""
         if deadline is None or not self._running[tenant] or not self.ran_out_mostly(tenant):
             return
+        raise self._cannot_finish(
+            tenant,
+            f"most of this tenant's recent runs ran out of time (typically "
+            f"{self.typical_run_s(tenant):.1f} s) and {self._running[tenant]} of them are "
+            "under way",
+            scope="tenant",
+        )
+
+    def _cannot_finish(self, tenant: str, why: str, scope: str = "") -> ResourceExhausted:
+        """The refusal of a run that would not finish in time: `why`, and when to retry."""
         retry = self.retry_after_s(tenant)
-        raise ResourceExhausted(
-            f"the orchestrator cannot finish this run in time: most of this tenant's recent "
-            f"runs ran out of time (typically {self.typical_run_s(tenant):.1f} s) and "
-            f"{self._running[tenant]} of them are under way; retry in about {retry:.1f} s "
-            "(or with a longer deadline)",
+        return ResourceExhausted(
+            f"the orchestrator cannot finish this run in time: {why}; retry in about "
+            f"{retry:.1f} s (or with a longer deadline)",
             retry_after_s=retry,
             reason="DEADLINE_TOO_SHORT_FOR_QUEUE",
-            metadata={"queue": "orchestrator", "scope": "tenant"},
+            metadata={"queue": "orchestrator", **({"scope": scope} if scope else {})},
         )
+
+    def _slow_run_said(self, tenant: str) -> str:
+        """What a slow run of `tenant` takes now, in words (a refusal's reason)."""
+        slow = self.slow_run_s(tenant)
+        if math.isfinite(slow):
+            return f"a run takes up to about {slow:.1f} s now"
+        return "more than a tenth of this tenant's recent runs ran out of time"
 
     def _forget_idle_tenants(self, now: float) -> None:
         busy = set(self._running) | set(self._queues)
@@ -289,23 +304,13 @@ class Admission:
             return
         left = deadline - started
         wait = self.expected_wait_s(tenant)
-        slow = self.slow_run_s(tenant)
-        if wait + slow <= left:
+        if wait + self.slow_run_s(tenant) <= left:
             return
-        retry = self.retry_after_s(tenant)
-        takes = (
-            f"a run takes up to about {slow:.1f} s now"
-            if math.isfinite(slow)
-            else "more than a tenth of this tenant's recent runs ran out of time"
-        )
         # It would only wait, or run, to time out: say so now, while a retry can help.
-        raise ResourceExhausted(
-            f"the orchestrator cannot finish this run in time: it would wait about "
-            f"{wait:.1f} s and {takes}, more than the {left:.1f} s its deadline leaves; "
-            f"retry in about {retry:.1f} s (or with a longer deadline)",
-            retry_after_s=retry,
-            reason="DEADLINE_TOO_SHORT_FOR_QUEUE",
-            metadata={"queue": "orchestrator"},
+        raise self._cannot_finish(
+            tenant,
+            f"it would wait about {wait:.1f} s and {self._slow_run_said(tenant)}, more than "
+            f"the {left:.1f} s its deadline leaves",
         )
 
     async def _wait(self, deadline: float | None, started: float, tenant: str) -> None:
@@ -387,28 +392,17 @@ class Admission:
                 # Queued because its wait and a slow run fit; what was ahead of it took
                 # longer, and a slow run no longer fits: the place goes to one that can
                 # finish instead of to a run likely cut at its deadline.
-                waiter.future.set_exception(self._too_late(waiter, now))
+                waiter.future.set_exception(
+                    self._cannot_finish(
+                        waiter.tenant,
+                        f"it waited {now - waiter.queued:.1f} s for a place and "
+                        f"{waiter.deadline - now:.1f} s of its deadline are left; "
+                        f"{self._slow_run_said(waiter.tenant)}",
+                    )
+                )
                 continue
             self._take(waiter.tenant)
             waiter.future.set_result(None)
-
-    def _too_late(self, waiter: _Waiter, now: float) -> ResourceExhausted:
-        retry = self.retry_after_s(waiter.tenant)
-        left = (waiter.deadline or now) - now
-        slow = self.slow_run_s(waiter.tenant)
-        takes = (
-            f"a slow run of this tenant takes {slow:.1f} s now"
-            if math.isfinite(slow)
-            else "more than a tenth of this tenant's recent runs ran out of time"
-        )
-        return ResourceExhausted(
-            f"the orchestrator cannot finish this run in time: it waited "
-            f"{now - waiter.queued:.1f} s for a place and {left:.1f} s of its deadline are "
-            f"left; {takes}; retry in about {retry:.1f} s (or with a longer deadline)",
-            retry_after_s=retry,
-            reason="DEADLINE_TOO_SHORT_FOR_QUEUE",
-            metadata={"queue": "orchestrator"},
-        )
 
     def _recheck_later(self) -> None:
         if self._recheck is None or self._recheck.cancelled():
