@@ -234,20 +234,20 @@ class SlotScheduler:
             return None
         return statistics.quantiles(self._decodes, n=10, method="inclusive")[-1]
 
-    def _finish_by(self, lease: Lease) -> float | None:
-        """When a paused `lease` must run again to finish decoding by its deadline (None:
-        it waits for the priority request, however long)."""
-        decode = self._decode_s()
+    @staticmethod
+    def _finish_by(lease: Lease, decode: float | None) -> float | None:
+        """When a paused `lease` must run again to finish a decode of `decode` seconds by
+        its deadline (None: it waits for the priority request, however long)."""
         if not lease.decoding or lease.deadline is None or decode is None:
             return None
         return lease.deadline - decode
 
     def _pause_others(self, light: str) -> None:
-        now = time.monotonic()
+        now, decode = time.monotonic(), self._decode_s()
         for lease in self._leases:
             if lease.priority or not lease.pausable or lease.paused or lease.tenant == light:
                 continue
-            finish_by = self._finish_by(lease)
+            finish_by = self._finish_by(lease, decode)
             if finish_by is not None and finish_by <= now:
                 self.kept_for_deadline += 1
                 continue
@@ -267,7 +267,7 @@ class SlotScheduler:
         sequence runs again once its deadline is closer than a decode takes."""
         if not lease.paused:
             return True
-        finish_by = self._finish_by(lease)
+        finish_by = self._finish_by(lease, self._decode_s())
         until = min((t for t in (deadline, finish_by) if t is not None), default=None)
         timeout = None if until is None else max(until - time.monotonic(), 0)
         try:
