@@ -765,9 +765,29 @@ class FaultStack:
             self.parts[part] = self.launcher.restart(self.parts[part], wait=False)
             wait_serving(self.parts[part], timeout_s=180)
 
+    def restore(self) -> None:
+        """Every part running again: a test that failed between a kill and its restart
+        must not fail the tests after it on the same stack."""
+        for proxy in (self.etcd_proxy, self.redis_proxy):
+            proxy.set("pass")
+        if self.etcd.process is None or self.etcd.process.poll() is not None:
+            self.etcd.start()
+        for name, handle in list(self.parts.items()):
+            if handle.process.poll() is not None:
+                if handle in self.launcher.handles:
+                    self.launcher.forget(handle)
+                self.restart(name)
+
+
+@pytest.fixture
+def fault_stack(fault_stack_of_module: FaultStack) -> FaultStack:
+    """The module's stack, every part running (whatever the test before it left down)."""
+    fault_stack_of_module.restore()
+    return fault_stack_of_module
+
 
 @pytest.fixture(scope="module")
-def fault_stack(tmp_path_factory) -> Iterator[FaultStack]:
+def fault_stack_of_module(tmp_path_factory) -> Iterator[FaultStack]:
     import asyncio
 
     from ragline_app.ingest import DEMO_CORPUS, Checkpoint, ingest

@@ -11,10 +11,18 @@ import time
 from pathlib import Path
 
 
-def dying_with_this_process(command: list[str]) -> list[str]:
+def dying_with_this_process(
+    command: list[str], on_parent_death: signal.Signals = signal.SIGTERM
+) -> list[str]:
     """`command` started so that it never outlives the process that starts it (an engine, a
-    shard, a local server): the kernel sends it SIGTERM when its parent dies, even by SIGKILL
-    (PR_SET_PDEATHSIG; Linux only, elsewhere `command` as it is).
+    shard, a local server): the kernel sends it `on_parent_death` when its parent dies, even
+    by SIGKILL (PR_SET_PDEATHSIG; Linux only, elsewhere `command` as it is).
+
+    The kernel may send it more than once: each time the child is handed from a dying
+    thread of its parent to another (a multi-threaded service killed outright: once or
+    twice). A child that takes a second SIGTERM as "exit now" from inside its signal
+    handler, as llama-server does (exit() there can hang in its destructors), is started
+    with SIGKILL: once its parent is gone nobody reads what it would finish.
 
     The signal is armed by a small launcher that then execs `command` (it survives exec):
     never by a `preexec_fn`, which runs Python between fork and exec and can crash a child
@@ -22,13 +30,14 @@ def dying_with_this_process(command: list[str]) -> list[str]:
     from threads that live as long as the process (the event loop's, its executor's)."""
     if sys.platform != "linux":
         return command
-    return [sys.executable, "-m", "ragline.processes", str(os.getpid()), *command]
+    launcher = [sys.executable, "-m", "ragline.processes", str(os.getpid())]
+    return [*launcher, str(int(on_parent_death)), *command]
 
 
-def _exec_dying_with(parent: int, command: list[str]) -> None:
+def _exec_dying_with(parent: int, on_parent_death: int, command: list[str]) -> None:
     import ctypes
 
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, on_parent_death)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:
         sys.exit(1)  # the parent died before the signal was armed
     os.execvp(command[0], command)
@@ -81,4 +90,4 @@ def wait_listening(
 
 
 if __name__ == "__main__":
-    _exec_dying_with(int(sys.argv[1]), sys.argv[2:])
+    _exec_dying_with(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])

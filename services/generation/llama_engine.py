@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import time
@@ -337,9 +338,10 @@ class LlamaServerEngine:
         self.slot_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log_file:
             # Started from the event loop's thread, and never outliving this process: a
-            # service killed outright takes its engine (memory, port) with it.
+            # service killed outright takes its engine (memory, port) with it. By SIGKILL:
+            # llama-server may get the signal twice and exit() from its handler can hang.
             self.process = subprocess.Popen(  # noqa: ASYNC220 - fork+exec, returns at once
-                dying_with_this_process(self.command()),
+                dying_with_this_process(self.command(), on_parent_death=signal.SIGKILL),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=engine_environment(os.environ),

@@ -25,7 +25,7 @@ import pytest
 
 from ragline.clients import RECONNECT_OPTIONS
 from support.load import AskLoad, WriteLoad, absent, unsettled_after
-from support.processes import all_gone, children
+from support.processes import children, seconds_until_gone, states
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -35,6 +35,8 @@ RECOVERY_S = 20.0
 RECOVERY_AFTER_LOAD_S = 5.0
 WRITES_BACK_S = 5.0
 SETTLED_WITHIN_S = 15.0
+# An engine is sent SIGKILL by the kernel when its service dies: gone at once.
+ENGINE_GONE_S = 5.0
 # Optional stages: asks go on being answered (PARTIAL, naming what is missing) without them.
 ANSWERED_WITHOUT = ("embedding", "rerank")
 PARTS = ["embedding", "retrieval", "rerank", "generation", "budget", "orchestrator", "etcd"]
@@ -76,8 +78,10 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
         killed_at = time.monotonic()
         written_before = len(writes.acknowledged)
         await asyncio.to_thread(stack.kill, part)
+        engine_gone_s = None
         if engines:
-            assert await asyncio.to_thread(all_gone, engines, 5.0), "the engine outlived it"
+            engine_gone_s = await asyncio.to_thread(seconds_until_gone, engines, ENGINE_GONE_S)
+            assert engine_gone_s is not None, f"the engine outlived it: {states(engines)}"
         # Long enough, without an optional stage, for the share answered to mean something.
         await asyncio.sleep(DOWN_OPTIONAL_S if part in ANSWERED_WITHOUT else DOWN_S)
         restarted_at = time.monotonic()
@@ -111,7 +115,8 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
         f"serving {serving_s:.1f} s after the restart, COMPLETE again after "
         f"{recovered_s:.1f} s (allowed {allowed_s:.1f} s), writes again after "
         f"{writes_back_s:.1f} s; "
-        f"asks {asks.summary()}; writes acknowledged "
+        + (f"engine gone {engine_gone_s:.2f} s after the kill; " if engines else "")
+        + f"asks {asks.summary()}; writes acknowledged "
         f"{len(writes.acknowledged)}, failed {len(writes.failures)}: "
         f"{sorted(set(writes.failures))[:3]}"
     )

@@ -30,9 +30,28 @@ def gone(pid: int) -> bool:
 
 
 def all_gone(pids: list[int], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    return seconds_until_gone(pids, timeout_s) is not None
+
+
+def seconds_until_gone(pids: list[int], timeout_s: float) -> float | None:
+    """How long until every one of `pids` is gone; None if some are still there after
+    `timeout_s`."""
+    start = time.monotonic()
+    while time.monotonic() < start + timeout_s:
         if all(gone(pid) for pid in pids):
-            return True
-        time.sleep(0.1)
-    return all(gone(pid) for pid in pids)
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return None
+
+
+def states(pids: list[int]) -> dict[int, str]:
+    """Each pid's state and what it waits in (for a message when one lingers)."""
+    found = {}
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+        except (OSError, IndexError):
+            state, wchan = "gone", ""
+        found[pid] = f"{state} {wchan}".strip()
+    return found

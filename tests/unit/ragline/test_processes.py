@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from ragline.processes import dying_with_this_process
 from support.processes import all_gone, children
@@ -35,3 +36,42 @@ def test_a_child_started_dying_with_its_parent_goes_when_the_parent_is_killed(tm
 def test_elsewhere_the_command_is_left_as_it_is(monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     assert dying_with_this_process(["sleep", "1"]) == ["sleep", "1"]
+
+
+def test_a_child_armed_with_sigkill_goes_with_its_multithreaded_parent_whatever_it_handles(
+    tmp_path,
+):
+    # llama-server handles SIGTERM (a first one: a graceful stop; a second: exit() from the
+    # handler, which can hang), and a service has many threads: killed outright, the kernel
+    # may signal its child once per thread the child is handed through. Armed as the
+    # generation service arms its engine, a child that ignores SIGTERM must still go.
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import signal, time\nsignal.signal(signal.SIGTERM, lambda *_: None)\ntime.sleep(300)\n"
+    )
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import signal, subprocess, sys, threading, time\n"
+        "from ragline.processes import dying_with_this_process\n"
+        "for _ in range(8):\n"
+        "    threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n"
+        "subprocess.Popen(dying_with_this_process(\n"
+        f"    [sys.executable, {str(child)!r}], on_parent_death=signal.SIGKILL\n"
+        "))\n"
+        "time.sleep(300)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)])
+    deadline = time.monotonic() + 10
+    found: list[int] = []
+    while not found and time.monotonic() < deadline:
+        found = [
+            pid
+            for pid in children(parent.pid, b"child.py")
+            if b"ragline.processes" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        time.sleep(0.05)
+    assert found, "the child did not start"
+    time.sleep(0.5)  # its SIGTERM handler in place
+    parent.kill()
+    parent.wait()
+    assert all_gone(found, 5.0), "a child that handles SIGTERM outlived its parent"
