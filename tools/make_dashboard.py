@@ -212,6 +212,10 @@ ROWS: list[tuple[str, list]] = [
                         q("sum by (reason) (rate(ragline_orchestrator_refusals_total{S}[R]))"),
                         "refused/s {{reason}}",
                     ),
+                    (
+                        q("sum(rate(ragline_orchestrator_generations_raised_total{S}[R]))"),
+                        "generations raised to light/s",
+                    ),
                 ],
             ),
             (

@@ -169,6 +169,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             context_window=tier.context_window,
             model=tier.model,
             model_version=tier.model_version,
+            light_first=tier.scheduler.priority_slots > 0,
         )
 
     async def ForgetSources(self, request, context):

@@ -36,7 +36,7 @@ import contextlib
 import math
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,6 +126,9 @@ class Admission:
         self._runs: deque[float] = deque([typical_run_s], maxlen=_WINDOW)
         self._tenants: dict[str, _Tenant] = {}
         self._recheck: asyncio.TimerHandle | None = None
+        # Called when a tenant asks for more than it gets (a run refused, queued, or a
+        # second one admitted): a run of another tenant may have turned light (`light`).
+        self.on_pressure: Callable[[], None] | None = None
 
     @property
     def waiting(self) -> int:
@@ -205,7 +208,8 @@ class Admission:
         (GenerateRequest.light_tenant), and the heavier tenants' generations wait for it:
         a tenant within its share before those beyond theirs, as fair queueing serves a
         sparse flow before a backlogged one. (Ask rates alone misjudged a quiet tenant
-        asking back to back: half a flood's rate, now and then more.)"""
+        asking back to back: half a flood's rate, now and then more.) A run may turn light
+        while it generates, a flood beginning beside it: `on_pressure` says when to ask."""
         if self._running[tenant] != 1 or self._queues.get(tenant):
             return False
         now = time.monotonic()
@@ -245,7 +249,10 @@ class Admission:
                 self._take(tenant)
         except ResourceExhausted:
             known.last_refused = time.monotonic()
+            self._pressed()
             raise
+        if self._running[tenant] >= 2:
+            self._pressed()
         place = Place(time.monotonic())
         try:
             yield place
@@ -332,6 +339,8 @@ class Admission:
         waiter = _Waiter(tenant, deadline, asyncio.get_running_loop().create_future())
         self._queues.setdefault(tenant, deque()).append(waiter)
         self._hand_over()  # a free place another tenant's share kept may be this one's
+        if not waiter.future.done():
+            self._pressed()
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
@@ -344,6 +353,10 @@ class Admission:
         except asyncio.CancelledError:
             self._abandon(waiter)
             raise
+
+    def _pressed(self) -> None:
+        if self.on_pressure is not None:
+            self.on_pressure()
 
     def _take(self, tenant: str) -> None:
         self.in_flight += 1

@@ -154,6 +154,12 @@ class Orchestrator:
             settings.max_queue,
             max_queue_per_tenant=settings.max_queue_per_tenant,
         )
+        # The runs under way: when a tenant asks for more than it gets, another tenant's
+        # run already generating may have turned light (its generation is sent again,
+        # marked, while still reading its prompt). `generations_raised` counts those.
+        self._runs: set[RunContext] = set()
+        self.admission.on_pressure = self._turn_light_runs
+        self.generations_raised = 0
         # Recent duration of each kind of step (moving average): what an optional step is
         # expected to cost when time runs short.
         self.typical_s: dict[Kind, float] = {}
@@ -205,6 +211,10 @@ class Orchestrator:
         ):
             await self._remember_answer(key, outcome, request.viewer)
         return outcome
+
+    def _turn_light_runs(self) -> None:
+        for ctx in self._runs:
+            ctx.turn_light_if_so()
 
     # -- the answer cache ---------------------------------------------------------------------
 
@@ -397,12 +407,15 @@ class Orchestrator:
 
         ledger = None
         route = _Route("explicit" if request.plan else "rag", request.route_reason)
+        self._runs.add(ctx)
         try:
             if request.agent:
                 plan, result, route = await self._run_agent(ctx, budget, runner_for, plan)
             else:
                 result = await runner_for(plan).run()
         finally:
+            self._runs.discard(ctx)
+            self.generations_raised += ctx.raised_light
             await ctx.wait_settled()
             ledger = await self._final_ledger(budget, close=own_task)
         degraded = list(dict.fromkeys([*result.degraded, *ctx.degraded]))

@@ -5,12 +5,14 @@ inside a reservation of its own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 import numpy as np
+import structlog
 
 from ragline.budget import Amounts, BudgetRefused
 from ragline.errors import RaglineError
@@ -40,6 +42,8 @@ from ragline_services.orchestrator.run_context import (
 )
 from ragline_services.orchestrator.runner import Step
 
+log = structlog.get_logger("ragline.orchestrator")
+
 _FINISH = {
     generation_pb2.FINISH_REASON_STOP: "stop",
     generation_pb2.FINISH_REASON_LENGTH: "length",
@@ -61,7 +65,6 @@ async def _generate_reserved(
     gets the text as it streams; `part` tells apart generations one step runs side by side
     (their reservations and attempts)."""
     max_tokens = request.max_tokens
-    request.light_tenant = ctx.light_tenant()
     reservation = await ctx.reserve(
         step,
         Amounts(
@@ -75,7 +78,15 @@ async def _generate_reserved(
     pieces: list[str] = []
     attempts = [0]
     try:
-        final = await _stream_generation(ctx, step, request, pieces, emit, attempts)
+        final = await _stream_generation(
+            ctx,
+            step,
+            request,
+            pieces,
+            emit,
+            attempts,
+            raise_light=ctx.clients.light_first.get(tier, False),
+        )
     except BaseException as error:
         # Whatever streamed was produced: charge it (the prompt was read in full).
         seen = Amounts(input_tokens=prompt_tokens, output_tokens=len(pieces), calls=1)
@@ -437,7 +448,58 @@ async def _context_window(ctx: RunContext, tier: ModelTier) -> int:
         request = generation_pb2.CountTokensRequest(prompt="x", tier=tier_to_proto(tier))
         reply = await ctx.clients.generation.unary("CountTokens", request, retry=DEFAULT_POLICY)
         known = ctx.clients.context_windows[tier] = reply.context_window
+        ctx.clients.light_first[tier] = reply.light_first
     return known
+
+
+class _TurnedLight(Exception):
+    """The run's tenant turned light while its unmarked generation read its prompt."""
+
+
+async def _read_generation(
+    client,
+    request,
+    step: Step,
+    pieces: list[str],
+    emit: Callable[[str], None] | None,
+    turned: asyncio.Event | None,
+):
+    """One Generate call read to its end: its final message (None if it sent none).
+    _TurnedLight, the call cancelled, when `turned` is set before its first text."""
+
+    async def read():
+        final = None
+        async for message in client.stream("Generate", request):
+            if message.text:
+                step.mark("first_byte")
+                pieces.append(message.text)
+                if emit is not None:
+                    emit(message.text)
+            if message.HasField("final"):
+                final = message.final
+        return final
+
+    reader = asyncio.ensure_future(read())
+    try:
+        if turned is not None:
+            watch = asyncio.ensure_future(turned.wait())
+            try:
+                await asyncio.wait((reader, watch), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watch.cancel()
+            if not reader.done() and not pieces:
+                # No text out yet (a cancelled reader cannot add any: it resumes into
+                # the cancellation): the call ends and goes again, marked.
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+                raise _TurnedLight
+        return await reader
+    finally:
+        if not reader.done():
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
 
 
 class _StreamStarted(RaglineError):
@@ -453,29 +515,41 @@ async def _stream_generation(
     pieces: list[str],
     emit: Callable[[str], None] | None,
     attempts: list[int],
+    *,
+    raise_light: bool = False,
 ):
     """The generation's final message; its text streams into `pieces` (and `emit`);
-    `attempts[0]` counts this generation's attempts (the step's record counts them all)."""
+    `attempts[0]` counts this generation's attempts (the step's record counts them all).
+
+    `raise_light` (the tier serves light tenants first): a generation sent unmarked is sent
+    again marked light (GenerateRequest.light_tenant) when the run's tenant turns light
+    before its first token: a flood that began beside it (the front door learns of it only
+    from the flood's next runs) would otherwise share the engine with it for the whole of
+    its prompt. What the engine read of its prompt so far is lost; one of the priority
+    slots reads it alone instead, the flood paused."""
     client = ctx.clients.generation
 
     async def attempt():
         step.record.attempts += 1
         attempts[0] += 1
-        final = None
-        try:
-            async for message in client.stream("Generate", request):
-                if message.text:
-                    step.mark("first_byte")
-                    pieces.append(message.text)
-                    if emit is not None:
-                        emit(message.text)
-                if message.HasField("final"):
-                    final = message.final
-        except grpc.aio.AioRpcError as error:
-            if pieces:
-                raise _StreamStarted(f"generation stream broke: {error.details()}") from error
-            raise
-        return final
+        while True:
+            request.light_tenant = request.light_tenant or ctx.light_tenant()
+            unmarked = raise_light and not request.light_tenant
+            watching = ctx.until_light() if unmarked else contextlib.nullcontext()
+            with watching as turned:
+                try:
+                    return await _read_generation(client, request, step, pieces, emit, turned)
+                except _TurnedLight:
+                    request.light_tenant = True
+                    ctx.raised_light += 1
+                    step.record.attempts += 1
+                    log.info("generation.raised_light", node=step.node.id)
+                except grpc.aio.AioRpcError as error:
+                    if pieces:
+                        raise _StreamStarted(
+                            f"generation stream broke: {error.details()}"
+                        ) from error
+                    raise
 
     async with ctx.clients.limits["generation"]:
         step.mark("call_start")

@@ -7,8 +7,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 
 from ragline.metrics import LATENCY_BUCKETS, ProcessMetrics
-from ragline_services.orchestrator.admission import Admission
-from ragline_services.orchestrator.core import AskOutcome
+from ragline_services.orchestrator.core import AskOutcome, Orchestrator
 
 
 def reason_kind(reason: str) -> str:
@@ -60,14 +59,21 @@ class OrchestratorMetrics:
             registry=registry,
         )
 
-    def watch(self, admission: Admission) -> None:
+    def watch(self, orchestrator: Orchestrator) -> None:
         """Admission's state, read when scraped (nothing to update on the request path)."""
+        admission = orchestrator.admission
         for name, meaning, read in (
             ("runs_in_flight", "Runs holding a place now.", lambda: admission.in_flight),
             ("runs_waiting", "Asks queued for a place now.", lambda: admission.waiting),
             ("run_places", "Runs that may be in flight at once.", lambda: admission.max_in_flight),
         ):
             self._process.reading(f"ragline_orchestrator_{name}", meaning).add(read)
+        self._process.reading(
+            "ragline_orchestrator_generations_raised_total",
+            "Generations sent again marked as a light tenant's: the run's tenant turned light "
+            "(a flood began beside it) before their first token.",
+            "counter",
+        ).add(lambda: orchestrator.generations_raised)
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()

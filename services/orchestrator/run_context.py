@@ -11,9 +11,10 @@ it stays off the critical path; the run waits for every settlement before it rep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -146,8 +147,10 @@ class Clients:
     budget: ServiceClient
     # At most this many calls in flight to each service, whatever the plans do.
     limits: dict[str, asyncio.Semaphore]
-    # Context window of each generation tier, learned on first use (CountTokens).
+    # Context window of each generation tier, learned on first use (CountTokens), and
+    # whether the tier serves a light tenant's request first.
     context_windows: dict[str, int] = field(default_factory=dict)
+    light_first: dict[str, bool] = field(default_factory=dict)
 
 
 class RunContext:
@@ -171,6 +174,12 @@ class RunContext:
         # Whether the run is a light tenant's beside a flood now (admission.py): its
         # generations go first. Asked at each generation: a flood may start meanwhile.
         self.light_tenant = light_tenant or (lambda: False)
+        # Generations sent unmarked and still reading their prompt: each waits on its
+        # event, which the orchestrator sets when the run's tenant turns light meanwhile
+        # (a flood that began beside it), to be sent again marked. `raised_light` counts
+        # the generations sent again.
+        self._unmarked: set[asyncio.Event] = set()
+        self.raised_light = 0
         self.budget = budget
         self.settings = settings
         self.run_id = run_id
@@ -187,6 +196,23 @@ class RunContext:
         self.read_cache = read_cache and self.caches is not None
         self.write_cache = write_cache and self.caches is not None
         self.cache_use = CacheUse()
+
+    @contextlib.contextmanager
+    def until_light(self) -> Iterator[asyncio.Event]:
+        """An event set if the run's tenant turns light while a generation sent unmarked
+        is under way."""
+        event = asyncio.Event()
+        self._unmarked.add(event)
+        try:
+            yield event
+        finally:
+            self._unmarked.discard(event)
+
+    def turn_light_if_so(self) -> None:
+        """Wakes the run's unmarked generations if its tenant is light now."""
+        if self._unmarked and self.light_tenant():
+            for event in self._unmarked:
+                event.set()
 
     async def look_up(self, step: Step, layer: str, *parts) -> tuple[str, dict | None]:
         """The step's cache key from `parts` ("" while caching is off) and its entry (None:

@@ -181,7 +181,7 @@ class OrchestratorService(Service):
         self._caches = caches
         orchestrator = Orchestrator(clients, settings, caches)
         if self._servicer.metrics is not None:
-            self._servicer.metrics.watch(orchestrator.admission)
+            self._servicer.metrics.watch(orchestrator)
         self._servicer.orchestrator.set(orchestrator)
         if caches is not None and cfg.cache_sweep_s:
             self._sweeper = Periodic(

@@ -24,6 +24,7 @@ class GenerationProxy(generation_pb2_grpc.GenerationServiceServicer):
         self.script = script
         self.large_as_small = large_as_small
         self.scripted: list[generation_pb2.GenerateRequest] = []
+        self.scripted_for: list[str] = []  # the tenant of each scripted request
         self.forwarded: list[generation_pb2.GenerateRequest] = []
         self.hold_s = 0.0  # a scripted answer waits this long before its first word
         self.in_flight = 0  # Generate calls open now, and the most at once
@@ -73,6 +74,8 @@ class GenerationProxy(generation_pb2_grpc.GenerationServiceServicer):
                 yield message
             return
         self.scripted.append(request)
+        metadata = dict(context.invocation_metadata())
+        self.scripted_for.append(str(metadata.get("x-ragline-tenant", "")))
         await asyncio.sleep(self.hold_s)
         yield generation_pb2.GenerateResponse(text=text, first_token=True, index=0)
         final = generation_pb2.GenerateFinal(

@@ -91,3 +91,30 @@ async def test_a_light_tenant_runs_alone_beside_a_flood_which_resumes_unchanged(
     assert [(text, tokens) for text, tokens, *_ in flooded] == [
         (text, tokens) for text, tokens, *_ in alone
     ]
+
+
+async def test_count_tokens_says_whether_the_tier_serves_light_tenants_first(
+    two_slots_and_a_priority_one, module_launcher
+):
+    """The orchestrator sends a generation again, marked light, only to a tier that serves
+    light tenants first: CountTokens says which do."""
+    handle, _ = two_slots_and_a_priority_one
+    without = await asyncio.to_thread(
+        module_launcher.start,
+        "generation",
+        env={
+            **SMALL_GENERATION,
+            "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
+            "RAGLINE_GENERATION_PRIORITY_SLOTS": "0",
+        },
+    )
+    request = generation_pb2.CountTokensRequest(prompt="Hello world")
+    served = {}
+    for name, service in (("priority", handle), ("none", without)):
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            reply = await stub.CountTokens(
+                request, timeout=10, metadata=(("x-ragline-tenant", "acme"),)
+            )
+        served[name] = reply.light_first
+    assert served == {"priority": True, "none": False}

@@ -510,6 +510,44 @@ async def test_a_tenant_asking_alone_beside_a_flood_has_its_generation_marked_li
     assert [light for light, _ in marked] == [False, False, True, False]
 
 
+async def test_a_generation_under_way_when_its_tenant_turns_light_goes_again_marked(rag_stack):
+    """A quiet tenant's generation sent before a flood began goes unmarked (nobody floods
+    yet). Once the front door sees the flood (its second run in flight), that generation,
+    still before its first token, is sent again marked light, and the answer is the
+    marked one's; the timing report counts the two calls."""
+    proxy = await warsaw_behind_a_proxy(rag_stack, "flood-r", "quiet-r", hold_s=3.0)
+    try:
+        orchestrator = await asyncio.to_thread(
+            rag_stack.orchestrator, generation_addr=proxy.address, max_in_flight=4
+        )
+
+        async def ask_as(tenant: str):
+            request = orchestrator_pb2.AskRequest(
+                question=WARSAW, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+            )
+            async with grpc.aio.insecure_channel(orchestrator.address) as channel:
+                stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+                call = stub.Ask(request, timeout=60, metadata=who(tenant))
+                return [m async for m in call][-1].result
+
+        quiet = asyncio.create_task(ask_as("quiet-r"))
+        deadline = time.monotonic() + 30
+        while proxy.in_flight < 1:  # the quiet tenant's generation is under way
+            assert time.monotonic() < deadline, "the quiet run never reached generation"
+            await asyncio.sleep(0.02)
+        flood = [asyncio.create_task(ask_as("flood-r")) for _ in range(2)]
+        answered = await quiet
+        await asyncio.gather(*flood)
+    finally:
+        await proxy.stop()
+    sent = [(t, r.light_tenant) for t, r in zip(proxy.scripted_for, proxy.scripted, strict=True)]
+    assert [light for tenant, light in sent if tenant == "quiet-r"] == [False, True], sent
+    assert [light for tenant, light in sent if tenant == "flood-r"] == [False, False], sent
+    assert answered.status.state == common_pb2.ANSWER_STATE_COMPLETE, answered.status
+    [generate] = [n for n in answered.timing.nodes if n.kind == orchestrator_pb2.NODE_KIND_GENERATE]
+    assert generate.attempts == 2
+
+
 async def test_a_tenant_whose_runs_keep_running_out_of_time_is_refused_at_once(rag_stack):
     """Admission learns from how runs end: once most of a tenant's recent runs were cut at
     their deadline, its next run while another of its runs is under way is refused at once

@@ -359,3 +359,27 @@ async def test_a_waiter_refused_as_its_deadline_passes_gives_back_no_place():
     release.set()
     await holder
     assert admission.in_flight == 0
+
+
+async def test_a_tenant_asking_for_more_than_it_gets_tells_the_orchestrator_each_time():
+    """What may turn another tenant's run light (`light`) is reported as it happens: a
+    tenant's second run admitted, a run queued, a run refused. A tenant's lone run is not."""
+    admission = Admission(max_in_flight=2, max_queue=1)
+    pressed: list[tuple[int, int]] = []
+    admission.on_pressure = lambda: pressed.append((admission.in_flight, admission.waiting))
+    release = asyncio.Event()
+    first = asyncio.create_task(_admit_as_until(admission, "flood", release, None))
+    await asyncio.sleep(0.01)
+    assert pressed == []  # one run alone: nobody asks for more than it gets
+    second = asyncio.create_task(_admit_as_until(admission, "flood", release, None))
+    await asyncio.sleep(0.01)
+    assert pressed == [(2, 0)]  # its second run in flight
+    queued = asyncio.create_task(_admit_as_until(admission, "flood", release, None))
+    await asyncio.sleep(0.01)
+    assert pressed[-1] == (2, 1)  # a run waiting
+    with pytest.raises(ResourceExhausted):
+        async with admission.admit(None, "flood"):
+            pass
+    assert len(pressed) == 3  # refused: the queue is full
+    release.set()
+    await asyncio.gather(first, second, queued)

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from ragline.budget import BudgetRefused
+from ragline.v1 import generation_pb2
 from ragline_services.orchestrator import evidence_steps, generation_steps, run_context
 from ragline_services.orchestrator.plan import Kind, Node
 from ragline_services.orchestrator.runner import NodeRecord
@@ -102,3 +103,102 @@ def test_a_several_part_answer_names_each_part_in_its_signals():
     assert [str(p) for p in joined.problems] == ["failed_validation: part 2: not supported (x)"]
     assert joined.usage == Amounts(input_tokens=20, calls=2)
     assert len(joined.evidence.items) == 2 and len(joined.cited.citations) == 2
+
+
+FINAL = SimpleNamespace(timing=None)
+
+
+class SlowStream:
+    """A Generate stream: its text once `speak` is set, its final message once `finish` is."""
+
+    def __init__(self) -> None:
+        self.speak, self.finish = asyncio.Event(), asyncio.Event()
+        self.closed = False
+        self.requests: list[object] = []
+
+    async def stream(self, method, request):
+        self.requests.append(request)
+        try:
+            await self.speak.wait()
+            yield SimpleNamespace(text="Vistula", HasField=lambda name: False)
+            await self.finish.wait()
+            yield SimpleNamespace(text="", HasField=lambda name: True, final=FINAL)
+        finally:
+            self.closed = True
+
+
+def generating_step() -> SimpleNamespace:
+    node = Node("answer", Kind.GENERATE)
+    return SimpleNamespace(node=node, record=NodeRecord(node), mark=lambda what: None)
+
+
+async def test_a_generation_whose_tenant_turns_light_before_its_first_token_ends_to_go_again():
+    client, pieces, turned = SlowStream(), [], asyncio.Event()
+    client.finish.set()
+    reading = asyncio.create_task(
+        generation_steps._read_generation(client, "req", generating_step(), pieces, None, turned)
+    )
+    await asyncio.sleep(0.01)
+    turned.set()
+    with pytest.raises(generation_steps._TurnedLight):
+        await reading
+    assert client.closed and pieces == []  # the call ended, nothing of it went out
+
+
+async def test_a_generation_already_speaking_when_its_tenant_turns_light_runs_on():
+    client, pieces, turned = SlowStream(), [], asyncio.Event()
+    client.speak.set()
+    reading = asyncio.create_task(
+        generation_steps._read_generation(client, "req", generating_step(), pieces, None, turned)
+    )
+    await asyncio.sleep(0.01)
+    assert pieces == ["Vistula"]
+    turned.set()
+    await asyncio.sleep(0.01)
+    assert not reading.done() and not client.closed  # its text is out: it is not cut
+    client.finish.set()
+    assert await reading is FINAL and pieces == ["Vistula"]
+
+
+class Run:
+    """What a generation step uses of its run: the client, whether the tenant is light."""
+
+    until_light = run_context.RunContext.until_light
+    turn_light_if_so = run_context.RunContext.turn_light_if_so
+
+    def __init__(self, client: SlowStream) -> None:
+        self.clients = SimpleNamespace(generation=client, limits={"generation": asyncio.Lock()})
+        self.light = False
+        self.light_tenant = lambda: self.light
+        self._unmarked: set[asyncio.Event] = set()
+        self.raised_light = 0
+
+
+@pytest.mark.parametrize("light_first", [True, False])
+async def test_a_generation_goes_again_marked_only_where_its_tier_serves_light_first(light_first):
+    client = SlowStream()
+    run = Run(client)
+    sent: list[bool] = []
+    original = client.stream
+
+    def stream(method, request):
+        sent.append(request.light_tenant)
+        return original(method, request)
+
+    client.stream = stream
+    current = generating_step()
+    generating = asyncio.create_task(
+        generation_steps._stream_generation(
+            run, current, generation_pb2.GenerateRequest(), [], None, [0], raise_light=light_first
+        )
+    )
+    await asyncio.sleep(0.01)
+    run.light = True  # a flood began: the front door says so
+    run.turn_light_if_so()
+    await asyncio.sleep(0.01)
+    client.speak.set()
+    client.finish.set()
+    await generating
+    assert sent == ([False, True] if light_first else [False])
+    assert run.raised_light == (1 if light_first else 0)
+    assert current.record.attempts == len(sent)
