@@ -404,6 +404,10 @@ ROWS: list[tuple[str, list]] = [
                         q("sum by (tier) (rate(ragline_generation_kept_for_deadline_total{S}[R]))"),
                         "kept running for its deadline {{tier}}",
                     ),
+                    (
+                        q("sum by (tier) (rate(ragline_generation_decoding_beside_total{S}[R]))"),
+                        "decoding beside a light tenant {{tier}}",
+                    ),
                 ],
             ),
             (

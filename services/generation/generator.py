@@ -354,7 +354,8 @@ class Generator:
                                 break  # paused: its slot keeps the KV cache
                             chunk = decoded.take(event)
                             if chunk is not None:
-                                lease.decoding = True
+                                if not lease.decoding:
+                                    tier.scheduler.started_decoding(lease)
                                 yield chunk
                     finally:
                         # Closing the engine stream stops decoding now (deadline, cancel,

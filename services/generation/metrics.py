@@ -121,6 +121,13 @@ class GenerationMetrics:
             "counter",
             ("tier",),
         )
+        decoding_beside = reading(
+            "ragline_generation_decoding_beside_total",
+            "Paused decoding sequences of heavier tenants run again beside light tenants' "
+            "requests once those all decode (a decode step costs them little).",
+            "counter",
+            ("tier",),
+        )
         engine_up = reading(
             "ragline_generation_engine_up",
             "1 while the tier's engine serves, 0 while it cannot (health is NOT_SERVING).",
@@ -160,6 +167,7 @@ class GenerationMetrics:
             refusals.add(refused, name)
             pauses.add(lambda: scheduler.pauses, name)
             kept_for_deadline.add(lambda: scheduler.kept_for_deadline, name)
+            decoding_beside.add(lambda: scheduler.decoding_beside, name)
             engine_up.add(lambda: 0.0 if name in engine_problems() else 1.0, name)
             store = tier.prefix_store
             if store is not None:

@@ -41,7 +41,9 @@ admitted run would be lost. It decodes beside the priority request, one token in
 its steps, which costs that request little (while that request reads its prompt, a step is
 up to a whole batch of prompt tokens, so the kept sequence gains little then); a sequence
 still reading its prompt stays paused (its prompt would fill the priority request's
-steps).
+steps). For the same reason, once every priority request has its first token out (its
+prompt read), the paused sequences that were decoding run again beside it until it ends
+or another priority request comes: what a light tenant needs alone is its prompt's steps.
 """
 
 from __future__ import annotations
@@ -147,6 +149,8 @@ class SlotScheduler:
         self.refusals: Counter[str] = Counter()
         self.expired_waiting = 0
         self.pauses = 0  # sequences paused for a priority request
+        # Paused decoding sequences run again beside priority requests that all decode.
+        self.decoding_beside = 0
         # Sequences resumed (or left running) beside a priority request: their deadline
         # was closer than a decode takes.
         self.kept_for_deadline = 0
@@ -255,6 +259,21 @@ class SlotScheduler:
             self.pauses += 1
             if lease.interrupt is not None:
                 lease.interrupt()
+
+    def started_decoding(self, lease: Lease) -> None:
+        """`lease`'s first token is out (its holder says so). Once every priority request
+        decodes, the paused sequences that were decoding run beside them: a decode step
+        costs the priority request little, a step of another prompt would not (those stay
+        paused), and a flood's answer half written gains ground instead of running out."""
+        lease.decoding = True
+        if not lease.priority or any(
+            other.priority and not other.decoding for other in self._leases
+        ):
+            return
+        for other in self._leases:
+            if other.paused and other.decoding:
+                other.resumed.set()
+                self.decoding_beside += 1
 
     def _resume_when_clear(self) -> None:
         if any(lease.priority for lease in self._leases):

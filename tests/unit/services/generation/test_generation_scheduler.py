@@ -379,3 +379,24 @@ async def test_until_decodes_were_measured_every_sequence_pauses():
     await asyncio.wait_for(scheduler.acquire("quiet", None, light=True), 1)
     assert near.paused
     assert not await scheduler.wait_resumed(near, near.deadline)
+
+
+async def test_paused_decoding_sequences_run_beside_a_priority_request_once_it_decodes():
+    scheduler = SlotScheduler(3, 8, Eraser(), priority_slots=1)
+    far = time.monotonic() + 60
+    decoding = await _decoding(scheduler, "flood", far)
+    reading = await _decoding(scheduler, "flood", far, decoding=False)
+    quiet = await asyncio.wait_for(scheduler.acquire("quiet", None, light=True), 1)
+    assert decoding.paused and reading.paused  # the light prompt has the engine alone
+    scheduler.started_decoding(quiet)
+    # Its prompt read, it decodes: a decoding flood sequence beside it costs little...
+    assert not decoding.paused and scheduler.decoding_beside == 1
+    # ...one still reading its prompt would fill its steps: it waits.
+    assert reading.paused
+    # A new light prompt pauses the flood again.
+    other = await asyncio.wait_for(scheduler.acquire("quiet2", None, light=True), 1)
+    assert decoding.paused and decoding.interrupt.count == 2
+    scheduler.started_decoding(quiet)
+    assert decoding.paused  # not while another priority request reads its prompt
+    scheduler.started_decoding(other)
+    assert not decoding.paused

@@ -5,6 +5,7 @@ that stalls, with finish reason deadline."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from ragline import deadlines
 from ragline.vocabulary import ModelTier
@@ -172,3 +173,29 @@ async def test_a_sequence_decoding_near_its_deadline_is_not_paused_for_a_light_r
     assert scheduler.pauses == 0 and scheduler.kept_for_deadline == 1
     assert len(engine.streams) == 1 and "".join(texts) == "".join(engine.words)
     assert summary.finish_reason == "stop" and summary.paused_s == 0
+
+
+async def test_a_paused_decoding_sequence_runs_again_once_the_light_request_decodes():
+    engine = ContinuingEngine([f" w{i}" for i in range(6)], step_s=0.05)
+    generator = generator_on(engine)
+    scheduler = SlotScheduler(2, 4, engine.erase_slot, priority_slots=1)
+    generator.tier(ModelTier.SMALL).scheduler = scheduler
+    flood = GenerationRequest(tenant="ann", tier=ModelTier.SMALL, max_tokens=8, prompt="Hi")
+    light = GenerationRequest(
+        tenant="bob", tier=ModelTier.SMALL, max_tokens=2, prompt="Hi", light_tenant=True
+    )
+    texts, summary = [], None
+    async for event in generator.generate(flood):
+        if isinstance(event, Chunk):
+            texts.append(event.text)
+            if len(texts) == 2:
+                # A light request comes: the flood pauses; once the light one's first token
+                # is out (its prompt read), the flood decodes beside it.
+                async with contextlib.aclosing(generator.generate(light)) as events:
+                    async for _ in events:
+                        break
+        else:
+            summary = event
+    assert scheduler.pauses == 1 and scheduler.decoding_beside == 1
+    assert "".join(texts) == "".join(engine.words)
+    assert summary.finish_reason == "stop"
