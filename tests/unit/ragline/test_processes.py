@@ -11,6 +11,29 @@ from ragline.processes import dying_with_this_process
 from support.processes import all_gone, children
 
 
+def _command_line(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b"ragline.processes"  # gone meanwhile: not one to wait for
+
+
+def started_children(parent: int, marker: bytes) -> list[int]:
+    """`parent`'s children whose command line holds `marker`, once exec'd (the launcher,
+    `ragline.processes`, gone), waiting up to 10 s for them."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        found = [
+            pid
+            for pid in children(parent, marker)
+            if b"ragline.processes" not in _command_line(pid)
+        ]
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError("the child did not start")
+
+
 def test_a_child_started_dying_with_its_parent_goes_when_the_parent_is_killed(tmp_path):
     # A parent (a stand-in for a service) starts a long sleeper the kit's way, then is
     # killed outright; the sleeper must not stay behind.
@@ -22,12 +45,7 @@ def test_a_child_started_dying_with_its_parent_goes_when_the_parent_is_killed(tm
         "time.sleep(300)\n"
     )
     parent = subprocess.Popen([sys.executable, str(script)])
-    deadline = time.monotonic() + 10
-    sleepers: list[int] = []
-    while not sleepers and time.monotonic() < deadline:
-        sleepers = children(parent.pid, b"sleep\x00300")
-        time.sleep(0.05)
-    assert sleepers, "the child did not start"
+    sleepers = started_children(parent.pid, b"sleep\x00300")
     parent.kill()
     parent.wait()
     assert all_gone(sleepers, 5.0)
@@ -61,16 +79,7 @@ def test_a_child_armed_with_sigkill_goes_with_its_multithreaded_parent_whatever_
         "time.sleep(300)\n"
     )
     parent = subprocess.Popen([sys.executable, str(script)])
-    deadline = time.monotonic() + 10
-    found: list[int] = []
-    while not found and time.monotonic() < deadline:
-        found = [
-            pid
-            for pid in children(parent.pid, b"child.py")
-            if b"ragline.processes" not in Path(f"/proc/{pid}/cmdline").read_bytes()
-        ]
-        time.sleep(0.05)
-    assert found, "the child did not start"
+    found = started_children(parent.pid, b"child.py")
     time.sleep(0.5)  # its SIGTERM handler in place
     parent.kill()
     parent.wait()

@@ -475,6 +475,17 @@ async def warsaw_behind_a_proxy(rag_stack, *tenants: str, hold_s: float):
     return proxy
 
 
+async def warsaw_asked_as(address: str, tenant: str):
+    """The result of one uncached Ask of the Warsaw question as `tenant`."""
+    request = orchestrator_pb2.AskRequest(
+        question=WARSAW, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+    )
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        call = stub.Ask(request, timeout=60, metadata=who(tenant))
+        return [m async for m in call][-1].result
+
+
 async def test_a_tenant_asking_alone_beside_a_flood_has_its_generation_marked_light(rag_stack):
     """The front door, which sees a flood's runs in flight, tells the generation service
     which request is a light tenant's (GenerateRequest.light_tenant): that one goes first."""
@@ -485,14 +496,8 @@ async def test_a_tenant_asking_alone_beside_a_flood_has_its_generation_marked_li
             rag_stack.orchestrator, generation_addr=proxy.address, max_in_flight=4
         )
 
-        async def ask_as(tenant: str):
-            request = orchestrator_pb2.AskRequest(
-                question=WARSAW, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
-            )
-            async with grpc.aio.insecure_channel(orchestrator.address) as channel:
-                stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-                call = stub.Ask(request, timeout=60, metadata=who(tenant))
-                return [m async for m in call][-1].result
+        def ask_as(tenant: str):
+            return warsaw_asked_as(orchestrator.address, tenant)
 
         flood = [asyncio.create_task(ask_as("flood-t")) for _ in range(2)]
         deadline = time.monotonic() + 30
@@ -521,14 +526,8 @@ async def test_a_generation_under_way_when_its_tenant_turns_light_goes_again_mar
             rag_stack.orchestrator, generation_addr=proxy.address, max_in_flight=4
         )
 
-        async def ask_as(tenant: str):
-            request = orchestrator_pb2.AskRequest(
-                question=WARSAW, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
-            )
-            async with grpc.aio.insecure_channel(orchestrator.address) as channel:
-                stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
-                call = stub.Ask(request, timeout=60, metadata=who(tenant))
-                return [m async for m in call][-1].result
+        def ask_as(tenant: str):
+            return warsaw_asked_as(orchestrator.address, tenant)
 
         quiet = asyncio.create_task(ask_as("quiet-r"))
         deadline = time.monotonic() + 30
