@@ -486,18 +486,22 @@ async def warsaw_asked_as(address: str, tenant: str):
         return [m async for m in call][-1].result
 
 
+async def warsaw_asker(rag_stack, proxy):
+    """An orchestrator (4 runs in flight) whose generation service is `proxy`, and a
+    function that asks it the Warsaw question as a tenant."""
+    orchestrator = await asyncio.to_thread(
+        rag_stack.orchestrator, generation_addr=proxy.address, max_in_flight=4
+    )
+    return lambda tenant: warsaw_asked_as(orchestrator.address, tenant)
+
+
 async def test_a_tenant_asking_alone_beside_a_flood_has_its_generation_marked_light(rag_stack):
     """The front door, which sees a flood's runs in flight, tells the generation service
     which request is a light tenant's (GenerateRequest.light_tenant): that one goes first."""
     # The flood's answers stay in flight.
     proxy = await warsaw_behind_a_proxy(rag_stack, "flood-t", "quiet-t", hold_s=1.5)
     try:
-        orchestrator = await asyncio.to_thread(
-            rag_stack.orchestrator, generation_addr=proxy.address, max_in_flight=4
-        )
-
-        def ask_as(tenant: str):
-            return warsaw_asked_as(orchestrator.address, tenant)
+        ask_as = await warsaw_asker(rag_stack, proxy)
 
         flood = [asyncio.create_task(ask_as("flood-t")) for _ in range(2)]
         deadline = time.monotonic() + 30
@@ -522,12 +526,7 @@ async def test_a_generation_under_way_when_its_tenant_turns_light_goes_again_mar
     marked one's; the timing report counts the two calls."""
     proxy = await warsaw_behind_a_proxy(rag_stack, "flood-r", "quiet-r", hold_s=3.0)
     try:
-        orchestrator = await asyncio.to_thread(
-            rag_stack.orchestrator, generation_addr=proxy.address, max_in_flight=4
-        )
-
-        def ask_as(tenant: str):
-            return warsaw_asked_as(orchestrator.address, tenant)
+        ask_as = await warsaw_asker(rag_stack, proxy)
 
         quiet = asyncio.create_task(ask_as("quiet-r"))
         deadline = time.monotonic() + 30
