@@ -479,21 +479,22 @@ async def _read_generation(
                 final = message.final
         return final
 
+    if turned is None:
+        return await read()
     reader = asyncio.ensure_future(read())
     try:
-        if turned is not None:
-            watch = asyncio.ensure_future(turned.wait())
-            try:
-                await asyncio.wait((reader, watch), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                watch.cancel()
-            if not reader.done() and not pieces:
-                # No text out yet (a cancelled reader cannot add any: it resumes into
-                # the cancellation): the call ends and goes again, marked.
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reader
-                raise _TurnedLight
+        watch = asyncio.ensure_future(turned.wait())
+        try:
+            await asyncio.wait((reader, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not reader.done() and not pieces:
+            # No text out yet (a cancelled reader cannot add any: it resumes into the
+            # cancellation): the call ends and goes again, marked.
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            raise _TurnedLight
         return await reader
     finally:
         if not reader.done():

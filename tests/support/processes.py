@@ -20,13 +20,17 @@ def children(parent: int, marker: bytes) -> list[int]:
     return found
 
 
+def _state(pid: int) -> str | None:
+    """The process's state letter (R, S, D, Z, ...); None when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def gone(pid: int) -> bool:
     """No such process, or only its zombie (it has exited; nobody reaped it yet)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in ("Z", "X")
+    return _state(pid) in (None, "Z", "X")
 
 
 def all_gone(pids: list[int], timeout_s: float) -> bool:
@@ -41,7 +45,7 @@ def seconds_until_gone(pids: list[int], timeout_s: float) -> float | None:
         if all(gone(pid) for pid in pids):
             return time.monotonic() - start
         time.sleep(0.05)
-    return None
+    return time.monotonic() - start if all(gone(pid) for pid in pids) else None
 
 
 def states(pids: list[int]) -> dict[int, str]:
@@ -49,9 +53,8 @@ def states(pids: list[int]) -> dict[int, str]:
     found = {}
     for pid in pids:
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             wchan = Path(f"/proc/{pid}/wchan").read_text()
-        except (OSError, IndexError):
-            state, wchan = "gone", ""
-        found[pid] = f"{state} {wchan}".strip()
+        except OSError:
+            wchan = ""
+        found[pid] = f"{_state(pid) or 'gone'} {wchan}".strip()
     return found
