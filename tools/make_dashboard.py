@@ -408,6 +408,10 @@ ROWS: list[tuple[str, list]] = [
                         q("sum by (tier) (rate(ragline_generation_decoding_beside_total{S}[R]))"),
                         "decoding beside a light tenant {{tier}}",
                     ),
+                    (
+                        q("sum by (tier) (rate(ragline_generation_yielding_prompts_total{S}[R]))"),
+                        "prompt read in yielding steps {{tier}}",
+                    ),
                 ],
             ),
             (

@@ -327,7 +327,12 @@ class Generator:
                     if decoded.token_ids and left <= 0:
                         decoded.finish = "length"
                         break
+                    if not decoded.streamed and not await self._read_prompt_yielding(
+                        rendered, lease, decoded, stop_at
+                    ):
+                        continue  # paused (or out of time) before the prompt was read
                     stretch_started = time.monotonic()
+                    decoded.streamed = True
                     stream = tier.engine.stream(
                         rendered.prompt,
                         slot=lease.slot.index,
@@ -382,7 +387,7 @@ class Generator:
             text="".join(decoded.parts),
             prompt_tokens=rendered.tokens,
             completion_tokens=decoded.completion_tokens(),
-            cached_tokens=final.cached_tokens if final else 0,
+            cached_tokens=decoded.cached_tokens(),
             queue_wait_s=lease.waited_s,
             prefill_s=decoded.prefill_s(),
             decode_s=decoded.decode_s(),
@@ -427,6 +432,41 @@ class Generator:
         if first_token_at is not None:
             tracing.record("prefill", started, first_token_at, parent=engine)
             tracing.record("decode", first_token_at, decode_end, parent=engine)
+
+    async def _read_prompt_yielding(
+        self, rendered: Rendered, lease: Lease, decoded: _Decoded, stop_at: float | None
+    ) -> bool:
+        """Reads the prompt in yielding steps while the scheduler says so (scheduler.py),
+        all but its last step: the stream reads that and the logits come from it. False
+        when the sequence was paused, or ran out of time (then it is over), first."""
+        scheduler, engine, ids = rendered.tier.scheduler, rendered.tier.engine, rendered.token_ids
+        if ids is None or not isinstance(engine, SlotStateEngine):
+            return True
+        step, slot, counted = scheduler.yield_step_tokens, lease.slot, False
+        while scheduler.yielding(lease):
+            read = common_prefix(slot.tokens, ids)
+            if len(ids) - read <= step:
+                break
+            if lease.paused:
+                return False
+            if not counted:
+                scheduler.yielding_prompts += 1
+                counted = True
+            began = time.monotonic()
+            try:
+                async with asyncio.timeout_at(stop_at):
+                    async with scheduler.prompt_turn:
+                        if lease.paused:
+                            return False
+                        await engine.prefill(slot.index, ids[: read + step])
+            except TimeoutError:
+                decoded.finish, decoded.over = "deadline", True
+                return False
+            finally:
+                decoded.yielded_s += time.monotonic() - began
+            slot.tokens = tuple(ids[: read + step])
+            decoded.yielded_tokens += step
+        return True
 
     async def _use_store(
         self, rendered: Rendered, lease: Lease, owner: str, sources: tuple[str, ...] = ()
@@ -588,6 +628,16 @@ class _Decoded:
     paused_s: float = 0.0
     over: bool = False  # the engine ended it, or the deadline did
     streamed_s: float = 0.0  # inside the engine's streams, from each request to its end
+    streamed: bool = False  # a stream was sent
+    # Prompt read in yielding steps before its stream (scheduler.py): tokens, seconds.
+    yielded_tokens: int = 0
+    yielded_s: float = 0.0
+
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine's cache held: what the first stream found there, less
+        what yielding steps read into it just before."""
+        found = self.final.cached_tokens if self.final else 0
+        return max(found - self.yielded_tokens, 0)
 
     def take(self, event: StreamEvent) -> Chunk | None:
         """The chunk to pass on for `event` (None: it carries no text)."""
@@ -610,9 +660,10 @@ class _Decoded:
         return self.final.completion_tokens if self.final else len(self.parts)
 
     def prefill_s(self) -> float:
-        """The engine's own timing when it reports one, else measured here."""
+        """The engine's own timing when it reports one (its streams' and the yielding
+        steps' before them), else measured here."""
         if self.final and self.final.prompt_ms:
-            return self.final.prompt_ms / 1000
+            return self.final.prompt_ms / 1000 + self.yielded_s
         return (self.first_token_at or self._ended()) - self.started
 
     def engine_wait_s(self) -> float:
@@ -623,7 +674,8 @@ class _Decoded:
         engine reports its figures."""
         if not (self.final and self.final.prompt_ms):
             return 0.0
-        return max(self.streamed_s - self.prefill_s() - self.decode_s(), 0.0)
+        streamed_prefill_s = self.final.prompt_ms / 1000
+        return max(self.streamed_s - streamed_prefill_s - self.decode_s(), 0.0)
 
     def decode_s(self) -> float:
         if self.final and self.final.decode_ms:

@@ -128,6 +128,13 @@ class GenerationMetrics:
             "counter",
             ("tier",),
         )
+        yielding_prompts = reading(
+            "ragline_generation_yielding_prompts_total",
+            "Sequences of heavier tenants that read their prompts in small engine steps, one "
+            "at a time, while a light tenant was about (its requests wait for one small step).",
+            "counter",
+            ("tier",),
+        )
         engine_up = reading(
             "ragline_generation_engine_up",
             "1 while the tier's engine serves, 0 while it cannot (health is NOT_SERVING).",
@@ -168,6 +175,7 @@ class GenerationMetrics:
             pauses.add(lambda: scheduler.pauses, name)
             kept_for_deadline.add(lambda: scheduler.kept_for_deadline, name)
             decoding_beside.add(lambda: scheduler.decoding_beside, name)
+            yielding_prompts.add(lambda: scheduler.yielding_prompts, name)
             engine_up.add(lambda: 0.0 if name in engine_problems() else 1.0, name)
             store = tier.prefix_store
             if store is not None:

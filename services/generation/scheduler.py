@@ -44,6 +44,15 @@ still reading its prompt stays paused (its prompt would fill the priority reques
 steps). For the same reason, once every priority request has its first token out (its
 prompt read), the paused sequences that were decoding run again beside it until it ends
 or another priority request comes: what a light tenant needs alone is its prompt's steps.
+
+A flood's prompt step under way holds an arriving light request until it ends, and a
+closed stream is noticed only after the step under way (its next write), so a paused
+prompt ran one more step still. While a light tenant is about (a priority request runs or
+ran within `light_about_s`), a pausable sequence of the others reads its prompt in
+yielding steps instead: `yield_step_tokens` at a time, one such step over the engine at
+once (`prompt_turn`), each its own engine call that ends by itself; paused, it issues no
+next one. The light request then waits for at most one small step: prefill is slower in
+small steps (64 tokens: ~17% on 2 cores, docs/tuning.md), and only those sequences pay it.
 """
 
 from __future__ import annotations
@@ -62,6 +71,9 @@ from ragline.errors import DeadlineExceeded, ResourceExhausted
 _HOLDS_BEFORE_ESTIMATING = 4
 # Decodes seen before the time one takes is estimated (until then every sequence pauses).
 _DECODES_BEFORE_ESTIMATING = 4
+# How long after a priority request ends the others still read their prompts in yielding
+# steps (a light tenant asking one question at a time asks again within it).
+LIGHT_ABOUT_S = 5.0
 
 
 @dataclass
@@ -125,6 +137,8 @@ class SlotScheduler:
         max_queue_per_tenant: int = 0,
         typical_request_s: float = 2.0,
         priority_slots: int = 0,
+        yield_step_tokens: int = 0,
+        light_about_s: float = LIGHT_ABOUT_S,
     ) -> None:
         # The engine's slots: `priority_slots` for priority requests, then `slots` for anyone.
         # The kept ones come first: llama-server fills each step's batch in slot order, so
@@ -155,6 +169,12 @@ class SlotScheduler:
         # was closer than a decode takes.
         self.kept_for_deadline = 0
         self._decodes: deque[float] = deque(maxlen=64)  # seconds recent decodes took
+        # Yielding prompt steps (see the module): their size (0: off), one at a time.
+        self.yield_step_tokens = yield_step_tokens
+        self.light_about_s = light_about_s
+        self.prompt_turn = asyncio.Lock()
+        self._light_until = -1.0  # when the last priority request ended, plus light_about_s
+        self.yielding_prompts = 0  # sequences that read (some of) their prompt so
 
     @property
     def busy(self) -> int:
@@ -274,6 +294,14 @@ class SlotScheduler:
             if other.paused and other.decoding:
                 other.resumed.set()
                 self.decoding_beside += 1
+
+    def yielding(self, lease: Lease) -> bool:
+        """Whether `lease` reads what is left of its prompt in yielding steps now."""
+        if not self.yield_step_tokens or lease.priority or not lease.pausable:
+            return False
+        return any(other.priority for other in self._leases) or (
+            time.monotonic() < self._light_until
+        )
 
     def _resume_when_clear(self) -> None:
         if any(lease.priority for lease in self._leases):
@@ -407,6 +435,8 @@ class SlotScheduler:
             self.release(waiter.future.result())
 
     def release(self, slot: Slot) -> None:
+        if any(lease.priority for lease in self._leases if lease.slot is slot):
+            self._light_until = time.monotonic() + self.light_about_s
         self._leases = [lease for lease in self._leases if lease.slot is not slot]
         self._resume_when_clear()
         slot.busy = False

@@ -118,3 +118,49 @@ async def test_count_tokens_says_whether_the_tier_serves_light_tenants_first(
             )
         served[name] = reply.light_first
     assert served == {"priority": True, "none": False}
+
+
+# Long enough for several yielding steps (64 tokens each), and greedy to a known end.
+LONG_COUNT = "Continue the list: " + ", ".join(str(n) for n in range(1, 121)) + ","
+
+
+async def long_count(stub, who: str):
+    """(the text, cached prompt tokens, stage names) of the long count as tenant `who`."""
+    request = generation_pb2.GenerateRequest(
+        prompt=LONG_COUNT, max_tokens=24, speculation=generation_pb2.SPECULATION_OFF
+    )
+    messages = [
+        m async for m in stub.Generate(request, timeout=120, metadata=(("x-ragline-tenant", who),))
+    ]
+    final = messages[-1].final
+    return final.text, final.usage.cached_input_tokens, {s.name for s in final.timing.stages}
+
+
+def yielding_prompts(metrics_port: int) -> float:
+    counted = sample_values(scrape(metrics_port), "ragline_generation_yielding_prompts", "_total")
+    assert ("small",) in counted, "the yielding prompts counter is not exported"
+    return counted[("small",)]
+
+
+async def test_beside_a_light_tenant_a_prompt_read_in_yielding_steps_gives_the_same_answer(
+    two_slots_and_a_priority_one,
+):
+    """While a light tenant is about, another tenant's prompt is read in small engine steps
+    before its stream (the light tenant's next request waits for one small step): on the
+    real engine the answer is the one the prompt read whole gives, and no token of it is
+    reported as a cache hit."""
+    handle, metrics_port = two_slots_and_a_priority_one
+    async with grpc.aio.insecure_channel(handle.address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        light = generation_pb2.GenerateRequest(prompt="Hi", max_tokens=2, light_tenant=True)
+        async for _ in stub.Generate(light, timeout=60, metadata=(("x-ragline-tenant", "q"),)):
+            pass
+        before = yielding_prompts(metrics_port)
+        stepped = await long_count(stub, "long-a")
+        assert yielding_prompts(metrics_port) - before == 1, "its prompt was read whole"
+        await asyncio.sleep(5.5)  # the light tenant gone quiet: prompts are read whole
+        whole = await long_count(stub, "long-b")
+        assert yielding_prompts(metrics_port) - before == 1
+    assert stepped[0] and stepped[0] == whole[0]
+    assert stepped[1] == whole[1] == 0  # cold slots, both
+    assert "prefill" in stepped[2]

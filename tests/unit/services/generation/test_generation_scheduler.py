@@ -400,3 +400,24 @@ async def test_paused_decoding_sequences_run_beside_a_priority_request_once_it_d
     assert decoding.paused  # not while another priority request reads its prompt
     scheduler.started_decoding(other)
     assert not decoding.paused
+
+
+async def test_the_others_read_their_prompts_in_yielding_steps_while_a_light_tenant_is_about():
+    scheduler = SlotScheduler(
+        2, 4, Eraser(), priority_slots=1, yield_step_tokens=64, light_about_s=0.2
+    )
+    flood = await scheduler.acquire("ann", None, pausable=True)
+    assert not scheduler.yielding(flood)  # nobody light yet: whole batches
+    light = await scheduler.acquire("bob", None, light=True)
+    assert scheduler.yielding(flood) and not scheduler.yielding(light)
+    scheduler.release(light.slot)
+    assert scheduler.yielding(flood)  # bob asks again soon: still about
+    await asyncio.sleep(0.3)
+    assert not scheduler.yielding(flood)  # gone quiet
+    unpausable = await scheduler.acquire("ann", None)
+    light = await scheduler.acquire("bob", None, light=True)
+    assert not scheduler.yielding(unpausable)  # it could not stop between steps anyway
+    off = SlotScheduler(2, 4, Eraser(), priority_slots=1)
+    held = await off.acquire("ann", None, pausable=True)
+    await off.acquire("bob", None, light=True)
+    assert not off.yielding(held)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import replace
 
 from ragline import deadlines
 from ragline.vocabulary import ModelTier
@@ -199,3 +202,121 @@ async def test_a_paused_decoding_sequence_runs_again_once_the_light_request_deco
     assert scheduler.pauses == 1 and scheduler.decoding_beside == 1
     assert "".join(texts) == "".join(engine.words)
     assert summary.finish_reason == "stop"
+
+
+class SlotStateContinuingEngine(ContinuingEngine):
+    """A ContinuingEngine whose slots can be read into ahead of a stream (`prefill`), each
+    call taking `prefill_s`; records each call's end token and how many ran at once."""
+
+    def __init__(self, words: list[str], prefill_s: float = 0.0) -> None:
+        super().__init__(words)
+        self.prefill_s = prefill_s
+        self.prefilled: list[tuple[int, int, float]] = []  # (slot, end, when it began)
+        self.in_flight = self.most_in_flight = 0
+        self.on_prefill: Callable[[int], None] | None = None
+
+    async def prefill(self, slot: int, tokens: list[int]) -> None:
+        self.prefilled.append((slot, len(tokens), time.monotonic()))
+        if self.on_prefill is not None:
+            self.on_prefill(len(self.prefilled))
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.prefill_s)
+        finally:
+            self.in_flight -= 1
+
+    async def stream(self, prompt, *, slot, max_tokens, sampling, prompt_ids=None):
+        # Its cache held what the steps before it read (llama-server reports it as cached).
+        read = max((end for s, end, _ in self.prefilled if s == slot), default=0)
+        async for event in super().stream(
+            prompt, slot=slot, max_tokens=max_tokens, sampling=sampling, prompt_ids=prompt_ids
+        ):
+            yield replace(event, cached_tokens=read) if event.final else event
+
+    async def save_slot(self, slot: int, filename: str) -> int:
+        raise AssertionError("no prefix store here")
+
+    async def restore_slot(self, slot: int, filename: str) -> int:
+        raise AssertionError("no prefix store here")
+
+
+def yielding_tier(engine: SlotStateContinuingEngine) -> tuple[Generator, SlotScheduler]:
+    generator = generator_on(engine)
+    scheduler = SlotScheduler(2, 4, engine.erase_slot, priority_slots=1, yield_step_tokens=64)
+    generator.tier(ModelTier.SMALL).scheduler = scheduler
+    return generator, scheduler
+
+
+async def a_light_tenant_asked(scheduler: SlotScheduler) -> None:
+    """A light request of bob's has just ended (a light tenant is about)."""
+    light = await scheduler.acquire("bob", None, light=True)
+    scheduler.release(light.slot)
+
+
+async def generated(generator: Generator, tenant: str, prompt: str) -> tuple[str, Summary]:
+    request = GenerationRequest(tenant=tenant, tier=ModelTier.SMALL, max_tokens=8, prompt=prompt)
+    texts, summary = [], None
+    async for event in generator.generate(request):
+        if isinstance(event, Chunk):
+            texts.append(event.text)
+        else:
+            summary = event
+    assert summary is not None
+    return "".join(texts), summary
+
+
+async def test_beside_a_light_tenant_a_prompt_is_read_in_yielding_steps_before_its_stream():
+    engine = SlotStateContinuingEngine([" w0", " w1"])
+    generator, scheduler = yielding_tier(engine)
+    await a_light_tenant_asked(scheduler)
+    text, summary = await generated(generator, "ann", "x" * 300)
+    # 64 tokens a step, all but the last step's worth: the stream reads that (its logits).
+    assert [end for _, end, _ in engine.prefilled] == [64, 128, 192, 256]
+    assert engine.streams[0]["prompt_ids"] == [ord("x")] * 300
+    assert text == " w0 w1" and scheduler.yielding_prompts == 1
+    assert summary.cached_tokens == 0  # what the steps read is not a cache hit
+
+
+async def test_without_a_light_tenant_about_the_prompt_goes_whole_to_its_stream():
+    engine = SlotStateContinuingEngine([" w0"])
+    generator, scheduler = yielding_tier(engine)
+    await generated(generator, "ann", "x" * 300)
+    assert engine.prefilled == [] and scheduler.yielding_prompts == 0
+
+
+async def test_a_prompt_paused_between_yielding_steps_issues_none_until_resumed():
+    engine = SlotStateContinuingEngine([" w0", " w1"], prefill_s=0.05)
+    generator, scheduler = yielding_tier(engine)
+    await a_light_tenant_asked(scheduler)
+    held: list[float] = []
+
+    async def bob_asks_again() -> None:
+        light = await scheduler.acquire("bob", None, light=True)
+        held.append(time.monotonic())
+        await asyncio.sleep(0.3)
+        held.append(time.monotonic())
+        scheduler.release(light.slot)
+
+    asking: list[asyncio.Task] = []
+    engine.on_prefill = lambda n: n == 2 and asking.append(asyncio.create_task(bob_asks_again()))
+    text, summary = await generated(generator, "ann", "x" * 300)
+    await asyncio.gather(*asking)
+    began = [when for _, _, when in engine.prefilled]
+    assert not any(held[0] < when < held[1] for when in began), "a step issued while paused"
+    assert [end for _, end, _ in engine.prefilled] == [64, 128, 192, 256]
+    assert len(engine.streams) == 1 and text == " w0 w1"
+    assert summary.paused_s > 0.2
+
+
+async def test_yielding_steps_of_several_sequences_go_to_the_engine_one_at_a_time():
+    engine = SlotStateContinuingEngine([" w0"], prefill_s=0.02)
+    generator, scheduler = yielding_tier(engine)
+    await a_light_tenant_asked(scheduler)
+
+    async def one(tenant: str) -> None:
+        await generated(generator, tenant, "y" * 200)
+
+    await asyncio.gather(one("ann"), one("carl"))
+    assert len(engine.prefilled) == 6 and {slot for slot, _, _ in engine.prefilled} == {1, 2}
+    assert engine.most_in_flight == 1
