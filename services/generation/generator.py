@@ -660,8 +660,8 @@ class _Decoded:
         return self.final.completion_tokens if self.final else len(self.parts)
 
     def prefill_s(self) -> float:
-        """The engine's own timing when it reports one (its streams' and the yielding
-        steps' before them), else measured here."""
+        """The engine's own timing when it reports one (its streams'), and the yielding
+        steps before them (their waits for a turn included), else measured here."""
         if self.final and self.final.prompt_ms:
             return self.final.prompt_ms / 1000 + self.yielded_s
         return (self.first_token_at or self._ended()) - self.started

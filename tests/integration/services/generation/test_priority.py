@@ -143,24 +143,31 @@ def yielding_prompts(metrics_port: int) -> float:
 
 
 async def test_beside_a_light_tenant_a_prompt_read_in_yielding_steps_gives_the_same_answer(
-    two_slots_and_a_priority_one,
+    module_launcher,
 ):
     """While a light tenant is about, another tenant's prompt is read in small engine steps
     before its stream (the light tenant's next request waits for one small step): on the
     real engine the answer is the one the prompt read whole gives, and no token of it is
     reported as a cache hit."""
-    handle, metrics_port = two_slots_and_a_priority_one
+    (metrics_port,) = free_ports(1)
+    handle = await asyncio.to_thread(
+        module_launcher.start,
+        "generation",
+        env={
+            **SMALL_GENERATION,
+            "RAGLINE_GENERATION_PRIORITY_SLOTS": "1",
+            "RAGLINE_GENERATION_METRICS_PORT": str(metrics_port),
+        },
+    )
     async with grpc.aio.insecure_channel(handle.address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        whole = await long_count(stub, "long-a")  # no light tenant yet: read whole
+        assert yielding_prompts(metrics_port) == 0
         light = generation_pb2.GenerateRequest(prompt="Hi", max_tokens=2, light_tenant=True)
         async for _ in stub.Generate(light, timeout=60, metadata=(("x-ragline-tenant", "q"),)):
             pass
-        before = yielding_prompts(metrics_port)
-        stepped = await long_count(stub, "long-a")
-        assert yielding_prompts(metrics_port) - before == 1, "its prompt was read whole"
-        await asyncio.sleep(5.5)  # the light tenant gone quiet: prompts are read whole
-        whole = await long_count(stub, "long-b")
-        assert yielding_prompts(metrics_port) - before == 1
+        stepped = await long_count(stub, "long-b")
+        assert yielding_prompts(metrics_port) == 1, "its prompt was read whole"
     assert stepped[0] and stepped[0] == whole[0]
     assert stepped[1] == whole[1] == 0  # cold slots, both
     assert "prefill" in stepped[2]
