@@ -73,9 +73,8 @@ _HOLDS_BEFORE_ESTIMATING = 4
 _DECODES_BEFORE_ESTIMATING = 4
 # How long after a priority request ends the others still read their prompts in yielding
 # steps. A light tenant's questions come seconds apart (an agent's steps, a person reading
-# an answer), and its first one after a pause would wait for a whole prompt step, and one
-# more (a stream stopped after the step under way): measured at a block's first ask, a
-# hot-prefix save took 1.4 s against 0.5 alone. The others pay ~17% on prefill meanwhile.
+# an answer): its next one, after a pause, should find the others' prompts in small steps
+# still, not a whole step under way and one more after it. They pay ~17% on prefill.
 LIGHT_ABOUT_S = 30.0
 
 
