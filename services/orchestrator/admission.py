@@ -70,6 +70,9 @@ class Place:
 class _Run:
     held_s: float
     ran_out: bool
+    # Another tenant was active as it began or ended: a tenant's runs take longer beside
+    # others (its generations pause for light ones, the cores are shared).
+    beside: bool = False
 
     @property
     def needed_s(self) -> float:
@@ -134,10 +137,23 @@ class Admission:
     def waiting(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
-    def _own_runs(self, tenant: str | None) -> deque[_Run] | None:
-        """`tenant`'s recent runs when there are enough to go by."""
+    def _own_runs(self, tenant: str | None) -> Sequence[_Run] | None:
+        """`tenant`'s recent runs when there are enough to go by: those that ran as it
+        would now (beside other active tenants, or alone) where there are enough."""
         known = None if tenant is None else self._tenants.get(tenant)
-        return known.runs if known is not None and len(known.runs) >= _TENANT_SAMPLES else None
+        if known is None or len(known.runs) < _TENANT_SAMPLES:
+            return None
+        beside = self._beside_others(tenant)
+        alike = [run for run in known.runs if run.beside == beside]
+        return alike if len(alike) >= _TENANT_SAMPLES else known.runs
+
+    def _measured_alone_only(self, tenant: str) -> bool:
+        """Whether other tenants are active now while `tenant`'s runs were measured alone
+        (fewer than enough of them beside others): its figures say too little."""
+        known = self._tenants.get(tenant)
+        if known is None or not known.runs or not self._beside_others(tenant):
+            return False
+        return sum(run.beside for run in known.runs) < _TENANT_SAMPLES
 
     def _held_s(self, tenant: str | None) -> Sequence[float]:
         """Recent run times: `tenant`'s own where there are enough, else everyone's."""
@@ -193,10 +209,17 @@ class Admission:
     def share(self, tenant: str, now: float | None = None) -> int:
         """The places `tenant` may hold now: all of them while it is the only active tenant,
         else its equal share (at least one)."""
+        return max(1, self.max_in_flight // len(self._active(tenant, now)))
+
+    def _active(self, tenant: str, now: float | None = None) -> set[str]:
+        """The tenants active now (asked within activity_s, running or waiting), `tenant`
+        among them."""
         now = time.monotonic() if now is None else now
         active = {t for t, k in self._tenants.items() if now - k.last_asked < self.activity_s}
-        active |= set(self._running) | set(self._queues) | {tenant}
-        return max(1, self.max_in_flight // len(active))
+        return active | set(self._running) | set(self._queues) | {tenant}
+
+    def _beside_others(self, tenant: str, now: float | None = None) -> bool:
+        return len(self._active(tenant, now)) > 1
 
     def light(self, tenant: str) -> bool:
         """Whether `tenant`, with one run in flight, is a light tenant beside a flood now:
@@ -254,15 +277,18 @@ class Admission:
         if self._running[tenant] >= 2:
             self._pressed()
         place = Place(time.monotonic())
+        beside = self._beside_others(tenant, place.admitted)
         try:
             yield place
         except DeadlineExceeded:
             place.ran_out = True
             raise
         finally:
-            held = time.monotonic() - place.admitted
+            ended = time.monotonic()
+            held = ended - place.admitted
+            beside = beside or self._beside_others(tenant, ended)
             self._runs.append(held)
-            known.runs.append(_Run(held, place.ran_out))
+            known.runs.append(_Run(held, place.ran_out, beside))
             self._release(tenant)
 
     def _refuse_if_its_runs_run_out(
@@ -306,19 +332,29 @@ class Admission:
 
     def _refuse_if_it_cannot_finish(self, deadline: float | None, started: float, tenant: str):
         """A run that must queue is refused when its wait and a slow run do not fit its
-        deadline (with a place free it runs: it may be quick, a cache hit or an abstention)."""
+        deadline (with a place free it runs: it may be quick, a cache hit or an abstention),
+        or when its tenant's runs were measured alone and other tenants are active now."""
         if deadline is None:
             return
         left = deadline - started
         wait = self.expected_wait_s(tenant)
-        if wait + self.slow_run_s(tenant) <= left:
-            return
-        # It would only wait, or run, to time out: say so now, while a retry can help.
-        raise self._cannot_finish(
-            tenant,
-            f"it would wait about {wait:.1f} s and {self._slow_run_said(tenant)}, more than "
-            f"the {left:.1f} s its deadline leaves",
-        )
+        if wait + self.slow_run_s(tenant) > left:
+            # It would only wait, or run, to time out: say so now, while a retry can help.
+            raise self._cannot_finish(
+                tenant,
+                f"it would wait about {wait:.1f} s and {self._slow_run_said(tenant)}, more "
+                f"than the {left:.1f} s its deadline leaves",
+            )
+        if self._measured_alone_only(tenant):
+            # A flood beginning beside a light tenant queued on runs measured alone, which
+            # then took twice as long: its queued runs were cut, or refused seconds late.
+            raise self._cannot_finish(
+                tenant,
+                "this tenant's recent runs ran alone and other tenants are active now: how "
+                "long its runs take beside them is not known yet (runs with a place free "
+                "measure it)",
+                scope="tenant",
+            )
 
     async def _wait(self, deadline: float | None, started: float, tenant: str) -> None:
         retry = self.retry_after_s(tenant)

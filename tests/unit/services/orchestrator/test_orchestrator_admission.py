@@ -383,3 +383,40 @@ async def test_a_tenant_asking_for_more_than_it_gets_tells_the_orchestrator_each
     assert len(pressed) == 3  # refused: the queue is full
     release.set()
     await asyncio.gather(first, second, queued)
+
+
+async def _queue_as(admission: Admission, tenant: str, deadline: float) -> None:
+    async with admission.admit(deadline, tenant):
+        pass
+
+
+async def test_a_tenant_measured_alone_queues_beside_another_only_once_measured_there():
+    admission = Admission(max_in_flight=2, max_queue=8, typical_run_s=0.5)
+    await _runs_of(admission, "flood", [False] * 4)  # quick, and alone
+    release = asyncio.Event()
+    held = [
+        asyncio.create_task(_admit_as_until(admission, tenant, release, None))
+        for tenant in ("quiet", "flood")  # a tenant beside it: its share is one place
+    ]
+    await asyncio.sleep(0.01)
+    started = time.monotonic()
+    with pytest.raises(ResourceExhausted, match="ran alone") as caught:
+        # Its runs alone would let it queue (a wait and a slow run of well under 10 s).
+        await asyncio.wait_for(_queue_as(admission, "flood", time.monotonic() + 10), 1.0)
+    assert time.monotonic() - started < 0.1 and caught.value.retry_after_s > 0
+    assert caught.value.reason == "DEADLINE_TOO_SHORT_FOR_QUEUE"
+    release.set()
+    await asyncio.gather(*held)
+    # Measured beside the quiet tenant (still active), it queues on those runs.
+    await _runs_of(admission, "flood", [False] * 4)
+    release = asyncio.Event()
+    held = [
+        asyncio.create_task(_admit_as_until(admission, tenant, release, None))
+        for tenant in ("quiet", "flood")
+    ]
+    await asyncio.sleep(0.01)
+    queued = asyncio.create_task(_queue_as(admission, "flood", time.monotonic() + 10))
+    await asyncio.sleep(0.01)
+    assert admission.waiting == 1
+    release.set()
+    await asyncio.gather(*held, queued)
