@@ -141,7 +141,7 @@ class Admission:
         """`tenant`'s recent runs when there are enough to go by: those that ran as it
         would now (beside other active tenants, or alone) where there are enough."""
         known = None if tenant is None else self._tenants.get(tenant)
-        if known is None or len(known.runs) < _TENANT_SAMPLES:
+        if tenant is None or known is None or len(known.runs) < _TENANT_SAMPLES:
             return None
         beside = self._beside_others(tenant)
         alike = [run for run in known.runs if run.beside == beside]
