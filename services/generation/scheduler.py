@@ -47,12 +47,13 @@ or another priority request comes: what a light tenant needs alone is its prompt
 
 A flood's prompt step under way holds an arriving light request until it ends, and a
 closed stream is noticed only after the step under way (its next write), so a paused
-prompt ran one more step still. While a light tenant is about (a priority request runs or
-ran within `light_about_s`), a pausable sequence of the others reads its prompt in
-yielding steps instead: `yield_step_tokens` at a time, one such step over the engine at
-once (`prompt_turn`), each its own engine call that ends by itself; paused, it issues no
-next one. The light request then waits for at most one small step: prefill is slower in
-small steps (64 tokens: ~17% on 2 cores, docs/tuning.md), and only those sequences pay it.
+prompt ran one more step still. A tenant whose sequences a priority request held back
+(paused, or kept running for their deadline) within `light_about_s` of its end, so one
+that floods beside a light tenant, reads its prompts in yielding steps instead:
+`yield_step_tokens` at a time, one such step over the engine at once (`prompt_turn`),
+each its own engine call that ends by itself; paused, it issues no next one. The light
+request then waits for at most one small step: prefill is slower in small steps (64
+tokens: ~17% on 2 cores, docs/tuning.md), and only the flood pays it.
 """
 
 from __future__ import annotations
@@ -71,11 +72,14 @@ from ragline.errors import DeadlineExceeded, ResourceExhausted
 _HOLDS_BEFORE_ESTIMATING = 4
 # Decodes seen before the time one takes is estimated (until then every sequence pauses).
 _DECODES_BEFORE_ESTIMATING = 4
-# How long after a priority request ends the others still read their prompts in yielding
-# steps. A light tenant's questions come seconds apart (an agent's steps, a person reading
-# an answer): its next one, after a pause, should find the others' prompts in small steps
-# still, not a whole step under way and one more after it. They pay ~17% on prefill.
+# How long after a priority request that held its sequences back a tenant still reads its
+# prompts in yielding steps. A light tenant's questions come seconds apart (an agent's
+# steps, a person reading an answer): its next one, after a pause, should find the flood's
+# prompts in small steps still, not a whole step under way and one more after it. The
+# flood pays ~17% on prefill meanwhile; a tenant never held back (one asking alone) never.
 LIGHT_ABOUT_S = 30.0
+# Tenants remembered as held back before the expired ones are dropped.
+_HELD_BACK_KEPT = 1024
 
 
 @dataclass
@@ -175,7 +179,8 @@ class SlotScheduler:
         self.yield_step_tokens = yield_step_tokens
         self.light_about_s = light_about_s
         self.prompt_turn = asyncio.Lock()
-        self._light_until = -1.0  # when the last priority request ended, plus light_about_s
+        # Until when each tenant held back by a priority request reads in yielding steps.
+        self._yields_until: dict[str, float] = {}
         self.yielding_prompts = 0  # sequences that read (some of) their prompt so
 
     @property
@@ -273,6 +278,7 @@ class SlotScheduler:
         for lease in self._leases:
             if lease.priority or not lease.pausable or lease.paused or lease.tenant == light:
                 continue
+            self._was_held_back(lease.tenant)
             finish_by = self._finish_by(lease, decode)
             if finish_by is not None and finish_by <= now:
                 self.kept_for_deadline += 1
@@ -301,9 +307,14 @@ class SlotScheduler:
         """Whether `lease` reads what is left of its prompt in yielding steps now."""
         if not self.yield_step_tokens or lease.priority or not lease.pausable:
             return False
-        return any(other.priority for other in self._leases) or (
-            time.monotonic() < self._light_until
-        )
+        return time.monotonic() < self._yields_until.get(lease.tenant, -1.0)
+
+    def _was_held_back(self, tenant: str) -> None:
+        """A priority request held back a sequence of `tenant` (now, or until it ended)."""
+        now = time.monotonic()
+        if len(self._yields_until) >= _HELD_BACK_KEPT:
+            self._yields_until = {t: u for t, u in self._yields_until.items() if u > now}
+        self._yields_until[tenant] = now + self.light_about_s
 
     def _resume_when_clear(self) -> None:
         if any(lease.priority for lease in self._leases):
@@ -408,6 +419,7 @@ class SlotScheduler:
             self._pause_others(tenant)
         elif self._held_back(tenant) and pausable:
             # Handed a slot as a priority request began: it waits like those it paused.
+            self._was_held_back(tenant)
             lease.resumed.clear()
             self.pauses += 1
         warm = slot.owner == owner
@@ -438,7 +450,9 @@ class SlotScheduler:
 
     def release(self, slot: Slot) -> None:
         if any(lease.priority for lease in self._leases if lease.slot is slot):
-            self._light_until = time.monotonic() + self.light_about_s
+            for other in self._leases:
+                if not other.priority:
+                    self._was_held_back(other.tenant)
         self._leases = [lease for lease in self._leases if lease.slot is not slot]
         self._resume_when_clear()
         slot.busy = False

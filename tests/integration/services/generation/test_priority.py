@@ -55,10 +55,15 @@ async def generate(stub, who: str, started: asyncio.Event | None = None):
     return final.text, final.usage.output_tokens, time.monotonic(), paused
 
 
-def pauses(metrics_port: int) -> float:
-    counted = sample_values(scrape(metrics_port), "ragline_generation_pauses", "_total")
-    assert ("small",) in counted, "the pauses counter is not exported"
+def small_tier_count(metrics_port: int, counter: str) -> float:
+    """The small tier's value of `counter` (a ragline_generation_* counter)."""
+    counted = sample_values(scrape(metrics_port), f"ragline_generation_{counter}", "_total")
+    assert ("small",) in counted, f"the {counter} counter is not exported"
     return counted[("small",)]
+
+
+def pauses(metrics_port: int) -> float:
+    return small_tier_count(metrics_port, "pauses")
 
 
 async def test_a_light_tenant_runs_alone_beside_a_flood_which_resumes_unchanged(
@@ -137,9 +142,7 @@ async def long_count(stub, who: str):
 
 
 def yielding_prompts(metrics_port: int) -> float:
-    counted = sample_values(scrape(metrics_port), "ragline_generation_yielding_prompts", "_total")
-    assert ("small",) in counted, "the yielding prompts counter is not exported"
-    return counted[("small",)]
+    return small_tier_count(metrics_port, "yielding_prompts")
 
 
 async def test_beside_a_light_tenant_a_prompt_read_in_yielding_steps_gives_the_same_answer(

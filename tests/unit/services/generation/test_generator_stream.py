@@ -248,10 +248,13 @@ def yielding_tier(engine: SlotStateContinuingEngine) -> tuple[Generator, SlotSch
     return generator, scheduler
 
 
-async def a_light_tenant_asked(scheduler: SlotScheduler) -> None:
-    """A light request of bob's has just ended (a light tenant is about)."""
+async def held_back_for_a_light_tenant(scheduler: SlotScheduler, *tenants: str) -> None:
+    """A light request of bob's has just held back sequences of `tenants` (they flood
+    beside a light tenant), and ended."""
+    held = [await scheduler.acquire(tenant, None, pausable=True) for tenant in tenants]
     light = await scheduler.acquire("bob", None, light=True)
-    scheduler.release(light.slot)
+    for lease in [light, *held]:
+        scheduler.release(lease.slot)
 
 
 async def generated(generator: Generator, tenant: str, prompt: str) -> tuple[str, Summary]:
@@ -269,7 +272,7 @@ async def generated(generator: Generator, tenant: str, prompt: str) -> tuple[str
 async def test_beside_a_light_tenant_a_prompt_is_read_in_yielding_steps_before_its_stream():
     engine = SlotStateContinuingEngine([" w0", " w1"])
     generator, scheduler = yielding_tier(engine)
-    await a_light_tenant_asked(scheduler)
+    await held_back_for_a_light_tenant(scheduler, "ann")
     text, summary = await generated(generator, "ann", "x" * 300)
     # 64 tokens a step, all but the last step's worth: the stream reads that (its logits).
     assert [end for _, end, _ in engine.prefilled] == [64, 128, 192, 256]
@@ -278,17 +281,19 @@ async def test_beside_a_light_tenant_a_prompt_is_read_in_yielding_steps_before_i
     assert summary.cached_tokens == 0  # what the steps read is not a cache hit
 
 
-async def test_without_a_light_tenant_about_the_prompt_goes_whole_to_its_stream():
+async def test_a_tenant_no_light_request_held_back_reads_its_prompt_whole():
     engine = SlotStateContinuingEngine([" w0"])
     generator, scheduler = yielding_tier(engine)
-    await generated(generator, "ann", "x" * 300)
+    await generated(generator, "ann", "x" * 300)  # nobody light
+    await held_back_for_a_light_tenant(scheduler, "ann")
+    await generated(generator, "carl", "x" * 300)  # asking alone beside a light tenant
     assert engine.prefilled == [] and scheduler.yielding_prompts == 0
 
 
 async def test_a_prompt_paused_between_yielding_steps_issues_none_until_resumed():
     engine = SlotStateContinuingEngine([" w0", " w1"], prefill_s=0.05)
     generator, scheduler = yielding_tier(engine)
-    await a_light_tenant_asked(scheduler)
+    await held_back_for_a_light_tenant(scheduler, "ann")
     held: list[float] = []
 
     async def bob_asks_again() -> None:
@@ -312,7 +317,7 @@ async def test_a_prompt_paused_between_yielding_steps_issues_none_until_resumed(
 async def test_yielding_steps_of_several_sequences_go_to_the_engine_one_at_a_time():
     engine = SlotStateContinuingEngine([" w0"], prefill_s=0.02)
     generator, scheduler = yielding_tier(engine)
-    await a_light_tenant_asked(scheduler)
+    await held_back_for_a_light_tenant(scheduler, "ann", "carl")
 
     async def one(tenant: str) -> None:
         await generated(generator, tenant, "y" * 200)
