@@ -164,13 +164,21 @@ async def test_beside_a_light_tenant_a_prompt_read_in_yielding_steps_gives_the_s
     )
     async with grpc.aio.insecure_channel(handle.address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        whole = await long_count(stub, "long-a")  # no light tenant yet: read whole
-        assert yielding_prompts(metrics_port) == 0
+        whole = await long_count(stub, "long-a")  # nobody light yet: read whole
+        # long-b counts; a light request comes, and holds it back.
+        started = asyncio.Event()
+        counting = asyncio.create_task(generate(stub, "long-b", started))
+        await asyncio.wait_for(started.wait(), 60)
         light = generation_pb2.GenerateRequest(prompt="Hi", max_tokens=2, light_tenant=True)
         async for _ in stub.Generate(light, timeout=60, metadata=(("x-ragline-tenant", "q"),)):
             pass
+        await counting
+        assert yielding_prompts(metrics_port) == 0
         stepped = await long_count(stub, "long-b")
         assert yielding_prompts(metrics_port) == 1, "its prompt was read whole"
-    assert stepped[0] and stepped[0] == whole[0]
-    assert stepped[1] == whole[1] == 0  # cold slots, both
+        alone = await long_count(stub, "long-c")  # never held back: read whole
+        assert yielding_prompts(metrics_port) == 1
+    assert stepped[0] and stepped[0] == whole[0] == alone[0]
+    assert whole[1] == 0  # a cold slot
+    assert stepped[1] < 64  # what the steps read is not a cache hit
     assert "prefill" in stepped[2]
