@@ -131,7 +131,8 @@ class GenerationMetrics:
         yielding_prompts = reading(
             "ragline_generation_yielding_prompts_total",
             "Sequences of heavier tenants that read their prompts in small engine steps, one "
-            "at a time, while a light tenant was about (its requests wait for one small step).",
+            "at a time, having been held back for a light tenant lately (whose requests then wait "
+            "for one small step).",
             "counter",
             ("tier",),
         )

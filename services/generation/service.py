@@ -80,9 +80,10 @@ class GenerationConfig(ServiceConfig):
     # sequence paused or cancelled, waits for the step under way (at ~220 tokens/s on 2
     # cores, 128 tokens are ~0.6 s, 2048 ~9 s); prefill is as fast (docs/tuning.md).
     batch_tokens: int = Field(128, ge=0)
-    # While a light tenant is about, the other tenants' sequences read their prompts this
-    # many tokens per engine step, one such step at a time, so a light request waits for at
-    # most one small step instead of a whole batch (generation/scheduler.py); 0: off.
+    # A tenant a light tenant's request held back within 30 s (one flooding beside it) reads
+    # its prompts this many tokens per engine step, one such step at a time, so a light
+    # request waits for at most one small step, not a whole batch (generation/scheduler.py);
+    # 0: off.
     yield_step_tokens: int = Field(64, ge=0)
     # llama-server threads per tier; 0: the machine's cores shared out among the tiers
     # (the other services only compute in short bursts, generation is the steady load).

@@ -148,7 +148,7 @@ def yielding_prompts(metrics_port: int) -> float:
 async def test_beside_a_light_tenant_a_prompt_read_in_yielding_steps_gives_the_same_answer(
     module_launcher,
 ):
-    """While a light tenant is about, another tenant's prompt is read in small engine steps
+    """A tenant a light request held back reads its next prompt in small engine steps
     before its stream (the light tenant's next request waits for one small step): on the
     real engine the answer is the one the prompt read whole gives, and no token of it is
     reported as a cache hit."""
