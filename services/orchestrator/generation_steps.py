@@ -489,11 +489,8 @@ async def _read_generation(
         finally:
             watch.cancel()
         if not reader.done() and not pieces:
-            # No text out yet (a cancelled reader cannot add any: it resumes into the
-            # cancellation): the call ends and goes again, marked.
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+            # No text out yet (nothing runs before `finally` cancels the reader, and a
+            # cancelled reader cannot add any): the call ends and goes again, marked.
             raise _TurnedLight
         return await reader
     finally:

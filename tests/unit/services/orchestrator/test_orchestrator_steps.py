@@ -132,12 +132,20 @@ def generating_step() -> SimpleNamespace:
     return SimpleNamespace(node=node, record=NodeRecord(node), mark=lambda what: None)
 
 
-async def test_a_generation_whose_tenant_turns_light_before_its_first_token_ends_to_go_again():
-    client, pieces, turned = SlowStream(), [], asyncio.Event()
-    client.finish.set()
+def read_watching(client: SlowStream) -> tuple[list[str], asyncio.Event, asyncio.Task]:
+    """The text read so far, the event that says the tenant turned light, and the task
+    reading `client`'s generation while it watches that event."""
+    pieces, turned = [], asyncio.Event()
     reading = asyncio.create_task(
         generation_steps._read_generation(client, "req", generating_step(), pieces, None, turned)
     )
+    return pieces, turned, reading
+
+
+async def test_a_generation_whose_tenant_turns_light_before_its_first_token_ends_to_go_again():
+    client = SlowStream()
+    client.finish.set()
+    pieces, turned, reading = read_watching(client)
     await asyncio.sleep(0.01)
     turned.set()
     with pytest.raises(generation_steps._TurnedLight):
@@ -146,11 +154,9 @@ async def test_a_generation_whose_tenant_turns_light_before_its_first_token_ends
 
 
 async def test_a_generation_already_speaking_when_its_tenant_turns_light_runs_on():
-    client, pieces, turned = SlowStream(), [], asyncio.Event()
+    client = SlowStream()
     client.speak.set()
-    reading = asyncio.create_task(
-        generation_steps._read_generation(client, "req", generating_step(), pieces, None, turned)
-    )
+    pieces, turned, reading = read_watching(client)
     await asyncio.sleep(0.01)
     assert pieces == ["Vistula"]
     turned.set()
