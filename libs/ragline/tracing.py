@@ -140,9 +140,46 @@ def sampled() -> bool:
     return _tracer is not None and _sampled()
 
 
+class _WallClockAnchor:
+    """The wall clock's offset from time.monotonic(), read rarely and tightly.
+
+    Reading both clocks at every conversion let a thread switch between the two reads
+    shift one span against another by a millisecond or more, so the spans of one ask
+    disagreed with its timing report. The offset is read as the tightest of a few
+    bracketed pairs and kept for a minute (NTP's slewing moves it by microseconds in
+    that time; a stepped clock is followed at the next reading)."""
+
+    REREAD_AFTER_S = 60.0
+    TRIES = 5
+
+    def __init__(self) -> None:
+        self._read_at = -float("inf")
+        self._offset_ns = 0
+
+    def offset_ns(self) -> int:
+        now = time.monotonic()
+        if now - self._read_at > self.REREAD_AFTER_S:
+            self._offset_ns, self._read_at = self.measure(), now
+        return self._offset_ns
+
+    @classmethod
+    def measure(cls) -> int:
+        best_width, best_offset = None, 0
+        for _ in range(cls.TRIES):
+            before = time.monotonic_ns()
+            wall = time.time_ns()
+            after = time.monotonic_ns()
+            if best_width is None or after - before < best_width:
+                best_width, best_offset = after - before, wall - (before + after) // 2
+        return best_offset
+
+
+_wall_clock = _WallClockAnchor()
+
+
 def epoch_ns(monotonic_s: float) -> int:
     """A time.monotonic() reading as the wall-clock nanoseconds a span records."""
-    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+    return round(monotonic_s * 1e9) + _wall_clock.offset_ns()
 
 
 def inject(made: trace.Span | None = None) -> list[tuple[str, str]]:

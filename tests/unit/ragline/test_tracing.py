@@ -73,3 +73,26 @@ def test_below_a_trace_the_sampler_did_not_keep_nothing_is_made(clean, tmp_path)
     call.end("OK", 0, time.monotonic(), server_fault=False)
     tracing.shutdown()
     assert not path.exists() or path.read_text() == ""
+
+
+def test_readings_a_known_time_apart_stay_that_far_apart_when_the_clock_reads_are_slow(
+    monkeypatch,
+):
+    # A thread switch between reading the wall clock and the monotonic one (a busy CI
+    # machine) must not shift one span against another: two readings 0.2 s apart convert
+    # to wall-clock times 0.2 s apart, however slow each wall-clock read is.
+    real_time_ns, delays = time.time_ns, iter([0.0, 0.004] * 50)
+
+    def slow_time_ns() -> int:
+        now = real_time_ns()
+        time.sleep(next(delays))
+        return now
+
+    monkeypatch.setattr(tracing, "_wall_clock", tracing._WallClockAnchor())
+    monkeypatch.setattr(time, "time_ns", slow_time_ns)
+    started = time.monotonic()
+    gaps = [tracing.epoch_ns(started + 0.2) - tracing.epoch_ns(started) for _ in range(4)]
+    assert all(abs(gap - 200_000_000) <= 1 for gap in gaps), gaps
+    # and the converted time is the wall clock's, within the tightest read's bracket
+    monkeypatch.setattr(time, "time_ns", real_time_ns)
+    assert abs(tracing.epoch_ns(time.monotonic()) - time.time_ns()) < 10_000_000
