@@ -486,6 +486,39 @@ def store_rows(args, passages, questions, logs: Path, base_env: dict, rows: list
             f"{hit_ttft * 1000:.0f} (hit) vs {miss_ttft * 1000:.0f} ms (miss) | "
             f"{hit_ttft / miss_ttft:.2f}x |"
         )
+
+        # (3) The request that makes a prompt hot (its second sighting) against its first,
+        # each in an erased slot: what the save costs the request whose prompt it saves,
+        # and the next request's wait for the slot (one slot: it waits for any save).
+        first_s, hot_s, next_wait_s = [], [], []
+        with generation_service(env, logs / "bench-generation-store-4.log") as address:
+
+            async def hot(address=address):
+                hello = generation_pb2.GenerateRequest(prompt="Hi.", max_tokens=1)
+                async with grpc.aio.insecure_channel(address) as channel:
+                    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+                    for i, q in enumerate(questions[300 : 300 + args.rounds]):
+                        turns = rag_prompt(by_id[q.passage_id].text, q.text)
+                        sightings = []
+                        for _ in range(2):
+                            await run_one(stub, hello, tenant="interleave")  # erases the slot
+                            reply = await run_one(stub, chat_request(turns, 8), tenant=f"hot-{i}")
+                            sightings.append(reply)
+                        assert sightings[1]["final"].prefix_store.saved_tokens > 0
+                        after = await run_one(stub, hello, tenant="interleave")
+                        first_s.append(sightings[0]["total_s"])
+                        hot_s.append(sightings[1]["total_s"])
+                        next_wait_s.append(after["final"].timing.queue_wait.ToTimedelta())
+
+            asyncio.run(hot())
+        first, made_hot = statistics.median(first_s), statistics.median(hot_s)
+        waited = statistics.median(w.total_seconds() for w in next_wait_s)
+        rows.append(
+            f"| request that makes its prompt hot (saved) vs its first sighting, slot erased "
+            f"each time (median of {args.rounds}); the next request's slot wait "
+            f"{waited * 1000:.0f} ms | {made_hot * 1000:.0f} vs {first * 1000:.0f} ms | "
+            f"{made_hot / first:.2f}x |"
+        )
     finally:
         redis.stop()
 

@@ -427,6 +427,13 @@ ROWS: list[tuple[str, list]] = [
                         "prefix hits {{tier}}",
                     ),
                     (
+                        q(
+                            "sum by (tier) "
+                            "(rate(ragline_generation_prefix_store_save_seconds_total{S}[R]))"
+                        ),
+                        "slot time saving prefixes {{tier}}",
+                    ),
+                    (
                         ratio(
                             'ragline_generation_speculation_tokens_total{S,result="accepted"}',
                             'ragline_generation_speculation_tokens_total{S,result="drafted"}',

@@ -17,6 +17,7 @@ import structlog
 from cachetools import LRUCache
 
 from ragline import deadlines, tracing
+from ragline.background import detached_task
 from ragline.errors import InvalidArgument, Unavailable
 from ragline.vocabulary import ModelTier
 from ragline_services.generation.chat_tokens import tokenize_chat
@@ -35,8 +36,9 @@ log = structlog.get_logger("ragline.generation")
 # caller whose own deadline is the same one.
 DEADLINE_MARGIN_S = 0.05
 
-# Most tokens a save may make a request prefill again (see _use_store).
-SAVE_REWIND_TOKENS = 64
+# How long a stopping service waits for the saves under way (a state not saved is only a
+# later request's prefill).
+SAVES_AT_STOP_S = 10.0
 
 
 @dataclass
@@ -180,6 +182,7 @@ class Generator:
     def __init__(self, tiers: dict[ModelTier, Tier]) -> None:
         self.tiers = tiers
         self._background: set[asyncio.Future] = set()
+        self._saves: set[asyncio.Task] = set()  # hot prefixes saved after their answers
         # Token ids of rendered leading parts of chats (system prompts repeat verbatim),
         # by a digest of the part (never the text itself as a key), bounded in bytes.
         self._partial_tokens: LRUCache[bytes, list[int]] = LRUCache(
@@ -202,6 +205,16 @@ class Generator:
         for store in self.prefix_stores():
             forgotten += await store.forget(tenant, sources)
         return forgotten
+
+    async def finish_saves(self, timeout_s: float = SAVES_AT_STOP_S) -> None:
+        """Waits for the saves under way (a stopping service), then cancels what is left."""
+        if not self._saves:
+            return
+        _, late = await asyncio.wait(set(self._saves), timeout=timeout_s)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late)
 
     def prefix_stores(self) -> list[PrefixStore]:
         """Each tier's prefix store, once (tiers may share one)."""
@@ -301,9 +314,9 @@ class Generator:
             pausable=pausable,
             light=request.light_tenant,
         )
-        acquired = time.monotonic()
+        acquired, arrived_at = time.monotonic(), time.time()
         try:
-            store = await self._use_store(rendered, lease, request.cache_owner, request.sources)
+            store = await self._use_store(rendered, lease, request.cache_owner)
         except BaseException:
             tier.scheduler.release(lease.slot)
             raise
@@ -371,7 +384,12 @@ class Generator:
         finally:
             lease.interrupt = None
             lease.slot.tokens = tuple(rendered.token_ids or ())
-            tier.scheduler.release(lease.slot)
+            # Saved only from a slot that holds the prompt (the engine read it).
+            if store.to_save and (decoded.first_token_at is not None or decoded.final):
+                self._save_after_answer(rendered, lease, request, store.to_save, arrived_at)
+            else:
+                store.to_save = []
+                tier.scheduler.release(lease.slot)
         decoded.ended = time.monotonic()
         if decoded.finish != "deadline" and decoded.first_token_at is not None:
             tier.scheduler.note_decode(decoded.decode_s())
@@ -468,11 +486,10 @@ class Generator:
             decoded.yielded_tokens += step
         return True
 
-    async def _use_store(
-        self, rendered: Rendered, lease: Lease, owner: str, sources: tuple[str, ...] = ()
-    ) -> StoreOutcome:
+    async def _use_store(self, rendered: Rendered, lease: Lease, owner: str) -> StoreOutcome:
         """Restores the longest stored prefix into the leased slot (unless the slot already
-        holds more of this prompt), then saves the hot prefixes not yet stored."""
+        holds more of this prompt); names the hot prefixes not yet stored, which are saved
+        after the answer (_save_after_answer)."""
         outcome = StoreOutcome()
         store, ids = rendered.tier.prefix_store, rendered.token_ids
         if store is None or ids is None:
@@ -485,7 +502,6 @@ class Generator:
         await store.look_up(owner, candidates)
         engine = _slot_states(rendered.tier.engine)
         slot = lease.slot
-        held = warm
         if any(c.tokens > warm for c in candidates):
             store.counters.lookups += 1  # there was prefill to skip
         for candidate in candidates:  # longest first
@@ -505,64 +521,90 @@ class Generator:
             outcome.restore_s += time.monotonic() - began
             if restored == entry.tokens:
                 await store.used(entry)
-                held = outcome.restored_tokens = restored
+                outcome.restored_tokens = restored
                 slot.tokens = tuple(ids[:restored])
                 break
             # Never half-loaded: whatever the engine kept of it goes.
             candidate.stored = None
             slot.tokens = ()
-            held = 0
             await store.discard(entry, why)
             await rendered.tier.engine.erase_slot(slot.index)
-        for candidate in sorted(candidates, key=lambda c: c.tokens):
-            # Prefilling a prefix shorter than what the slot holds cuts the cache back to
-            # it, and this request prefills the rest again: only for a few tokens (a chat's
-            # system part in a slot warm with the same owner's previous question).
-            rewind = held - candidate.tokens
-            if candidate.hot and candidate.stored is None and rewind <= SAVE_REWIND_TOKENS:
-                await self._save(rendered, slot.index, owner, candidate, outcome, sources)
-                slot.tokens = tuple(ids[: candidate.tokens])
-                held = candidate.tokens
-        if outcome.restored_tokens or outcome.saved_tokens:
+        outcome.to_save = [c for c in candidates if c.hot and c.stored is None]
+        if outcome.restored_tokens:
             log.info(
                 "generation.prefix_store",
                 owner=owner,
                 tier=rendered.tier.name,
                 restored=outcome.restored_tokens,
-                saved=outcome.saved_tokens,
                 hit_rate=round(store.counters.hit_rate, 3),
                 **{k: v for k, v in store.counters.__dict__.items()},
             )
         return outcome
 
-    async def _save(
+    def _save_after_answer(
         self,
         rendered: Rendered,
-        slot: int,
-        owner: str,
-        candidate: Candidate,
-        outcome: StoreOutcome,
-        sources: tuple[str, ...] = (),
+        lease: Lease,
+        request: GenerationRequest,
+        to_save: list[Candidate],
+        arrived_at: float,
     ) -> None:
-        store, engine = rendered.tier.prefix_store, _slot_states(rendered.tier.engine)
+        """Saves the hot prefixes of a prompt whose answer is out, from its slot, which its
+        lease keeps until then (no other owner's prompt gets into it meanwhile). The
+        service's own work, in the background: no caller waits for it, and no request's
+        deadline or identity bounds it."""
+        rendered.tier.scheduler.set_aside(lease)
+        saving = self._save_prefixes(
+            rendered, lease, request.cache_owner, request.sources, to_save, arrived_at
+        )
+        task = detached_task(saving, name=f"generation prefix save slot {lease.slot.index}")
+        self._saves.add(task)
+        task.add_done_callback(self._saves.discard)
+
+    async def _save_prefixes(
+        self,
+        rendered: Rendered,
+        lease: Lease,
+        owner: str,
+        sources: tuple[str, ...],
+        to_save: list[Candidate],
+        arrived_at: float,
+    ) -> None:
+        tier = rendered.tier
+        store, engine, slot = tier.prefix_store, _slot_states(tier.engine), lease.slot
         assert store is not None and rendered.token_ids is not None
-        began = time.monotonic()
-        file = store.new_file_name(candidate.key)
+        began, saved_tokens = time.monotonic(), 0
         try:
-            # The prefix alone first (the request's own prefill continues from it).
-            await engine.prefill(slot, rendered.token_ids[: candidate.tokens])
-            saved = await engine.save_slot(slot, file)
-        except Unavailable as error:
-            log.warning("generation.prefix_save_failed", owner=owner, error=str(error))
-            entry = None
-        else:
-            # Every prefix carries all of the prompt's sources, the system part's too:
-            # which tokens quote which document is not known here, and forgetting a state
-            # too many costs one save.
-            entry = await store.saved(owner, candidate, file, saved, sources)
-        if entry is not None:
-            outcome.saved_tokens += entry.tokens
-        outcome.save_s += time.monotonic() - began
+            if store.too_old_to_save(arrived_at):
+                return
+            for candidate in to_save:  # longest first: each only cuts the slot's cache back
+                file = store.new_file_name(candidate.key)
+                try:
+                    await engine.prefill(slot.index, rendered.token_ids[: candidate.tokens])
+                    slot.tokens = tuple(rendered.token_ids[: candidate.tokens])
+                    saved = await engine.save_slot(slot.index, file)
+                except Unavailable as error:
+                    slot.tokens = ()  # what the engine holds now is not known
+                    log.warning("generation.prefix_save_failed", owner=owner, error=str(error))
+                    return
+                # Every prefix carries all of the prompt's sources, the system part's too:
+                # which tokens quote which document is not known here, and forgetting a
+                # state too many costs one save.
+                entry = await store.saved(owner, candidate, file, saved, sources, arrived_at)
+                if entry is not None:
+                    saved_tokens += entry.tokens
+        finally:
+            store.counters.save_s += time.monotonic() - began
+            tier.scheduler.release(slot)
+            if saved_tokens:
+                log.info(
+                    "generation.prefix_store",
+                    owner=owner,
+                    tier=tier.name,
+                    saved=saved_tokens,
+                    hit_rate=round(store.counters.hit_rate, 3),
+                    **{k: v for k, v in store.counters.__dict__.items()},
+                )
 
 
 def _tokenizing(engine: GenerationEngine) -> TokenizingEngine:

@@ -15,7 +15,7 @@ from ragline_services.generation.generator import Generator, Summary, Tier
 
 # Tokens per second of one sequence's decode: a 1.5B model on one CPU core to a GPU.
 DECODE_RATE_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
-_STORE_EVENTS = ("lookups", "hits", "saves", "evictions", "discarded", "errors")
+_STORE_EVENTS = ("lookups", "hits", "saves", "evictions", "discarded", "stale", "errors")
 
 
 class GenerationMetrics:
@@ -144,7 +144,8 @@ class GenerationMetrics:
         store_events = reading(
             "ragline_generation_prefix_store_events_total",
             "The hot-prefix KV store's events by tier: lookups, hits, saves, evictions, "
-            "discarded (corrupt or mismatched states), errors.",
+            "discarded (corrupt or mismatched states), stale (saves dropped: a source of "
+            "their prompt was forgotten meanwhile), errors.",
             "counter",
             ("tier", "event"),
         )
@@ -156,6 +157,14 @@ class GenerationMetrics:
         saved_bytes = reading(
             "ragline_generation_prefix_store_saved_bytes_total",
             "Bytes of KV states this process saved.",
+            "counter",
+            ("tier",),
+        )
+
+        save_seconds = reading(
+            "ragline_generation_prefix_store_save_seconds_total",
+            "Seconds slots spent saving hot prefixes after their answers (held from the "
+            "next request meanwhile; on no answer's path).",
             "counter",
             ("tier",),
         )
@@ -184,6 +193,7 @@ class GenerationMetrics:
                 store_events.add(lambda: {(e,): getattr(counters, e) for e in _STORE_EVENTS}, name)
                 store_bytes.add(lambda: store.stored_bytes, name)
                 saved_bytes.add(lambda: counters.saved_bytes, name)
+                save_seconds.add(lambda: counters.save_s, name)
 
         for name, tier in generator.tiers.items():
             watch_tier(name, tier)

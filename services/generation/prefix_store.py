@@ -12,8 +12,10 @@ is (`GenerationRequest.cache_owner`): a principal who sees less never reuses, or
 prefix holding evidence of one who sees more.
 
 When a prefix is hot: seen `hot_after` times (default 2) by the same owner within the TTL,
-counted in the cache backend. A hot prefix without a stored state is prefilled alone in the
-request's slot, saved, then the request continues from it (no prefill is done twice).
+counted in the cache backend. A hot prefix without a stored state is saved after the
+request's answer, off its path: its slot, which holds the prompt, is cut back to the prefix
+(longest first: nothing is prefilled again) and saved while the slot is still the
+request's, so no other owner's prompt can be in it.
 
 Key: sha256 of (owner, engine identity, token ids). The engine identity is the model
 version, the llama.cpp build, the KV cache types and flash attention, so a state is never
@@ -29,7 +31,12 @@ expired are deleted by a sweep after each save and every `sweep_s` (`sweep_expir
 Each entry also names what its prompt held (`GenerateRequest.sources`: the orchestrator
 sends the ids of the documents its evidence quotes); `forget` drops every state of a tenant
 naming one of them, so a deleted document's text leaves the store at once (the retrieval
-service calls ForgetSources after each delete and overwrite).
+service calls ForgetSources after each delete and overwrite). A save can be under way while
+the forget runs (on this replica or another sharing the index): `forget` first leaves a
+marker per source in the index, and a save whose prompt arrived less than
+`PROMPT_AGE_BOUND_S` before a marker of one of its sources is dropped once written (one of
+the two always sees the other: the forget writes its marker before it reads the entries,
+the save its entry before it reads the markers).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import struct
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import structlog
@@ -54,6 +61,15 @@ from ragline.cache import CacheBackend
 from ragline.errors import Unavailable
 
 log = structlog.get_logger("ragline.generation.prefix_store")
+
+# How long before it reached this service a prompt's text may have been read (the evidence
+# an orchestrator quoted, fetched at the start of its run): the orchestrator's longest
+# deadline. A save whose prompt arrived less than this before a forget of one of its
+# sources may quote the forgotten text, and is dropped.
+PROMPT_AGE_BOUND_S = 300.0
+# How long a forget's markers are kept: a save is checked against them while they last, so
+# one whose prompt is older than FORGET_MARKER_S - PROMPT_AGE_BOUND_S is not made at all.
+FORGET_MARKER_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -111,7 +127,10 @@ class StoreCounters:
     evictions: int = 0
     discarded: int = 0  # corrupt, missing or mismatched states thrown away
     errors: int = 0  # the cache backend or a file operation failed (treated as a miss)
+    # saves dropped because a source of their prompt was forgotten meanwhile
+    stale: int = 0
     saved_bytes: int = 0
+    save_s: float = 0.0  # time slots spent saving after their answers
 
     @property
     def hit_rate(self) -> float:
@@ -129,9 +148,13 @@ class Candidate:
 @dataclass
 class StoreOutcome:
     restored_tokens: int = 0
-    saved_tokens: int = 0
+    # Hot prefixes without a state, longest first: saved after the answer.
+    to_save: list[Candidate] = field(default_factory=list)
     restore_s: float = 0.0
-    save_s: float = 0.0
+
+    @property
+    def saved_tokens(self) -> int:
+        return sum(candidate.tokens for candidate in self.to_save)
 
 
 def owner_tenant(owner: str) -> str:
@@ -159,6 +182,7 @@ class PrefixStore:
         self.stored_bytes = 0
         self._index = f"{settings.namespace}entry:"
         self._hot = f"{settings.namespace}seen:"
+        self._forgot = f"{settings.namespace}forgot:"
         settings.directory.mkdir(parents=True, exist_ok=True)
 
     # -- keys ----------------------------------------------------------------------------------
@@ -248,9 +272,12 @@ class PrefixStore:
         file: str,
         tokens: int,
         sources: Sequence[str] = (),
+        prompt_at: float | None = None,
     ) -> StoredPrefix | None:
-        """Records a state that llama-server wrote to `file`, then enforces the size bound
-        and sweeps expired files. Returns None (and deletes the file) when it can't."""
+        """Records a state that llama-server wrote to `file` (of a prompt that arrived at
+        `prompt_at`, wall clock; default now), then enforces the size bound and sweeps
+        expired files. Returns None (and deletes the file) when it can't, or when a source
+        of the prompt was forgotten since it may have been read."""
         path = self.settings.directory / file
         try:
             size, digest = await asyncio.to_thread(_file_digest, path)
@@ -271,6 +298,13 @@ class PrefixStore:
         if stored is False:
             await self._remove_file(file)
             return None
+        read_after = (time.time() if prompt_at is None else prompt_at) - PROMPT_AGE_BOUND_S
+        if await self._forgotten_since(owner_tenant(tenant), sources, read_after):
+            self.counters.stale += 1
+            log.info("prefix_store.stale_save_dropped", file=file, tokens=tokens)
+            await self._guarded("delete", self.cache.delete(self._index + entry.key))
+            await self._remove_file(file)
+            return None
         self.counters.saves += 1
         self.counters.saved_bytes += size
         await self._evict_and_sweep(keep=entry)
@@ -282,6 +316,10 @@ class PrefixStore:
         wanted = set(sources)
         forgotten = 0
         # Unguarded: a forget the index could not take must fail, for its caller to retry.
+        # The markers first: a save that writes its entry after the scan below sees them.
+        now = str(time.time()).encode()
+        for source in wanted:
+            await self.cache.set(self._forgot_key(tenant, source), now, FORGET_MARKER_S)
         keys = await self.cache.keys(self._index)
         for entry in await self._entries(keys):
             if owner_tenant(entry.tenant) == tenant and wanted.intersection(entry.sources):
@@ -291,6 +329,35 @@ class PrefixStore:
         if forgotten:
             log.info("prefix_store.forgotten", tenant=tenant, states=forgotten)
         return forgotten
+
+    def _forgot_key(self, tenant: str, source: str) -> str:
+        digest = hashlib.sha256()
+        for part in (tenant, source):
+            encoded = part.encode()
+            digest.update(struct.pack("<I", len(encoded)) + encoded)
+        return self._forgot + digest.hexdigest()
+
+    async def _forgotten_since(self, tenant: str, sources: Sequence[str], since: float) -> bool:
+        """Whether one of `sources` of `tenant` was forgotten after `since` (wall clock);
+        an index that cannot say counts as yes (a save is only worth its cost)."""
+        for source in set(sources):
+            try:
+                marker = await self.cache.get(self._forgot_key(tenant, source))
+            except Unavailable as error:
+                self.counters.errors += 1
+                log.warning("prefix_store.cache_failed", op="get", error=str(error))
+                return True
+            if marker is not None:
+                try:
+                    if float(marker) >= since:
+                        return True
+                except ValueError:
+                    return True
+        return False
+
+    def too_old_to_save(self, prompt_at: float) -> bool:
+        """A prompt so old that a forget of its sources may no longer be marked."""
+        return time.time() - prompt_at > FORGET_MARKER_S - PROMPT_AGE_BOUND_S
 
     async def sweep_expired(self) -> None:
         """Deletes the files of entries that expired (their TTL passed unused) also when

@@ -54,6 +54,11 @@ that floods beside a light tenant, reads its prompts in yielding steps instead:
 each its own engine call that ends by itself; paused, it issues no next one. The light
 request then waits for at most one small step: prefill is slower in small steps (64
 tokens: ~17% on 2 cores, docs/tuning.md), and only the flood pays it.
+
+A holder may keep its slot after its sequence, for the service's own work on the slot's
+cache (the generator saves the prompt's hot prefixes after the answer): it sets its lease
+aside first, which ends it as a priority request (the sequences it held back run again)
+and makes it unpausable; the slot is still its own until released.
 """
 
 from __future__ import annotations
@@ -448,11 +453,26 @@ class SlotScheduler:
             # A slot was handed over just as the waiter gave up: pass it on.
             self.release(waiter.future.result())
 
-    def release(self, slot: Slot) -> None:
-        if any(lease.priority for lease in self._leases if lease.slot is slot):
+    def _priority_ends(self, lease: Lease) -> None:
+        if lease.priority:
             for other in self._leases:
                 if not other.priority:
                     self._was_held_back(other.tenant)
+            lease.priority = False
+
+    def set_aside(self, lease: Lease) -> None:
+        """`lease`'s sequence is over, and its holder keeps the slot a little longer for
+        the service's own work on it (saving its prompt's state): as a priority request it
+        has ended (paused sequences resume), and nothing pauses it."""
+        self._priority_ends(lease)
+        lease.pausable, lease.interrupt = False, None
+        lease.resumed.set()
+        self._resume_when_clear()
+
+    def release(self, slot: Slot) -> None:
+        for lease in self._leases:
+            if lease.slot is slot:
+                self._priority_ends(lease)
         self._leases = [lease for lease in self._leases if lease.slot is not slot]
         self._resume_when_clear()
         slot.busy = False

@@ -449,6 +449,8 @@ class GenerationService(Service):
     async def stop(self) -> None:
         await self._watch.stop()
         await self._kv_sweep.stop()
+        if self._servicer.generator.ready:
+            await self._servicer.generator.value.finish_saves()
         for engine in self.engines:
             await engine.close()
         if self._cache is not None:

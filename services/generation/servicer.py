@@ -122,8 +122,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         clock.started = clock.received + summary.queue_wait_s
         if summary.store.restore_s:
             clock.add_stage("kv_restore", summary.store.restore_s)
-        if summary.store.save_s:
-            clock.add_stage("kv_save", summary.store.save_s)
         clock.add_stage("prefill", summary.prefill_s)
         clock.add_stage("decode", summary.decode_s)
         if summary.paused_s:

@@ -58,6 +58,16 @@ def state_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.bin"))
 
 
+async def states_saved(directory: Path, count: int) -> list[Path]:
+    """The state files once there are `count`: a hot prefix is saved after its answer."""
+    deadline = time.monotonic() + 20
+    files = state_files(directory)
+    while len(files) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)  # files on disk: nothing to wait on but the clock
+        files = state_files(directory)
+    return files
+
+
 async def engine_env(engine: str) -> dict[str, str]:
     """`found`: the llama-server the service finds (a build for this machine where there is
     one); `prebuilt`: the prebuilt package's, which `make llama-server` installs."""
@@ -102,7 +112,9 @@ async def test_a_saved_prefix_is_restored_for_its_tenant_after_a_restart_never_f
     assert first.prefix_store.saved_tokens == 0  # seen once: not hot yet
     second = await final(service.address, prompt(1), "ann")
     assert second.prefix_store.saved_tokens == second.usage.input_tokens  # hot: saved
-    assert len(state_files(tmp_path / "kv")) == 1
+    assert len(await states_saved(tmp_path / "kv", 1)) == 1
+    stages = {s.name for s in second.timing.stages}
+    assert "prefill" in stages and not {"kv_save", "kv_restore"} & stages  # after the answer
 
     # A restart: a new process and a new llama-server with empty slots; the index is in Redis.
     service.stop()
@@ -130,7 +142,7 @@ async def test_expired_and_corrupt_states_are_not_used(launcher, tmp_path):
     # Corrupt: same size, bytes changed in the middle.
     for _ in range(2):
         await final(service.address, prompt(2), "ann")
-    [saved] = state_files(kv)
+    [saved] = await states_saved(kv, 1)
     data = bytearray(saved.read_bytes())
     middle = len(data) // 2
     data[middle : middle + 64] = bytes(64)
@@ -143,8 +155,9 @@ async def test_expired_and_corrupt_states_are_not_used(launcher, tmp_path):
 
     # Expired: saved, then unused for longer than the TTL.
     for _ in range(2):
-        saved_at = time.monotonic()
         await final(service.address, prompt(4), "ann")
+    await states_saved(kv, 1)
+    saved_at = time.monotonic()
     await asyncio.sleep(max(0.0, saved_at + 6.5 - time.monotonic()))
     await final(service.address, prompt(3), "bob")
     expired = await final(service.address, prompt(4), "ann")
@@ -169,8 +182,8 @@ async def test_the_size_bound_evicts_the_least_recently_used_state(launcher, tmp
     assert (await ann(5)).prefix_store.restored_tokens > 0  # 5 is now the most recent
     await ann(7)
     assert (await ann(7)).prefix_store.saved_tokens > 0  # over the bound: 6 goes
+    assert (await ann(5)).prefix_store.restored_tokens > 0  # (its slot waited for 7's save)
     assert len(state_files(kv)) == 2
-    assert (await ann(5)).prefix_store.restored_tokens > 0
     assert (await ann(7)).prefix_store.restored_tokens > 0
     evicted = await ann(6)
     assert evicted.prefix_store.restored_tokens == 0

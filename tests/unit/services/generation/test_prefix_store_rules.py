@@ -11,6 +11,7 @@ import pytest
 
 from ragline.cache import MemoryCache
 from ragline.errors import Unavailable
+from ragline_services.generation import prefix_store
 from ragline_services.generation.prefix_store import PrefixStore, StoredPrefix, StoreSettings
 
 TOKENS = list(range(1000, 1300))
@@ -212,6 +213,31 @@ async def test_forgetting_a_source_drops_the_states_that_named_it_for_that_tenan
         assert (candidate.stored.tokens if candidate.stored else None) == expected
 
 
+async def test_a_save_under_way_when_its_source_is_forgotten_is_dropped_once_written(tmp_path):
+    # The forget ran while the state was being written (its entry not yet in the index):
+    # the save sees the forget's marker and drops what it wrote.
+    store = make_store(tmp_path)
+    arrived = time.time()
+    assert await store.forget("ann", ["payroll"]) == 0  # nothing indexed to drop yet
+
+    async def save_naming(owner: str, sources: tuple[str, ...], prompt_at: float):
+        [candidate] = store.candidates(owner, TOKENS, [200])
+        file = store.new_file_name(candidate.key)
+        (store.settings.directory / file).write_bytes(os.urandom(100))
+        return file, await store.saved(owner, candidate, file, 200, sources, prompt_at)
+
+    file, stale = await save_naming("ann|hr", ("intro", "payroll"), arrived)
+    assert stale is None and not (store.settings.directory / file).exists()
+    assert store.counters.stale == 1 and store.counters.saves == 0
+    # another tenant's prompt naming the same id, a prompt without it, and one that
+    # arrived long enough after the forget that it cannot quote the old text: kept
+    assert (await save_naming("bob|", ("payroll",), arrived))[1] is not None
+    assert (await save_naming("ann|", ("intro",), arrived))[1] is not None
+    later = arrived + prefix_store.PROMPT_AGE_BOUND_S + 1
+    assert (await save_naming("ann|", ("payroll",), later))[1] is not None
+    assert store.too_old_to_save(time.time() - prefix_store.FORGET_MARKER_S)
+
+
 async def test_a_forget_the_index_cannot_take_fails_for_its_caller_to_retry(tmp_path):
     store = make_store(tmp_path)
 
@@ -226,8 +252,6 @@ async def test_a_forget_the_index_cannot_take_fails_for_its_caller_to_retry(tmp_
 async def test_expired_files_are_swept_without_a_save(tmp_path, monkeypatch):
     """sweep_expired (run every minute by the service): a state whose entry expired
     leaves the disk also when no later save would sweep."""
-    from ragline_services.generation import prefix_store
-
     store = make_store(tmp_path, ttl_s=60)
     entry = await save(store, "ann", 200)
     path = store.settings.directory / entry.file
