@@ -470,10 +470,11 @@ class Generator:
             if not counted:
                 scheduler.yielding_prompts += 1
                 counted = True
-            began = time.monotonic()
+            began, turned = time.monotonic(), None
             try:
                 async with asyncio.timeout_at(stop_at):
                     async with scheduler.prompt_turn:
+                        turned = time.monotonic()
                         if lease.paused:
                             return False
                         await engine.prefill(slot.index, ids[: read + step])
@@ -481,7 +482,12 @@ class Generator:
                 decoded.finish, decoded.over = "deadline", True
                 return False
             finally:
-                decoded.yielded_s += time.monotonic() - began
+                # Waiting for another sequence's step is the engine's queue, not this
+                # prompt's prefill.
+                ended = time.monotonic()
+                decoded.turn_wait_s += (turned or ended) - began
+                if turned is not None:
+                    decoded.yielded_s += ended - turned
             slot.tokens = tuple(ids[: read + step])
             decoded.yielded_tokens += step
         return True
@@ -674,6 +680,7 @@ class _Decoded:
     # Prompt read in yielding steps before its stream (scheduler.py): tokens, seconds.
     yielded_tokens: int = 0
     yielded_s: float = 0.0
+    turn_wait_s: float = 0.0  # waiting for another sequence's yielding step to end
 
     def cached_tokens(self) -> int:
         """Prompt tokens the engine's cache held: what the first stream found there, less
@@ -703,7 +710,7 @@ class _Decoded:
 
     def prefill_s(self) -> float:
         """The engine's own timing when it reports one (its streams'), and the yielding
-        steps before them (their waits for a turn included), else measured here."""
+        steps before them (not their waits for a turn: engine_wait_s), else measured here."""
         if self.final and self.final.prompt_ms:
             return self.final.prompt_ms / 1000 + self.yielded_s
         return (self.first_token_at or self._ended()) - self.started
@@ -712,12 +719,13 @@ class _Decoded:
         """Time in the engine's streams that its own prefill and decode figures leave out:
         waiting for the step it joins (each engine step runs to its end, whatever the
         other sequences put in it), and the stretches a pause cut (their figures never
-        come), and any time the reader of the stream kept it waiting. Only where the
-        engine reports its figures."""
+        come), any time the reader of the stream kept it waiting, and a yielding prompt's
+        waits for its turn. Only where the engine reports its figures."""
         if not (self.final and self.final.prompt_ms):
             return 0.0
         streamed_prefill_s = self.final.prompt_ms / 1000
-        return max(self.streamed_s - streamed_prefill_s - self.decode_s(), 0.0)
+        in_streams = max(self.streamed_s - streamed_prefill_s - self.decode_s(), 0.0)
+        return in_streams + self.turn_wait_s
 
     def decode_s(self) -> float:
         if self.final and self.final.decode_ms:

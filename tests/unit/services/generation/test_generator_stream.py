@@ -325,3 +325,28 @@ async def test_yielding_steps_of_several_sequences_go_to_the_engine_one_at_a_tim
     await asyncio.gather(one("ann"), one("carl"))
     assert len(engine.prefilled) == 6 and {slot for slot, _, _ in engine.prefilled} == {1, 2}
     assert engine.most_in_flight == 1
+
+
+class TimedSlotStateEngine(SlotStateContinuingEngine):
+    """Reports its own prefill and decode times, as llama-server does (a stream's last
+    event): the generator's timing then splits the rest into engine_wait."""
+
+    async def stream(self, prompt, *, slot, max_tokens, sampling, prompt_ids=None):
+        async for event in super().stream(
+            prompt, slot=slot, max_tokens=max_tokens, sampling=sampling, prompt_ids=prompt_ids
+        ):
+            yield replace(event, prompt_ms=1.0, decode_ms=1.0) if event.final else event
+
+
+async def test_a_yielding_prompts_wait_for_another_ones_step_is_engine_wait_not_prefill():
+    engine = TimedSlotStateEngine([" w0"], prefill_s=0.1)
+    generator, scheduler = yielding_tier(engine)
+    await held_back_for_a_light_tenant(scheduler, "ann", "carl")
+    (_, ann), (_, carl) = await asyncio.gather(
+        generated(generator, "ann", "y" * 200), generated(generator, "carl", "y" * 200)
+    )
+    # Each read 3 steps of 0.1 s, one at a time over the engine: each waited for some of
+    # the other's steps, which is the engine's queue, not its own prompt's reading.
+    for summary in (ann, carl):
+        assert 0.3 <= summary.prefill_s < 0.3 + 0.08, summary.prefill_s
+    assert ann.engine_wait_s + carl.engine_wait_s >= 0.25
