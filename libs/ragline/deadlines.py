@@ -137,6 +137,11 @@ class StreamDeadline:
         self._interrupted = True
         self._cancel_read()
 
+    def withdraw_interrupt(self) -> None:
+        """Drops an interrupt that came while no read was in progress, once its reader
+        has acted on what it asked by other means (else the next read would end at once)."""
+        self._interrupted = False
+
     def _cancel_read(self) -> None:
         if self._reading and self._task is not None and not self._cancelled:
             self._cancelled = True

@@ -344,6 +344,10 @@ class Generator:
                         rendered, lease, decoded, stop_at
                     ):
                         continue  # paused (or out of time) before the prompt was read
+                    if not lease.paused:
+                        # A pause that came during a yielding step was obeyed there (no
+                        # step issued until resumed); it must not cut the stream below.
+                        timer.withdraw_interrupt()
                     stretch_started = time.monotonic()
                     decoded.streamed = True
                     stream = tier.engine.stream(

@@ -305,12 +305,22 @@ async def test_a_prompt_paused_between_yielding_steps_issues_none_until_resumed(
 
     asking: list[asyncio.Task] = []
     engine.on_prefill = lambda n: n == 2 and asking.append(asyncio.create_task(bob_asks_again()))
+    opened = []
+    stream = engine.stream
+
+    def opening(*args, **kwargs):
+        opened.append(kwargs["prompt_ids"])
+        return stream(*args, **kwargs)
+
+    engine.stream = opening
     text, summary = await generated(generator, "ann", "x" * 300)
     await asyncio.gather(*asking)
     began = [when for _, _, when in engine.prefilled]
     assert not any(held[0] < when < held[1] for when in began), "a step issued while paused"
     assert [end for _, end, _ in engine.prefilled] == [64, 128, 192, 256]
     assert len(engine.streams) == 1 and text == " w0 w1"
+    # The pause was obeyed between steps: no stream opened only to be cut by it at once.
+    assert len(opened) == 1
     assert summary.paused_s > 0.2
 
 
