@@ -18,7 +18,7 @@ from cachetools import LRUCache
 
 from ragline import deadlines, tracing
 from ragline.background import detached_task
-from ragline.errors import InvalidArgument, Unavailable
+from ragline.errors import InvalidArgument, RaglineError, Unavailable
 from ragline.vocabulary import ModelTier
 from ragline_services.generation.chat_tokens import tokenize_chat
 from ragline_services.generation.engine import (
@@ -593,7 +593,7 @@ class Generator:
                     await engine.prefill(slot.index, rendered.token_ids[: candidate.tokens])
                     slot.tokens = tuple(rendered.token_ids[: candidate.tokens])
                     saved = await engine.save_slot(slot.index, file)
-                except Unavailable as error:
+                except RaglineError as error:  # the engine's failure: no state this time
                     slot.tokens = ()  # what the engine holds now is not known
                     log.warning("generation.prefix_save_failed", owner=owner, error=str(error))
                     return

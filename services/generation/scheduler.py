@@ -468,6 +468,7 @@ class SlotScheduler:
         lease.pausable, lease.interrupt = False, None
         lease.resumed.set()
         self._resume_when_clear()
+        self._hand_over()  # what it held back waiting may start in a free slot now
 
     def release(self, slot: Slot) -> None:
         for lease in self._leases:

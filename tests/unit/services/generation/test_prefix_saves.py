@@ -12,6 +12,7 @@ from test_generator_stream import SlotStateContinuingEngine, generated, generato
 
 from ragline import deadlines
 from ragline.cache import MemoryCache
+from ragline.errors import DeadlineExceeded
 from ragline.vocabulary import ModelTier
 from ragline_services.generation.generator import GenerationRequest, Generator
 from ragline_services.generation.prefix_store import PrefixStore, StoreSettings
@@ -31,6 +32,7 @@ class SavingEngine(SlotStateContinuingEngine):
         self.may_save = asyncio.Event()
         self.save_deadlines: list[float | None] = []
         self.held: dict[int, int] = {}  # slot -> tokens its cache holds
+        self.fails: Exception | None = None
 
     async def prefill(self, slot: int, tokens: list[int]) -> None:
         self.calls.append(f"prefill {len(tokens)}")
@@ -48,6 +50,8 @@ class SavingEngine(SlotStateContinuingEngine):
 
     async def save_slot(self, slot: int, filename: str) -> int:
         await self.may_save.wait()
+        if self.fails is not None:
+            raise self.fails
         self.calls.append("save")
         self.save_deadlines.append(deadlines.current_deadline())
         (self.directory / filename).write_bytes(b"kv" * 100)
@@ -140,4 +144,41 @@ async def test_a_stopping_service_cancels_a_save_that_does_not_end(tmp_path):
         await generator.finish_saves(timeout_s=0.1)  # may_save never set
     assert engine.calls[-1] == f"prefill {len(PROMPT)}"
     assert generator.tier(ModelTier.SMALL).scheduler.busy == 0  # the slot is given back
+    assert await stored_tokens(generator, "ann|") is None
+
+
+async def test_a_request_a_light_one_held_back_starts_when_its_answer_is_out_not_its_save(
+    tmp_path,
+):
+    generator, engine = saving_generator(tmp_path, slots=3, priority_slots=1)
+    engine.step_s = 0.1
+    scheduler = generator.tier(ModelTier.SMALL).scheduler
+    flood = await scheduler.acquire("carl", None, pausable=True)
+    light = asyncio.create_task(generated_light(generator, "bob", PROMPT))
+    await asyncio.sleep(0.05)  # bob's request runs
+    more = asyncio.create_task(scheduler.acquire("carl", None, pausable=True))
+    await asyncio.sleep(0.05)
+    assert not more.done()  # held back while bob's request runs, a slot free or not
+    async with asyncio.timeout(5):
+        await light
+    await asyncio.sleep(0.05)
+    assert more.done() and "save" not in engine.calls  # bob's answer out: carl starts
+    engine.may_save.set()
+    await generator.finish_saves()
+    for lease in (flood, more.result()):
+        scheduler.release(lease.slot)
+
+
+async def test_a_save_the_engine_fails_gives_the_slot_back_as_unknown_and_stores_nothing(
+    tmp_path,
+):
+    generator, engine = saving_generator(tmp_path)
+    engine.fails = DeadlineExceeded("llama-server /slots/0?action=save: the deadline passed")
+    engine.may_save.set()
+    await generated(generator, "ann", PROMPT)
+    [save] = generator._saves
+    await generator.finish_saves()
+    assert save.exception() is None  # its failure handled (logged), not raised
+    scheduler = generator.tier(ModelTier.SMALL).scheduler
+    assert scheduler.busy == 0 and scheduler.slots[0].tokens == ()
     assert await stored_tokens(generator, "ann|") is None
