@@ -333,6 +333,8 @@ class Generator:
                     resumed = await tier.scheduler.wait_resumed(lease, stop_at)
                     if paused_at is not None:
                         decoded.paused_s += time.monotonic() - paused_at
+                        if decoded.first_token_at is None:
+                            decoded.paused_before_first_s += time.monotonic() - paused_at
                     if not resumed:
                         decoded.finish = "deadline"
                         break
@@ -678,6 +680,7 @@ class _Decoded:
     token_ids: list[int] = field(default_factory=list)
     pauses: int = 0  # times the scheduler paused the sequence
     paused_s: float = 0.0
+    paused_before_first_s: float = 0.0  # of paused_s, before the first token
     over: bool = False  # the engine ended it, or the deadline did
     streamed_s: float = 0.0  # inside the engine's streams, from each request to its end
     streamed: bool = False  # a stream was sent
@@ -717,7 +720,9 @@ class _Decoded:
         steps before them (not their waits for a turn: engine_wait_s), else measured here."""
         if self.final and self.final.prompt_ms:
             return self.final.prompt_ms / 1000 + self.yielded_s
-        return (self.first_token_at or self._ended()) - self.started
+        # Measured here: less the pauses, which the report has as their own stage.
+        first = self.first_token_at or self._ended()
+        return max(first - self.started - self.paused_before_first_s, 0.0)
 
     def engine_wait_s(self) -> float:
         """Time in the engine's streams that its own prefill and decode figures leave out:
@@ -734,7 +739,8 @@ class _Decoded:
     def decode_s(self) -> float:
         if self.final and self.final.decode_ms:
             return self.final.decode_ms / 1000
-        return self._ended() - (self.first_token_at or self._ended())
+        paused_after_first = self.paused_s - self.paused_before_first_s
+        return max(self._ended() - (self.first_token_at or self._ended()) - paused_after_first, 0.0)
 
     def _ended(self) -> float:
         assert self.ended is not None, "timed once the stream is over"

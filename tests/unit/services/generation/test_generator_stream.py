@@ -134,6 +134,7 @@ async def test_a_paused_sequence_resumes_where_it_stopped_with_every_token_once(
     request = GenerationRequest(tenant="ann", tier=ModelTier.SMALL, max_tokens=8, prompt="Hi")
     texts, summary = [], None
     other = None
+    began = time.monotonic()
     async for event in generator.generate(request):
         if isinstance(event, Chunk):
             texts.append(event.text)
@@ -153,6 +154,9 @@ async def test_a_paused_sequence_resumes_where_it_stopped_with_every_token_once(
     assert resumed["max_tokens"] == 6
     assert summary.completion_tokens == 6 and summary.finish_reason == "stop"
     assert 0.05 < summary.paused_s < 5  # the time paused is reported apart
+    # ... and only there: the stages add up to no more than the time it took
+    elapsed = time.monotonic() - began
+    assert summary.prefill_s + summary.decode_s + summary.paused_s <= elapsed + 0.005
 
 
 async def test_a_sequence_decoding_near_its_deadline_is_not_paused_for_a_light_request():
@@ -313,7 +317,9 @@ async def test_a_prompt_paused_between_yielding_steps_issues_none_until_resumed(
         return stream(*args, **kwargs)
 
     engine.stream = opening
+    began = time.monotonic()
     text, summary = await generated(generator, "ann", "x" * 300)
+    elapsed = time.monotonic() - began
     await asyncio.gather(*asking)
     began = [when for _, _, when in engine.prefilled]
     assert not any(held[0] < when < held[1] for when in began), "a step issued while paused"
@@ -322,6 +328,8 @@ async def test_a_prompt_paused_between_yielding_steps_issues_none_until_resumed(
     # The pause was obeyed between steps: no stream opened only to be cut by it at once.
     assert len(opened) == 1
     assert summary.paused_s > 0.2
+    # the pause is its own stage, not part of the prompt's reading
+    assert summary.prefill_s + summary.decode_s + summary.paused_s <= elapsed + 0.005
 
 
 async def test_yielding_steps_of_several_sequences_go_to_the_engine_one_at_a_time():
