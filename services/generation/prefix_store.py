@@ -157,6 +157,19 @@ class StoreOutcome:
         return sum(candidate.tokens for candidate in self.to_save)
 
 
+# What a guarded index call returns when the index could not answer (None is an answer).
+_UNANSWERED = object()
+
+
+def _framed_digest(*parts: str):
+    """sha256 over `parts`, each framed by its length (no two tuples of strings collide)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        encoded = part.encode()
+        digest.update(struct.pack("<I", len(encoded)) + encoded)
+    return digest
+
+
 def owner_tenant(owner: str) -> str:
     """The tenant of a cache owner (`GenerationRequest.cache_owner`: "tenant|scopes")."""
     return owner.split("|", 1)[0]
@@ -188,10 +201,7 @@ class PrefixStore:
     # -- keys ----------------------------------------------------------------------------------
 
     def key(self, tenant: str, tokens: Sequence[int]) -> str:
-        digest = hashlib.sha256()
-        for part in (tenant, self.engine_identity):
-            encoded = part.encode()
-            digest.update(struct.pack("<I", len(encoded)) + encoded)
+        digest = _framed_digest(tenant, self.engine_identity)
         digest.update(struct.pack(f"<{len(tokens)}I", *tokens))
         return digest.hexdigest()
 
@@ -331,21 +341,16 @@ class PrefixStore:
         return forgotten
 
     def _forgot_key(self, tenant: str, source: str) -> str:
-        digest = hashlib.sha256()
-        for part in (tenant, source):
-            encoded = part.encode()
-            digest.update(struct.pack("<I", len(encoded)) + encoded)
-        return self._forgot + digest.hexdigest()
+        return self._forgot + _framed_digest(tenant, source).hexdigest()
 
     async def _forgotten_since(self, tenant: str, sources: Sequence[str], since: float) -> bool:
         """Whether one of `sources` of `tenant` was forgotten after `since` (wall clock);
         an index that cannot say counts as yes (a save is only worth its cost)."""
         for source in set(sources):
-            try:
-                marker = await self.cache.get(self._forgot_key(tenant, source))
-            except Unavailable as error:
-                self.counters.errors += 1
-                log.warning("prefix_store.cache_failed", op="get", error=str(error))
+            marker = await self._guarded(
+                "get", self.cache.get(self._forgot_key(tenant, source)), _UNANSWERED
+            )
+            if marker is _UNANSWERED:
                 return True
             if marker is not None:
                 try:
