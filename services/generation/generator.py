@@ -332,9 +332,10 @@ class Generator:
                     paused_at = time.monotonic() if lease.paused else None
                     resumed = await tier.scheduler.wait_resumed(lease, stop_at)
                     if paused_at is not None:
-                        decoded.paused_s += time.monotonic() - paused_at
+                        paused = time.monotonic() - paused_at
+                        decoded.paused_s += paused
                         if decoded.first_token_at is None:
-                            decoded.paused_before_first_s += time.monotonic() - paused_at
+                            decoded.paused_before_first_s += paused
                     if not resumed:
                         decoded.finish = "deadline"
                         break
@@ -543,14 +544,7 @@ class Generator:
             await rendered.tier.engine.erase_slot(slot.index)
         outcome.to_save = [c for c in candidates if c.hot and c.stored is None]
         if outcome.restored_tokens:
-            log.info(
-                "generation.prefix_store",
-                owner=owner,
-                tier=rendered.tier.name,
-                restored=outcome.restored_tokens,
-                hit_rate=round(store.counters.hit_rate, 3),
-                **{k: v for k, v in store.counters.__dict__.items()},
-            )
+            _log_store(store, owner, rendered.tier.name, restored=outcome.restored_tokens)
         return outcome
 
     def _save_after_answer(
@@ -609,14 +603,19 @@ class Generator:
             store.counters.save_s += time.monotonic() - began
             tier.scheduler.release(slot)
             if saved_tokens:
-                log.info(
-                    "generation.prefix_store",
-                    owner=owner,
-                    tier=tier.name,
-                    saved=saved_tokens,
-                    hit_rate=round(store.counters.hit_rate, 3),
-                    **{k: v for k, v in store.counters.__dict__.items()},
-                )
+                _log_store(store, owner, tier.name, saved=saved_tokens)
+
+
+def _log_store(store: PrefixStore, owner: str, tier: ModelTier, **what: int) -> None:
+    """What the store did for one request, with its running figures."""
+    log.info(
+        "generation.prefix_store",
+        owner=owner,
+        tier=tier,
+        **what,
+        hit_rate=round(store.counters.hit_rate, 3),
+        **{k: v for k, v in store.counters.__dict__.items()},
+    )
 
 
 def _tokenizing(engine: GenerationEngine) -> TokenizingEngine:
