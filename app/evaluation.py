@@ -8,6 +8,7 @@ import re
 import string
 from collections.abc import Sequence
 
+from ragline import numbers
 from ragline.words import has_han
 
 
@@ -35,13 +36,25 @@ def ranking_metrics(rankings: Sequence[Sequence[str]], relevant: Sequence[str]) 
 
 
 def normalise(text: str) -> str:
+    """SQuAD's official normalisation, with numbers written as digits first ("two" and "2"
+    are one answer: `ragline.numbers`)."""
+    text = numbers.spelled_as_digits(text)
     text = "".join(c for c in text.lower() if c not in set(string.punctuation))
     text = re.sub(r"\b(a|an|the)\b", " ", text)
     return " ".join(text.split())
 
 
 def token_f1(prediction: str, gold: str) -> float:
-    return _bag_f1(normalise(prediction).split(), normalise(gold).split())
+    predicted, expected = normalise(prediction).split(), normalise(gold).split()
+    if not predicted or not expected:
+        # A literal of code or notation ("'+'", "**") has no word left once punctuation
+        # is out: compared as written, quotes and spaces aside.
+        return float(_literal(prediction) == _literal(gold) != "")
+    return _bag_f1(predicted, expected)
+
+
+def _literal(text: str) -> str:
+    return "".join(text.split()).strip("`\"'\u201c\u201d\u2018\u2019").lower()
 
 
 def _bag_f1(predicted: list[str], expected: list[str]) -> float:

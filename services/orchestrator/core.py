@@ -21,7 +21,7 @@ from ragline.budget import Amounts, TaskBudget
 from ragline.retry import DEFAULT_POLICY
 from ragline.timing import duration
 from ragline.v1 import budget_pb2, generation_pb2, retrieval_pb2
-from ragline_services.orchestrator import answerability
+from ragline_services.orchestrator import answerability, verifier
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.admission import Admission
 from ragline_services.orchestrator.agent import Costs, affordable, agent_plan, with_planning
@@ -238,6 +238,7 @@ class Orchestrator:
             repr(plan.nodes),
             request.agent,
             ev.PROMPT_TEMPLATE_VERSION,
+            verifier.VERSION,
         )
 
     async def _cached_answer(
@@ -292,6 +293,7 @@ class Orchestrator:
                 model=entry["model"],
                 tier=entry["tier"],
                 model_version=entry["model_version"],
+                verified=entry.get("verified"),
             ),
             plan=plan,
             records=records,
@@ -350,6 +352,7 @@ class Orchestrator:
                 "model": written.model,
                 "model_version": written.model_version,
                 "tier": written.tier,
+                "verified": written.verified,
                 "saved": saved,
                 "route": outcome.route,
                 "subqueries": outcome.subqueries,

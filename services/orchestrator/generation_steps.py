@@ -21,7 +21,7 @@ from ragline.v1 import (
     generation_pb2,
 )
 from ragline.vocabulary import ModelTier, tier_to_proto
-from ragline_services.orchestrator import answerability
+from ragline_services.orchestrator import answerability, second_read, verifier
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.agent import (
     PLANNER_PROMPT,
@@ -32,7 +32,7 @@ from ragline_services.orchestrator.agent import (
 from ragline_services.orchestrator.evidence_steps import embedded_or_none, evidence_of
 from ragline_services.orchestrator.params import AnswerParams, RetrieveParams
 from ragline_services.orchestrator.plan import Kind
-from ragline_services.orchestrator.routing import Signal, escalation_signals
+from ragline_services.orchestrator.routing import CUT, UNVERIFIED, Signal, escalation_signals
 from ragline_services.orchestrator.run_context import (
     Answer,
     NoEvidence,
@@ -163,7 +163,9 @@ async def _answer(
     final, used = await _generate_reserved(
         ctx, step, request, tier, prompt_tokens, emit=emit, part=part
     )
-    answer = _checked(_answer_of(final, evidence, used), question)
+    answer = _checked(_answer_of(final, evidence, used), question, s.verify_threshold)
+    if not answer.problems and answer.rivals and (answer.verified or 0.0) < s.confirm_above:
+        answer = await _read_again(ctx, step, question, answer, part)
     signals = answer.problems
     if not signals or tier != ModelTier.SMALL or not s.escalate or given.tier is not None:
         return replace(answer, signals=signals)
@@ -181,14 +183,15 @@ async def _answer(
     except grpc.aio.AioRpcError as error:
         outcome = f"escalation_failed: {error.code().name}"
     else:
-        large = _checked(_answer_of(final, evidence, used + more), question)
+        large = _checked(_answer_of(final, evidence, used + more), question, s.verify_threshold)
         return replace(large, signals=signals, escalated=True)
     return replace(answer, signals=signals, outcome=outcome)
 
 
-def _checked(answer: Answer, question: str) -> Answer:
+def _checked(answer: Answer, question: str, verify_threshold: float) -> Answer:
     """The answer with the checks that failed on it (a question that joins several, asked
-    of one answer, needs every part answered)."""
+    of one answer, needs every part answered); an answer that passed them is read by the
+    verifier, whose estimate below `verify_threshold` is a check failed too."""
     found = escalation_signals(
         answer.text,
         answer.evidence,
@@ -197,7 +200,63 @@ def _checked(answer: Answer, question: str) -> Answer:
         question=question,
         parts=len(clauses(question)),
     )
-    return replace(answer, problems=tuple(found))
+    verified: float | None = None
+    rivals: tuple[str, ...] = ()
+    if all(x.reason == CUT for x in found) and not ev.is_refusal(answer.text):
+        gate = answer.evidence.signals
+        reading = verifier.verify(
+            question,
+            answer.text,
+            answer.cited.citations,
+            answer.evidence.items,
+            None if gate is None else gate.probability,
+        )
+        verified = round(reading.estimate, 4)
+        if verify_threshold and reading.estimate < verify_threshold:
+            found.append(Signal("unverified", reading.explain(), UNVERIFIED))
+        else:
+            rivals = reading.rivals
+    return replace(answer, problems=tuple(found), verified=verified, rivals=rivals)
+
+
+async def _read_again(
+    ctx: RunContext, step: Step, question: str, answer: Answer, part: str
+) -> Answer:
+    """The verifier's second read (second_read.py): the small model chooses the answer
+    among its rivals, from the text the answer cites; another choice makes it unverified.
+    A second read that cannot run (budget, engine) leaves the answer as it was."""
+    cited = " ".join(item.text for item in answer.cited.citations)
+    asked = second_read.options(ev.strip_markers(answer.text), answer.rivals, cited)
+    user = second_read.user_message(question, cited, asked)
+    request = generation_pb2.GenerateRequest(
+        chat=_chat(
+            (generation_pb2.ROLE_SYSTEM, second_read.SYSTEM_PROMPT),
+            (generation_pb2.ROLE_USER, user),
+        ),
+        max_tokens=2,
+        tier=tier_to_proto(ModelTier.SMALL),
+        sampling=generation_pb2.Sampling(stop=["\n"]),
+        sources=sorted({item.passage.id for item in answer.cited.citations}),
+    )
+    prompt_tokens = ev.tokens_estimate(second_read.SYSTEM_PROMPT + user) + 16
+    try:
+        final, used = await _generate_reserved(
+            ctx, step, request, ModelTier.SMALL, prompt_tokens, emit=None, part=f"{part}read2"
+        )
+    except (BudgetRefused, grpc.aio.AioRpcError) as error:
+        log.info("verifier.second_read_skipped", error=str(error)[:200])
+        return answer
+    choice = second_read.chosen(final.text, asked)
+    usage = answer.usage + used
+    if choice is None or choice == asked.answer:
+        return replace(answer, usage=usage)
+    other = asked.texts[choice]
+    found = Signal(
+        "unverified",
+        f"a second read chose {other!r} over it among the candidates of its citation",
+        UNVERIFIED,
+    )
+    return replace(answer, usage=usage, problems=(*answer.problems, found))
 
 
 def _answer_of(final, evidence: ev.Evidence, used: Amounts) -> Answer:
@@ -387,6 +446,7 @@ def _joined(answers: list[Answer]) -> Answer:
         escalated=any(a.escalated for a in answers),
         outcome="; ".join(dict.fromkeys(a.outcome for a in answers if a.outcome)),
         problems=named("problems"),
+        verified=min((a.verified for a in answers if a.verified is not None), default=None),
     )
 
 

@@ -17,6 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ragline import numbers
 from ragline.words import has_han
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
@@ -27,12 +28,26 @@ MIN_WORD_SHARE = 0.75
 # Share of the question's terms a yes/no answer's cited text must hold.
 MIN_QUESTION_SHARE = 0.5
 
-_NUMBER = re.compile(r"\d[\d,.]*\d|\d")
 _YES_NO = frozenset({"yes", "no"})
+# A literal of code or notation ("'+'", "**", "->"): no word to count, checked as written.
+_PUNCTUATION = frozenset(".,;:!?\u2026-()[]")  # sentence marks alone are no literal
+_LITERAL = re.compile(r"[^\sA-Za-z0-9\u3400-\u9fff]+")
 
 
 def _numbers(text: str) -> set[str]:
-    return {n.replace(",", "").rstrip(".") for n in _NUMBER.findall(text)}
+    """Numbers however written ("two" and "2" alike: `ragline.numbers`)."""
+    return numbers.numbers(text)
+
+
+def _literal_in(answer: str, source: str) -> bool:
+    """Whether an answer that is only symbols is written in `source` as it stands."""
+    bare = answer.strip().strip("`\"'\u201c\u201d\u2018\u2019").strip()
+    symbols = bare.replace(" ", "")
+    return (
+        _LITERAL.fullmatch(symbols) is not None
+        and bool(set(symbols) - _PUNCTUATION)
+        and bare in source
+    )
 
 
 @dataclass(frozen=True)
@@ -64,7 +79,8 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
             # "The river flows through Warsaw." names nothing the question did not.
             return Support(False, ("anything the question does not already say",))
     missing_numbers = sorted(_numbers(text) - _numbers(source))
-    counted = [t for t in answerability.translated_terms(text) if not t.term.isdigit()]
+    # Numbers were checked above, however written ("two" is the number 2, not a word).
+    counted = [t for t in answerability.translated_terms(text) if not numbers.numbers(t.term)]
     # A Chinese term is copied when the cited text holds its characters (jieba may have
     # cut the passage around them otherwise: "全长约" is one word there, "约" one here); a
     # word of the other language when the cited text holds a translation of it ("the East
@@ -74,6 +90,8 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
     ]
     share = 1.0 - len(missing_words) / len(counted) if counted else 1.0
     if not counted and not _numbers(text):
+        if _literal_in(text, source):
+            return Support(True)  # a literal copied as written ("'+'", "**")
         # Nothing checkable (punctuation, a lone stop word): not an answer to stand on.
         return Support(False, ("any content word",))
     ok = not missing_numbers and share >= MIN_WORD_SHARE

@@ -14,6 +14,11 @@ Signals (each names what fired):
   by the passages it cites (grounding.py: its numbers and words are not found there);
 - `conflicting_evidence`: a one-part answer gives one number and a passage it cites does
   not hold it (two passages, two answers to the same slot).
+- `failed_validation` (reason `failed_validation`): the answer repeats the prompt's own
+  instruction;
+- `unverified` (set by the answer step, generation_steps.py): the verifier (verifier.py)
+  judged that the answer is not the one the question asks for, or its second read
+  (second_read.py) chose another candidate of the answer's citation.
 A refusal ("not in the evidence") fires nothing: INCOMPLETE is the honest answer there.
 """
 
@@ -32,6 +37,7 @@ UNGROUNDED = "ungrounded"
 CONFLICTING = "conflicting_evidence"
 FAILED_VALIDATION = "failed_validation"
 MISSING_PART = "missing_part"
+UNVERIFIED = "unverified"
 CUT = "length"  # not INCOMPLETE: the answer is PARTIAL, cut at its token limit
 
 
@@ -47,6 +53,19 @@ class Signal:
 
 def _numbers(text: str) -> set[str]:
     return {n.replace(",", "") for n in _NUMBER.findall(text)}
+
+
+# The prompt's own words (instruction and labels): an answer made of them is an echo.
+_PROMPT_WORDS = frozenset(ev.content_words(ev.SYSTEM_PROMPT + " evidence question answer part"))
+
+
+def echoes_instruction(answer: str) -> bool:
+    """Whether `answer` mostly repeats the prompt's instruction ("a few words copied from
+    the evidence, no sentence."), as a small model does when it reads no answer."""
+    words = ev.content_words(answer)
+    if len(words) < 3:
+        return False
+    return sum(w in _PROMPT_WORDS for w in words) / len(words) >= 0.6
 
 
 def escalation_signals(
@@ -72,6 +91,11 @@ def escalation_signals(
         # A cut answer whose written part is grounded stands, PARTIAL (reason `length`).
         signals.append(Signal("failed_validation", "cut at its limit", CUT))
     if not answer:
+        return signals
+    if echoes_instruction(answer):
+        signals.append(
+            Signal("failed_validation", "it repeats the prompt's instruction", FAILED_VALIDATION)
+        )
         return signals
     given_parts = len([p for p in answer.split(";") if p.strip()])
     if parts > given_parts:

@@ -108,6 +108,12 @@ class Answer:
     outcome: str = ""
     # Checks that failed on this (the final) answer: any makes it INCOMPLETE.
     problems: tuple[Signal, ...] = ()
+    # The verifier's estimate that the answer is the one the question asks for (None: not
+    # read, as for a refusal or an answer that failed an earlier check).
+    verified: float | None = None
+    # Candidates of the answer's kind in its evidence (the verifier's rivals), for the
+    # second read.
+    rivals: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,8 @@ class Settings:
     allow_degrade: bool = False
     # The answerability gate's threshold (answerability.py; 0: every question is answered).
     answerable_threshold: float = 0.25
+    verify_threshold: float = 0.2
+    confirm_above: float = 0.85
     # Cost in micros per 1,000 tokens (input, output), per tier.
     prices: dict[ModelTier, tuple[int, int]] = field(default_factory=dict)
 

@@ -84,6 +84,8 @@ def settings_of(request: orchestrator_pb2.AskRequest, config) -> Settings:
         escalate=config.escalation and request.tier == common_pb2.MODEL_TIER_UNSPECIFIED,
         allow_degrade=request.allow_degrade,
         answerable_threshold=config.answerable_threshold,
+        verify_threshold=config.verify_threshold,
+        confirm_above=config.confirm_above,
         prices={
             ModelTier.SMALL: (config.small_input_price, config.small_output_price),
             ModelTier.LARGE: (config.large_input_price, config.large_output_price),
@@ -341,6 +343,7 @@ def _result(outcome: AskOutcome, run_id: str) -> orchestrator_pb2.AskResult:
         draft_answer=outcome.written.draft_answer,
         escalation_cured=outcome.written.escalation_cured,
         answerability=outcome.answerability or 0.0,
+        verified=outcome.written.verified,
     )
     if outcome.ledger is not None:
         result.budget.CopyFrom(outcome.ledger)

@@ -58,6 +58,8 @@ class Written:
     prefill_tokens_saved: int = 0
     # An answer that failed its checks: the text written, unverified.
     draft_answer: str = ""
+    # The verifier's estimate that the answer answers the question (None: not read).
+    verified: float | None = None
 
 
 def answered(answer: Answer, degraded: Sequence[str]) -> tuple[Verdict, Written]:
@@ -86,7 +88,8 @@ def answered(answer: Answer, degraded: Sequence[str]) -> tuple[Verdict, Written]
         detail = "the answer failed its checks: " + "; ".join(str(p) for p in answer.problems)
         if answer.escalated:
             detail += " (the large tier's answer did not clear them)"
-        verdict = Verdict(AnswerState.INCOMPLETE, answer.problems[0].reason, detail)
+        reason = next(p.reason for p in answer.problems if p.reason != routing.CUT)
+        verdict = Verdict(AnswerState.INCOMPLETE, reason, detail)
         draft, text, citations = answer.text, "", []
     elif degraded:
         verdict = Verdict(
@@ -122,6 +125,7 @@ def answered(answer: Answer, degraded: Sequence[str]) -> tuple[Verdict, Written]
         escalation_cured=answer.escalated and not answer.problems,
         prefill_tokens_saved=answer.cached_input_tokens,
         draft_answer=draft,
+        verified=answer.verified,
     )
 
 

@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from ragline.v1 import common_pb2, orchestrator_pb2
+from ragline_services.orchestrator import evidence as ev
 from support.orchestrator import ask_result
 from support.retrieval import Client
 
@@ -137,3 +138,72 @@ async def test_control_tokens_and_orders_in_documents_reach_no_model(rag_stack, 
     # Neither the orders nor the template's control tokens reached the prompt.
     assert "Ignore all previous instructions" not in held and "PWNED" not in held
     assert "im_end" not in held and "im_start" not in held
+
+
+ZSTD_ENVIRONMENT = (
+    "zstd-env",
+    "zstd environment variables",
+    "Only two environment variables are read by zstd. ZSTD_CLEVEL sets the compression "
+    "level used when the command line gives none. ZSTD_NBTHREADS sets the number of "
+    "worker threads used during compression.",
+)
+THREADS = "Which environment variable sets the number of compression threads?"
+
+
+def answering(text: str):
+    """A script for the generation proxy: the answer prompt gets `text`; any other call
+    (the verifier's second read) goes to the real small model."""
+
+    def script(request):
+        return text if request.chat.messages[0].content == ev.SYSTEM_PROMPT else None
+
+    return script
+
+
+async def test_an_answer_naming_another_item_of_its_passage_is_unverified(proxied, tenant_with):
+    # Both names are in the cited passage, so the words check passes for either; only the
+    # one beside "number of worker threads" answers the question. The real small model
+    # reads the passage again and chooses between them.
+    tenant = await tenant_with(ZSTD_ENVIRONMENT)
+    proxy, wrong = await proxied(answering("ZSTD_CLEVEL [1]"))
+    result, deltas = await ask(wrong.address, THREADS, tenant=tenant)
+    assert result.status.state == INCOMPLETE and result.status.reason == "unverified", result
+    assert result.draft_answer == "ZSTD_CLEVEL [1]" == deltas
+    assert result.answer == "" and not result.citations
+    assert result.HasField("verified")
+    assert any(s.startswith("unverified:") for s in result.escalation_signals)
+    assert "ZSTD_NBTHREADS" in result.status.detail  # the candidate the second read chose
+    assert proxy.forwarded  # the second read was the real model's
+    # The item the question picks is COMPLETE, with the verifier's estimate.
+    _, right = await proxied(answering("ZSTD_NBTHREADS [1]"))
+    answered, _ = await ask(right.address, THREADS, tenant=tenant)
+    assert answered.status.state == COMPLETE, answered.status
+    assert answered.answer == "ZSTD_NBTHREADS [1]" and answered.verified >= 0.5
+
+
+async def test_a_number_written_in_words_by_its_passage_is_accepted(proxied, tenant_with):
+    tenant = await tenant_with(
+        (
+            "stage-3",
+            "Scottish Parliament bills",
+            "Stage 3 is the final stage of a bill in the Scottish Parliament. The "
+            "consideration of a bill in Stage 3 has two parts: amendments are considered "
+            "first, then the whole Parliament votes on whether the bill is passed.",
+        )
+    )
+    _, orchestrator = await proxied(answering("2 parts [1]"))
+    question = "How many parts does the consideration of a bill in Stage 3 have?"
+    result, _ = await ask(orchestrator.address, question, tenant=tenant)
+    assert result.status.state == COMPLETE, result.status
+    assert result.answer == "2 parts [1]"
+
+
+async def test_an_answer_echoing_the_instruction_is_never_an_answer(proxied, tenant_with):
+    tenant = await tenant_with(ZSTD_ENVIRONMENT)
+    echo = "a few words copied from the evidence, no sentence. [1]"
+    _, orchestrator = await proxied(answering(echo))
+    result, _ = await ask(orchestrator.address, THREADS, tenant=tenant)
+    assert result.status.state == INCOMPLETE, result.status
+    assert result.status.reason == "failed_validation"
+    assert "repeats the prompt's instruction" in result.status.detail
+    assert result.answer == "" and result.draft_answer == echo

@@ -114,3 +114,18 @@ def test_british_and_american_spellings_are_one_word():
     assert support("330 meters [1]", tower, "埃菲尔铁塔有多高？").supported
     centre = [item("The city centre has a colour theatre.")]
     assert support("a color theater", centre, "What does the center have?").supported
+
+
+def test_a_number_written_in_words_is_the_same_number():
+    cited = [item("The consideration of a bill in Stage 3 has two parts.")]
+    assert support("2 parts [1]", cited).supported
+    assert support("two parts [1]", [item("It has 2 parts.")]).supported
+    assert support("2,000 men", [item("about two thousand men")]).supported
+    assert not support("5 parts [1]", cited).supported
+
+
+def test_a_literal_of_code_is_checked_as_written():
+    cited = [item("The operator '+' concatenates two lists; '*' repeats one.")]
+    assert support("'+' [1]", cited).supported
+    assert not support("'-' [1]", cited).supported
+    assert not support("... [1]", cited).supported  # sentence marks are not a literal

@@ -1,0 +1,77 @@
+"""The answer verifier: does an answer stand where the question's words are, and what else
+of its kind stands in its citation."""
+
+from __future__ import annotations
+
+from ragline_services.orchestrator import evidence as ev
+from ragline_services.orchestrator import second_read, verifier
+
+
+def item(text: str, marker: str = "[1]", title: str = "") -> ev.EvidenceItem:
+    return ev.EvidenceItem(marker, ev.Passage(marker, title, text), text)
+
+
+TESLA = item(
+    "Tesla said in 1893 that wireless transmission was possible. "
+    "In 1903 he built the Wardenclyffe tower."
+)
+WHEN = "When did Tesla say wireless transmission was possible?"
+
+
+def test_the_question_words_beside_the_answer_raise_the_estimate():
+    right = verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA])
+    wrong = verifier.verify(WHEN, "1903 [1]", [TESLA], [TESLA])
+    assert right.estimate > 0.5 > wrong.estimate
+    assert wrong.features.margin < 0 < right.features.margin
+    assert "another candidate" in wrong.explain()
+
+
+def test_an_answer_of_another_kind_than_asked_is_a_mismatch():
+    found = verifier.verify(WHEN, "Wardenclyffe tower [1]", [TESLA], [TESLA])
+    assert found.features.type_mismatch == 1.0
+    assert found.estimate < verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA]).estimate
+
+
+def test_expected_types_from_question_words():
+    assert verifier.expected_type("When was it built?") == verifier.AnswerType.DATE
+    assert verifier.expected_type("How many parts are there?") == verifier.AnswerType.NUMBER
+    assert verifier.expected_type("Who designed it?") == verifier.AnswerType.PERSON
+    assert verifier.expected_type("Is it free?") == verifier.AnswerType.YES_NO
+    assert verifier.expected_type("华沙位于哪条河流上？") == verifier.AnswerType.ANY
+    assert verifier.expected_type("长江有多长？") == verifier.AnswerType.NUMBER
+
+
+def test_rivals_are_the_other_items_of_the_answers_kind():
+    options = item(
+        "-k, --keep-old-files: Don't replace existing files when extracting. "
+        "-u, --update: Append files which are newer than the corresponding copy."
+    )
+    found = verifier.verify(
+        "Which short option stops extraction from replacing existing files?",
+        "-u [1]",
+        [options],
+        [options],
+    )
+    assert "-k" in found.rivals and "-u" not in found.rivals
+    # A number written otherwise is the answer itself, not a rival of it.
+    parts = item("The consideration of a bill in Stage 3 has two parts, first amendments.")
+    read = verifier.verify("How many parts does it have?", "2 parts", [parts], [parts])
+    assert "two" not in read.rivals and "first" not in read.rivals
+
+
+def test_an_answer_whose_words_are_not_together_is_unplaced():
+    found = verifier.verify(WHEN, "a Zeppelin airship", [TESLA], [TESLA])
+    assert found.features.unplaced == 1.0
+
+
+def test_second_read_options_follow_the_text_and_find_the_answer():
+    text = "ZSTD_CLEVEL sets the level. ZSTD_NBTHREADS sets the threads."
+    asked = second_read.options("ZSTD_NBTHREADS", ("ZSTD_CLEVEL",), text)
+    assert asked.texts == ("ZSTD_CLEVEL", "ZSTD_NBTHREADS") and asked.answer == 1
+    message = second_read.user_message("Which sets the threads?", text, asked)
+    assert "A) ZSTD_CLEVEL\nB) ZSTD_NBTHREADS" in message
+    assert second_read.chosen("B", asked) == 1
+    assert second_read.chosen("A)", asked) == 0
+    assert second_read.chosen("ZSTD_CLEVEL", asked) == 0
+    assert second_read.chosen("none", asked) is None
+    assert second_read.chosen("E", asked) is None  # no fifth option was asked
