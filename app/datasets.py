@@ -41,6 +41,8 @@ def load_squad(path: Path, split: str | None = None) -> tuple[list[Passage], lis
             passage_id = f"{split}:{a_idx}:{p_idx}"
             passages.append(Passage(passage_id, title, paragraph["context"]))
             for qa in paragraph["qas"]:
+                if qa.get("is_impossible") or qa.get("parts"):
+                    continue  # read by load_squad_extras
                 questions.append(
                     Question(
                         qa["id"],
@@ -50,6 +52,43 @@ def load_squad(path: Path, split: str | None = None) -> tuple[list[Passage], lis
                     )
                 )
     return passages, questions
+
+
+@dataclass(frozen=True)
+class TwoPart:
+    """A question joining two, each part answered by a paragraph of its own."""
+
+    text: str
+    parts: tuple[Question, ...]
+
+
+def load_squad_extras(path: Path, split: str | None = None) -> tuple[list[Question], list[TwoPart]]:
+    """The questions of a SQuAD-format file that `load_squad` leaves out: SQuAD 2.0's
+    `is_impossible` ones (no paragraph answers them; passage_id "") and questions with
+    `parts` (each part with its own answers and paragraph: `article`, `paragraph`)."""
+    if Path(path).suffix == ".txt":
+        return load_zh_eval(path, split).unanswerable, []
+    data = json.loads(Path(path).read_text())
+    split = split or Path(path).stem
+    impossible: list[Question] = []
+    multi: list[TwoPart] = []
+    for article in data["data"]:
+        for paragraph in article["paragraphs"]:
+            for qa in paragraph["qas"]:
+                if qa.get("is_impossible"):
+                    impossible.append(Question(qa["id"], qa["question"], "", ()))
+                elif qa.get("parts"):
+                    parts = tuple(
+                        Question(
+                            f"{qa['id']}-p{n}",
+                            part["question"],
+                            f"{split}:{part['article']}:{part['paragraph']}",
+                            tuple(a["text"] for a in part["answers"]),
+                        )
+                        for n, part in enumerate(qa["parts"], start=1)
+                    )
+                    multi.append(TwoPart(qa["question"], parts))
+    return impossible, multi
 
 
 @dataclass(frozen=True)

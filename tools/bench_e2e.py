@@ -42,7 +42,7 @@ from ragline import deadlines, identity
 from ragline.clients import ChannelPool, ServiceClient
 from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from ragline_app.benchmarks import ensure_ingested, start_stack
-from ragline_app.datasets import held_out_split, load_squad, write_jsonl
+from ragline_app.datasets import held_out_split, load_squad, load_squad_extras, write_jsonl
 from ragline_app.eval_data import eval_file
 from ragline_app.evaluation import answer_f1, normalise
 from ragline_services.orchestrator.evidence import strip_markers
@@ -50,6 +50,9 @@ from ragline_services.orchestrator.plan import default_rag_plan
 from ragline_services.orchestrator.servicer import plan_message
 
 TENANT = "bench"
+# A COMPLETE answer counts as right from this token F1 against a gold answer (the issue's
+# definition; an out-of-corpus question has no gold answer, so COMPLETE there is wrong).
+RIGHT_F1 = 0.5
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -88,6 +91,14 @@ class Outcome:
     route: str = ""
     parts_answered: int = 0  # multi-part questions: parts whose gold answer is in the answer
     parts_cited: int = 0  # ... and whose paragraph is cited
+    # What the verifier's fit (tools/fit_verifier.py) reads again: the gold answers and
+    # paragraph, the prompt's evidence (marker, title, text, document id) and the markers
+    # the answer cited.
+    gold: tuple[str, ...] = ()
+    passage_id: str = ""
+    evidence: tuple[tuple[str, str, str, str], ...] = ()
+    cited: tuple[str, ...] = ()
+    verified: float = -1.0  # the verifier's estimate that the answer is right (-1: none)
 
 
 @dataclass
@@ -178,6 +189,10 @@ async def ask_one(
     outcome.text = result.answer or result.draft_answer
     outcome.answerability = result.answerability
     outcome.citations = len(result.citations)
+    outcome.gold, outcome.passage_id = tuple(question.answers), question.passage_id
+    outcome.evidence = tuple((e.marker, e.title, e.snippet, e.document_id) for e in result.evidence)
+    outcome.cited = tuple(c.marker for c in result.citations)
+    outcome.verified = result.verified if result.HasField("verified") else -1.0
     outcome.answerable = getattr(question, "answerable", True)
     answer = strip_markers(result.answer)
     draft = strip_markers(result.answer or result.draft_answer)
@@ -276,9 +291,10 @@ def trust_table(runs: list[Run]) -> str:
     passage, the F1 of what was answered (an INCOMPLETE answer counts 0) and of the drafts
     too, why the rest was INCOMPLETE, and how fast an abstention by the gate came back."""
     lines = [
-        "| configuration | asked | COMPLETE | COMPLETE without a citation | F1 (answers) "
+        "| configuration | asked | COMPLETE | COMPLETE precision | right per 100 "
+        "| COMPLETE without a citation | F1 (answers) "
         "| F1 (answers and drafts) | INCOMPLETE by reason | abstention p50 (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         outs = run.outcomes
@@ -286,8 +302,11 @@ def trust_table(runs: list[Run]) -> str:
         complete = [o for o in outs if o.state == "COMPLETE"]
         reasons = collections.Counter(o.reason for o in outs if o.state == "INCOMPLETE")
         abstained = [o.complete_s for o in outs if o.reason == "no_relevant_evidence"]
+        right = [o for o in complete if o.f1 >= RIGHT_F1]
+        precision = f"{len(right) / len(complete):.3f}" if complete else "-"
         lines.append(
-            f"| {run.name} | {len(outs)} | {len(complete) / n:.1%} | "
+            f"| {run.name} | {len(outs)} | {len(complete) / n:.1%} | {precision} | "
+            f"{100 * len(right) / n:.1f} | "
             f"{sum(o.citations == 0 for o in complete)} | {sum(o.f1 for o in outs) / n:.3f} | "
             f"{sum(o.draft_f1 for o in outs) / n:.3f} | {dict(reasons.most_common())} | "
             f"{np.median(abstained) if abstained else float('nan'):.3f} |"
@@ -407,12 +426,16 @@ def main() -> int:
     args = parser.parse_args()
 
     passages, questions = load_squad(args.data)
+    impossible, two_part = load_squad_extras(args.data)
     split = held_out_split(passages, questions, every=args.hold_out)
     rng = random.Random(args.seed)
     sample = rng.sample(split.answerable, min(args.questions, len(split.answerable)))
+    # Out of corpus: questions about held-out articles, and those the file says no
+    # paragraph answers (SQuAD 2.0's is_impossible).
+    pool = split.unanswerable + impossible
     outside = [
         OutOfCorpus(q.text, q.answers, q.passage_id)
-        for q in rng.sample(split.unanswerable, min(args.unanswerable, len(split.unanswerable)))
+        for q in rng.sample(pool, min(args.unanswerable, len(pool)))
     ]
     global TENANT
     data = args.data
@@ -501,7 +524,11 @@ def main() -> int:
                 extra["tiers"].append(run)
                 print(cost_table([run]).splitlines()[-1], file=sys.stderr)
         if args.multipart:
-            pairs = multipart_questions(split.answerable, args.multipart, args.seed)
+            # The file's own two-part questions where it has them, else pairs of its
+            # questions joined ("A, and also B?").
+            pairs = [MultiPart(t.text, t.parts) for t in two_part][: args.multipart] or (
+                multipart_questions(split.answerable, args.multipart, args.seed)
+            )
             choices = (
                 ("multi-part, routed", orchestrator_pb2.PLAN_CHOICE_UNSPECIFIED),
                 ("multi-part, RAG plan", orchestrator_pb2.PLAN_CHOICE_RAG),
