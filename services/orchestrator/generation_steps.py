@@ -60,6 +60,7 @@ async def _generate_reserved(
     *,
     emit: Callable[[str], None] | None,
     part: str = "",
+    retry_of_node: bool = True,
 ) -> tuple[Any, Amounts]:
     """One generation inside a reservation: the final message and what it used. `emit`
     gets the text as it streams; `part` tells apart generations one step runs side by side
@@ -86,6 +87,7 @@ async def _generate_reserved(
             emit,
             attempts,
             raise_light=ctx.clients.light_first.get(tier, False),
+            retry_of_node=retry_of_node,
         )
     except BaseException as error:
         # Whatever streamed was produced: charge it (the prompt was read in full).
@@ -241,7 +243,14 @@ async def _read_again(
     prompt_tokens = ev.tokens_estimate(second_read.SYSTEM_PROMPT + user) + 16
     try:
         final, used = await _generate_reserved(
-            ctx, step, request, ModelTier.SMALL, prompt_tokens, emit=None, part=f"{part}read2"
+            ctx,
+            step,
+            request,
+            ModelTier.SMALL,
+            prompt_tokens,
+            emit=None,
+            part=f"{part}read2",
+            retry_of_node=False,
         )
     except (BudgetRefused, grpc.aio.AioRpcError) as error:
         log.info("verifier.second_read_skipped", error=str(error)[:200])
@@ -575,6 +584,7 @@ async def _stream_generation(
     attempts: list[int],
     *,
     raise_light: bool = False,
+    retry_of_node: bool = True,
 ):
     """The generation's final message; its text streams into `pieces` (and `emit`);
     `attempts[0]` counts this generation's attempts (the step's record counts them all).
@@ -588,7 +598,8 @@ async def _stream_generation(
     client = ctx.clients.generation
 
     async def attempt():
-        step.record.attempts += 1
+        # A call of its own (the verifier's second read) is no attempt of the node's call.
+        step.record.attempts += retry_of_node
         attempts[0] += 1
         while True:
             request.light_tenant = request.light_tenant or ctx.light_tenant()

@@ -104,9 +104,11 @@ class Step:
 
     def mark(self, what: str) -> None:
         now = time.monotonic()
-        if what == "first_byte":
-            if self.record.first_byte is None:
-                self.record.first_byte = now
+        if what in ("first_byte", "reserve_start", "call_start"):
+            # A node that makes several calls (an escalation, the verifier's second read)
+            # began its work at its first: later calls extend it, they do not restart it.
+            if getattr(self.record, what) is None:
+                setattr(self.record, what, now)
             return
         setattr(self.record, what, now)
         if what == "settled":

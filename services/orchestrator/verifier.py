@@ -317,7 +317,10 @@ def _candidates(tokens: list[_Token], kind: str) -> list[tuple[int, int]]:
         if fits and start is None:
             start = i
         elif not fits and start is not None:
-            spans.append((start, i))
+            opens_sentence = start == 0 or tokens[start - 1].sentence != tokens[start].sentence
+            if not (kind == "name" and i - start == 1 and opens_sentence):
+                # One capitalised word opening a sentence is as often no name ("Soon").
+                spans.append((start, i))
             start = None
     return spans
 
@@ -519,9 +522,11 @@ def _read(
         length,
         gate,
     )
+    # The rivals that sit closer to the question's words than the answer does: those a
+    # second read weighs it against.
     best: dict[str, float] = {}
     for closeness, surface in named:
-        if surface and surface.lower() != text.strip().lower():
+        if surface and surface.lower() != text.strip().lower() and closeness > local:
             best[surface] = max(best.get(surface, 0.0), closeness)
     return found, sorted(best.items(), key=lambda x: -x[1])
 
@@ -545,9 +550,9 @@ class Fit:
 # Fitted by tools/fit_verifier.py (docs/answer-states.md has the data, the command and the
 # calibration curve).
 FIT = Fit(
-    weights=(0.234, 0.991, 0.268, -0.686, -0.362, 0.355, 1.338, 0.982, -0.563, -1.325, -0.876,
-             -0.684, 0.935),
-    bias=-0.401,
+    weights=(0.197, 0.939, 0.278, -0.593, -0.482, 0.32, 1.263, 1.281, -0.543, -1.386, -1.041,
+             -0.691, 0.94),
+    bias=-0.311,
 )  # fmt: skip
 
 
@@ -555,8 +560,8 @@ FIT = Fit(
 class Verification:
     estimate: float
     features: Features
-    # Candidates of the answer's kind in the evidence, the closest to the question's words
-    # first: what a second read chooses the answer among.
+    # Candidates of the answer's kind in the evidence that sit closer to the question's
+    # words than the answer, the closest first: what a second read weighs it against.
     rivals: tuple[str, ...] = ()
 
     def explain(self) -> str:

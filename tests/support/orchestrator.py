@@ -63,3 +63,22 @@ async def generation_slot_free(generation_address: str) -> bool:
                 return False
             raise
     return True
+
+
+def answer_calls(requests) -> list:
+    """The generation requests among `requests` that asked for an answer (not a planning
+    call, nor the verifier's second read)."""
+    from ragline_services.orchestrator.evidence import SYSTEM_PROMPT
+
+    return [r for r in requests if r.chat.messages[0].content == SYSTEM_PROMPT]
+
+
+def answering(text: str):
+    """A script for the generation proxy: an answer prompt gets `text`; any other call (the
+    verifier's second read, a planning call) goes to the real service."""
+    from ragline_services.orchestrator.evidence import SYSTEM_PROMPT
+
+    def script(request):
+        return text if request.chat.messages[0].content == SYSTEM_PROMPT else None
+
+    return script

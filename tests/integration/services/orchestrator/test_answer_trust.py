@@ -10,8 +10,7 @@ import uuid
 import pytest
 
 from ragline.v1 import common_pb2, orchestrator_pb2
-from ragline_services.orchestrator import evidence as ev
-from support.orchestrator import ask_result
+from support.orchestrator import answering, ask_result
 from support.retrieval import Client
 
 pytestmark = pytest.mark.integration
@@ -148,16 +147,6 @@ ZSTD_ENVIRONMENT = (
     "worker threads used during compression.",
 )
 THREADS = "Which environment variable sets the number of compression threads?"
-
-
-def answering(text: str):
-    """A script for the generation proxy: the answer prompt gets `text`; any other call
-    (the verifier's second read) goes to the real small model."""
-
-    def script(request):
-        return text if request.chat.messages[0].content == ev.SYSTEM_PROMPT else None
-
-    return script
 
 
 async def test_an_answer_naming_another_item_of_its_passage_is_unverified(proxied, tenant_with):

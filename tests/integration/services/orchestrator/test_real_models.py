@@ -8,8 +8,10 @@ import asyncio
 import pytest
 
 from ragline.v1 import common_pb2, orchestrator_pb2
+from ragline_services.orchestrator.evidence import SYSTEM_PROMPT
 from support.generation_proxy import is_planning
-from support.orchestrator import ask_result
+from support.orchestrator import answer_calls, ask_result
+from support.retrieval import Client
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +50,7 @@ async def test_the_large_tier_cures_an_answer_the_small_one_could_not_ground(pro
 
     proxy, orchestrator = await proxied(script, upstream=two_tiers.address)
     result = await ask(orchestrator.address, WARSAW)
-    assert [r.tier for r in proxy.forwarded] == [common_pb2.MODEL_TIER_LARGE]
+    assert [r.tier for r in answer_calls(proxy.forwarded)] == [common_pb2.MODEL_TIER_LARGE]
     assert list(result.escalation_signals) == [
         "failed_validation: not supported by its citations (danube)"
     ]
@@ -71,3 +73,37 @@ async def test_the_small_model_writes_the_agent_plan_and_each_part_is_answered(r
     evidence = [(e.marker, e.snippet) for e in result.evidence]
     answer = result.answer.lower()
     assert "vistula" in answer and ("catholic" in answer or "christian" in answer), evidence
+
+
+async def test_the_large_tier_cures_an_answer_the_verifier_refused(proxied, two_tiers, rag_stack):
+    # The small tier names the wrong one of two variables of its passage (scripted); the
+    # verifier's second read (the real small model) and the large tier's answer are real.
+    client = Client(rag_stack.retrieval.address)
+    tenant = "cure-unverified"
+    await client.upsert(
+        tenant,
+        [
+            {
+                "id": "zstd-env",
+                "title": "zstd environment variables",
+                "text": "Only two environment variables are read by zstd. ZSTD_CLEVEL sets "
+                "the compression level used when the command line gives none. "
+                "ZSTD_NBTHREADS sets the number of worker threads used during compression.",
+            }
+        ],
+    )
+    await client.close()
+
+    def script(request):
+        small = request.tier == common_pb2.MODEL_TIER_SMALL
+        if small and request.chat.messages[0].content == SYSTEM_PROMPT:
+            return "ZSTD_CLEVEL [1]"
+        return None
+
+    _, orchestrator = await proxied(script, upstream=two_tiers.address)
+    question = "Which environment variable sets the number of compression threads?"
+    result = await ask(orchestrator.address, question, tenant=tenant)
+    assert result.escalation_signals[0].startswith("unverified: a second read chose"), result
+    assert result.escalated and result.escalation_cured, result
+    assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, result.status
+    assert "ZSTD_NBTHREADS" in result.answer and result.tier == common_pb2.MODEL_TIER_LARGE
