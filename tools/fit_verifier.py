@@ -165,7 +165,9 @@ def main() -> int:
 
         figure, axes = plt.subplots(figsize=(7, 5))
         for spec, points in curves.items():
-            axes.plot([p[1] for p in points], [p[2] for p in points], marker="o", label=spec)
+            path, _, which = spec.rpartition(":")
+            label = f"{Path(path).stem}: {which}" + (" (fitted on)" if spec in args.fit else "")
+            axes.plot([p[1] for p in points], [p[2] for p in points], marker="o", label=label)
             for t, answered, precision, _ in points:
                 axes.annotate(f"{t:.1f}", (answered, precision), fontsize=6)
         axes.set_xlabel("share of answers kept COMPLETE")
