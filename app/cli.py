@@ -694,7 +694,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    from ragline_app.eval_data import DATA_SETS, DataError, data_dir, eval_file, fetch
+    from ragline_app.eval_data import DATA_SETS, DEFAULT_SETS, DataError, data_dir, eval_file, fetch
 
     if args.action == "list":
         for name, data_set in DATA_SETS.items():
@@ -706,7 +706,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         return 0
     into = Path(args.into) if args.into else data_dir()
     try:
-        fetch(args.names or list(DATA_SETS), into)
+        fetch(args.names or list(DEFAULT_SETS), into)
     except DataError as error:
         print(f"ragline data fetch: {error}", file=sys.stderr)
         return 1
@@ -940,7 +940,11 @@ def build_parser() -> argparse.ArgumentParser:
         "data", help="the evaluation data sets the measuring tools read (list, fetch)"
     )
     data.add_argument("action", choices=("list", "fetch"))
-    data.add_argument("names", nargs="*", help="data sets (default: all; see `ragline data list`)")
+    data.add_argument(
+        "names",
+        nargs="*",
+        help="data sets (default: SQuAD dev, new_wiki, Wikipedia leads; `ragline data list`)",
+    )
     data.add_argument("--into", help="folder (default RAGLINE_EVAL_DATA_DIR or <cache>/data)")
     data.set_defaults(func=cmd_data)
     doctor = sub.add_parser(

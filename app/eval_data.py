@@ -118,6 +118,14 @@ DATA_SETS = {
 }
 
 
+# What `ragline data fetch` installs when no name is given: the sets the tools read by
+# default (the other SQuADShifts sets on request, by name).
+DEFAULT_SETS = ("squaddev_v1.1.json", "new_wiki_v1.0.json", "wiki_leads_en.json")
+# A copy kept beside the checkout (this project's machines have one), used when its sha256
+# matches.
+LOCAL_COPIES = REPO.parent / "shared" / "data"
+
+
 class DataError(Exception):
     """A data set could not be installed (the message says why and what to do)."""
 
@@ -176,6 +184,14 @@ def fetch(
     missing = [d for d in wanted if not _has(into / d.name, d.sha256)]
     for data_set in sorted(set(wanted) - set(missing), key=lambda d: d.name):
         log(f"{data_set.name}: already installed")
+    for data_set in list(missing):
+        copy = LOCAL_COPIES / data_set.name
+        if _has(copy, data_set.sha256):
+            # The same bytes are already on this machine: no archive to read for them
+            # (and the index may no longer list it).
+            shutil.copyfile(copy, into / data_set.name)
+            log(f"{data_set.name}: copied from {copy} (sha256 checked)")
+            missing.remove(data_set)
     for archive in dict.fromkeys(d.archive for d in missing):
         members = [d for d in missing if d.archive == archive]
         url = archive_url(archive, index or index_url(), opener)

@@ -89,6 +89,8 @@ def numbers(text: str) -> set[str]:
         if match.group(0).lower() != "one":  # "no one", "one of them": rarely a count
             found.add(_canonical(_words_value(match.group(0))))
     for match in _HAN_RUN.finditer(text):
+        if match.start() > 0 and text[match.start() - 1] == "第":
+            continue  # 第二: "the second", a position
         value = _han_value(match.group(0))
         if value is not None and match.group(0) not in ("一",):
             found.add(_canonical(value))

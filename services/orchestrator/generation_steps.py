@@ -21,6 +21,7 @@ from ragline.v1 import (
     generation_pb2,
 )
 from ragline.vocabulary import ModelTier, tier_to_proto
+from ragline.words import mostly_han
 from ragline_services.orchestrator import answerability, second_read, verifier
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.agent import (
@@ -214,10 +215,15 @@ def _checked(answer: Answer, question: str, verify_threshold: float) -> Answer:
             None if gate is None else gate.probability,
         )
         verified = round(reading.estimate, 4)
-        if verify_threshold and reading.estimate < verify_threshold:
-            found.append(Signal("unverified", reading.explain(), UNVERIFIED))
-        else:
-            rivals = reading.rivals
+        cited = " ".join(item.text for item in answer.cited.citations)
+        # Across languages the question's words meet their passage only through the
+        # lexicon, too thinly to refuse on or to rank rivals by: the estimate is reported,
+        # nothing more (cross-lingual verification is still to be built).
+        if mostly_han(question) == mostly_han(cited):
+            if verify_threshold and reading.estimate < verify_threshold:
+                found.append(Signal("unverified", reading.explain(), UNVERIFIED))
+            else:
+                rivals = reading.rivals
     return replace(answer, problems=tuple(found), verified=verified, rivals=rivals)
 
 

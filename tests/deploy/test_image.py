@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -139,6 +140,8 @@ def linked_packages(binary) -> dict[str, str]:
             assert "not found" not in line, f"{binary}: {line.strip()}"
             continue
         library = line.split("=>")[1].split("(")[0].strip()
+        if Path(library).parent == Path(binary).parent:
+            continue  # shipped beside the binary (the prebuilt's own libraries), not a package
         real = os.path.realpath(library)
         owner = subprocess.run(["dpkg", "-S", real], capture_output=True, text=True)
         if owner.returncode != 0:  # a merged-/usr path dpkg knows by its other name

@@ -84,7 +84,14 @@ async def test_etcd_slow_answers_still_come_and_every_ledger_settles(fault_stack
         # the window. What is promised is that answers come, not how fast.
         deadline_s=20.0,
     )
-    assert any(o.outcome == "COMPLETE" for o in during)
+    # Answers came in the slow window: every ask started in it has an answer state, and
+    # where it asked questions that are answered COMPLETE outside it, one of them was
+    # answered COMPLETE in it too (which questions the small model and the verifier
+    # answer COMPLETE is theirs to say, not the fault's).
+    assert during and all(o.outcome in ("COMPLETE", "PARTIAL", "INCOMPLETE") for o in during)
+    completes = {asks.question_of(o) for o in asks.outcomes if o.outcome == "COMPLETE"}
+    can_complete = [o for o in during if asks.question_of(o) in completes]
+    assert not can_complete or any(o.outcome == "COMPLETE" for o in can_complete), summary(during)
     assert not await unsettled_after(
         fault_stack.parts["budget"].address, [o.task_id for o in asks.outcomes], 15.0
     )

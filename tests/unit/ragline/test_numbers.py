@@ -18,6 +18,7 @@ def test_chinese_numerals():
     assert numbers("两部分") == {"2"}
     assert numbers("三十五岁") == {"35"}
     assert numbers("二〇二四年") == {"2024"}
+    assert numbers("中国第二长河") == set()  # an ordinal: a position, not a count
 
 
 def test_one_as_a_pronoun_is_not_a_count():

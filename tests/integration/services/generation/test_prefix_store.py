@@ -107,10 +107,13 @@ async def test_a_saved_prefix_is_restored_for_its_tenant_after_a_restart_never_f
     env = store_env(
         tmp_path / "kv", RAGLINE_GENERATION_CACHE_URL=redis_server.url, **(await engine_env(engine))
     )
+    # Tenants of this run alone: the prefix index lives in the session's Redis, where the
+    # other engine's run of this test left its own entries.
+    ann, bob = f"ann-{engine}", f"bob-{engine}"
     service = await asyncio.to_thread(launcher.start, "generation", env=env)
-    first = await final(service.address, prompt(1), "ann")
+    first = await final(service.address, prompt(1), ann)
     assert first.prefix_store.saved_tokens == 0  # seen once: not hot yet
-    second = await final(service.address, prompt(1), "ann")
+    second = await final(service.address, prompt(1), ann)
     assert second.prefix_store.saved_tokens == second.usage.input_tokens  # hot: saved
     assert len(await states_saved(tmp_path / "kv", 1)) == 1
     stages = {s.name for s in second.timing.stages}
@@ -121,10 +124,10 @@ async def test_a_saved_prefix_is_restored_for_its_tenant_after_a_restart_never_f
     launcher.forget(service)
     service = await asyncio.to_thread(launcher.start, "generation", env=env)
 
-    other = await final(service.address, prompt(1), "bob")  # same prompt, another tenant
+    other = await final(service.address, prompt(1), bob)  # same prompt, another tenant
     assert other.prefix_store.restored_tokens == 0
     assert other.usage.cached_input_tokens == 0
-    restored = await final(service.address, prompt(1), "ann")  # bob's slot erased first
+    restored = await final(service.address, prompt(1), ann)  # bob's slot erased first
     assert restored.prefix_store.restored_tokens == restored.usage.input_tokens
     assert restored.usage.cached_input_tokens >= restored.usage.input_tokens - 1
     stages = {s.name: s.duration.ToNanoseconds() for s in restored.timing.stages}
