@@ -77,28 +77,38 @@ class AnswerType(enum.StrEnum):
     ANY = "any"
 
 
+# What a question asks for, by its question words: the first rule that matches decides.
+_CHINESE_TYPES = (
+    (re.compile(r"哪一?年|什么时候|何时|哪天|几月|哪个月"), AnswerType.DATE),
+    (re.compile(r"多少|几[个位种次岁年天]?|多[长大高远久重]"), AnswerType.NUMBER),
+    (re.compile(r"谁"), AnswerType.PERSON),
+)
+_ENGLISH_TYPES = (
+    (
+        re.compile(r"^(when|what (year|date|day|month|century|decade)|in (what|which) year)\b"),
+        AnswerType.DATE,
+    ),
+    (
+        re.compile(
+            r"\bhow (many|much|long|far|old|large|big|high|tall|often)\b"
+            r"|\bwhat (percentage|percent|number|amount|fraction|proportion)\b"
+        ),
+        AnswerType.NUMBER,
+    ),
+    (re.compile(r"^(who|whom|whose)\b"), AnswerType.PERSON),
+    (
+        re.compile(r"^(is|are|was|were|does|do|did|can|could|will|should|has|have)\b"),
+        AnswerType.YES_NO,
+    ),
+)
+
+
 def expected_type(question: str) -> AnswerType:
     """What kind of answer the question asks for, from its question words."""
-    q = question.lower().strip()
-    if has_han(question):
-        if re.search(r"哪一?年|什么时候|何时|哪天|几月|哪个月", question):
-            return AnswerType.DATE
-        if re.search(r"多少|几[个位种次岁年天]?|多[长大高远久重]", question):
-            return AnswerType.NUMBER
-        if re.search(r"谁", question):
-            return AnswerType.PERSON
-        return AnswerType.ANY
-    if re.match(r"(when|what (year|date|day|month|century|decade)|in (what|which) year)\b", q):
-        return AnswerType.DATE
-    if re.search(r"\bhow (many|much|long|far|old|large|big|high|tall|often)\b", q) or re.search(
-        r"\bwhat (percentage|percent|number|amount|fraction|proportion)\b", q
-    ):
-        return AnswerType.NUMBER
-    if re.match(r"(who|whom|whose)\b", q):
-        return AnswerType.PERSON
-    if re.match(r"(is|are|was|were|does|do|did|can|could|will|should|has|have)\b", q):
-        return AnswerType.YES_NO
-    return AnswerType.ANY
+    chinese = has_han(question)
+    text = question if chinese else question.lower().strip()
+    rules = _CHINESE_TYPES if chinese else _ENGLISH_TYPES
+    return next((kind for pattern, kind in rules if pattern.search(text)), AnswerType.ANY)
 
 
 def _is_number(token: str) -> bool:
