@@ -32,7 +32,7 @@ import enum
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from ragline import numbers
 from ragline.words import FUNCTION_WORDS, HAN, has_han, segmenter, stem
@@ -408,21 +408,7 @@ class Features:
     answerability: float  # the gate's estimate that the evidence answers the question
 
     def vector(self) -> list[float]:
-        return [
-            self.local,
-            self.local_far,
-            self.margin,
-            self.beaten,
-            self.clause_gap,
-            self.competitors,
-            self.sentence,
-            self.sentence_gap,
-            self.type_mismatch,
-            self.echo,
-            self.unplaced,
-            self.length,
-            self.answerability,
-        ]
+        return list(astuple(self))
 
 
 FEATURE_NAMES = tuple(Features.__dataclass_fields__)
