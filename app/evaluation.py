@@ -9,7 +9,7 @@ import string
 from collections.abc import Sequence
 
 from ragline import numbers
-from ragline.words import has_han
+from ragline.words import QUOTES, has_han
 
 
 def rank_of(ranked: Sequence[str], relevant: str) -> int:
@@ -54,7 +54,7 @@ def token_f1(prediction: str, gold: str) -> float:
 
 
 def _literal(text: str) -> str:
-    return "".join(text.split()).strip("`\"'\u201c\u201d\u2018\u2019").lower()
+    return "".join(text.split()).strip(QUOTES).lower()
 
 
 def _bag_f1(predicted: list[str], expected: list[str]) -> float:

@@ -69,6 +69,16 @@ def _han_value(run: str) -> float | None:
     return total + section + current
 
 
+def _digit_group(match: re.Match[str]) -> str:
+    return _canonical(float(match.group(0).replace(",", "")))
+
+
+def _word_run(match: re.Match[str]) -> str | None:
+    """The run's number, None for a bare "one" ("no one", "one of them": rarely a count)."""
+    run = match.group(0)
+    return None if run.lower() == "one" else _canonical(_words_value(run))
+
+
 def _scaled(match: re.Match[str]) -> str:
     return _canonical(float(match.group(1)) * _SCALES[match.group(2).lower()])
 
@@ -83,11 +93,8 @@ def numbers(text: str) -> set[str]:
     not a count here: "the second" names a position, so it is left out."""
     found: set[str] = set()
     text = _DIGITS_SCALED.sub(_scaled, text)
-    for match in _DIGITS.finditer(text):
-        found.add(_canonical(float(match.group(0).replace(",", ""))))
-    for match in _WORD_RUN.finditer(text):
-        if match.group(0).lower() != "one":  # "no one", "one of them": rarely a count
-            found.add(_canonical(_words_value(match.group(0))))
+    found.update(_digit_group(match) for match in _DIGITS.finditer(text))
+    found.update(filter(None, (_word_run(match) for match in _WORD_RUN.finditer(text))))
     for match in _HAN_RUN.finditer(text):
         if match.start() > 0 and text[match.start() - 1] == "第":
             continue  # 第二: "the second", a position
@@ -100,18 +107,9 @@ def numbers(text: str) -> set[str]:
 def spelled_as_digits(text: str) -> str:
     """`text` with number words written as digits and thousands separators dropped ("two
     thousand parts" -> "2000 parts"), for comparing two texts word by word."""
-
-    def digits(match: re.Match[str]) -> str:
-        return _canonical(float(match.group(0).replace(",", "")))
-
     text = _DIGITS_SCALED.sub(_scaled, text)
-    text = _DIGITS.sub(digits, text)
-    return _WORD_RUN.sub(
-        lambda m: (
-            m.group(0) if m.group(0).lower() == "one" else _canonical(_words_value(m.group(0)))
-        ),
-        text,
-    )
+    text = _DIGITS.sub(_digit_group, text)
+    return _WORD_RUN.sub(lambda m: _word_run(m) or m.group(0), text)
 
 
 def ordinal_value(word: str) -> float | None:

@@ -49,6 +49,8 @@ FUNCTION_WORDS = frozenset(
     where which while who whom whose why will with would not no so than then also about after
     before during many much most more other some such only each""".split()
 )
+# Quotation marks and backticks around a quoted literal ("'+'", `**`), straight and curly.
+QUOTES = "`\"'\u201c\u201d\u2018\u2019"
 LATIN_WORD = re.compile(r"[A-Za-z0-9]+(?:'[a-z]+)?")
 
 

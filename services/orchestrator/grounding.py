@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragline import numbers
-from ragline.words import has_han
+from ragline.words import QUOTES, has_han
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
 
@@ -34,14 +34,9 @@ _PUNCTUATION = frozenset(".,;:!?\u2026-()[]")  # sentence marks alone are no lit
 _LITERAL = re.compile(r"[^\sA-Za-z0-9\u3400-\u9fff]+")
 
 
-def _numbers(text: str) -> set[str]:
-    """Numbers however written ("two" and "2" alike: `ragline.numbers`)."""
-    return numbers.numbers(text)
-
-
 def _literal_in(answer: str, source: str) -> bool:
     """Whether an answer that is only symbols is written in `source` as it stands."""
-    bare = answer.strip().strip("`\"'\u201c\u201d\u2018\u2019").strip()
+    bare = answer.strip().strip(QUOTES).strip()
     symbols = bare.replace(" ", "")
     return (
         _LITERAL.fullmatch(symbols) is not None
@@ -73,12 +68,12 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
             share >= MIN_QUESTION_SHARE,
             () if share >= MIN_QUESTION_SHARE else ("the question's terms",),
         )
-    if question and not _numbers(text) - _numbers(question):
+    if question and not numbers.numbers(text) - numbers.numbers(question):
         told = set(answerability.terms(text)) - set(answerability.terms(question))
         if words and not told:
             # "The river flows through Warsaw." names nothing the question did not.
             return Support(False, ("anything the question does not already say",))
-    missing_numbers = sorted(_numbers(text) - _numbers(source))
+    missing_numbers = sorted(numbers.numbers(text) - numbers.numbers(source))
     # Numbers were checked above, however written ("two" is the number 2, not a word).
     counted = [t for t in answerability.translated_terms(text) if not numbers.numbers(t.term)]
     # A Chinese term is copied when the cited text holds its characters (jieba may have
@@ -89,7 +84,7 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
         t.term for t in counted if not (t.found_in(read) or (has_han(t.term) and t.term in source))
     ]
     share = 1.0 - len(missing_words) / len(counted) if counted else 1.0
-    if not counted and not _numbers(text):
+    if not counted and not numbers.numbers(text):
         if _literal_in(text, source):
             return Support(True)  # a literal copied as written ("'+'", "**")
         # Nothing checkable (punctuation, a lone stop word): not an answer to stand on.
