@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 
 
 def _service_names() -> list[str]:
-    from ragline_services.registry import service_names
+    from ragline_services.registry import http_service_names, service_names
 
-    return service_names()
+    return [*service_names(), *http_service_names()]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -43,12 +43,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.environ[f"{prefix}HOST"] = args.host
     # Where the other services listen, unless configured: the local loopback layout.
     os.environ.update(local_addresses())
+    if args.service == "gateway":
+        from ragline_services.gateway.service import serve_gateway
+
+        try:
+            asyncio.run(serve_gateway())
+        except (OSError, ConfigError) as error:
+            print(f"ragline serve gateway: {error}", file=sys.stderr)
+            return 1
+        return 0
     spec = load_spec(args.service)
     try:
         asyncio.run(serve(spec))
     except (OSError, StartRefused, ConfigError) as error:
         print(f"ragline serve {args.service}: {error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_openapi(args: argparse.Namespace) -> int:
+    """The gateway's OpenAPI file (docs/openapi.json is this output)."""
+    from ragline_app.stack import local_addresses
+    from ragline_services.gateway.app import Backends, build_app
+    from ragline_services.gateway.config import GatewayConfig
+
+    os.environ.update(local_addresses())
+    common = CommonConfig()
+    app = build_app(GatewayConfig(), common, Backends(common))
+    text = json.dumps(app.openapi(), indent=2, ensure_ascii=False) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -202,12 +228,19 @@ async def _up(
 
 def _print_ready(stack: Stack, client_tls: dict[str, str]) -> None:
     orchestrator = next((s for s in stack.services if s.name == "orchestrator"), None)
+    gateway = next((s for s in stack.services if s.name == "gateway"), None)
     if orchestrator is not None:
         print(
             'ragline up: ready. Try: ragline ask "Which river flows through Warsaw?"   or   '
             f"grpcurl {_grpcurl_transport(client_tls)} {orchestrator.address} list",
             flush=True,
         )
+        if gateway is not None:
+            print(
+                f"ragline up: the OpenAI-compatible API is http://{gateway.address}/v1 "
+                "(docs/clients.md)",
+                flush=True,
+            )
     else:
         print("ragline up: ready.", flush=True)
     print("Ctrl-C stops all services.", flush=True)
@@ -650,15 +683,20 @@ def cmd_etcd_setup(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from ragline_app.stack import health_status, service_address
+    from ragline_app.stack import health_status, http_ready, service_address
+    from ragline_services.registry import http_service_names
 
     common = CommonConfig()
     names = _service_names()
+    http = set(http_service_names())
 
     async def run() -> dict[str, tuple[str, str]]:
         addresses = {n: service_address(n, common.data_dir) for n in names}
         statuses = await asyncio.gather(
-            *(health_status(a, args.timeout) for a in addresses.values())
+            *(
+                http_ready(a, args.timeout) if n in http else health_status(a, args.timeout)
+                for n, a in addresses.items()
+            )
         )
         return {n: (addresses[n], s) for n, s in zip(names, statuses, strict=True)}
 
@@ -793,6 +831,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--port", type=int, help="listen port (default RAGLINE_<SERVICE>_PORT)")
     serve.set_defaults(func=cmd_serve)
+
+    openapi = sub.add_parser("openapi", help="print the HTTP gateway's OpenAPI file")
+    openapi.add_argument("--out", help="write it to this file instead")
+    openapi.set_defaults(func=cmd_openapi)
 
     up = sub.add_parser("up", help="run every service on loopback until Ctrl-C")
     up.add_argument("--host", default="127.0.0.1")

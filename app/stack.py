@@ -20,7 +20,12 @@ from ragline.clients import open_channel, open_sync_channel
 from ragline.processes import dying_with_this_process, free_ports
 from ragline.tls import TlsConfig
 from ragline_app.etcd_server import EtcdServer
-from ragline_services.registry import default_address, default_port, service_names
+from ragline_services.registry import (
+    default_address,
+    default_port,
+    http_service_names,
+    service_names,
+)
 
 # Client / peer ports of the local etcd that `ragline up` starts for the budget service.
 ETCD_PORT_OFFSETS = (10, 11)
@@ -78,12 +83,10 @@ def plan_ports(names: list[str], base_port: int | None, host: str) -> dict[str, 
     if base_port == 0:
         return dict(zip(names, free_ports(len(names), host), strict=True))
     base = default_port("orchestrator")
+    every = [*service_names(), *http_service_names()]
     offsets = {
-        **{name: default_port(name) - base for name in service_names()},
-        **{
-            metrics_key(name): default_port(name) - base + METRICS_PORT_OFFSET
-            for name in service_names()
-        },
+        **{name: default_port(name) - base for name in every},
+        **{metrics_key(name): default_port(name) - base + METRICS_PORT_OFFSET for name in every},
         "etcd": ETCD_PORT_OFFSETS[0],
         "etcd-peer": ETCD_PORT_OFFSETS[1],
     }
@@ -165,6 +168,23 @@ async def health_status(
         except grpc.aio.AioRpcError:
             return "UNREACHABLE"
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def http_ready(address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None) -> str:
+    """An HTTP service's readiness (GET /readyz) as the gRPC health words: SERVING,
+    NOT_SERVING or UNREACHABLE."""
+    import httpx
+
+    tls = tls if tls is not None else TlsConfig()
+    scheme = "https" if tls.on else "http"
+    verify = str(tls.ca_file) if tls.on and tls.ca_file else True
+    cert = (str(tls.cert_file), str(tls.key_file)) if tls.mode == "mtls" else None
+    try:
+        async with httpx.AsyncClient(verify=verify, cert=cert, timeout=timeout_s) as http:
+            reply = await http.get(f"{scheme}://{address}/readyz")
+    except httpx.HTTPError:
+        return "UNREACHABLE"
+    return "SERVING" if reply.status_code == 200 else "NOT_SERVING"
 
 
 class Stack:
@@ -259,8 +279,14 @@ class Stack:
                     f"{svc.name} exited with code {svc.exit_code} during start; "
                     f"end of {svc.log_path}:\n{svc.log_tail()}"
                 )
+            http = set(http_service_names())
             statuses = await asyncio.gather(
-                *(health_status(s.address, tls=tls, credentials=credentials) for s in pending)
+                *(
+                    http_ready(s.address, tls=tls)
+                    if s.name in http
+                    else health_status(s.address, tls=tls, credentials=credentials)
+                    for s in pending
+                )
             )
             pending = [
                 s for s, status in zip(pending, statuses, strict=True) if status != "SERVING"

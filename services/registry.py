@@ -31,16 +31,28 @@ SERVICES: dict[str, Registered] = {
 }
 
 
+# Services that speak HTTP, not gRPC (no ServiceSpec: a launcher of their own), started by
+# `ragline up` after the gRPC services they front.
+HTTP_SERVICES: dict[str, Registered] = {
+    "gateway": Registered("ragline_services.gateway.service", 50180),
+}
+
+
 def service_names() -> list[str]:
+    """The gRPC services."""
     return list(SERVICES)
+
+
+def http_service_names() -> list[str]:
+    return list(HTTP_SERVICES)
 
 
 def _entry(name: str) -> Registered:
     try:
-        return SERVICES[name]
+        return SERVICES[name] if name in SERVICES else HTTP_SERVICES[name]
     except KeyError:
         raise LookupError(
-            f"unknown service {name!r}; expected one of {', '.join(SERVICES)}"
+            f"unknown service {name!r}; expected one of {', '.join([*SERVICES, *HTTP_SERVICES])}"
         ) from None
 
 

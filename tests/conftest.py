@@ -95,6 +95,27 @@ def wait_serving(handle: ServiceHandle, timeout_s: float = 60.0) -> None:
     raise AssertionError(f"{handle.name} not SERVING after {timeout_s} s:\n{handle.log()[-3000:]}")
 
 
+def wait_http_ready(handle: ServiceHandle, timeout_s: float = 60.0) -> None:
+    """An HTTP service (the gateway): until its /readyz answers 200."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if handle.process.poll() is not None:
+            raise AssertionError(
+                f"{handle.name} exited with {handle.process.returncode}:\n{handle.log()[-3000:]}"
+            )
+        try:
+            with urllib.request.urlopen(f"http://{handle.address}/readyz", timeout=1) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{handle.name} not ready after {timeout_s} s:\n{handle.log()[-3000:]}")
+
+
 class ServiceLauncher:
     """Starts `ragline serve NAME` processes and stops them (checking a clean exit)."""
 
@@ -126,6 +147,27 @@ class ServiceLauncher:
         self.handles.append(handle)
         if wait:
             wait_serving(handle)
+        return handle
+
+    def gateway(
+        self,
+        orchestrator: ServiceHandle,
+        embedding: ServiceHandle,
+        retrieval: ServiceHandle,
+        env: dict[str, str] | None = None,
+    ) -> ServiceHandle:
+        """`ragline serve gateway` in front of these services, waited until ready."""
+        handle = self.start(
+            "gateway",
+            env={
+                "RAGLINE_ORCHESTRATOR_ADDR": orchestrator.address,
+                "RAGLINE_EMBEDDING_ADDR": embedding.address,
+                "RAGLINE_RETRIEVAL_ADDR": retrieval.address,
+                **(env or {}),
+            },
+            wait=False,
+        )
+        wait_http_ready(handle)
         return handle
 
     def kill(self, handle: ServiceHandle) -> None:

@@ -154,16 +154,20 @@ class ServiceClient:
         hop_margin_s: float = 0.005,
         caller: identity.Caller | None = None,
         token: str | None = None,
+        service_credential: bool = True,
     ) -> None:
         """`caller` replaces the propagated identity (a CLI, a test); `token` is a client
         token sent as `authorization: Bearer` (a client outside the services). Otherwise
-        the process's service credential goes with the propagated identity."""
+        the process's service credential goes with the propagated identity, unless
+        `service_credential` is False (a process that passes on a caller it has not
+        verified, the HTTP gateway: the services behind verify the caller themselves)."""
         self.stub_class = stub_class
         self.target = target
         self._pool = pool or default_pool
         self._hop_margin_s = hop_margin_s
         self._caller = caller
         self._token = token
+        self._service_credential = service_credential
         self._stub_cache: tuple[grpc.aio.Channel, object] | None = None
         # `ragline.v1.EmbeddingService`: the RPC service a client span names, made once.
         package = stub_class.__module__.rpartition(".")[0]
@@ -201,7 +205,7 @@ class ServiceClient:
             metadata.extend(self._caller.metadata())
         if self._token:
             metadata.append((auth.AUTHORIZATION_KEY, f"Bearer {self._token}"))
-        else:
+        elif self._service_credential:
             metadata.extend(auth.process_credential().metadata())
         return timeout, (
             *metadata,

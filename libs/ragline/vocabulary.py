@@ -13,7 +13,7 @@ import enum
 from collections.abc import Mapping
 from typing import TypeVar
 
-from ragline.v1 import common_pb2, retrieval_pb2
+from ragline.v1 import common_pb2, orchestrator_pb2, retrieval_pb2
 
 
 class ModelTier(enum.StrEnum):
@@ -32,6 +32,14 @@ class SearchMode(enum.StrEnum):
 class Fusion(enum.StrEnum):
     RRF = "rrf"
     SCORE = "score"
+
+
+class CachePolicy(enum.StrEnum):
+    """How an Ask uses the answer cache (the orchestrator's, the gateway's words for it)."""
+
+    USE = "use"  # read and write
+    REFRESH = "refresh"  # write only
+    BYPASS = "bypass"  # neither
 
 
 W = TypeVar("W", bound=enum.StrEnum)
@@ -57,6 +65,12 @@ def _inverse(forward: Mapping[W, int]) -> dict[int, W]:
     return {wire: word for word, wire in forward.items()}
 
 
+_CACHE_TO_PROTO: dict[CachePolicy, orchestrator_pb2.CachePolicy] = {
+    CachePolicy.USE: orchestrator_pb2.CACHE_POLICY_UNSPECIFIED,
+    CachePolicy.REFRESH: orchestrator_pb2.CACHE_POLICY_REFRESH,
+    CachePolicy.BYPASS: orchestrator_pb2.CACHE_POLICY_BYPASS,
+}
+_CACHE_FROM_PROTO = _inverse(_CACHE_TO_PROTO)
 _TIER_FROM_PROTO = _inverse(_TIER_TO_PROTO)
 _MODE_FROM_PROTO = _inverse(_MODE_TO_PROTO)
 _FUSION_FROM_PROTO = _inverse(_FUSION_TO_PROTO)
@@ -71,6 +85,15 @@ def tier_from_proto(value: int) -> ModelTier:
     return (
         ModelTier.SMALL if value == common_pb2.MODEL_TIER_UNSPECIFIED else _TIER_FROM_PROTO[value]
     )
+
+
+def cache_policy_to_proto(policy: CachePolicy) -> orchestrator_pb2.CachePolicy:
+    return _CACHE_TO_PROTO[CachePolicy(policy)]
+
+
+def cache_policy_from_proto(value: int) -> CachePolicy:
+    """UNSPECIFIED is USE (the contract's default)."""
+    return _CACHE_FROM_PROTO[value]
 
 
 def search_mode_to_proto(mode: SearchMode) -> retrieval_pb2.SearchMode:

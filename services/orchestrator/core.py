@@ -7,7 +7,6 @@ turns an AskOutcome and the run's events into AskResponse messages.
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 import uuid
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from ragline.budget import Amounts, TaskBudget
 from ragline.retry import DEFAULT_POLICY
 from ragline.timing import duration
 from ragline.v1 import budget_pb2, generation_pb2, retrieval_pb2
+from ragline.vocabulary import CachePolicy
 from ragline_services.orchestrator import answerability, verifier
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.admission import Admission
@@ -53,12 +53,6 @@ from ragline_services.orchestrator.verdict import (
 from ragline_services.orchestrator.wording import status_detail
 
 log = structlog.get_logger("ragline.orchestrator")
-
-
-class CachePolicy(enum.StrEnum):
-    USE = "use"  # read and write
-    REFRESH = "refresh"  # write only
-    BYPASS = "bypass"  # neither
 
 
 # Time a closing ledger read may take after the run (bookkeeping, not the answer).

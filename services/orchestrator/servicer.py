@@ -12,7 +12,14 @@ from ragline.identity import current_caller, current_run_id
 from ragline.server import Deferred
 from ragline.timing import current_clock, duration
 from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
-from ragline.vocabulary import ModelTier, SearchMode, search_mode_from_proto, tier_from_proto
+from ragline.vocabulary import (
+    ModelTier,
+    SearchMode,
+    cache_policy_from_proto,
+    search_mode_from_proto,
+    tier_from_proto,
+)
+from ragline_services.orchestrator import followup
 from ragline_services.orchestrator import plan as plans
 from ragline_services.orchestrator.agent import needs_several_lookups
 from ragline_services.orchestrator.caches import Viewer
@@ -20,7 +27,6 @@ from ragline_services.orchestrator.core import (
     AnswerState,
     AskInput,
     AskOutcome,
-    CachePolicy,
     Delta,
     NodeChanged,
     Orchestrator,
@@ -56,18 +62,28 @@ _ANSWER_STATES = {
     AnswerState.PARTIAL: common_pb2.ANSWER_STATE_PARTIAL,
     AnswerState.INCOMPLETE: common_pb2.ANSWER_STATE_INCOMPLETE,
 }
-_CACHE_POLICIES = {
-    orchestrator_pb2.CACHE_POLICY_UNSPECIFIED: CachePolicy.USE,
-    orchestrator_pb2.CACHE_POLICY_REFRESH: CachePolicy.REFRESH,
-    orchestrator_pb2.CACHE_POLICY_BYPASS: CachePolicy.BYPASS,
+
+
+_ROLES = {
+    orchestrator_pb2.CONVERSATION_ROLE_USER: "user",
+    orchestrator_pb2.CONVERSATION_ROLE_ASSISTANT: "assistant",
 }
 
 
-def settings_of(request: orchestrator_pb2.AskRequest, config) -> Settings:
-    """The server defaults, narrowed by what the request sets (0 / unset: the default)."""
+def question_of(request: orchestrator_pb2.AskRequest) -> followup.Resolved:
+    """The question as the run reads it: a follow-up with the subject it refers back to."""
+    turns = [followup.Turn(_ROLES.get(t.role, ""), t.text) for t in request.conversation]
+    return followup.resolve(request.question, turns)
+
+
+def settings_of(
+    request: orchestrator_pb2.AskRequest, config, question: str | None = None
+) -> Settings:
+    """The server defaults, narrowed by what the request sets (0 / unset: the default);
+    `question`: the question as resolved (default: the request's, as it is)."""
     options = request.retrieval
     return Settings(
-        question=request.question,
+        question=request.question if question is None else question,
         candidates=options.k or config.candidates,
         search_mode=search_mode_from_proto(options.mode),
         attributes=tuple(sorted(options.attributes.items())),
@@ -170,14 +186,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     async def Ask(self, request, context):
         orchestrator = self.orchestrator.value
         caller = current_caller()  # UNAUTHENTICATED before any work when no tenant came
+        resolved = question_of(request)
+        route = route_of(request)
+        if resolved.subject:
+            route["route_reason"] += f"; follow-up read with ({resolved.subject})"
         ask = AskInput(
-            settings=settings_of(request, self.config),
+            settings=settings_of(request, self.config, resolved.question),
             limits=limits_of(request, orchestrator.settings.default_limits),
             task_id=request.task_id,
             plan=plan_of(request),
             viewer=Viewer(caller.tenant, caller.visibility),
-            cache_policy=_CACHE_POLICIES[request.cache],
-            **route_of(request),
+            cache_policy=cache_policy_from_proto(request.cache),
+            **route,
         )
         clock = current_clock()
         events: asyncio.Queue = asyncio.Queue()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ragline_services.registry import default_address, service_names
+from ragline_services.registry import default_address, http_service_names, service_names
 from support import REPO_ROOT
 from support.readme import ShellBlock, run_block, shell_blocks
 
@@ -51,7 +51,7 @@ def on_this_stack(block: ShellBlock, data_dir: Path) -> ShellBlock:
 
 
 def _moved(text: str, state: dict) -> str:
-    for name in service_names():
+    for name in [*service_names(), *http_service_names()]:
         text = text.replace(default_address(name), state[name]["address"])
     return text
 

@@ -92,3 +92,26 @@ def test_node_client_reads_every_services_bad_request(
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert worked.returncode == 0 and "dim" in json.loads(worked.stdout)
+
+
+def test_node_over_http_streams_an_answer_and_shows_a_refusal(rag_stack, node_client):
+    """ask-http.js: Node's own fetch against the gateway, no packages."""
+    gateway = rag_stack.launcher.gateway(
+        rag_stack.orchestrator(), rag_stack.embedding, rag_stack.retrieval
+    )
+    script = node_client.parent / "ask-http.js"
+    url = f"http://{gateway.address}"
+
+    def run(question: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["node", str(script), "--url", url, question],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+
+    answered = run("Which river flows through Warsaw?")
+    assert answered.returncode == 0, answered.stderr
+    assert "vistula" in answered.stdout.lower() and "sources:" in answered.stdout
+    assert "state: COMPLETE" in answered.stdout or "state: PARTIAL" in answered.stdout
+    refused = run("What is the capital of Australia?")
+    assert refused.returncode == 3, refused.stdout + refused.stderr
+    assert "(no answer) INCOMPLETE (no_relevant_evidence)" in refused.stdout

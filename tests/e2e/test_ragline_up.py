@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
-from ragline_services.registry import load_spec, service_names
+from ragline_services.registry import http_service_names, load_spec, service_names
 from support import SMALL_GENERATION
 
 pytestmark = pytest.mark.e2e
@@ -67,9 +68,14 @@ def test_up_serves_six_services_and_ctrl_c_stops_them(tmp_path, grpcurl_bin):
             if match:
                 addresses[match.group(1)] = match.group(2)
                 metrics[match.group(1)] = match.group(3)
-        assert set(addresses) == set(metrics) == set(service_names())
+        every = {*service_names(), *http_service_names()}
+        assert set(addresses) == set(metrics) == every
+        models = httpx.get(f"http://{addresses['gateway']}/v1/models", timeout=10)
+        assert models.status_code == 200 and models.json()["data"], models.text
 
         for name, address in addresses.items():
+            if name not in service_names():
+                continue
             listed = subprocess.run(
                 [grpcurl_bin, "-plaintext", address, "list"],
                 capture_output=True,
@@ -80,6 +86,7 @@ def test_up_serves_six_services_and_ctrl_c_stops_them(tmp_path, grpcurl_bin):
             assert load_spec(name).grpc_service in listed.stdout.split()
             assert "grpc.health.v1.Health" in listed.stdout
             assert "grpc.reflection.v1alpha.ServerReflection" in listed.stdout
+            assert "grpc.reflection.v1.ServerReflection" in listed.stdout
 
         # `ragline health` finds the stack through the state file of `ragline up`.
         health = subprocess.run(
@@ -91,9 +98,7 @@ def test_up_serves_six_services_and_ctrl_c_stops_them(tmp_path, grpcurl_bin):
         )
         assert health.returncode == 0, health.stdout + health.stderr
         statuses = json.loads(health.stdout)
-        assert {n: s["status"] for n, s in statuses.items()} == dict.fromkeys(
-            service_names(), "SERVING"
-        )
+        assert {n: s["status"] for n, s in statuses.items()} == dict.fromkeys(every, "SERVING")
         state = json.loads((tmp_path / ".ragline" / "up.json").read_text())
         pids = [svc["pid"] for svc in state["services"].values()]
         # `ragline top` reads the metrics `ragline up` printed and recorded: one frame
@@ -107,7 +112,7 @@ def test_up_serves_six_services_and_ctrl_c_stops_them(tmp_path, grpcurl_bin):
         )
         assert top.returncode == 0, top.stderr
         drawn = {line.split()[1] for line in top.stdout.splitlines() if line.startswith("│")}
-        assert set(service_names()) <= drawn, top.stdout
+        assert every <= drawn, top.stdout
         assert "down" not in top.stdout, top.stdout
 
         process.send_signal(signal.SIGINT)  # what Ctrl-C sends
@@ -116,7 +121,7 @@ def test_up_serves_six_services_and_ctrl_c_stops_them(tmp_path, grpcurl_bin):
         assert "all services stopped cleanly" in output
         assert not any(pid_alive(pid) for pid in pids)
         assert not (tmp_path / ".ragline" / "up.json").exists()
-        for name in service_names():
+        for name in every:
             log = (tmp_path / ".ragline" / "logs" / f"{name}.log").read_text()
             assert '"event": "service.stopped"' in log, name
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ragline.processes import free_ports
@@ -44,6 +45,7 @@ def test_documentation_parses_into_every_service():
         "rerank",
         "generation",
         "orchestrator",
+        "gateway",
     }
 
 
@@ -52,6 +54,15 @@ async def test_every_documented_metric_is_served_and_every_served_one_documented
     answered, _ = await ask_result(orchestrator.address, "Which river flows through Warsaw?")
     assert answered.status.reason == "", answered.status
     await ask_result(orchestrator.address, "Who won the 2030 FIFA World Cup in Ulaanbaatar?")
+    gateway_metrics = free_ports(1)[0]
+    gateway = rag_stack.launcher.gateway(
+        orchestrator,
+        rag_stack.embedding,
+        rag_stack.retrieval,
+        env={"RAGLINE_GATEWAY_METRICS_PORT": str(gateway_metrics)},
+    )
+    async with httpx.AsyncClient(timeout=10) as http:
+        assert (await http.get(f"http://{gateway.address}/v1/models")).status_code == 200
 
     services = {
         "budget": rag_stack.budget,
@@ -60,6 +71,7 @@ async def test_every_documented_metric_is_served_and_every_served_one_documented
         "rerank": rag_stack.rerank,
         "generation": rag_stack.generation,
         "orchestrator": orchestrator,
+        "gateway": gateway,
     }
     wanted = documented()
     every_documented = set().union(*wanted.values())
@@ -70,7 +82,9 @@ async def test_every_documented_metric_is_served_and_every_served_one_documented
         missing[name] = sorted(wanted[name] - served)
         undocumented[name] = sorted(served - every_documented)
         # traffic went through every service: its calls were counted
-        silent[name] = not found["grpc_server_handled"]
+        silent[name] = not found[
+            "ragline_gateway_requests" if name == "gateway" else "grpc_server_handled"
+        ]
     assert not any(missing.values()), f"documented, not served: {missing}"
     assert not any(undocumented.values()), f"served, not documented: {undocumented}"
     assert not any(silent.values()), f"no calls counted: {silent}"

@@ -60,9 +60,10 @@ def error_info(error) -> tuple[str, str, dict[str, str]]:
     raise AssertionError(f"no ErrorInfo among {[d.type_url for d in status.details]}")
 
 
-def settings() -> list[str]:
+def settings(http: bool = True) -> list[str]:
     """Every RAGLINE_* variable a config class reads, except the per-service suffixes every
-    service shares (HOST, PORT, GRACE_S, ...: see `service_settings`)."""
+    service shares (HOST, PORT, GRACE_S, ...: see `service_settings`); `http`: the HTTP
+    gateway's too."""
     from ragline.auth import AuthConfig
     from ragline.cache import RedisAccess
     from ragline.config import CommonConfig, ServiceConfig
@@ -81,16 +82,25 @@ def settings() -> list[str]:
             for field in config.model_fields
             if field not in shared
         ]
+    if http:
+        from ragline_services.gateway.config import GatewayConfig
+
+        names += [
+            f"RAGLINE_GATEWAY_{field.upper()}"
+            for field in GatewayConfig.model_fields
+            if field not in shared
+        ]
     return names
 
 
 def service_settings() -> list[str]:
-    """Everything a deployment sets: `settings()`, every service's shared suffixes, and
-    where each service answers (RAGLINE_<NAME>_ADDR)."""
+    """Everything a deployment of the chart sets: `settings()`, every service's shared
+    suffixes, and where each service answers (RAGLINE_<NAME>_ADDR). The chart does not
+    deploy the HTTP gateway yet (issue 56): its settings are not among them."""
     from ragline.config import ServiceConfig
     from ragline_services.registry import service_names
 
-    names = settings()
+    names = settings(http=False)
     for service in service_names():
         names += [
             f"RAGLINE_{service.upper()}_{field.upper()}" for field in ServiceConfig.model_fields

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ragline.vocabulary import Fusion, ModelTier, SearchMode
-from ragline_services.orchestrator.core import CachePolicy
+from ragline.vocabulary import CachePolicy, Fusion, ModelTier, SearchMode
 from ragline_services.orchestrator.runner import NodeState
 from ragline_services.orchestrator.verdict import AnswerState
 from support import REPO_ROOT

@@ -28,6 +28,7 @@ from ragline.config import CommonConfig, ServiceConfig
 from ragline.cores import limit_blas_threads
 from ragline.logs import configure_logging
 from ragline.metrics import ProcessMetrics
+from ragline.server import reflection_v1
 from ragline.server.interceptor import RaglineServerInterceptor
 from ragline.tls import TlsConfig
 
@@ -155,14 +156,14 @@ class ServerRunner:
         service.metrics = self._metrics
         service.register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            [
-                self.spec.grpc_service,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            server,
-        )
+        reflected = [
+            self.spec.grpc_service,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+            reflection_v1.SERVICE_NAME,
+        ]
+        reflection.enable_server_reflection(reflected, server)
+        reflection_v1.enable(reflected, server)
         tls = TlsConfig()
         tls.check(server=True)
         port = _listen(

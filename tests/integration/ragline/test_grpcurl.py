@@ -32,7 +32,39 @@ def test_list_shows_service_health_and_reflection(name, all_services, grpcurl_bi
         load_spec(name).grpc_service,
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.reflection.v1.ServerReflection",
     }
+
+
+@pytest.mark.parametrize("name", service_names())
+async def test_reflection_v1_lists_and_describes_the_service(name, all_services):
+    """What current grpcurl and Postman ask first (the grpcurl here speaks v1alpha only)."""
+    import grpc
+    from google.protobuf import descriptor_pb2
+
+    from ragline.server import reflection_v1
+
+    spec = load_spec(name)
+    info = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+    requests = [
+        reflection_v1.ServerReflectionRequest(list_services=""),
+        reflection_v1.ServerReflectionRequest(file_containing_symbol=spec.grpc_service),
+    ]
+    async with grpc.aio.insecure_channel(all_services[name].address) as channel:
+        call = channel.stream_stream(
+            info,
+            request_serializer=reflection_v1.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_v1.ServerReflectionResponse.FromString,
+        )
+        listed, described = [reply async for reply in call(iter(requests), timeout=10)]
+    names = {s.name for s in listed.list_services_response.service}
+    assert {spec.grpc_service, reflection_v1.SERVICE_NAME} <= names
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(raw)
+        for raw in described.file_descriptor_response.file_descriptor_proto
+    ]
+    short = spec.grpc_service.rpartition(".")[2]
+    assert any(s.name == short for f in files for s in f.service), files
 
 
 @pytest.mark.parametrize("name", service_names())
