@@ -236,8 +236,9 @@ def _print_ready(stack: Stack, client_tls: dict[str, str]) -> None:
             flush=True,
         )
         if gateway is not None:
+            scheme = "http" if client_tls.get("RAGLINE_TLS_MODE", "off") == "off" else "https"
             print(
-                f"ragline up: the OpenAI-compatible API is http://{gateway.address}/v1 "
+                f"ragline up: the OpenAI-compatible API is {scheme}://{gateway.address}/v1 "
                 "(docs/clients.md)",
                 flush=True,
             )
@@ -821,7 +822,10 @@ def _name_equals_url(value: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ragline import __version__
+
     parser = argparse.ArgumentParser(prog="ragline", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ragline {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run one service in the foreground")

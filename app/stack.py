@@ -177,10 +177,9 @@ async def http_ready(address: str, timeout_s: float = 1.0, tls: TlsConfig | None
 
     tls = tls if tls is not None else TlsConfig()
     scheme = "https" if tls.on else "http"
-    verify = str(tls.ca_file) if tls.on and tls.ca_file else True
-    cert = (str(tls.cert_file), str(tls.key_file)) if tls.mode == "mtls" else None
+    verify = tls.ssl_client_context() if tls.on else True
     try:
-        async with httpx.AsyncClient(verify=verify, cert=cert, timeout=timeout_s) as http:
+        async with httpx.AsyncClient(verify=verify, timeout=timeout_s) as http:
             reply = await http.get(f"{scheme}://{address}/readyz")
     except httpx.HTTPError:
         return "UNREACHABLE"

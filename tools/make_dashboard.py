@@ -164,6 +164,11 @@ ROWS: list[tuple[str, list]] = [
                 "s",
                 [(p95("grpc_server_handling_seconds", "grpc_service"), "{{grpc_service}}")],
             ),
+            (
+                "Pods by version (a rollout in progress shows two)",
+                "short",
+                [(q("count by (version) (ragline_build_info{S})"), "{{version}}")],
+            ),
         ],
     ),
     (
@@ -362,16 +367,20 @@ ROWS: list[tuple[str, list]] = [
                 ],
             ),
             (
-                "Decode tokens/s per sequence (median)",
-                "short",
+                "Time per output token (median, p95)",
+                "s",
                 [
                     (
                         q(
-                            "histogram_quantile(0.5, sum by (le, tier) "
-                            "(rate(ragline_generation_decode_tokens_per_second_bucket{S}[R])))"
+                            "histogram_quantile(0.5, sum by (le, tier) (rate("
+                            "ragline_generation_time_per_output_token_seconds_bucket{S}[R])))"
                         ),
-                        "{{tier}}",
-                    )
+                        "median {{tier}}",
+                    ),
+                    (
+                        p95("ragline_generation_time_per_output_token_seconds", "tier"),
+                        "p95 {{tier}}",
+                    ),
                 ],
             ),
             (
@@ -436,7 +445,7 @@ ROWS: list[tuple[str, list]] = [
                     (
                         ratio(
                             'ragline_generation_speculation_tokens_total{S,result="accepted"}',
-                            'ragline_generation_speculation_tokens_total{S,result="drafted"}',
+                            "ragline_generation_speculation_tokens_total{S}",
                             "tier",
                         ),
                         "accepted {{tier}}",
@@ -494,6 +503,26 @@ ROWS: list[tuple[str, list]] = [
                 ],
             ),
             *grpc_panels("budget"),
+        ],
+    ),
+    (
+        "Gateway (HTTP)",
+        [
+            (
+                "Requests/s by route and status",
+                "reqps",
+                [
+                    (
+                        q("sum by (route, status) (rate(ragline_gateway_requests_total{S}[R]))"),
+                        "{{route}} {{status}}",
+                    )
+                ],
+            ),
+            (
+                "p95 by route (a streamed answer: to its last byte)",
+                "s",
+                [(p95("ragline_gateway_request_seconds", "route"), "{{route}}")],
+            ),
         ],
     ),
 ]

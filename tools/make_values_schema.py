@@ -31,6 +31,7 @@ OPEN = {
     "tolerations",
     "services.*.resources",
     "services.*.hpa.podMetrics",
+    "services.gateway.ingress.annotations",
     "networkPolicy.clientsFrom",
     "networkPolicy.extraIngress",
     "monitoring.serviceMonitor.labels",

@@ -29,7 +29,7 @@ def configure_logging(
     service: str, level: str = "info", fmt: str = "json", stream: TextIO | None = None
 ) -> None:
     numeric_level = getattr(logging, level.upper(), logging.INFO)
-    renderer = (
+    renderer: Any = (
         structlog.processors.JSONRenderer()
         if fmt == "json"
         else structlog.dev.ConsoleRenderer(colors=False)
@@ -50,8 +50,26 @@ def configure_logging(
     )
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(service=service)
-    # Libraries that use stdlib logging (grpc, asyncio) go to the same stream.
-    logging.basicConfig(level=max(numeric_level, logging.WARNING), stream=stream or sys.stderr)
+    # Libraries that use stdlib logging (grpc, asyncio, uvicorn) go to the same stream, as
+    # the same JSON lines (service, level, timestamp, the logger's name), so a log
+    # pipeline parses every line of a pod alike.
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=[
+                structlog.contextvars.merge_contextvars,
+                _trace_ids,
+                structlog.stdlib.add_log_level,
+                structlog.stdlib.add_logger_name,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.format_exc_info,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(numeric_level, logging.WARNING))
 
 
 def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:

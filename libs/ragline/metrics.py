@@ -24,12 +24,17 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     disable_created_metrics,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
+
+import ragline
 
 if TYPE_CHECKING:
     from ragline.batching import MicroBatcher
@@ -176,6 +181,19 @@ class ProcessMetrics:
 
     def __init__(self, tenants: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # The process's CPU, memory, open files and start time (process_*), Python's
+        # version (python_info) and its garbage collector (python_gc_*), as every
+        # Prometheus client serves them by default.
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        # Which build runs where: `count by (version) (ragline_build_info)` during a rollout.
+        Gauge(
+            "ragline_build_info",
+            "The ragline version this process runs (always 1)",
+            ("version",),
+            registry=self.registry,
+        ).labels(ragline.__version__).set(1)
         self.grpc = GrpcServerMetrics(self.registry)
         self.tenant = TenantLabel(tenants)
         self._server: WSGIServer | None = None

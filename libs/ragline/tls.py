@@ -16,6 +16,7 @@ one kept.
 from __future__ import annotations
 
 import os
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -98,6 +99,14 @@ class TlsConfig(EmptyMeansUnset):
         if self.on and self.server_name:
             return [("grpc.ssl_target_name_override", self.server_name)]
         return []
+
+    def ssl_client_context(self) -> ssl.SSLContext:
+        """An HTTPS client's context: the CA to verify the server with, and under mtls the
+        certificate to present (the HTTP gateway's clients, its readiness probe)."""
+        context = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
+        if self.mode == "mtls" and self.cert_file and self.key_file:
+            context.load_cert_chain(str(self.cert_file), str(self.key_file))
+        return context
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return ServerCertificates(self).credentials()

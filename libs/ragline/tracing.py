@@ -23,7 +23,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -106,9 +106,9 @@ def configure(service: str, traces_file: Path | None = None) -> bool:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     exporters = [_exporter(name, traces_file) for name in names if name != "none"]
-    provider = TracerProvider(
-        resource=Resource.create({"service.name": f"ragline-{service}"}),
-    )
+    # The operator's OTEL_SERVICE_NAME wins (Resource.create would let ours override it).
+    name = os.environ.get("OTEL_SERVICE_NAME", "").strip() or f"ragline-{service}"
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     _provider, _tracer = provider, provider.get_tracer("ragline")
@@ -253,6 +253,33 @@ class ServerSpan:
         self.span.end(end_time=epoch_ns(finished))
         with contextlib.suppress(ValueError):  # a stream closed from another context
             otel_context.detach(self._token)
+
+
+@contextlib.contextmanager
+def http_server_span(
+    method: str, route: str, headers: Mapping[str, str]
+) -> Iterator[trace.Span | None]:
+    """The span of one incoming HTTP request (the gateway), child of the caller's
+    `traceparent` when it sent one, current inside the block (its gRPC calls are its
+    children); nothing while tracing is off."""
+    if _tracer is None:
+        yield None
+        return
+    carrier = {k: v for k in ("traceparent", "tracestate") if (v := headers.get(k))}
+    parent = _PROPAGATOR.extract(carrier) if carrier else None
+    made = _tracer.start_span(
+        f"{method} {route}",
+        context=parent,
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": method, "http.route": route},
+    )
+    token = otel_context.attach(trace.set_span_in_context(made))
+    try:
+        yield made
+    finally:
+        with contextlib.suppress(ValueError):
+            otel_context.detach(token)
+        made.end()
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+import ragline
 from ragline import deadlines, identity
 from ragline.auth import AuthConfig
 from ragline.clients import ChannelPool, ServiceClient
@@ -60,7 +61,6 @@ log = structlog.get_logger("ragline.gateway")
 T = TypeVar("T")
 
 TIMEOUT_HEADER = "x-ragline-timeout"
-VERSION = "0.2.0"
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ def build_app(config: GatewayConfig, common: CommonConfig, backends: Backends) -
     auth_on = AuthConfig().mode != "off"
     app = FastAPI(
         title="ragline gateway",
-        version=VERSION,
+        version=ragline.__version__,
         summary="The OpenAI-compatible API of ragline, and its gRPC contracts as JSON",
         docs_url=None,
         redoc_url=None,

@@ -13,7 +13,6 @@ import contextlib
 import math
 import os
 import signal
-import ssl
 import time
 from collections.abc import Iterator
 
@@ -101,6 +100,32 @@ async def _too_large(send: Send, limit: int) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class TraceRequests:
+    """Each request in a server span (the caller's `traceparent` continued), set status and
+    route when the response starts; the gRPC calls it makes are the span's children."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not tracing.enabled():
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        with tracing.http_server_span(scope["method"], scope["path"], headers) as span:
+
+            async def sending(message: Message) -> None:
+                if span is not None and message["type"] == "http.response.start":
+                    span.set_attribute("http.response.status_code", message["status"])
+                    route = getattr(scope.get("route"), "path", None)
+                    if route:
+                        span.update_name(f"{scope['method']} {route}")
+                        span.set_attribute("http.route", route)
+                await send(message)
+
+            await self.app(scope, receive, sending)
+
+
 class RequestMetrics:
     """Requests by route and HTTP status, and their time to the last byte."""
 
@@ -175,7 +200,7 @@ async def serve_gateway(config: GatewayConfig | None = None, common: CommonConfi
     backends = Backends(common)
     app = build_app(config, common, backends)
     app.state.started = time.time()
-    asgi: ASGIApp = BodyLimit(app, config.max_body_bytes)
+    asgi: ASGIApp = TraceRequests(BodyLimit(app, config.max_body_bytes))
     metrics = None
     if config.metrics_port is not None:
         metrics = ProcessMetrics(common.metrics_tenant_names())
@@ -185,12 +210,12 @@ async def serve_gateway(config: GatewayConfig | None = None, common: CommonConfi
     server = _Server(
         uvicorn.Config(
             asgi,
-            # RAGLINE_TLS_* as the gRPC services read them: HTTPS, and under mtls a client
-            # certificate the CA signed.
+            # HTTPS with RAGLINE_TLS_*'s certificate. Its callers prove who they are with
+            # tokens, not client certificates (the edge of the system: browsers, SDKs, an
+            # Ingress, the kubelet's probes); under mtls it presents the client certificate
+            # on its own calls to the services.
             ssl_certfile=str(tls.cert_file) if tls.on else None,
             ssl_keyfile=str(tls.key_file) if tls.on else None,
-            ssl_ca_certs=str(tls.ca_file) if tls.on and tls.ca_file else None,
-            ssl_cert_reqs=ssl.CERT_REQUIRED if tls.mode == "mtls" else ssl.CERT_NONE,
             host=config.host,
             port=config.port,
             log_config=None,

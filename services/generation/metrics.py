@@ -14,7 +14,8 @@ from ragline.vocabulary import ModelTier
 from ragline_services.generation.generator import Generator, Summary, Tier
 
 # Tokens per second of one sequence's decode: a 1.5B model on one CPU core to a GPU.
-DECODE_RATE_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
+# Time per output token: 1 ms (a GPU) to 1 s (a large model on a busy CPU).
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 _STORE_EVENTS = ("lookups", "hits", "saves", "evictions", "discarded", "stale", "errors")
 
 
@@ -28,10 +29,12 @@ class GenerationMetrics:
             ("tier", "finish"),
             registry=registry,
         )
+        # Kinds that do not overlap, so that sum() over them is every token: a prompt's
+        # tokens are either computed or read from the engine's cache.
         self.tokens = Counter(
             "ragline_generation_tokens_total",
-            "Tokens by tier and kind: prompt (in), cached (prompt tokens the engine's cache "
-            "held), completion (out).",
+            "Tokens by tier and kind: prompt_computed (prompt tokens the engine read), "
+            "prompt_cached (prompt tokens its cache held), completion (out).",
             ("tier", "kind"),
             registry=registry,
         )
@@ -42,11 +45,13 @@ class GenerationMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
-        self.decode_rate = Histogram(
-            "ragline_generation_decode_tokens_per_second",
-            "One sequence's decode rate (completion tokens over decode time).",
+        # Time per output token (not its inverse, a rate): quantiles and averages of a
+        # time add up the way a latency budget does (TPOT x tokens + TTFT = the answer).
+        self.time_per_output_token = Histogram(
+            "ragline_generation_time_per_output_token_seconds",
+            "One sequence's decode time per output token after its first.",
             ("tier",),
-            buckets=DECODE_RATE_BUCKETS,
+            buckets=TPOT_BUCKETS,
             registry=registry,
         )
         self.queue_wait = Histogram(
@@ -58,8 +63,8 @@ class GenerationMetrics:
         )
         self.speculation = Counter(
             "ragline_generation_speculation_tokens_total",
-            "Speculative decoding's tokens by tier and result (drafted, accepted): "
-            "accepted / drafted is the acceptance rate.",
+            "Speculative decoding's drafted tokens by tier and result (accepted, rejected): "
+            "accepted / (accepted + rejected) is the acceptance rate.",
             ("tier", "result"),
             registry=registry,
         )
@@ -68,9 +73,10 @@ class GenerationMetrics:
         """One generation that ran; `first_token_s`: from its arrival to its first token."""
         tier = summary.tier
         self.requests.labels(tier, summary.finish_reason).inc()
+        cached = min(summary.cached_tokens, summary.prompt_tokens)
         for kind, count in (
-            ("prompt", summary.prompt_tokens),
-            ("cached", summary.cached_tokens),
+            ("prompt_computed", summary.prompt_tokens - cached),
+            ("prompt_cached", cached),
             ("completion", summary.completion_tokens),
         ):
             self.tokens.labels(tier, kind).inc(count)
@@ -78,10 +84,13 @@ class GenerationMetrics:
         if first_token_s is not None:
             self.ttft.labels(tier).observe(first_token_s)
         if summary.decode_s > 0 and summary.completion_tokens > 1:
-            self.decode_rate.labels(tier).observe(summary.completion_tokens / summary.decode_s)
+            self.time_per_output_token.labels(tier).observe(
+                summary.decode_s / (summary.completion_tokens - 1)
+            )
         if summary.drafted:
-            self.speculation.labels(tier, "drafted").inc(summary.drafted)
-            self.speculation.labels(tier, "accepted").inc(summary.accepted)
+            accepted = min(summary.accepted, summary.drafted)
+            self.speculation.labels(tier, "accepted").inc(accepted)
+            self.speculation.labels(tier, "rejected").inc(summary.drafted - accepted)
 
     def watch(
         self, generator: Generator, engine_problems: Callable[[], Mapping[ModelTier, str]]

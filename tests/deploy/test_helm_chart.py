@@ -9,8 +9,9 @@ import subprocess
 
 import pytest
 
+from ragline_services.registry import service_names
 from support import service_settings
-from support.helm_chart import CHART, KEYS, VALUES, config_map, invalid, render
+from support.helm_chart import CHART, KEYS, VALUES, config_map, invalid, render, template
 
 pytestmark = pytest.mark.deploy
 
@@ -27,7 +28,7 @@ def test_the_chart_lints_renders_and_validates(helm, flavour):
     objects = render(helm, CHART, *VALUES[flavour])
     assert not invalid(objects)
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    for service in ("orchestrator", "embedding", "rerank", "generation", "budget"):
+    for service in ("orchestrator", "embedding", "rerank", "generation", "budget", "gateway"):
         assert ("Deployment", f"rl-{service}") in kinds
         assert ("HorizontalPodAutoscaler", f"rl-{service}") in kinds
         assert ("PodDisruptionBudget", f"rl-{service}") in kinds
@@ -36,9 +37,15 @@ def test_the_chart_lints_renders_and_validates(helm, flavour):
     ragline = [
         w for w in workloads if w["spec"]["template"]["spec"]["containers"][0]["args"][0] == "serve"
     ]
-    assert len(ragline) == 6
+    assert len(ragline) == 7
     for workload in ragline:
         container = workload["spec"]["template"]["spec"]["containers"][0]
+        if container["name"] == "gateway":  # HTTP: its own routes
+            assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+            assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+            # it holds no key: the callers' tokens go through to the services
+            assert container["envFrom"] == [{"configMapRef": {"name": "rl-config"}}]
+            continue
         assert container["readinessProbe"]["grpc"]["service"].startswith("ragline.v1.")
         assert container["livenessProbe"]["grpc"]["service"] == "liveness"
         grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
@@ -50,8 +57,11 @@ def test_the_chart_lints_renders_and_validates(helm, flavour):
         and o["metadata"]["name"]
         in {f"rl-{w['metadata']['labels']['app.kubernetes.io/name']}" for w in ragline}
     ]
-    assert len(services) == 6
-    assert all(s["spec"]["ports"][0]["appProtocol"] == "grpc" for s in services)
+    assert len(services) == 7
+    assert {s["metadata"]["name"]: s["spec"]["ports"][0]["appProtocol"] for s in services} == {
+        **{f"rl-{name}": "grpc" for name in service_names()},
+        "rl-gateway": "http",
+    }
     # and each serves its metrics (docs/operations.md) on a port of its own
     assert all(s["spec"]["ports"][1]["name"] == "metrics" for s in services)
     triton = [w for w in workloads if w["metadata"]["name"] == "rl-triton"]
@@ -91,10 +101,12 @@ def test_inner_services_accept_only_the_orchestrator(helm):
         return {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in rule}
 
     # and the chart's test pod, which asks their health (`helm test`)
-    for inner in ("retrieval", "rerank", "generation", "budget"):
+    for inner in ("rerank", "generation", "budget"):
         assert callers(inner) == {"orchestrator", "helm-test"}, inner
-    # retrieval embeds queries
-    assert callers("embedding") == {"orchestrator", "retrieval", "helm-test"}
+    # retrieval embeds queries; the HTTP gateway serves /v1/embeddings, /v1/search and
+    # /v1/documents
+    assert callers("embedding") == {"orchestrator", "retrieval", "gateway", "helm-test"}
+    assert callers("retrieval") == {"orchestrator", "gateway", "helm-test"}
     assert callers("etcd") == {"budget", "etcd"}
 
 
@@ -122,7 +134,7 @@ def test_helm_test_asks_every_service_health_and_the_policies_let_it(helm):
         and peer["podSelector"].get("matchLabels", {}).items() <= labels.items()
     }
     services = {"orchestrator", "embedding", "retrieval", "rerank", "generation", "budget"}
-    assert {f"rl-{s}" for s in services} <= admitted
+    assert {f"rl-{s}" for s in {*services, "gateway"}} <= admitted
     assert not admitted & {"rl-etcd", "rl-redis", "rl-qdrant", "rl-triton"}
 
 
@@ -132,7 +144,7 @@ def test_a_broken_template_fails_the_check(helm, tmp_path):
     services = chart / "templates" / "services.yaml"
     services.write_text(services.read_text().replace("containerPort:", "containerPorts:"))
     problems = invalid(render(helm, chart))
-    assert len(problems) == 6 and all("containerPort" in p for p in problems)
+    assert len(problems) == 7 and all("containerPort" in p for p in problems)
     services.write_text(services.read_text().replace("{{- end }}\n", "", 1))
     broken = subprocess.run(
         [helm, "template", "rl", str(chart), *KEYS], capture_output=True, text=True, timeout=120
@@ -182,7 +194,7 @@ def test_no_pod_holds_an_api_token_and_a_key_change_rolls_the_ragline_pods(helm)
     assert [a["metadata"]["name"] for a in accounts] == ["rl"]
     assert accounts[0]["automountServiceAccountToken"] is False
     ragline = [w for w in workloads if w["spec"]["template"]["spec"].get("serviceAccountName")]
-    assert len(ragline) == 6
+    assert len(ragline) == 7
     for workload in ragline:
         assert workload["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
 
@@ -198,3 +210,21 @@ def test_no_pod_holds_an_api_token_and_a_key_change_rolls_the_ragline_pods(helm)
     before = auth_checksums()
     after = auth_checksums("--set", "auth.jwtKey=another-client-key")
     assert len(before) == len(after) == 1 and before != after
+
+
+def test_the_gateway_ingress_renders_for_its_host_and_refuses_without_one(helm):
+    ingress = ("--set", "services.gateway.ingress.enabled=true")
+    objects = render(
+        helm, CHART, *ingress, "--set", "services.gateway.ingress.host=rag.example.com",
+        "--set", "services.gateway.ingress.tlsSecretName=rag-tls",
+    )  # fmt: skip
+    assert not invalid(objects)
+    (made,) = [o for o in objects if o["kind"] == "Ingress"]
+    rule = made["spec"]["rules"][0]
+    assert rule["host"] == "rag.example.com"
+    backend = rule["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "rl-gateway", "port": {"name": "http"}}
+    assert made["spec"]["tls"] == [{"hosts": ["rag.example.com"], "secretName": "rag-tls"}]
+    assert not [o for o in render(helm) if o["kind"] == "Ingress"]  # off by default
+    refused = template(helm, *KEYS, *ingress)
+    assert refused.returncode != 0 and "ingress.host is required" in refused.stderr

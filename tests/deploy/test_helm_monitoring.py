@@ -67,8 +67,12 @@ def selectors(expr: str) -> set[str]:
     return names
 
 
+# Series Prometheus writes itself for every target it scrapes.
+PROMETHEUS_OWN = {"up"}
+
+
 def undocumented(exprs: list[str]) -> set[str]:
-    known = documented_metrics()
+    known = documented_metrics() | PROMETHEUS_OWN
     unknown = set()
     for expr in exprs:
         for name in selectors(expr):
@@ -92,7 +96,7 @@ def test_the_operator_objects_render_with_its_api_and_validate(helm):
     assert not invalid([o for o in objects if o["kind"] not in OPERATOR_KINDS])
     monitor = by_kind(objects, "ServiceMonitor")[0]
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
-    # it selects exactly the six services, each with a port of that name
+    # it selects exactly the seven services, each with a port of that name
     selected = [
         s
         for s in by_kind(objects, "Service")
@@ -103,7 +107,15 @@ def test_the_operator_objects_render_with_its_api_and_validate(helm):
     ]
     assert sorted(s["metadata"]["name"] for s in selected) == sorted(
         f"rl-{name}"
-        for name in ("orchestrator", "embedding", "retrieval", "rerank", "generation", "budget")
+        for name in (
+            "orchestrator",
+            "embedding",
+            "retrieval",
+            "rerank",
+            "generation",
+            "budget",
+            "gateway",
+        )
     )
     assert all("metrics" in {p["name"] for p in s["spec"]["ports"]} for s in selected)
 
@@ -148,10 +160,14 @@ def test_every_alert_parses_and_reads_documented_metrics(helm):
         "RaglineBudgetRefusals",
         "RaglineGenerationEngineDown",
         "RaglineRetrievalApplyStuck",
+        "RaglineTargetDown",
     ):
         assert wanted in names
-        # docs/operations.md says what to do when it fires
-        assert f"### {wanted}" in OPERATIONS.read_text(), wanted
+    for alert in alerts:
+        # docs/operations.md says what to do when it fires, and the alert links there
+        assert f"### {alert['alert']}" in OPERATIONS.read_text(), alert["alert"]
+        runbook = alert["annotations"]["runbook_url"]
+        assert runbook.endswith(f"docs/operations.md#{alert['alert'].lower()}"), runbook
     assert undocumented([a["expr"] for a in alerts]) == set()
     assert undocumented(["rate(ragline_not_a_metric_total[5m])"]) == {"ragline_not_a_metric_total"}
 
@@ -175,6 +191,7 @@ def test_the_dashboard_is_current_and_reads_documented_metrics(helm):
         "Rerank",
         "Generation",
         "Budget",
+        "Gateway (HTTP)",
     ]
     exprs = [
         target["expr"].replace("$__rate_interval", "5m")

@@ -71,7 +71,9 @@ def notes(helm: str, tmp_path, *values: str) -> str:
 def test_the_install_notes_say_where_to_call_and_warn_when_authentication_is_off(helm, tmp_path):
     on = notes(helm, tmp_path / "on", *GOOD_KEYS)
     assert "rl-orchestrator.default.svc:50100" in on
-    assert "no pod can yet" in on  # networkPolicy on, clientsFrom empty
+    assert "http://rl-gateway.default.svc:8080/v1" in on
+    # networkPolicy on, clientsFrom empty: the rendered rule admits every pod, and says so
+    assert "Any pod in the cluster may call them" in on
     assert "Authentication is on" in on and "rl-auth" in on
     off = notes(helm, tmp_path / "off", "--set", "config.RAGLINE_AUTH_MODE=off")
     assert "WARNING: authentication is off" in off

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -209,6 +210,14 @@ def test_up_with_tls_answers_over_mutual_tls_and_refuses_plaintext(tmp_path, grp
             *("-key", client["RAGLINE_TLS_KEY_FILE"]),
         )
         assert any(" ".join(certified) in line for line in lines), lines  # the hint says how
+        gateway = state["services"].pop("gateway")
+        # The HTTP gateway: HTTPS with the stack's certificate (its callers prove who they
+        # are with tokens), nothing in plaintext.
+        ca = ssl.create_default_context(cafile=client["RAGLINE_TLS_CA_FILE"])
+        models = httpx.get(f"https://{gateway['address']}/v1/models", verify=ca, timeout=10)
+        assert models.status_code == 200, models.text
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://{gateway['address']}/v1/models", timeout=10)
         for name, entry in state["services"].items():
             assert grpcurl(entry["address"], "-plaintext").returncode != 0, name
             assert grpcurl(entry["address"], *certified[:2]).returncode != 0, name

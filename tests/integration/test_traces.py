@@ -52,16 +52,22 @@ async def ask(address: str, question: str):
 
 
 async def wait_for_spans(
-    path: Path, trace_id: str, services: set[str], timeout_s: float = 15, names=frozenset()
+    path: Path,
+    trace_id: str,
+    services: set[str],
+    timeout_s: float = 15,
+    names=frozenset(),
+    root_here: bool = True,
 ):
     """The trace's spans once every service in `services` exported some, its root (the Ask,
-    which ends last) is there too, and so is every span named in `names` (exports are
-    batched per process: a service's first batch may hold only its earlier calls)."""
+    which ends last; `root_here` False: the root is the caller's, never exported here) is
+    there too, and so is every span named in `names` (exports are batched per process: a
+    service's first batch may hold only its earlier calls)."""
     deadline = time.monotonic() + timeout_s
     while True:
         spans = await asyncio.to_thread(lambda: spans_of(path, trace_id) if path.exists() else [])
         seen = {s["resource"]["attributes"]["service.name"].removeprefix("ragline-") for s in spans}
-        rooted = any(not s["parent_id"] for s in spans)
+        rooted = any(not s["parent_id"] for s in spans) or not root_here
         named = names <= {s["name"] for s in spans}
         if (services <= seen and rooted and named) or time.monotonic() > deadline:
             return spans
@@ -146,3 +152,40 @@ async def test_a_failed_call_still_returns_its_trace_id(traced_stack):
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     trailers = dict(caught.value.trailing_metadata())
     assert len(trailers[TRACE_ID_KEY]) == 32
+
+
+async def test_the_gateway_continues_the_http_callers_trace(traced_stack):
+    """An HTTP caller's `traceparent` is the parent of the gateway's span, and the Ask the
+    gateway makes is in the same trace, under it."""
+    import httpx
+
+    gateway = traced_stack.launcher.gateway(
+        traced_stack.orchestrator(), traced_stack.embedding, traced_stack.retrieval,
+        env=traced_stack.env,
+    )  # fmt: skip
+    caller_trace, caller_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    async with httpx.AsyncClient(base_url=f"http://{gateway.address}", timeout=120) as http:
+        reply = await http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "ragline",
+                "messages": [{"role": "user", "content": "Which river flows through Warsaw?"}],
+                "ragline": {"cache": "bypass"},
+            },
+            headers={"traceparent": f"00-{caller_trace}-{caller_span}-01"},
+        )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["ragline"]["trace_id"] == caller_trace
+    path = Path(traced_stack.env["RAGLINE_TRACES_FILE"])
+    wanted = {"POST /v1/chat/completions", "ragline.v1.OrchestratorService/Ask"}
+    spans = await wait_for_spans(
+        path, caller_trace, {"gateway", "orchestrator"}, names=wanted, root_here=False
+    )
+    (http_span,) = [s for s in spans if s["name"] == "POST /v1/chat/completions"]
+    assert http_span["parent_id"] == f"0x{caller_span}"
+    assert http_span["attributes"]["http.response.status_code"] == 200
+    # The gateway's call (CLIENT) under its request's span, the orchestrator's (SERVER)
+    # under the call: the same name for both.
+    asks = {s["parent_id"]: s for s in spans if s["name"] == "ragline.v1.OrchestratorService/Ask"}
+    client = asks[http_span["context"]["span_id"]]
+    assert client["context"]["span_id"] in asks

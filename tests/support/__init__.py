@@ -60,10 +60,9 @@ def error_info(error) -> tuple[str, str, dict[str, str]]:
     raise AssertionError(f"no ErrorInfo among {[d.type_url for d in status.details]}")
 
 
-def settings(http: bool = True) -> list[str]:
+def settings() -> list[str]:
     """Every RAGLINE_* variable a config class reads, except the per-service suffixes every
-    service shares (HOST, PORT, GRACE_S, ...: see `service_settings`); `http`: the HTTP
-    gateway's too."""
+    service shares (HOST, PORT, GRACE_S, ...: see `service_settings`)."""
     from ragline.auth import AuthConfig
     from ragline.cache import RedisAccess
     from ragline.config import CommonConfig, ServiceConfig
@@ -82,30 +81,36 @@ def settings(http: bool = True) -> list[str]:
             for field in config.model_fields
             if field not in shared
         ]
-    if http:
-        from ragline_services.gateway.config import GatewayConfig
+    from ragline_services.gateway.config import GatewayConfig
 
-        names += [
-            f"RAGLINE_GATEWAY_{field.upper()}"
-            for field in GatewayConfig.model_fields
-            if field not in shared
-        ]
+    names += [
+        f"RAGLINE_GATEWAY_{field.upper()}"
+        for field in GatewayConfig.model_fields
+        if field not in shared
+    ]
     return names
 
 
 def service_settings() -> list[str]:
     """Everything a deployment of the chart sets: `settings()`, every service's shared
-    suffixes, and where each service answers (RAGLINE_<NAME>_ADDR). The chart does not
-    deploy the HTTP gateway yet (issue 56): its settings are not among them."""
+    suffixes, and where each service answers (RAGLINE_<NAME>_ADDR; the HTTP gateway reads
+    only the suffixes that mean the same over HTTP)."""
     from ragline.config import ServiceConfig
+    from ragline_services.gateway.config import GatewayConfig
     from ragline_services.registry import service_names
 
-    names = settings(http=False)
+    names = settings()
     for service in service_names():
         names += [
             f"RAGLINE_{service.upper()}_{field.upper()}" for field in ServiceConfig.model_fields
         ]
         names.append(f"RAGLINE_{service.upper()}_ADDR")
+    names += [
+        f"RAGLINE_GATEWAY_{field.upper()}"
+        for field in GatewayConfig.model_fields
+        if field in ServiceConfig.model_fields
+    ]
+    names.append("RAGLINE_GATEWAY_ADDR")
     return names
 
 

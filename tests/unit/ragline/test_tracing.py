@@ -96,3 +96,15 @@ def test_readings_a_known_time_apart_stay_that_far_apart_when_the_clock_reads_ar
     # and the converted time is the wall clock's, within the tightest read's bracket
     monkeypatch.setattr(time, "time_ns", real_time_ns)
     assert abs(tracing.epoch_ns(time.monotonic()) - time.time_ns()) < 10_000_000
+
+
+def test_the_operators_service_name_wins(clean, tmp_path):
+    clean.setenv("OTEL_TRACES_EXPORTER", "jsonl")
+    clean.setenv("OTEL_SERVICE_NAME", "search-answers")
+    path = tmp_path / "spans.jsonl"
+    assert tracing.configure("budget", path)
+    call = tracing.ServerSpan("/ragline.v1.BudgetService/Reserve", [], time.monotonic())
+    call.end("OK", 0, time.monotonic(), server_fault=False)
+    tracing.shutdown()
+    (span,) = map(json.loads, path.read_text().splitlines())
+    assert span["resource"]["attributes"]["service.name"] == "search-answers"
