@@ -24,7 +24,7 @@ from ragline.stopwords import STOP_WORDS
 from ragline_app.datasets import load_squad
 from ragline_app.evaluation import ranking_metrics
 from ragline_services.retrieval.bm25 import Bm25Index
-from ragline_services.retrieval.documents import StoredDocument, Visibility, doc_key
+from ragline_services.retrieval.documents import StoredDocument, Visibility, doc_key, point_id
 
 LUCENE = frozenset(
     "a an and are as at be but by for if in into is it no not of on or such that the their "
@@ -54,7 +54,8 @@ def evaluate(path: Path, every: int, noisy: bool = False) -> list[str]:
         for start in range(0, len(docs), 500):
             index.apply(docs[start : start + 500], [])
         chosen = questions[::every]
-        relevant = [doc_key("eval", q.passage_id) for q in chosen]
+        # Hits are point ids (the key map resolves only the ones a search returns).
+        relevant = [point_id(doc_key("eval", q.passage_id)) for q in chosen]
         for name, stop in (
             ("all words", frozenset()),
             ("Lucene 33", LUCENE),
@@ -66,7 +67,7 @@ def evaluate(path: Path, every: int, noisy: bool = False) -> list[str]:
                 started = time.perf_counter()
                 hits = index.search(q.text, Visibility("eval"), 100)
                 times.append(time.perf_counter() - started)
-                rankings.append([h.key for h in hits])
+                rankings.append([h.pid for h in hits])
             m = ranking_metrics(rankings, relevant)
             p95 = sorted(times)[int(0.95 * len(times))]
             label = f"{path.name}{' (noisy titles)' if noisy else ''}"

@@ -32,6 +32,7 @@ from ragline.files import atomic_write_text, fsync_directory, fsync_tree
 from ragline.stopwords import STOP_WORDS
 from ragline_services.retrieval import keymap
 from ragline_services.retrieval.analysis import ANALYSIS, Analyzer
+from ragline_services.retrieval.bm25_params import TANTIVY, Bm25Params
 from ragline_services.retrieval.documents import (
     Candidate,
     ResolvedHit,
@@ -164,14 +165,23 @@ class _TenantIndex:
         selected = scope if len(clauses) == 1 else Query.boolean_query(clauses)
         return Query.const_score_query(selected, 0.0)
 
-    def search(self, text: str, visibility: Visibility, k: int) -> list[Candidate]:
+    def search(
+        self, text: str, visibility: Visibility, k: int, params: Bm25Params = TANTIVY
+    ) -> list[Candidate]:
         tantivy = self._tantivy
         parsed = self.index.parse_query(text, ["title", "text"])
         combined = tantivy.Query.boolean_query(
             [(tantivy.Occur.Must, parsed), (tantivy.Occur.Must, self._filter(visibility))]
         )
         searcher = self.index.searcher()
-        hits = searcher.search(combined, k, count=False).hits
+        hits = searcher.search(combined, params.pool(k), count=False).hits
+        if not params.native:
+            # Tantivy's k1 and b are fixed: its candidates scored again (bm25_params.py).
+            rescored = [
+                (params.rescore(combined.explain(searcher, address).to_json()), address)
+                for _, address in hits
+            ]
+            hits = sorted(rescored, key=lambda hit: -hit[0])[:k]
         pids = searcher.fast_field_values("pid", [address for _, address in hits])
         return [Candidate(pid, score) for (score, _), pid in zip(hits, pids, strict=True)]
 
@@ -215,6 +225,7 @@ class Bm25Index:
         max_open: int = 256,
         analyzer: Analyzer | None = None,
         translation_weight: float = 0.5,
+        params: Bm25Params = TANTIVY,
     ) -> None:
         import tantivy
 
@@ -227,6 +238,7 @@ class Bm25Index:
         self.stop_words = STOP_WORDS  # dropped from queries (tools compare other sets)
         # Weight of a query word's translation into the other language (0: none).
         self.translation_weight = translation_weight
+        self.params = params  # k1 and b (Tantivy's own, or its candidates scored again)
         self.migrated = self._set_aside_an_old_layout(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.keys = keymap.KeyMap(directory / keymap.FILE)
@@ -338,7 +350,7 @@ class Bm25Index:
                 if _PLAIN_TERM.fullmatch(word)
             )
         index = self._tenant(visibility.tenant, create=False)
-        return [] if index is None else index.search(text, visibility, k)
+        return [] if index is None else index.search(text, visibility, k, self.params)
 
     def count(self, visibility: Visibility | None = None) -> int:
         if visibility is not None:

@@ -39,6 +39,7 @@ from ragline.files import atomic_write_text
 from ragline.ranking import rrf, score_fusion
 from ragline.vocabulary import Fusion, SearchMode
 from ragline_services.retrieval.bm25 import Bm25Index, LexicalIndex
+from ragline_services.retrieval.bm25_params import TANTIVY, Bm25Params
 from ragline_services.retrieval.documents import (
     StoredDocument,
     Visibility,
@@ -203,6 +204,8 @@ class IndexSettings:
     # Weight of a BM25 query word's translation into the other language (Chinese <->
     # English, ragline.lexicon); 0: none (docs/tuning.md).
     cross_lingual_weight: float = 0.5
+    # BM25's k1 and b (Tantivy's own by default; others score its candidates again).
+    bm25: Bm25Params = TANTIVY
     # Threads that run searches (one hop per search), apart from writes and builds.
     query_threads: int = 2
     # HYBRID runs its vector half on a second thread while BM25 runs on the first: Tantivy
@@ -243,6 +246,7 @@ class RetrievalIndex:
             directory / "bm25",
             max_open=settings.bm25_max_open_tenants,
             translation_weight=settings.cross_lingual_weight,
+            params=settings.bm25,
         )
         self.bm25: LexicalIndex = bm25
         self.vectors = vectors
