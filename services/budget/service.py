@@ -8,7 +8,7 @@ import grpc
 import structlog
 from pydantic import Field
 
-from ragline.config import ServiceConfig
+from ragline.config import MiB, ServiceConfig
 from ragline.errors import RaglineError
 from ragline.server import Periodic, Service, ServiceSpec
 from ragline.v1 import budget_pb2, budget_pb2_grpc
@@ -22,6 +22,10 @@ log = structlog.get_logger("ragline.budget")
 
 class BudgetConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("budget")
+    # Its largest request is a Batch of 64 small items: larger messages are refused by the
+    # transport before they are read whole or parsed (docs/security.md).
+    max_message_bytes: int = Field(1 * MiB, ge=1024)
+    max_request_bytes: int = Field(512 * 1024, ge=1024)
     # Comma-separated host:port of the etcd cluster's client endpoints.
     etcd_endpoints: str = "127.0.0.1:2379"
     # TLS to etcd: the CA that signs etcd's certificate (unset: plaintext) ...

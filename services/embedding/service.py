@@ -12,7 +12,7 @@ import structlog
 from pydantic import Field
 
 from ragline.batching import MicroBatcher
-from ragline.config import ServiceConfig
+from ragline.config import MiB, ServiceConfig
 from ragline.cores import parallel_runs
 from ragline.embedder import batch_invariant, start_embedder
 from ragline.embedding_backends import EmbeddingBackend, OnnxRuntimeBackend
@@ -29,6 +29,10 @@ log = structlog.get_logger("ragline.embedding")
 
 class EmbeddingConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("embedding")
+    # Its largest request is 256 texts of 32 KiB (8 MiB), its largest reply 256 vectors of
+    # 4,096 floats (4 MiB): larger messages are refused before they are parsed.
+    max_message_bytes: int = Field(16 * MiB, ge=1024)
+    max_request_bytes: int = Field(9 * MiB, ge=1024)
     # A model of the manifest (`ragline models list`); its tokenizer comes with it. The
     # default reads Chinese and English alike (multilingual-e5-small, int8, run one text at
     # a time); minilm-l6-int8-sq is the English-only one it replaced. How they compare:

@@ -13,7 +13,7 @@ from ragline.auth import AuthConfig
 from ragline.budget import Amounts
 from ragline.cache import open_cache
 from ragline.clients import ServiceClient, connect
-from ragline.config import ServiceConfig
+from ragline.config import MiB, ServiceConfig
 from ragline.server import Periodic, Service, ServiceSpec
 from ragline.v1 import (
     budget_pb2_grpc,
@@ -39,6 +39,13 @@ log = structlog.get_logger("ragline.orchestrator")
 
 class OrchestratorConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("orchestrator")
+    # An Ask is its question (8 KiB) and at most a plan of 64 nodes: larger messages are
+    # refused by the transport before they are read whole or parsed, so that calls in
+    # flight times this stay far inside the pod's memory (docs/security.md).
+    max_message_bytes: int = Field(1 * MiB, ge=1024)
+    max_request_bytes: int = Field(512 * 1024, ge=1024)
+    # Admission holds MAX_IN_FLIGHT + MAX_QUEUE asks; more calls than this only wait.
+    max_concurrent_rpcs: int = Field(128, ge=0)
     # Admission: runs at once, then a queue (entries keep their deadline), then refusal.
     # The stages of one run already use every core: more at once only wait on each other
     # (docs/tuning.md).

@@ -20,8 +20,8 @@ from google.protobuf.message import Message
 from grpc_status import rpc_status
 
 from ragline import deadlines, identity, timing, tracing
-from ragline.auth import AuthConfig, Authenticator
-from ragline.errors import DeadlineExceeded, to_rpc_status
+from ragline.auth import AuthConfig, Authenticated, Authenticator
+from ragline.errors import DeadlineExceeded, RaglineError, to_rpc_status
 from ragline.metrics import SERVER_STREAM, UNARY, GrpcServerMetrics
 from ragline.validation import check_size, validate
 
@@ -73,23 +73,54 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith("/grpc."):
             return handler
+        admitted = self._admitted(handler_call_details)
+        if admitted is None:
+            # Refused on its metadata alone, before a byte of its body is read: the same
+            # wrappers behind a handler that streams its request, a stream nobody reads
+            # (the caller's identity check in them fails first), so an unauthenticated
+            # body is neither received whole nor parsed.
+            if handler.unary_unary is not None:
+                return grpc.stream_unary_rpc_method_handler(
+                    self._wrap_unary(handler.unary_unary, method, received),
+                    response_serializer=handler.response_serializer,
+                )
+            if handler.unary_stream is not None:
+                return grpc.stream_stream_rpc_method_handler(
+                    self._wrap_stream(handler.unary_stream, method, received),
+                    response_serializer=handler.response_serializer,
+                )
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary, method, received),
+                self._wrap_unary(handler.unary_unary, method, received, admitted),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(handler.unary_stream, method, received),
+                self._wrap_stream(handler.unary_stream, method, received, admitted),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         return handler
 
-    def _wrap_unary(self, behavior: Behavior, method: str, received: float) -> Behavior:
+    def _admitted(self, details: grpc.HandlerCallDetails) -> Authenticated | None:
+        """Who calls, from the call's metadata; None when it does not authenticate (with
+        authentication off: when its identity metadata is malformed)."""
+        metadata = tuple((k, v) for k, v in details.invocation_metadata or () if isinstance(v, str))
+        try:
+            return self._authenticator.authenticate(metadata)
+        except RaglineError:
+            return None
+
+    def _wrap_unary(
+        self,
+        behavior: Behavior,
+        method: str,
+        received: float,
+        admitted: Authenticated | None = None,
+    ) -> Behavior:
         async def unary(request: Any, context: Context) -> Any:
-            scope = _CallScope(self, method, received, context, UNARY)
+            scope = _CallScope(self, method, received, context, UNARY, admitted)
             try:
                 scope.enter(request)
                 async with asyncio.timeout_at(scope.backstop):
@@ -102,10 +133,14 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
         return unary
 
     def _wrap_stream(
-        self, behavior: Behavior, method: str, received: float
+        self,
+        behavior: Behavior,
+        method: str,
+        received: float,
+        admitted: Authenticated | None = None,
     ) -> Callable[[Any, Context], AsyncIterator[Any]]:
         async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
-            scope = _CallScope(self, method, received, context, SERVER_STREAM)
+            scope = _CallScope(self, method, received, context, SERVER_STREAM, admitted)
             result = None
             try:
                 scope.enter(request)
@@ -145,8 +180,12 @@ class _CallScope:
         received: float,
         context: Context,
         grpc_type: str,
+        admitted: Authenticated | None = None,
     ) -> None:
+        """`admitted`: the caller as the metadata authenticated before the body was read
+        (None: authenticate now, which refuses)."""
         self.owner = owner
+        self.admitted = admitted
         self.method = method
         self.context = context
         self._metrics = owner._metrics
@@ -183,7 +222,8 @@ class _CallScope:
         # with it.
         self._tokens.append(("identity", identity.bind(None, self.run_id)))
         structlog.contextvars.bind_contextvars(run_id=self.run_id, stage=self.method)
-        caller = self.owner._authenticator.authenticate(metadata).caller
+        authenticated = self.admitted or self.owner._authenticator.authenticate(metadata)
+        caller = authenticated.caller
         if caller is not None:
             identity.unbind(self._tokens.pop()[1])
             self._tokens.append(("identity", identity.bind(caller, self.run_id)))
