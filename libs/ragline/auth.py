@@ -25,6 +25,7 @@ from __future__ import annotations
 import ipaddress
 import time
 from collections.abc import Iterable
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -120,6 +121,26 @@ class AuthConfig(EmptyMeansUnset):
 class Authenticated:
     caller: Caller | None
     via: str  # "token", "service", "metadata" (auth off) or "none"
+
+
+# How the call in progress authenticated (`Authenticated.via`), bound by the server's
+# interceptor for the call's handler.
+_via: ContextVar[str] = ContextVar("ragline_auth_via", default="none")
+
+
+def bind_via(via: str) -> Token[str]:
+    return _via.set(via)
+
+
+def unbind_via(token: Token[str]) -> None:
+    _via.reset(token)
+
+
+def from_a_service() -> bool:
+    """Whether the call in progress came from a ragline service (its credential), or from
+    anyone while authentication is off: only then are scheduling hints in a request
+    believed (`GenerateRequest.light_tenant`), never from an end user's token."""
+    return _via.get() in ("service", "metadata", "none")
 
 
 def _values(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:

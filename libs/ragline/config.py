@@ -142,6 +142,13 @@ class ServiceConfig(EmptyMeansUnset):
     max_connection_age_s: float = Field(300.0, ge=0)
     # One JSON log line per finished call.
     access_log: bool = True
+    # With authentication on: whether an end user's token may call this service directly
+    # (false: only other ragline services, with their credential; PERMISSION_DENIED
+    # CLIENT_TOKEN_NOT_ACCEPTED otherwise). The front door (orchestrator) and the public
+    # surfaces (retrieval's writes and searches, embedding, the shared budget, rerank's
+    # ingest preparation) take tokens; generation does not (it would skip admission and
+    # the budget).
+    client_tokens: bool = True
     # Prometheus metrics on this HTTP port (`GET /metrics`, docs/operations.md); unset:
     # none served; 0: a free port (logged).
     metrics_port: Port | None = None

@@ -72,6 +72,9 @@ class GenerationConfig(ServiceConfig):
     # are parsed (transport cap) or looked at (application cap), not buffered by the MiB.
     max_message_bytes: int = Field(4 * MiB, ge=1024)
     max_request_bytes: int = Field(2 * MiB, ge=1024)
+    # Only the orchestrator calls it: an end user's token would skip admission and the
+    # task budget.
+    client_tokens: bool = False
     # How often each llama-server is checked (process alive, /health): a dead one turns the
     # service NOT_SERVING and is started again; an external one is only reported.
     engine_probe_s: float = Field(2.0, gt=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+from ragline import auth
 from ragline.identity import current_caller, write_scope_missing
 from ragline.server import Deferred
 from ragline.timing import current_clock
@@ -71,7 +72,8 @@ def generation_request(
         sampling=_sampling(request.sampling),
         visibility=visibility,
         sources=tuple(request.sources),
-        light_tenant=request.light_tenant,
+        # A scheduling hint: believed from a ragline service (the orchestrator) only.
+        light_tenant=request.light_tenant and auth.from_a_service(),
     )
 
 

@@ -209,3 +209,33 @@ async def test_with_an_issuer_configured_only_its_tokens_pass(launcher):
         grpc.StatusCode.UNAUTHENTICATED
     )
     assert await code(hs256_forgery(key, claims())) == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_an_end_users_token_reaches_the_front_door_not_generation(jwt_stack):
+    """Generation answers only other ragline services (an end user's call there would skip
+    admission and the task budget); the same token asks the orchestrator, which calls
+    generation with its own credential."""
+    from ragline.v1 import generation_pb2, generation_pb2_grpc
+    from support import error_reason
+
+    token = (("authorization", f"Bearer {mint_token(AUTH_CLIENT_KEY, 'acme')}"),)
+    async with grpc.aio.insecure_channel(jwt_stack["generation"].address) as channel:
+        request = generation_pb2.GenerateRequest(prompt="Hi", max_tokens=1, light_tenant=True)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in generation_pb2_grpc.GenerationServiceStub(channel).Generate(
+                request, timeout=30, metadata=token
+            ):
+                pass
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert error_reason(refused.value) == "CLIENT_TOKEN_NOT_ACCEPTED"
+    async with grpc.aio.insecure_channel(jwt_stack["orchestrator"].address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        messages = [
+            m
+            async for m in stub.Ask(
+                orchestrator_pb2.AskRequest(question="Which river flows through Warsaw?"),
+                timeout=120,
+                metadata=token,
+            )
+        ]
+    assert messages[-1].WhichOneof("event") == "result"  # answered (or honestly not)

@@ -29,6 +29,19 @@ AUTH_ENV = {
 }
 
 
+def error_reason(error) -> str:
+    """The google.rpc.ErrorInfo reason of a failed call ("" without one)."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(error)
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return ""
+
+
 def field_violations(error) -> dict[str, str]:
     """field -> description of the google.rpc.BadRequest details of a failed call."""
     from google.rpc import error_details_pb2

@@ -139,6 +139,7 @@ class ServerRunner:
                     access_log=cfg.access_log,
                     authenticator=authenticator,
                     metrics=None if self._metrics is None else self._metrics.grpc,
+                    client_tokens=cfg.client_tokens,
                 )
             ],
             options=[

@@ -19,9 +19,9 @@ import structlog
 from google.protobuf.message import Message
 from grpc_status import rpc_status
 
-from ragline import deadlines, identity, timing, tracing
+from ragline import auth, deadlines, identity, timing, tracing
 from ragline.auth import AuthConfig, Authenticated, Authenticator
-from ragline.errors import DeadlineExceeded, RaglineError, to_rpc_status
+from ragline.errors import DeadlineExceeded, PermissionDenied, RaglineError, to_rpc_status
 from ragline.metrics import SERVER_STREAM, UNARY, GrpcServerMetrics
 from ragline.validation import check_size, validate
 
@@ -54,8 +54,12 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
         access_log: bool = True,
         authenticator: Authenticator | None = None,
         metrics: GrpcServerMetrics | None = None,
+        client_tokens: bool = True,
     ) -> None:
+        """`client_tokens`: whether an end user's token may call this service (with
+        authentication on; otherwise only other services' credentials)."""
         self._authenticator = authenticator or Authenticator(AuthConfig(mode="off"))
+        self._client_tokens = client_tokens
         self._metrics = metrics
         self._default_deadline_s = default_deadline_s
         self._max_request_bytes = max_request_bytes
@@ -74,19 +78,19 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or method.startswith("/grpc."):
             return handler
         admitted = self._admitted(handler_call_details)
-        if admitted is None:
+        if isinstance(admitted, RaglineError):
             # Refused on its metadata alone, before a byte of its body is read: the same
             # wrappers behind a handler that streams its request, a stream nobody reads
             # (the caller's identity check in them fails first), so an unauthenticated
             # body is neither received whole nor parsed.
             if handler.unary_unary is not None:
                 return grpc.stream_unary_rpc_method_handler(
-                    self._wrap_unary(handler.unary_unary, method, received),
+                    self._wrap_unary(handler.unary_unary, method, received, admitted),
                     response_serializer=handler.response_serializer,
                 )
             if handler.unary_stream is not None:
                 return grpc.stream_stream_rpc_method_handler(
-                    self._wrap_stream(handler.unary_stream, method, received),
+                    self._wrap_stream(handler.unary_stream, method, received, admitted),
                     response_serializer=handler.response_serializer,
                 )
         if handler.unary_unary is not None:
@@ -103,21 +107,29 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
             )
         return handler
 
-    def _admitted(self, details: grpc.HandlerCallDetails) -> Authenticated | None:
-        """Who calls, from the call's metadata; None when it does not authenticate (with
-        authentication off: when its identity metadata is malformed)."""
+    def _admitted(self, details: grpc.HandlerCallDetails) -> Authenticated | RaglineError:
+        """Who calls, from the call's metadata; or why the call is refused (it does not
+        authenticate, its identity metadata is malformed, or an end user's token reaches a
+        service that takes none)."""
         metadata = tuple((k, v) for k, v in details.invocation_metadata or () if isinstance(v, str))
         try:
-            return self._authenticator.authenticate(metadata)
-        except RaglineError:
-            return None
+            authenticated = self._authenticator.authenticate(metadata)
+        except RaglineError as error:
+            return error
+        if authenticated.via == "token" and not self._client_tokens:
+            return PermissionDenied(
+                "this service answers other ragline services only (its "
+                "RAGLINE_<SERVICE>_CLIENT_TOKENS is false): call the orchestrator",
+                reason="CLIENT_TOKEN_NOT_ACCEPTED",
+            )
+        return authenticated
 
     def _wrap_unary(
         self,
         behavior: Behavior,
         method: str,
         received: float,
-        admitted: Authenticated | None = None,
+        admitted: Authenticated | RaglineError,
     ) -> Behavior:
         async def unary(request: Any, context: Context) -> Any:
             scope = _CallScope(self, method, received, context, UNARY, admitted)
@@ -137,7 +149,7 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
         behavior: Behavior,
         method: str,
         received: float,
-        admitted: Authenticated | None = None,
+        admitted: Authenticated | RaglineError,
     ) -> Callable[[Any, Context], AsyncIterator[Any]]:
         async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
             scope = _CallScope(self, method, received, context, SERVER_STREAM, admitted)
@@ -180,10 +192,10 @@ class _CallScope:
         received: float,
         context: Context,
         grpc_type: str,
-        admitted: Authenticated | None = None,
+        admitted: Authenticated | RaglineError,
     ) -> None:
-        """`admitted`: the caller as the metadata authenticated before the body was read
-        (None: authenticate now, which refuses)."""
+        """`admitted`: the caller as the metadata authenticated before the body was read,
+        or why the call is refused."""
         self.owner = owner
         self.admitted = admitted
         self.method = method
@@ -222,12 +234,14 @@ class _CallScope:
         # with it.
         self._tokens.append(("identity", identity.bind(None, self.run_id)))
         structlog.contextvars.bind_contextvars(run_id=self.run_id, stage=self.method)
-        authenticated = self.admitted or self.owner._authenticator.authenticate(metadata)
-        caller = authenticated.caller
+        if isinstance(self.admitted, RaglineError):
+            raise self.admitted
+        caller = self.admitted.caller
         if caller is not None:
             identity.unbind(self._tokens.pop()[1])
             self._tokens.append(("identity", identity.bind(caller, self.run_id)))
             structlog.contextvars.bind_contextvars(tenant=caller.tenant)
+        self._tokens.append(("via", auth.bind_via(self.admitted.via)))
         if isinstance(request, Message):
             check_size(request, self.owner._max_request_bytes)
             validate(request)
@@ -279,6 +293,8 @@ class _CallScope:
                     timing.unbind_clock(token)
                 elif kind == "deadline":
                     deadlines.reset_deadline(token)
+                elif kind == "via":
+                    auth.unbind_via(token)
                 else:
                     identity.unbind(token)
         except ValueError:

@@ -1,0 +1,22 @@
+"""A scheduling hint in a generation request is believed from a ragline service only."""
+
+from __future__ import annotations
+
+import pytest
+
+from ragline import auth
+from ragline.v1 import generation_pb2
+from ragline_services.generation.servicer import generation_request
+
+
+@pytest.mark.parametrize(
+    ("via", "light"),
+    [("service", True), ("metadata", True), ("none", True), ("token", False)],
+)
+def test_light_tenant_only_from_a_service_or_with_authentication_off(via, light):
+    request = generation_pb2.GenerateRequest(prompt="Hi", max_tokens=1, light_tenant=True)
+    token = auth.bind_via(via)
+    try:
+        assert generation_request(request, "acme").light_tenant is light
+    finally:
+        auth.unbind_via(token)
