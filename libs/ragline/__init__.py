@@ -1,3 +1,3 @@
 """ragline shared library: contracts (ragline.v1), service kit, clients."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
