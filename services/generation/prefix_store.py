@@ -300,6 +300,10 @@ class PrefixStore:
         entry = StoredPrefix(
             candidate.key, tenant, file, tokens, size, digest, time.time(), tuple(sources)
         )
+        # The same prefix saved again replaces its entry: the file the old entry named would
+        # be named by none, and a forget (which finds files through the entries) would miss
+        # it until the sweep's TTL.
+        replaced = await self._entries([self._index + entry.key])
         stored = await self._guarded(
             "set",
             self.cache.set(self._index + entry.key, entry.encode(), self.settings.ttl_s),
@@ -308,6 +312,9 @@ class PrefixStore:
         if stored is False:
             await self._remove_file(file)
             return None
+        for old in replaced:
+            if old.file != file:
+                await self._remove_file(old.file)
         read_after = (time.time() if prompt_at is None else prompt_at) - PROMPT_AGE_BOUND_S
         if await self._forgotten_since(owner_tenant(tenant), sources, read_after):
             self.counters.stale += 1

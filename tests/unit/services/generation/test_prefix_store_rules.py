@@ -263,3 +263,20 @@ async def test_expired_files_are_swept_without_a_save(tmp_path, monkeypatch):
     await store.cache.delete(*(await store.cache.keys("")))  # the TTL passed
     await store.sweep_expired()
     assert not path.exists()
+
+
+async def test_a_prefix_saved_again_leaves_no_file_a_forget_would_miss(tmp_path):
+    """Two answers from the same prompt both save its prefix: the second entry replaces the
+    first, and the first one's file goes with it (else a forget, which finds files through
+    the entries, left it on disk until the sweep's TTL)."""
+    store = make_store(tmp_path)
+    [candidate] = store.candidates("ann", TOKENS, [100])
+    files = []
+    for _ in range(2):
+        file = store.new_file_name(candidate.key)
+        (store.settings.directory / file).write_bytes(os.urandom(1000))
+        assert await store.saved("ann", candidate, file, 100, sources=("doc-1",))
+        files.append(file)
+    assert sorted(p.name for p in store.settings.directory.glob("*.bin")) == [files[1]]
+    assert await store.forget("ann", ["doc-1"]) == 1
+    assert not list(store.settings.directory.glob("*.bin"))
