@@ -4,11 +4,13 @@ several stacks in turn."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ragline import deadlines, identity
@@ -118,3 +120,45 @@ async def ask_pairs(
     for pool in pools.values():
         await pool.close()
     return times
+
+
+@contextlib.contextmanager
+def bm25_eval_index(passages, tenant: str = "eval") -> Iterator:
+    """Every passage in a throwaway BM25 index of the retrieval service's (one tenant), for
+    the tools that measure the lexical ranking alone (a Bm25Index)."""
+    import tempfile
+
+    import numpy as np
+
+    from ragline_services.retrieval.bm25 import Bm25Index
+    from ragline_services.retrieval.documents import StoredDocument
+
+    no_vector = np.zeros(0, dtype=np.float32)  # BM25 reads title and text only
+    with tempfile.TemporaryDirectory(prefix="eval-bm25-") as tmp:
+        index = Bm25Index(Path(tmp))
+        docs = [
+            StoredDocument(tenant, p.id, p.title, p.text, (), {}, no_vector, 1) for p in passages
+        ]
+        try:
+            for start in range(0, len(docs), 500):
+                index.apply(docs[start : start + 500], [])
+            yield index
+        finally:
+            index.close()
+
+
+def bm25_rankings(index, questions, k: int, tenant: str = "eval") -> tuple[dict, list[float]]:
+    """The ranking metrics of `questions` against `index` as it is set now (top `k`), and
+    each search's time in seconds."""
+    from ragline_app.evaluation import ranking_metrics
+    from ragline_services.retrieval.documents import Visibility, doc_key, point_id
+
+    # Hits are point ids (the key map resolves only the ones a search returns).
+    relevant = [point_id(doc_key(tenant, q.passage_id)) for q in questions]
+    rankings, times = [], []
+    for q in questions:
+        started = time.perf_counter()
+        hits = index.search(q.text, Visibility(tenant), k)
+        times.append(time.perf_counter() - started)
+        rankings.append([h.pid for h in hits])
+    return ranking_metrics(rankings, relevant), times

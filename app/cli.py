@@ -684,20 +684,15 @@ def cmd_etcd_setup(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from ragline_app.stack import health_status, http_ready, service_address
-    from ragline_services.registry import http_service_names
+    from ragline_app.stack import service_address, service_status
 
     common = CommonConfig()
     names = _service_names()
-    http = set(http_service_names())
 
     async def run() -> dict[str, tuple[str, str]]:
         addresses = {n: service_address(n, common.data_dir) for n in names}
         statuses = await asyncio.gather(
-            *(
-                http_ready(a, args.timeout) if n in http else health_status(a, args.timeout)
-                for n, a in addresses.items()
-            )
+            *(service_status(n, a, args.timeout) for n, a in addresses.items())
         )
         return {n: (addresses[n], s) for n, s in zip(names, statuses, strict=True)}
 

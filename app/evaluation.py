@@ -6,13 +6,13 @@ import collections
 import math
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from ragline import numbers
 from ragline.words import QUOTES, has_han
 
 
-def rank_of(ranked: Sequence[str], relevant: str) -> int:
+def rank_of(ranked: Sequence[Hashable], relevant: Hashable) -> int:
     """1-based rank of the relevant id in `ranked`, 0 when absent."""
     for position, item in enumerate(ranked, start=1):
         if item == relevant:
@@ -20,7 +20,7 @@ def rank_of(ranked: Sequence[str], relevant: str) -> int:
     return 0
 
 
-def ranking_metrics(rankings: Sequence[Sequence[str]], relevant: Sequence[str]) -> dict:
+def ranking_metrics(rankings: Sequence[Sequence[Hashable]], relevant: Sequence[Hashable]) -> dict:
     """nDCG@10, Recall@10, Recall@100 and MRR@10 averaged over queries."""
     ranks = [rank_of(r, rel) for r, rel in zip(rankings, relevant, strict=True)]
     n = max(len(ranks), 1)

@@ -186,6 +186,22 @@ async def http_ready(address: str, timeout_s: float = 1.0, tls: TlsConfig | None
     return "SERVING" if reply.status_code == 200 else "NOT_SERVING"
 
 
+async def service_status(
+    name: str,
+    address: str,
+    timeout_s: float = 1.0,
+    *,
+    tls: TlsConfig | None = None,
+    credentials=None,
+) -> str:
+    """SERVING / NOT_SERVING / UNREACHABLE of the service registered as `name`: its gRPC
+    health, or an HTTP service's /readyz (`credentials`: gRPC channel credentials made
+    once from `tls`)."""
+    if name in http_service_names():
+        return await http_ready(address, timeout_s, tls)
+    return await health_status(address, timeout_s, tls=tls, credentials=credentials)
+
+
 class Stack:
     def __init__(
         self,
@@ -278,12 +294,9 @@ class Stack:
                     f"{svc.name} exited with code {svc.exit_code} during start; "
                     f"end of {svc.log_path}:\n{svc.log_tail()}"
                 )
-            http = set(http_service_names())
             statuses = await asyncio.gather(
                 *(
-                    http_ready(s.address, tls=tls)
-                    if s.name in http
-                    else health_status(s.address, tls=tls, credentials=credentials)
+                    service_status(s.name, s.address, tls=tls, credentials=credentials)
                     for s in pending
                 )
             )

@@ -82,6 +82,22 @@ class ServiceHandle:
         return code
 
 
+def serving(handle: ServiceHandle) -> bool:
+    """Its gRPC health says SERVING; an HTTP service (the gateway): its /readyz is 200."""
+    from ragline_services.registry import http_service_names
+
+    if handle.name not in http_service_names():
+        return health_status_sync(handle.address, tls=handle.tls) == "SERVING"
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{handle.address}/readyz", timeout=1) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def wait_serving(handle: ServiceHandle, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -89,31 +105,10 @@ def wait_serving(handle: ServiceHandle, timeout_s: float = 60.0) -> None:
             raise AssertionError(
                 f"{handle.name} exited with {handle.process.returncode}:\n{handle.log()[-3000:]}"
             )
-        if health_status_sync(handle.address, tls=handle.tls) == "SERVING":
+        if serving(handle):
             return
         time.sleep(0.1)
     raise AssertionError(f"{handle.name} not SERVING after {timeout_s} s:\n{handle.log()[-3000:]}")
-
-
-def wait_http_ready(handle: ServiceHandle, timeout_s: float = 60.0) -> None:
-    """An HTTP service (the gateway): until its /readyz answers 200."""
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if handle.process.poll() is not None:
-            raise AssertionError(
-                f"{handle.name} exited with {handle.process.returncode}:\n{handle.log()[-3000:]}"
-            )
-        try:
-            with urllib.request.urlopen(f"http://{handle.address}/readyz", timeout=1) as reply:
-                if reply.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{handle.name} not ready after {timeout_s} s:\n{handle.log()[-3000:]}")
 
 
 class ServiceLauncher:
@@ -157,7 +152,7 @@ class ServiceLauncher:
         env: dict[str, str] | None = None,
     ) -> ServiceHandle:
         """`ragline serve gateway` in front of these services, waited until ready."""
-        handle = self.start(
+        return self.start(
             "gateway",
             env={
                 "RAGLINE_ORCHESTRATOR_ADDR": orchestrator.address,
@@ -165,10 +160,7 @@ class ServiceLauncher:
                 "RAGLINE_RETRIEVAL_ADDR": retrieval.address,
                 **(env or {}),
             },
-            wait=False,
         )
-        wait_http_ready(handle)
-        return handle
 
     def kill(self, handle: ServiceHandle) -> None:
         """SIGKILL: the service runs no shutdown code."""

@@ -19,15 +19,11 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
+from ragline_app.benchmarks import bm25_eval_index, bm25_rankings
 from ragline_app.datasets import load_squad
-from ragline_app.evaluation import ranking_metrics
-from ragline_services.retrieval.bm25 import Bm25Index
 from ragline_services.retrieval.bm25_params import TANTIVY_B, TANTIVY_K1, Bm25Params
-from ragline_services.retrieval.documents import StoredDocument, Visibility, doc_key, point_id
 
 # The orchestrator's BM25 list (RAGLINE_ORCHESTRATOR_CANDIDATES): Recall@50 is what
 # reaches fusion and rerank.
@@ -44,24 +40,12 @@ class _Rescored(Bm25Params):
 
 def evaluate(path: Path, every: int, sets: list[tuple[str, Bm25Params]]) -> list[dict]:
     passages, questions = load_squad(path)
+    chosen = questions[::every]
     rows = []
-    with tempfile.TemporaryDirectory(prefix="eval-bm25-params-") as tmp:
-        index = Bm25Index(Path(tmp))
-        docs = [StoredDocument("eval", p.id, p.title, p.text, (), {}, None, 1) for p in passages]
-        for start in range(0, len(docs), 500):
-            index.apply(docs[start : start + 500], [])
-        chosen = questions[::every]
-        # Hits are point ids (the key map resolves only the ones a search returns).
-        relevant = [point_id(doc_key("eval", q.passage_id)) for q in chosen]
+    with bm25_eval_index(passages) as index:
         for name, params in sets:
             index.params = params
-            rankings, times = [], []
-            for q in chosen:
-                started = time.perf_counter()
-                hits = index.search(q.text, Visibility("eval"), K)
-                times.append(time.perf_counter() - started)
-                rankings.append([h.pid for h in hits])
-            m = ranking_metrics(rankings, relevant)
+            m, times = bm25_rankings(index, chosen, K)
             rows.append(
                 {
                     "data": path.name,
@@ -74,7 +58,6 @@ def evaluate(path: Path, every: int, sets: list[tuple[str, Bm25Params]]) -> list
                     "p95_ms": round(sorted(times)[int(0.95 * len(times))] * 1000, 2),
                 }
             )
-        index.close()
     return rows
 
 

@@ -16,15 +16,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 from ragline.stopwords import STOP_WORDS
+from ragline_app.benchmarks import bm25_eval_index, bm25_rankings
 from ragline_app.datasets import load_squad
-from ragline_app.evaluation import ranking_metrics
-from ragline_services.retrieval.bm25 import Bm25Index
-from ragline_services.retrieval.documents import StoredDocument, Visibility, doc_key, point_id
 
 LUCENE = frozenset(
     "a an and are as at be but by for if in into is it no not of on or such that the their "
@@ -48,34 +44,21 @@ def evaluate(path: Path, every: int, noisy: bool = False) -> list[str]:
 
         passages = [replace(p, title=noisy_title(p.title, i)) for i, p in enumerate(passages)]
     rows = []
-    with tempfile.TemporaryDirectory(prefix="eval-stopwords-") as tmp:
-        index = Bm25Index(Path(tmp))
-        docs = [StoredDocument("eval", p.id, p.title, p.text, (), {}, None, 1) for p in passages]
-        for start in range(0, len(docs), 500):
-            index.apply(docs[start : start + 500], [])
-        chosen = questions[::every]
-        # Hits are point ids (the key map resolves only the ones a search returns).
-        relevant = [point_id(doc_key("eval", q.passage_id)) for q in chosen]
+    chosen = questions[::every]
+    with bm25_eval_index(passages) as index:
         for name, stop in (
             ("all words", frozenset()),
             ("Lucene 33", LUCENE),
             ("service list", STOP_WORDS),
         ):
-            rankings, times = [], []
             index.stop_words = stop
-            for q in chosen:
-                started = time.perf_counter()
-                hits = index.search(q.text, Visibility("eval"), 100)
-                times.append(time.perf_counter() - started)
-                rankings.append([h.pid for h in hits])
-            m = ranking_metrics(rankings, relevant)
+            m, times = bm25_rankings(index, chosen, 100)
             p95 = sorted(times)[int(0.95 * len(times))]
             label = f"{path.name}{' (noisy titles)' if noisy else ''}"
             rows.append(
                 f"| {label} | {name} | {m['ndcg@10']:.3f} | {m['recall@100']:.3f} | "
                 f"{statistics.median(times) * 1000:.2f} / {p95 * 1000:.2f} |"
             )
-        index.close()
     return rows
 
 

@@ -40,7 +40,7 @@ from ragline import deadlines, identity
 from ragline.auth import AuthConfig
 from ragline.clients import ChannelPool, ServiceClient
 from ragline.config import CommonConfig
-from ragline.errors import InvalidArgument, RaglineError, Unauthenticated
+from ragline.errors import FieldViolation, InvalidArgument, RaglineError, Unauthenticated
 from ragline.v1 import (
     embedding_pb2,
     embedding_pb2_grpc,
@@ -111,10 +111,12 @@ def timeout_of(request: Request, config: GatewayConfig) -> float:
     return min(value, config.max_timeout_s)
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """`work`'s result, or its cancellation when the client closes the connection first
-    (the gRPC call behind is cancelled with it)."""
-    task = asyncio.ensure_future(work)
+async def until_disconnect(request: Request, work: Awaitable[T], timeout_s: float) -> T:
+    """`work`'s result under a deadline of `timeout_s` (its gRPC calls' deadline), or its
+    cancellation when the client closes the connection first (the gRPC call behind is
+    cancelled with it)."""
+    with deadlines.deadline_scope(timeout_s):
+        task = asyncio.ensure_future(work)  # the task's context holds the deadline
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -268,27 +270,16 @@ def build_app(config: GatewayConfig, common: CommonConfig, backends: Backends) -
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
-        problems = error.errors()
-        fields = [
-            ".".join(str(p) for p in problem["loc"] if p != "body") or "body"
-            for problem in problems
-        ]
-        first = problems[0] if problems else {"msg": "invalid request"}
+        # The body's violations as an INVALID_ARGUMENT of the services, field by field.
         violations = [
-            {"field": field, "description": problem["msg"]}
-            for field, problem in zip(fields, problems, strict=True)
-        ]
-        body = {
-            "error": {
-                "message": f"{fields[0] if fields else 'body'}: {first['msg']}",
-                "type": "invalid_request_error",
-                "param": fields[0] if fields else None,
-                "code": "INVALID_ARGUMENT",
-                "status": "INVALID_ARGUMENT",
-                "field_violations": violations,
-            }
-        }
-        return JSONResponse(body, status_code=400)
+            FieldViolation(
+                ".".join(str(p) for p in problem["loc"] if p != "body") or "body",
+                problem["msg"],
+            )
+            for problem in error.errors()
+        ] or [FieldViolation("body", "invalid request")]
+        first, *more = violations
+        return error_response(InvalidArgument(first.field, first.description, *more))
 
     @app.get("/healthz", summary="Liveness: the process answers")
     async def healthz() -> dict:
@@ -313,16 +304,14 @@ def build_app(config: GatewayConfig, common: CommonConfig, backends: Backends) -
         client = backends.client("orchestrator", orchestrator_pb2_grpc.OrchestratorServiceStub, who)
         sources = body.ragline.sources_in_content
         if not body.stream:
-            with deadlines.deadline_scope(timeout_s):
-                result = await until_disconnect(request, _final_result(client, ask))
+            result = await until_disconnect(request, _final_result(client, ask), timeout_s)
             return chat.completion(result, body.model, int(time.time()), sources)
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         writer = chat.ChunkWriter(body.model, uuid.uuid4().hex, include_usage)
         messages = client.stream("Ask", ask).__aiter__()
-        with deadlines.deadline_scope(timeout_s):
-            # The first message before any byte is sent: a refusal at admission
-            # (RESOURCE_EXHAUSTED) is still an HTTP status with Retry-After.
-            first = await until_disconnect(request, messages.__anext__())
+        # The first message before any byte is sent: a refusal at admission
+        # (RESOURCE_EXHAUSTED) is still an HTTP status with Retry-After.
+        first = await until_disconnect(request, messages.__anext__(), timeout_s)
         return StreamingResponse(
             _chat_events(writer, first, messages, sources),
             media_type="text/event-stream",
@@ -342,8 +331,9 @@ def build_app(config: GatewayConfig, common: CommonConfig, backends: Backends) -
         )
         who = identity_of(request, config, auth_on)
         client = backends.client("embedding", embedding_pb2_grpc.EmbeddingServiceStub, who)
-        with deadlines.deadline_scope(timeout_of(request, config)):
-            reply = await until_disconnect(request, client.unary("Embed", embed))
+        reply = await until_disconnect(
+            request, client.unary("Embed", embed), timeout_of(request, config)
+        )
         tokens = sum(e.token_count for e in reply.embeddings)
         # base64: the vector's float32 bytes, little-endian (the OpenAI SDK asks for it).
         encode = list if body.encoding_format == "float" else _base64_floats
@@ -416,11 +406,12 @@ def _add_proto_route(
         message = parse_message(body, route.request_type)
         who = identity_of(request, config, auth_on)
         client = backends.client(route.service, route.stub, who)
-        with deadlines.deadline_scope(timeout_of(request, config)):
-            if isinstance(message, orchestrator_pb2.AskRequest):
-                reply = await until_disconnect(request, _final_result(client, message))
-            else:
-                reply = await until_disconnect(request, client.unary(route.method, message))
+        work = (
+            _final_result(client, message)
+            if isinstance(message, orchestrator_pb2.AskRequest)
+            else client.unary(route.method, message)
+        )
+        reply = await until_disconnect(request, work, timeout_of(request, config))
         return JSONResponse(message_json(reply))
 
     handle.__name__ = route.method.lower()

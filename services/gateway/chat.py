@@ -231,18 +231,21 @@ class ChunkWriter:
         self.created = int(time.time())
         self.include_usage = include_usage
 
+    def _chunk(self, choices: list[dict], **extra) -> str:
+        return sse(
+            {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": choices,
+                **extra,
+            }
+        )
+
     def _event(self, delta: dict, finish_reason: str | None = None, **extra) -> str:
-        chunk = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            ],
-            **extra,
-        }
-        return sse(chunk)
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._chunk([choice], **extra)
 
     def opening(self) -> str:
         return self._event({"role": "assistant", "content": ""})
@@ -259,18 +262,7 @@ class ChunkWriter:
             self._event({}, "stop", ragline=extension(result)),
         ]
         if self.include_usage:
-            events.append(
-                sse(
-                    {
-                        "id": self.id,
-                        "object": "chat.completion.chunk",
-                        "created": self.created,
-                        "model": self.model,
-                        "choices": [],
-                        "usage": usage_of(result),
-                    }
-                )
-            )
+            events.append(self._chunk([], usage=usage_of(result)))
         return events
 
 

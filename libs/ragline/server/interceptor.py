@@ -45,6 +45,9 @@ Context = grpc.aio.ServicerContext[Any, Any]
 Behavior = Callable[[Any, Any], Any]
 
 
+Metadata = tuple[tuple[str, str], ...]
+
+
 class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(
         self,
@@ -77,41 +80,42 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith("/grpc."):
             return handler
-        admitted = self._admitted(handler_call_details)
-        if isinstance(admitted, RaglineError):
-            # Refused on its metadata alone, before a byte of its body is read: the same
-            # wrappers behind a handler that streams its request, a stream nobody reads
-            # (the caller's identity check in them fails first), so an unauthenticated
-            # body is neither received whole nor parsed.
-            if handler.unary_unary is not None:
-                return grpc.stream_unary_rpc_method_handler(
-                    self._wrap_unary(handler.unary_unary, method, received, admitted),
-                    response_serializer=handler.response_serializer,
-                )
-            if handler.unary_stream is not None:
-                return grpc.stream_stream_rpc_method_handler(
-                    self._wrap_stream(handler.unary_stream, method, received, admitted),
-                    response_serializer=handler.response_serializer,
-                )
+        # Text entries only: ragline reads no binary (`-bin`) metadata.
+        metadata = tuple(
+            (k, v) for k, v in handler_call_details.invocation_metadata or () if isinstance(v, str)
+        )
+        admitted = self._admitted(metadata)
+        # A call refused on its metadata alone is refused before a byte of its body is
+        # read: the same wrappers behind a handler that streams its request, a stream
+        # nobody reads (the identity check in them fails first), so an unauthenticated
+        # body is neither received whole nor parsed.
+        refused = isinstance(admitted, RaglineError)
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary, method, received, admitted),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
+            make = (
+                grpc.stream_unary_rpc_method_handler
+                if refused
+                else grpc.unary_unary_rpc_method_handler
             )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(handler.unary_stream, method, received, admitted),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
+            wrapped = self._wrap_unary(handler.unary_unary, method, received, metadata, admitted)
+        elif handler.unary_stream is not None:
+            make = (
+                grpc.stream_stream_rpc_method_handler
+                if refused
+                else grpc.unary_stream_rpc_method_handler
             )
-        return handler
+            wrapped = self._wrap_stream(handler.unary_stream, method, received, metadata, admitted)
+        else:
+            return handler
+        return make(
+            wrapped,
+            request_deserializer=None if refused else handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
-    def _admitted(self, details: grpc.HandlerCallDetails) -> Authenticated | RaglineError:
+    def _admitted(self, metadata: Metadata) -> Authenticated | RaglineError:
         """Who calls, from the call's metadata; or why the call is refused (it does not
         authenticate, its identity metadata is malformed, or an end user's token reaches a
         service that takes none)."""
-        metadata = tuple((k, v) for k, v in details.invocation_metadata or () if isinstance(v, str))
         try:
             authenticated = self._authenticator.authenticate(metadata)
         except RaglineError as error:
@@ -129,10 +133,11 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
         behavior: Behavior,
         method: str,
         received: float,
+        metadata: Metadata,
         admitted: Authenticated | RaglineError,
     ) -> Behavior:
         async def unary(request: Any, context: Context) -> Any:
-            scope = _CallScope(self, method, received, context, UNARY, admitted)
+            scope = _CallScope(self, method, received, context, UNARY, metadata, admitted)
             try:
                 scope.enter(request)
                 async with asyncio.timeout_at(scope.backstop):
@@ -149,10 +154,11 @@ class RaglineServerInterceptor(grpc.aio.ServerInterceptor):
         behavior: Behavior,
         method: str,
         received: float,
+        metadata: Metadata,
         admitted: Authenticated | RaglineError,
     ) -> Callable[[Any, Context], AsyncIterator[Any]]:
         async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
-            scope = _CallScope(self, method, received, context, SERVER_STREAM, admitted)
+            scope = _CallScope(self, method, received, context, SERVER_STREAM, metadata, admitted)
             result = None
             try:
                 scope.enter(request)
@@ -192,11 +198,13 @@ class _CallScope:
         received: float,
         context: Context,
         grpc_type: str,
+        metadata: Metadata,
         admitted: Authenticated | RaglineError,
     ) -> None:
-        """`admitted`: the caller as the metadata authenticated before the body was read,
-        or why the call is refused."""
+        """`metadata`: the call's text metadata; `admitted`: the caller as it
+        authenticated before the body was read, or why the call is refused."""
         self.owner = owner
+        self.metadata = metadata
         self.admitted = admitted
         self.method = method
         self.context = context
@@ -213,10 +221,7 @@ class _CallScope:
 
     def enter(self, request: Any) -> None:
         self.clock.handler_started = time.monotonic()
-        # Text entries only: ragline reads no binary (`-bin`) metadata.
-        metadata = tuple(
-            (k, v) for k, v in self.context.invocation_metadata() or () if isinstance(v, str)
-        )
+        metadata = self.metadata
         if tracing.enabled():
             # The call's span, child of the caller's (traceparent); its id goes back in
             # the trailers so that a caller can find the trace.
