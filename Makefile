@@ -116,7 +116,7 @@ redis-server:
 
 test: lint triton-env checkov-env llama-server test-engines node-client redis-server models test-models
 	$(BIN)/ragline doctor --for test
-	$(BIN)/pytest
+	$(BIN)/pytest --durations=40
 
 format: install-test
 	$(BIN)/ruff format .

@@ -279,7 +279,12 @@ def embedding_pair(module_launcher) -> tuple[ServiceHandle, ServiceHandle]:
     running texts alone. (The default model is not batch invariant: it never batches.)"""
     model = {"RAGLINE_EMBEDDING_MODEL": BATCH_INVARIANT_MODEL}
     batched = module_launcher.start(
-        "embedding", env={**model, "RAGLINE_EMBEDDING_MAX_WAIT_MS": "5"}
+        "embedding",
+        env={
+            **model,
+            "RAGLINE_EMBEDDING_MAX_WAIT_MS": "5",
+            "RAGLINE_EMBEDDING_METRICS_PORT": str(free_ports(1)[0]),
+        },
     )
     unbatched = module_launcher.start(
         "embedding", env={**model, "RAGLINE_EMBEDDING_MAX_BATCH_TEXTS": "1"}

@@ -1,6 +1,9 @@
 """Helpers shared by tests that are not fixtures (fixtures live in tests/conftest.py only).
 Test modules may import from here; they never import each other."""
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ragline_services.embedding.service import EmbeddingConfig
@@ -139,3 +142,17 @@ def retry_delay(error) -> float:
             detail.Unpack(info)
             return info.retry_delay.ToNanoseconds() / 1e9
     return 0.0
+
+
+async def wait_until(check: Callable[[], Awaitable[object]], timeout_s: float = 10.0) -> bool:
+    """Whether `check()` comes true within `timeout_s`, each check included (a check that
+    blocks past it counts as false): the tests wait for a condition, never a fixed time."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            if await asyncio.wait_for(check(), left):
+                return True
+        except TimeoutError:
+            return False
+        await asyncio.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+    return False

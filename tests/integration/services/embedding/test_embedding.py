@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import urllib.request
+import uuid
 
 import grpc
 import numpy as np
@@ -21,7 +22,8 @@ from ragline.tokenization import Tokenizer
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc
 from ragline_app.datasets import load_squad
 from ragline_services.embedding.service import EmbeddingConfig
-from support import REPO_ROOT, SQUAD_SAMPLE, field_violations
+from support import REPO_ROOT, SQUAD_SAMPLE, field_violations, wait_until
+from support.metrics import sample_values, scrape
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +48,7 @@ def sample_texts(n: int) -> list[str]:
 
 
 OPERATOR = (("x-ragline-tenant", "ops"), ("x-ragline-operator", "true"))
+LATE_TENANT = (("x-ragline-tenant", "late"), ("x-ragline-operator", "true"))
 
 
 async def embed(
@@ -196,13 +199,49 @@ async def test_bad_input_is_invalid_argument_naming_the_field(
     assert next(iter(field_violations(caught.value))) == field
 
 
-async def test_expired_deadline_is_refused(embedding_pair):
+def texts_run(handle) -> float:
+    """Texts the service's model has run so far (its batcher's histogram)."""
+    return sum(sample_values(scrape(handle.metrics_port), "ragline_batch_texts", "_sum").values())
+
+
+async def test_a_deadline_that_passes_in_the_queue_is_refused_before_compute(embedding_pair):
     batched, _ = embedding_pair
+
+    async def gauge(name: str) -> float:
+        found = await asyncio.to_thread(scrape, batched.metrics_port)
+        return sum(sample_values(found, name).values())
+
+    before = texts_run(batched)
+    run = uuid.uuid4().hex  # texts no cache of the service has seen
+    runners = int(await gauge("ragline_batch_runners"))
+    # A long request for each runner: a request behind them waits for one to be free.
+    ahead = [[f"text {n} of long request {r} {run}" for n in range(256)] for r in range(runners)]
+    running = [
+        asyncio.create_task(embed(batched.address, embedding_pb2.EmbedRequest(texts=texts)))
+        for texts in ahead
+    ]
+
+    async def all_runners_busy() -> bool:
+        return await gauge("ragline_batch_runs_in_flight") >= runners
+
+    assert await wait_until(all_runners_busy), "the long requests' model runs never began"
+    late = [f"text {n} of a request that waits too long {run}" for n in range(200)]
     with pytest.raises(grpc.aio.AioRpcError) as caught:
+        # another tenant's (a queue of its own), waiting for a runner to be free
         await embed(
-            batched.address, embedding_pb2.EmbedRequest(texts=["hi"] * 200), deadline_s=0.001
+            batched.address,
+            embedding_pb2.EmbedRequest(texts=late),
+            deadline_s=0.5,
+            metadata=LATE_TENANT,
         )
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.gather(*running)
+    # Refused by the service, not only by the client's timer: none of the 200 texts that
+    # waited for the long runs reached the model. A request of the same tenant behind them
+    # (FIFO) has run once its answer is here.
+    probe = embedding_pb2.EmbedRequest(texts=[f"a probe {run}"])
+    await embed(batched.address, probe, metadata=LATE_TENANT)
+    assert texts_run(batched) - before == sum(map(len, ahead)) + 1
 
 
 def test_full_queue_answers_resource_exhausted_quickly(launcher):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import time
 
 import grpc
 import httpx
@@ -16,7 +15,7 @@ import pytest
 from openai import APIStatusError, AsyncOpenAI
 
 from ragline.v1 import embedding_pb2, embedding_pb2_grpc
-from support import REPO_ROOT
+from support import REPO_ROOT, wait_until
 from support.orchestrator import generation_slot_free, who
 
 pytestmark = pytest.mark.integration
@@ -53,15 +52,6 @@ def small_gateway(rag_stack):
 def client(handle) -> AsyncOpenAI:
     # The SDK needs a key; with authentication off the services do not read it.
     return AsyncOpenAI(base_url=f"http://{handle.address}/v1", api_key="unused", max_retries=0)
-
-
-async def wait_until(check, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await check():
-            return True
-        await asyncio.sleep(0.1)
-    return False
 
 
 async def test_openai_sdk_answers_with_citations_and_the_answer_state(gateway):

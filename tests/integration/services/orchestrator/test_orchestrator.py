@@ -19,7 +19,7 @@ from ragline.v1 import (
     orchestrator_pb2,
     orchestrator_pb2_grpc,
 )
-from support import field_violations
+from support import field_violations, wait_until
 from support.orchestrator import answer_calls, ask, generation_slot_free, ledger, who
 
 pytestmark = pytest.mark.integration
@@ -37,20 +37,6 @@ LONG_ANSWER = (
 def result_of(messages) -> orchestrator_pb2.AskResult:
     assert messages[-1].WhichOneof("event") == "result"
     return messages[-1].result
-
-
-async def wait_until(check, timeout_s: float = 10.0) -> bool:
-    """Whether `check()` comes true within `timeout_s`, each check included (a check that
-    blocks past it counts as false)."""
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            if await asyncio.wait_for(check(), left):
-                return True
-        except TimeoutError:
-            return False
-        await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
-    return False
 
 
 async def settled(budget_address: str, task_id: str) -> bool:
