@@ -329,8 +329,16 @@ def ingest_stack(launcher, tmp_path) -> tuple[ServiceHandle, dict[str, str]]:
 @pytest.fixture(scope="module")
 def rerank_pair(module_launcher) -> tuple[ServiceHandle, ServiceHandle]:
     """Two rerank services: one batching across requests, one running pairs alone."""
-    batched = module_launcher.start("rerank", env={"RAGLINE_RERANK_MAX_WAIT_MS": "5"})
-    unbatched = module_launcher.start("rerank", env={"RAGLINE_RERANK_MAX_BATCH_TEXTS": "1"})
+    batched_port, unbatched_port = (str(port) for port in free_ports(2))
+    batched = module_launcher.start(
+        "rerank",
+        # long enough a wait that requests sent together share a run on a busy machine
+        env={"RAGLINE_RERANK_MAX_WAIT_MS": "50", "RAGLINE_RERANK_METRICS_PORT": batched_port},
+    )
+    unbatched = module_launcher.start(
+        "rerank",
+        env={"RAGLINE_RERANK_MAX_BATCH_TEXTS": "1", "RAGLINE_RERANK_METRICS_PORT": unbatched_port},
+    )
     return batched, unbatched
 
 

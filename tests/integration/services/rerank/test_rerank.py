@@ -11,6 +11,7 @@ import pytest
 from ragline.v1 import rerank_pb2, rerank_pb2_grpc
 from ragline_app.datasets import load_squad
 from support import SQUAD_SAMPLE, error_info, field_violations
+from support.metrics import sample_values, scrape
 
 pytestmark = pytest.mark.integration
 
@@ -57,6 +58,20 @@ async def test_the_cascade_finds_the_passage_that_answers(rerank_pair):
     assert [s.name for s in reply.timing.stages] == ["late_interaction", "cross_encoder"]
 
 
+def runs_over(handle, texts: int) -> float:
+    """The model runs of the service's batchers that held more than `texts` texts (a
+    bucket bound of ragline_batch_texts)."""
+    found = scrape(handle.metrics_port)
+    runs = sample_values(found, "ragline_batch_texts", "_count")
+    within = {
+        (s.labels["batcher"], s.labels["lane"]): s.value
+        for s in found["ragline_batch_texts"]
+        if s.name.endswith("_bucket") and s.labels["le"] == f"{float(texts)}"
+    }
+    assert runs, "no model run recorded"
+    return sum(count - within[key] for key, count in runs.items())
+
+
 async def test_batched_and_unbatched_scores_are_identical(rerank_pair):
     batched, unbatched = rerank_pair
     pool = candidates(12)
@@ -78,6 +93,10 @@ async def test_batched_and_unbatched_scores_are_identical(rerank_pair):
 
     together = await scores(batched.address)
     alone = await scores(unbatched.address)
+    # The comparison means something: one service ran the pairs of several requests in one
+    # run (more than a request's 12), the other never did (and its model reads one at a time)
+    assert runs_over(batched, 16) > 0
+    assert runs_over(unbatched, 16) == 0
     for a, b in zip(together, alone, strict=True):
         assert list(a) == list(b)  # the same order
         for pid in a:
