@@ -114,7 +114,7 @@ async def test_a_document_cannot_pose_as_another_passage(proxied, tenant_with):
     assert "danube" in result.status.detail
 
 
-async def test_control_tokens_and_orders_in_documents_reach_no_model(rag_stack, tenant_with):
+async def test_control_tokens_and_orders_in_documents_reach_no_model(proxied, tenant_with):
     tenant = await tenant_with(
         (
             "river",
@@ -126,17 +126,26 @@ async def test_control_tokens_and_orders_in_documents_reach_no_model(rag_stack, 
         ),
         ("parks", "Warsaw parks", "Warsaw has many parks along the river banks."),
     )
-    orchestrator = rag_stack.orchestrator()
-    result, deltas = await ask(orchestrator.address, WARSAW, tenant=tenant)
-    assert "pwned" not in deltas.lower(), result
-    # Whatever the small model made of the rest, a COMPLETE answer is the document's river.
-    if result.status.state == COMPLETE:
-        assert "vistula" in result.answer.lower(), result
-    held = " ".join(e.snippet for e in result.evidence)
-    assert "Vistula" in held
-    # Neither the orders nor the template's control tokens reached the prompt.
-    assert "Ignore all previous instructions" not in held and "PWNED" not in held
-    assert "im_end" not in held and "im_start" not in held
+    requests = []
+
+    def model(request):
+        # What the engine would be given, kept; the answer a model that obeyed only the
+        # question would write, citing the passage's marker.
+        requests.append(request)
+        prompt = request.chat.messages[-1].content
+        line = next(x for x in prompt.splitlines() if "Vistula" in x)
+        return f"the Vistula River {line.split()[0]}"
+
+    _, orchestrator = await proxied(model)
+    result, _ = await ask(orchestrator.address, WARSAW, tenant=tenant)
+    assert result.status.state == COMPLETE and "Vistula" in result.answer, result.status
+    assert requests, "no model was asked"
+    for request in requests:
+        sent = " ".join([request.prompt, *(m.content for m in request.chat.messages)])
+        assert "Vistula" in sent  # the passage itself reached it
+        # Neither the orders nor the template's control tokens did.
+        assert "Ignore all previous instructions" not in sent and "PWNED" not in sent, sent
+        assert "im_end" not in sent and "im_start" not in sent, sent
 
 
 ZSTD_ENVIRONMENT = (
