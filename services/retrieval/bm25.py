@@ -320,13 +320,15 @@ class Bm25Index:
         path = _tenant_directory(self.directory, tenant)
         if not path.exists():
             return
-        fresh = path.with_name(path.name + ".rewrite")
+        # Staged outside the tenants' "t-" names: "acme.rewrite" and "acme.old" are tenants.
+        fresh, aside = (self.directory / stage / path.name for stage in (".rewrite", ".old"))
+        fresh.parent.mkdir(exist_ok=True)
+        aside.parent.mkdir(exist_ok=True)
         shutil.rmtree(fresh, ignore_errors=True)
         index = _TenantIndex(self._tantivy, self.schema, fresh, self.heap_bytes, self.analyzer)
         index.apply(live, [])
         del index
         fsync_tree(fresh)
-        aside = path.with_name(path.name + ".old")
         shutil.rmtree(aside, ignore_errors=True)
         with self._lock:
             self._open.pop(tenant, None)
