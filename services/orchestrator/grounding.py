@@ -57,7 +57,7 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
     text = ev.strip_markers(answer)
     if not cited:
         return Support(False, ("a citation",))
-    source = " ".join(f"{item.passage.title} {item.text}" for item in cited)
+    source = " ".join(f"{ev.shown_title(item.passage)} {item.text}" for item in cited)
     read = answerability.Text.of(source)
     source_terms = read.terms
     words = [w.lower() for w in ev.content_words(text)]
@@ -115,7 +115,7 @@ def off_subject(
     asked = [translated.get(k, answerability.Term(k)) for k in keys]
 
     def read(item: ev.EvidenceItem) -> answerability.Text:
-        return answerability.Text.of(f"{item.passage.title} {item.text}")
+        return answerability.Text.of(f"{ev.shown_title(item.passage)} {item.text}")
 
     cited_text = [read(item) for item in cited]
     lacking = [t for t in asked if not any(t.found_in(text) for text in cited_text)]
