@@ -135,6 +135,9 @@ def build() -> dict:
     schema = schema_of({**values, "services": services}, "")
     for entry in schema["properties"]["services"]["properties"].values():
         entry["properties"].update(SERVICE_EXTRAS)
+    # Helm gives a subchart its parent's `global` values: the chart must accept the key to
+    # be one (it reads nothing from it).
+    schema["properties"]["global"] = {"type": "object"}
     return {
         "$schema": "http://json-schema.org/draft-07/schema#",
         "title": "ragline chart values (written by tools/make_values_schema.py)",

@@ -4,6 +4,8 @@ values files."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from support.helm_chart import CHART, template, tool_check
@@ -122,3 +124,25 @@ def test_the_install_notes_say_whether_a_pod_can_sign_tokens(helm, tmp_path):
         "config.RAGLINE_AUTH_JWKS_URL=https://idp.example/jwks.json",
     )
     assert "hold no key that signs tokens" in keyset and "can also sign" not in keyset
+
+
+def test_the_chart_installs_as_a_subchart_with_its_parents_global_values(helm, tmp_path):
+    """A platform team vendors ragline under its own chart: Helm then hands it `global`."""
+    parent = tmp_path / "platform"
+    (parent / "charts").mkdir(parents=True)
+    (parent / "Chart.yaml").write_text("apiVersion: v2\nname: platform\nversion: 0.1.0\n")
+    shutil.copytree(CHART, parent / "charts" / "ragline")
+    keys = [f"ragline.{value}" if flag == "--set" else value for flag, value in pairs(GOOD_KEYS)]
+    rendered = template(
+        helm, "--set", "global.environment=production", *interleave("--set", keys), chart=parent
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    assert "kind: Deployment" in rendered.stdout
+
+
+def pairs(flags: list[str]) -> list[tuple[str, str]]:
+    return list(zip(flags[::2], flags[1::2], strict=True))
+
+
+def interleave(flag: str, values: list[str]) -> list[str]:
+    return [item for value in values for item in (flag, value)]
