@@ -276,7 +276,7 @@ class RetrievalIndex:
         self.last_build_finished: float | None = None
         # What the last compaction left, and since when a logged delete waits for one.
         self._compacted_bytes = 0
-        self._delete_pending_since: float | None = None
+        self._forget_pending_since: float | None = None
         self.compactions = 0
         self._reanalysis_stopped = False
         # Searches run here, one hop each; never queued behind writes or builds.
@@ -321,8 +321,8 @@ class RetrievalIndex:
             self._bm25_apply_final(self.applied_seq, final)
         self.applied_seq = max(self.applied_seq, self.wal.last_seq)
         self.tenant_applied = dict(self.wal.tenant_last)  # everything logged is applied now
-        if self.wal.holds_deletes:
-            self._delete_pending_since = time.monotonic()  # their age is unknown: from now
+        if self.wal.holds_forgettable:
+            self._forget_pending_since = time.monotonic()  # its age is unknown: from now
         return count
 
     def _bm25_apply_final(self, seq: int, final: dict[str, StoredDocument | None]) -> None:
@@ -405,6 +405,9 @@ class RetrievalIndex:
             {"op": "write", "tenant": tenant, "upserts": records, "deletes": []}
         )
         self._tell_changed(tenant, overwritten)
+        if overwritten and self._forget_pending_since is None:
+            # the replaced text is forgotten as a deleted one is (maybe_compact)
+            self._forget_pending_since = time.monotonic()
         return WriteResult(seq, [tseq] * len(records), tenant_seq=tseq)
 
     async def _check_vector_model(self, model_version: str, *, writing: bool) -> bool:
@@ -604,8 +607,8 @@ class RetrievalIndex:
             {"op": "write", "tenant": tenant, "upserts": [], "deletes": present}
         )
         self._tell_changed(tenant, [split_key(k)[1] for k in present])
-        if self._delete_pending_since is None:
-            self._delete_pending_since = time.monotonic()
+        if self._forget_pending_since is None:
+            self._forget_pending_since = time.monotonic()
         return WriteResult(seq, [], len(present), len(keys) - len(present), tenant_seq=tseq)
 
     async def _existing_and_seen(
@@ -899,12 +902,13 @@ class RetrievalIndex:
 
     async def maybe_compact(self) -> bool:
         """Compacts the write log when it has grown past `wal_compact_bytes` (and twice
-        what the last compaction left), or a delete has waited `forget_after_s`."""
+        what the last compaction left), or the text of a deleted or overwritten document has
+        waited `forget_after_s`."""
         settings, size = self.settings, self.wal.size
         by_size = bool(settings.wal_compact_bytes) and size > max(
             settings.wal_compact_bytes, 2 * self._compacted_bytes
         )
-        pending = self._delete_pending_since
+        pending = self._forget_pending_since
         by_age = (
             bool(settings.forget_after_s)
             and pending is not None
@@ -954,7 +958,7 @@ class RetrievalIndex:
             await asyncio.to_thread(self.bm25.rewrite, forgotten, self._live_documents)
             self.vectors.request_build()
         self._compacted_bytes = after
-        self._delete_pending_since = None  # deleted text is gone; tombstones hold only ids
+        self._forget_pending_since = None  # replaced text is gone; tombstones hold only ids
         self.compactions += 1
         log.info(
             "retrieval.log_compacted",

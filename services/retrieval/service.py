@@ -68,8 +68,8 @@ class RetrievalConfig(ServiceConfig):
     # The write log is rewritten with only what a replay needs once it is larger than
     # this (and twice what the last rewrite left); 0: never for size.
     wal_compact_mb: int = Field(256, ge=0)
-    # ... and once a delete is this old: deleted text leaves the log within it (0: only
-    # for size).
+    # ... and once a delete or an overwrite is this old: the replaced text leaves the log
+    # and the indexes within it (0: only for size).
     forget_after_s: float = Field(3600.0, ge=0)
     # The HNSW builder's threads (0: every core), CPU niceness and Linux's idle class
     # (SCHED_IDLE: a core runs it only when nothing else wants it; qdrant's build thread

@@ -122,7 +122,10 @@ class WriteLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         created = not path.exists()
         self.tenant_last: dict[str, int] = {}  # the last "tseq" of each tenant
-        self.holds_deletes = False  # a delete is logged (a compaction would forget text)
+        # Text a compaction would forget is logged: a delete's, or a document's written
+        # again (found when the log is opened; a delete appended later sets it too, and
+        # the index notes its own overwrites).
+        self.holds_forgettable = False
         self.last_seq, valid_bytes = self._scan()
         with path.open("ab") as handle:
             if handle.tell() != valid_bytes:
@@ -137,6 +140,7 @@ class WriteLog:
 
     def _scan(self) -> tuple[int, int]:
         last, valid = 0, 0
+        written: set[str] = set()
         for seq, record, end in self._records(check_tail=True):
             last, valid = max(last, seq, record.get("last_seq", 0)), end
             for tenant, tseq in record.get("tenant_last", {}).items():  # a compacted log's
@@ -144,7 +148,10 @@ class WriteLog:
             tenant = tenant_of(record)
             if tenant is not None:
                 self.tenant_last[tenant] = max(self.tenant_last.get(tenant, 0), tenant_seq(record))
-            self.holds_deletes = self.holds_deletes or bool(record.get("deletes"))
+            keys = [doc_key(item["tenant"], item["id"]) for item in record.get("upserts", ())]
+            again = not written.isdisjoint(keys)
+            written.update(keys)
+            self.holds_forgettable = self.holds_forgettable or again or bool(record.get("deletes"))
         return last, valid
 
     @property
@@ -201,7 +208,7 @@ class WriteLog:
             fsync_directory(self.path.parent)
             os.close(self._fd)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-            self.holds_deletes = kept_deletes
+            self.holds_forgettable = kept_deletes  # tombstones; one version of each text
             return before, self.size, dropped, forgotten
 
     def _records(self, check_tail: bool = False) -> Iterator[tuple[int, dict, int]]:
@@ -272,7 +279,9 @@ class WriteLog:
                 raise
             self.last_seq = seqs[-1][0]
             self.tenant_last = tenant_last
-            self.holds_deletes = self.holds_deletes or any(r.get("deletes") for r in records)
+            self.holds_forgettable = self.holds_forgettable or any(
+                r.get("deletes") for r in records
+            )
             return seqs
 
     async def append(self, record: dict) -> int:

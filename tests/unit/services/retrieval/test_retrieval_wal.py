@@ -192,7 +192,7 @@ async def test_compaction_keeps_what_a_replay_needs_and_forgets_the_rest(tmp_pat
     # Once every index holds the delete, it goes too; numbering carries on.
     await asyncio.to_thread(log.compact, 5)
     assert [r["seq"] for r in WriteLog.read(path) if r.get("op") == "write"] == [2, 4]
-    assert not log.holds_deletes
+    assert not log.holds_forgettable
     log.close()
     reopened = WriteLog(path)
     assert reopened.last_seq == 5 and reopened.tenant_last == {"acme": 4, "globex": 1}
@@ -234,3 +234,19 @@ async def test_a_reembed_reads_the_stale_documents_in_batches_of_one_tenant(tmp_
         "globex\x1fg0": "x",
     }
     log.close()
+
+
+async def test_an_opened_log_knows_whether_it_holds_text_a_compaction_would_forget(tmp_path):
+    def write(*docs: dict) -> dict:
+        return {"op": "write", "tenant": "acme", "upserts": list(docs), "deletes": []}
+
+    path = tmp_path / "write.log"
+    log = WriteLog(path)
+    await log.append_numbered(write(_doc("a", "alpha"), _doc("b", "bravo")))
+    await log.append_numbered(write(_doc("c", "charlie")))
+    log.close()
+    assert not WriteLog(path).holds_forgettable  # every text is a live document's
+    log = WriteLog(path)
+    await log.append_numbered(write(_doc("a", "alpha again")))  # the first alpha is replaced
+    log.close()
+    assert WriteLog(path).holds_forgettable
