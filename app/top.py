@@ -32,6 +32,7 @@ CALLER_CODES = frozenset(
     }
 )
 SCRAPE_TIMEOUT_S = 2.0
+HTTP_REQUESTS = "ragline_gateway_requests_total"
 
 
 @dataclass(frozen=True)
@@ -132,19 +133,31 @@ def row(service: str, before: Scrape, after: Scrape) -> Row:
     def delta(name: str, keep: Callable[[dict[str, str]], bool] = lambda _: True) -> float:
         return max(after.total(name, keep) - before.total(name, keep), 0.0)
 
-    handled = "grpc_server_handled_total"
-    timing = "grpc_server_handling_seconds"
+    if after.has(HTTP_REQUESTS):
+        # An HTTP service (the gateway): requests, and its own failures (5xx; a 4xx is
+        # the caller's, as a caller's gRPC codes are)
+        handled, timing = HTTP_REQUESTS, "ragline_gateway_request_seconds"
+
+        def failed(labels: dict[str, str]) -> bool:
+            return labels["status"].startswith("5")
+    else:
+        handled, timing = "grpc_server_handled_total", "grpc_server_handling_seconds"
+
+        def failed(labels: dict[str, str]) -> bool:
+            return labels["grpc_code"] not in CALLER_CODES
+
     out = Row(
         service,
         up=True,
         calls_per_s=delta(handled) / seconds,
-        errors_per_s=delta(handled, lambda labels: labels["grpc_code"] not in CALLER_CODES)
-        / seconds,
+        errors_per_s=delta(handled, failed) / seconds,
         p50_s=quantile(0.5, before.buckets(timing), after.buckets(timing)),
         p95_s=quantile(0.95, before.buckets(timing), after.buckets(timing)),
         in_flight=after.total("ragline_grpc_server_in_flight"),
     )
-    if after.has("ragline_orchestrator_run_places"):
+    if after.has(HTTP_REQUESTS):
+        out.note = "HTTP"
+    elif after.has("ragline_orchestrator_run_places"):
         out.queue = after.total("ragline_orchestrator_runs_waiting")
         out.busy = (
             after.total("ragline_orchestrator_runs_in_flight"),

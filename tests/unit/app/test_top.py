@@ -59,3 +59,20 @@ def test_service_rows_read_their_own_state_and_a_down_one_says_so():
     console.print(table([generation, down], interval_s=2))
     drawn = console.file.getvalue()
     assert "1/2 slots" in drawn and "down: Connection refused" in drawn
+
+
+def test_the_gateway_row_counts_http_requests_and_its_own_failures():
+    from ragline_services.gateway.service import RequestMetrics
+
+    metrics = ProcessMetrics()
+    http = RequestMetrics(metrics, app=None)
+    before = exposition(metrics, at=0.0)
+    for status, seconds in [("200", 0.02)] * 16 + [("429", 0.001)] * 2 + [("503", 0.01)] * 2:
+        http.requests.labels("/v1/chat/completions", status).inc()
+        http.seconds.labels("/v1/chat/completions").observe(seconds)
+    after = exposition(metrics, at=10.0)
+
+    gateway = row("gateway", before, after)
+    assert gateway.calls_per_s == 2.0  # 20 requests in 10 s
+    assert gateway.errors_per_s == 0.2  # the 503s; a 429 is the caller's to retry
+    assert 0.01 < gateway.p50_s <= 0.025 and gateway.note == "HTTP"
