@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from support import REPO_ROOT
-from support.helm_chart import CHART, VALUES, invalid, render, tool_check
+from support.helm_chart import CHART, SECURED, VALUES, invalid, render, tool_check
 
 pytestmark = pytest.mark.deploy
 
@@ -272,3 +272,54 @@ def test_the_bundled_servers_are_scraped_on_their_own_metrics_ports(helm):
 
 
 KINDS = ("Deployment", "StatefulSet")
+
+
+def qdrant_scrape(objects: list[dict]) -> tuple[dict | None, dict]:
+    """The ServiceMonitor that selects the bundled Qdrant's Service (None: none does), and
+    that Service."""
+    (service,) = [s for s in by_kind(objects, "Service") if s["metadata"]["name"] == "rl-qdrant"]
+    labels = service["metadata"]["labels"]
+    monitors = [
+        m
+        for m in by_kind(objects, "ServiceMonitor")
+        if m["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ]
+    assert len(monitors) <= 1
+    return (monitors[0] if monitors else None), service
+
+
+def test_the_bundled_qdrant_is_scraped_with_its_read_only_key_or_not_at_all(helm):
+    """Qdrant serves /metrics on its REST port and, with an API key, asks every REST call
+    for a key: Prometheus sends the read-only one (never the retrieval pods' key), over TLS
+    where Qdrant serves TLS; without a read-only key it is not scraped (a scrape that can
+    only fail would raise RaglineTargetDown)."""
+    scrapers = ["--set", "monitoring.scrapersFrom[0].namespaceSelector.matchLabels.name=mon"]
+    open_qdrant = [*OPERATOR_API, *scrapers, "--set", "qdrant.enabled=true"]
+    objects = render(helm, CHART, *open_qdrant)
+    monitor, service = qdrant_scrape(objects)
+    assert monitor is not None and not operator_invalid(monitor)
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "http" and endpoint["path"] == "/metrics"
+    assert "authorization" not in endpoint and "scheme" not in endpoint
+    assert "http" in {p["name"] for p in service["spec"]["ports"]}
+    policies = {p["metadata"]["name"]: p for p in by_kind(objects, "NetworkPolicy")}
+    admitted = policies["rl-qdrant-metrics"]["spec"]["ingress"][0]["ports"]
+    assert admitted == [{"port": 6333, "protocol": "TCP"}]
+
+    keyed = [*open_qdrant, "--set", "qdrant.apiKey=admin-key"]
+    assert qdrant_scrape(render(helm, CHART, *keyed))[0] is None  # no key to read with
+
+    objects = render(helm, CHART, *keyed, "--set", "qdrant.metricsApiKey=read-key", *SECURED)
+    monitor, _ = qdrant_scrape(objects)
+    (endpoint,) = monitor["spec"]["endpoints"]
+    secret_name = endpoint["authorization"]["credentials"]["name"]
+    (secret,) = [s for s in by_kind(objects, "Secret") if s["metadata"]["name"] == secret_name]
+    assert secret["stringData"][endpoint["authorization"]["credentials"]["key"]] == "read-key"
+    assert endpoint["scheme"] == "https" and endpoint["tlsConfig"]["serverName"] == "rl-qdrant"
+    (qdrant,) = [w for w in by_kind(objects, "StatefulSet") if w["metadata"]["name"] == "rl-qdrant"]
+    env = {e["name"]: e for e in qdrant["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["QDRANT__SERVICE__READ_ONLY_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == (
+        secret_name
+    )
+    # (cert-manager's Certificate has no schema here)
+    assert not invalid([o for o in objects if o["kind"] not in (*OPERATOR_KINDS, "Certificate")])

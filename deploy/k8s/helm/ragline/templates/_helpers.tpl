@@ -37,6 +37,14 @@ member (gRPC's DNS resolver; a list of names would not be one target). */ -}}
 {{- ne (toString .Values.config.RAGLINE_TLS_MODE) "off" -}}
 {{- end -}}
 
+{{- /* Whether Prometheus can read the bundled Qdrant's /metrics: no key asked, or the
+read-only one to send. */ -}}
+{{- define "ragline.qdrantScraped" -}}
+{{- if and .Values.qdrant.enabled (or (not .Values.qdrant.apiKey) .Values.qdrant.metricsApiKey) -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{- /* The Secret ragline pods mount at /etc/ragline/tls (tls.crt, tls.key, ca.crt). */ -}}
 {{- define "ragline.tlsSecretName" -}}
 {{- if .Values.tls.secretName -}}
