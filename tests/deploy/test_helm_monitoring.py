@@ -96,8 +96,8 @@ def test_the_operator_objects_render_with_its_api_and_validate(helm):
     assert not invalid([o for o in objects if o["kind"] not in OPERATOR_KINDS])
     monitor = by_kind(objects, "ServiceMonitor")[0]
     assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
-    # it selects exactly the seven services and the bundled etcd (Triton: GPU values only),
-    # each with a port of that name
+    # it selects exactly the seven services, the bundled etcd and Redis's exporter (Triton:
+    # GPU values only), each with a port of that name
     selected = [
         s
         for s in by_kind(objects, "Service")
@@ -117,6 +117,7 @@ def test_the_operator_objects_render_with_its_api_and_validate(helm):
             "budget",
             "gateway",
             "etcd",
+            "redis",
         )
     )
     assert all("metrics" in {p["name"] for p in s["spec"]["ports"]} for s in selected)
@@ -252,20 +253,21 @@ def test_an_hpa_can_scale_on_a_ragline_metric(helm):
 
 
 def test_the_bundled_servers_are_scraped_on_their_own_metrics_ports(helm):
-    """Triton (GPU values) and etcd serve their own metrics; the ServiceMonitor selects their
-    Services, whose `metrics` port is the container's, which the scrapers' policy admits."""
+    """Triton (GPU values) and etcd serve their own metrics, Redis through the exporter beside
+    it; the ServiceMonitor selects their Services, whose `metrics` port is a container's,
+    which the scrapers' policy admits."""
     objects = render(helm, CHART, *OPERATOR_API, *VALUES["gpu"])
     monitor = by_kind(objects, "ServiceMonitor")[0]
     wanted = monitor["spec"]["selector"]["matchLabels"]
     services = {s["metadata"]["name"]: s for s in by_kind(objects, "Service")}
     workloads = {w["metadata"]["name"]: w for w in objects if w["kind"] in KINDS}
-    for name, port in (("rl-triton", 8002), ("rl-etcd", 2381)):
+    for name, port in (("rl-triton", 8002), ("rl-etcd", 2381), ("rl-redis", 9121)):
         service = services[name]
         assert wanted.items() <= service["metadata"]["labels"].items(), name
         (metrics,) = [p for p in service["spec"]["ports"] if p["name"] == "metrics"]
         assert metrics["port"] == port
-        container = workloads[name]["spec"]["template"]["spec"]["containers"][0]
-        named = {p["name"]: p["containerPort"] for p in container["ports"]}
+        containers = workloads[name]["spec"]["template"]["spec"]["containers"]
+        named = {p["name"]: p["containerPort"] for c in containers for p in c["ports"]}
         assert named["metrics"] == port, name
     etcd = workloads["rl-etcd"]["spec"]["template"]["spec"]["containers"][0]
     assert "--listen-metrics-urls=http://0.0.0.0:2381" in etcd["command"] + etcd.get("args", [])

@@ -48,6 +48,58 @@ def test_the_rendered_users_admit_the_services_user_only(helm, tmp_path):
     assert secret_holders(objects, "rl-redis-client") == {"rl-orchestrator", "rl-generation"}
 
 
+def test_the_exporters_user_reads_redis_state_and_no_cached_entry(helm, tmp_path):
+    """The exporter beside Redis signs in as its own user: what redis_exporter asks
+    (INFO, CONFIG GET, SLOWLOG, LATENCY, CLIENT SETNAME) is allowed, reading or writing a
+    key (a tenant's cached answer) is not. Without its password there is no exporter."""
+    import redis
+
+    exporter = ["--set", "redis.exporter.password=an-exporter-password"]
+    objects = render(helm, CHART, *SECURED, *exporter)
+    (acl,) = [o for o in objects if o["metadata"]["name"] == "rl-redis-acl"]
+    (tmp_path / "users.acl").write_text(acl["stringData"]["users.acl"])
+    server = RedisServer(tmp_path / "redis", free_ports(1)[0])
+    server.start_with(["--aclfile", str(tmp_path / "users.acl")])
+    try:
+        services = redis.Redis(port=server.port, username="ragline", password=PASSWORD)
+        services.set("tenant-answer", b"secret")
+        reader = redis.Redis(port=server.port, username="exporter", password="an-exporter-password")
+        reader.client_setname("redis_exporter")
+        assert reader.ping() and "redis_version" in reader.info()
+        assert reader.config_get("maxmemory")
+        reader.slowlog_len()
+        reader.execute_command("LATENCY", "LATEST")
+        for forbidden in (lambda: reader.get("tenant-answer"), lambda: reader.set("k", b"v")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                forbidden()
+        services.close()
+        reader.close()
+    finally:
+        server.stop()
+    (statefulset,) = [
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-redis"
+    ]
+    containers = {c["name"]: c for c in statefulset["spec"]["template"]["spec"]["containers"]}
+    env = {e["name"]: e for e in containers["exporter"]["env"]}
+    assert env["REDIS_USER"]["value"] == "exporter"
+    readers = {
+        (workload["metadata"]["name"], container["name"])
+        for workload in objects
+        if workload["kind"] in ("Deployment", "StatefulSet", "Job")
+        for container in workload["spec"]["template"]["spec"]["containers"]
+        for variable in container.get("env", [])
+        if variable.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "rl-redis-exporter"
+    }
+    assert readers == {("rl-redis", "exporter")}  # its password reaches it alone
+    # a password for the services' user and none for the exporter's: no exporter at all
+    objects = render(helm, CHART, *SECURED)
+    (statefulset,) = [
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-redis"
+    ]
+    names = [c["name"] for c in statefulset["spec"]["template"]["spec"]["containers"]]
+    assert names == ["redis"]
+
+
 def test_a_password_without_its_user_fails_with_what_to_set(helm):
     result = template(helm, *KEYS, "--set", f"redis.password={PASSWORD}")
     assert result.returncode != 0 and "config.RAGLINE_REDIS_USERNAME" in result.stderr

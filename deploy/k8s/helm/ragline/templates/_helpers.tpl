@@ -37,6 +37,14 @@ member (gRPC's DNS resolver; a list of names would not be one target). */ -}}
 {{- ne (toString .Values.config.RAGLINE_TLS_MODE) "off" -}}
 {{- end -}}
 
+{{- /* Whether the bundled Redis has its exporter: asked for, and a way to log in (no
+password asked, or the exporter's own user's). */ -}}
+{{- define "ragline.redisExporter" -}}
+{{- if and .Values.redis.enabled .Values.redis.exporter.enabled (or (not .Values.redis.password) .Values.redis.exporter.password) -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{- /* Whether Prometheus can read the bundled Qdrant's /metrics: no key asked, or the
 read-only one to send. */ -}}
 {{- define "ragline.qdrantScraped" -}}
