@@ -14,8 +14,11 @@ its retries share the same deadline.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -70,6 +73,52 @@ def open_channel(
     return grpc.aio.secure_channel(channel_target(target), credentials, options=options)
 
 
+@dataclass(frozen=True)
+class Replica:
+    """One process of a service: `target` reaches it alone; `server_name` is the name its
+    certificate holds where `target` is an IP address (empty: the target's own host)."""
+
+    target: str
+    server_name: str = ""
+
+
+async def each_replica(address: str) -> list[Replica]:
+    """Every replica behind a configured address, each reachable alone: the members of an
+    address list, each address a name resolves to (a headless Service's pods), else the
+    address itself (a unix socket; a name that does not resolve: tried as it is, so the
+    call fails as a call to it would). For what every replica must hear, where the
+    round-robin of one channel reaches one."""
+    target = channel_target(address)
+    scheme, _, rest = target.partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        return [Replica(part) for part in rest.split(",")]
+    if scheme == "unix" or target.startswith("unix"):
+        return [Replica(target)]
+    hostport = rest.rpartition("/")[2] if scheme == "dns" else target
+    host, _, port = hostport.rpartition(":")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        return [Replica(target)]  # one address already
+    except ValueError:
+        pass
+    try:
+        found = await asyncio.get_running_loop().getaddrinfo(
+            host, int(port), type=socket.SOCK_STREAM
+        )
+    except (OSError, ValueError):
+        return [Replica(target)]
+    # One family: a dual-stack name gives each replica twice, once per family.
+    family = socket.AF_INET if any(info[0] == socket.AF_INET for info in found) else None
+    addresses = dict.fromkeys(
+        str(info[4][0]) for info in found if family is None or info[0] == family
+    )
+    return [
+        Replica(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}", server_name=host)
+        for ip in addresses
+    ]
+
+
 def open_sync_channel(target: str, tls: TlsConfig | None = None) -> grpc.Channel:
     """The same for a blocking caller (a tool waiting for a service to start)."""
     tls = tls if tls is not None else TlsConfig()
@@ -89,7 +138,7 @@ class ChannelPool:
     """
 
     def __init__(self, tls: TlsConfig | None = None) -> None:
-        self._channels: dict[tuple[int, str], grpc.aio.Channel] = {}
+        self._channels: dict[tuple[int, str, str], grpc.aio.Channel] = {}
         self._closing: set[asyncio.Future[None]] = set()  # retired channels closing after a grace
         self._tls = tls
         self._credentials: ClientCredentials | None = None
@@ -110,7 +159,7 @@ class ChannelPool:
         retired, self._channels = self._channels, {}
         grace_s = self._tls.client_rotation_grace_s if self._tls else 0.0
         loop = asyncio.get_running_loop()
-        for (loop_id, _), channel in retired.items():
+        for (loop_id, _, _), channel in retired.items():
             if loop_id == id(loop):
                 loop.call_later(grace_s, self._close_retired, channel)
 
@@ -119,15 +168,18 @@ class ChannelPool:
         self._closing.add(closing)
         closing.add_done_callback(self._closing.discard)
 
-    def get(self, target: str) -> grpc.aio.Channel:
+    def get(self, target: str, server_name: str = "") -> grpc.aio.Channel:
+        """`server_name`: the name to check in the server's certificate instead of the
+        target's host (a replica reached by its IP address, see `each_replica`)."""
         credentials = self._client_credentials()
-        key = (id(asyncio.get_running_loop()), target)
+        key = (id(asyncio.get_running_loop()), target, server_name)
         channel = self._channels.get(key)
         if channel is None:
+            named = [("grpc.ssl_target_name_override", server_name)] if server_name else []
             channel = open_channel(
                 target,
                 self._tls,
-                _CHANNEL_OPTIONS,
+                [*_CHANNEL_OPTIONS, *named],
                 credentials=credentials.credentials if credentials else None,
             )
             self._channels[key] = channel
@@ -155,12 +207,14 @@ class ServiceClient:
         caller: identity.Caller | None = None,
         token: str | None = None,
         service_credential: bool = True,
+        server_name: str = "",
     ) -> None:
         """`caller` replaces the propagated identity (a CLI, a test); `token` is a client
         token sent as `authorization: Bearer` (a client outside the services). Otherwise
         the process's service credential goes with the propagated identity, unless
         `service_credential` is False (a process that passes on a caller it has not
-        verified, the HTTP gateway: the services behind verify the caller themselves)."""
+        verified, the HTTP gateway: the services behind verify the caller themselves).
+        `server_name`: the name its certificate holds where `target` is an IP address."""
         self.stub_class = stub_class
         self.target = target
         self._pool = pool or default_pool
@@ -168,6 +222,7 @@ class ServiceClient:
         self._caller = caller
         self._token = token
         self._service_credential = service_credential
+        self._server_name = server_name
         self._stub_cache: tuple[grpc.aio.Channel, object] | None = None
         # `ragline.v1.EmbeddingService`: the RPC service a client span names, made once.
         package = stub_class.__module__.rpartition(".")[0]
@@ -185,7 +240,7 @@ class ServiceClient:
     def stub(self) -> Any:
         """The generated stub on this event loop's channel (its methods are called by
         name, so to the checker it is Any)."""
-        channel = self._pool.get(self.target)
+        channel = self._pool.get(self.target, self._server_name)
         if self._stub_cache is None or self._stub_cache[0] is not channel:
             self._stub_cache = (channel, self.stub_class(channel))
         return self._stub_cache[1]

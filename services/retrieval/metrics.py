@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ragline.metrics import LATENCY_BUCKETS, ProcessMetrics, read_safely
+from ragline_services.retrieval.forget_notices import NoticeCounts
 from ragline_services.retrieval.index import RetrievalIndex, SearchResult
 from ragline_services.retrieval.vectors import VectorIndexStatus
 
@@ -117,6 +118,28 @@ class RetrievalMetrics:
 
     def watch(self, index: RetrievalIndex) -> None:
         self._process.registry.register(IndexCollector(index))
+
+    def watch_notices(self, counts: NoticeCounts) -> None:
+        """The delete notices to the services keeping copies (forget_notices.py)."""
+        self._process.reading(
+            "ragline_retrieval_forget_notices_total",
+            "Notices that documents were deleted or overwritten, to a service keeping "
+            "copies of their text, by result: delivered (every replica took it), retried "
+            "(an attempt failed; tried again), given_up (dropped: past the retry window, "
+            "or over the bound of ids waiting).",
+            "counter",
+            ("result",),
+        ).add(
+            lambda: {
+                ("delivered",): counts.delivered,
+                ("retried",): counts.retried,
+                ("given_up",): counts.given_up,
+            }
+        )
+        self._process.reading(
+            "ragline_retrieval_forget_notice_ids_waiting",
+            "Document ids of notices not delivered yet, over all targets.",
+        ).add(lambda: counts.pending_ids)
 
     def searched(self, result: SearchResult, seconds: float) -> None:
         self.search_seconds.labels(result.mode_used).observe(seconds)

@@ -17,7 +17,7 @@ import structlog
 from pydantic import Field
 
 from ragline import deadlines
-from ragline.clients import ServiceClient, connect
+from ragline.clients import Replica, ServiceClient, connect, each_replica
 from ragline.config import ConfigError, ServiceConfig
 from ragline.cores import usable_cores
 from ragline.errors import DeadlineExceeded, ResourceExhausted, Unavailable
@@ -297,6 +297,7 @@ class RetrievalService(Service):
         if self.metrics is not None:
             metrics = self._servicer.metrics = RetrievalMetrics(self.metrics)
             metrics.watch(self.index)
+            metrics.watch_notices(self.notices.counts)
         self._servicer.index.set(self.index)
         await self.index.resume_reembed()
         if not await self._adopt_query_encoder_before_serving():
@@ -403,14 +404,32 @@ def forget_targets(common) -> list[ForgetTarget]:
 
 def _forget_call(common, address: str, stub, method: str, request) -> Callable:
     async def forget(tenant: str, ids: list[str]) -> None:
-        client = ServiceClient(
-            stub,
-            address,
-            hop_margin_s=common.hop_margin_s,
-            caller=Caller(tenant, principal="retrieval", scopes=frozenset({WRITE_SCOPE})),
-        )
-        with deadlines.deadline_scope(FORGET_CALL_S):
-            await client.unary(method, request(ids))
+        # Every replica keeps copies of its own: each is told (a load-balanced call would
+        # reach one), resolved anew each time (replicas come and go).
+        caller = Caller(tenant, principal="retrieval", scopes=frozenset({WRITE_SCOPE}))
+
+        async def tell(replica: Replica) -> None:
+            client = ServiceClient(
+                stub,
+                replica.target,
+                hop_margin_s=common.hop_margin_s,
+                caller=caller,
+                server_name=replica.server_name,
+            )
+            with deadlines.deadline_scope(FORGET_CALL_S):
+                await client.unary(method, request(ids))
+
+        replicas = await each_replica(address)
+        told = await asyncio.gather(*(tell(r) for r in replicas), return_exceptions=True)
+        # One that failed fails the notice, which is tried again for all (forgetting
+        # twice is forgetting).
+        failed = [(r, e) for r, e in zip(replicas, told, strict=True) if e is not None]
+        if failed:
+            replica, error = failed[0]
+            raise RuntimeError(
+                f"{len(failed)} of {len(replicas)} replicas did not take it "
+                f"({replica.target}: {error})"
+            ) from error
 
     return forget
 

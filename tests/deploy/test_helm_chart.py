@@ -92,7 +92,7 @@ def test_stateless_inner_services_are_called_through_a_headless_name_of_every_po
         assert int(config[f"RAGLINE_{name.upper()}_MAX_CONNECTION_AGE_S"]) > 0
 
 
-def test_inner_services_accept_only_the_orchestrator(helm):
+def test_inner_services_accept_only_the_services_that_call_them(helm):
     objects = render(helm)
     policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "NetworkPolicy"}
 
@@ -100,9 +100,11 @@ def test_inner_services_accept_only_the_orchestrator(helm):
         rule = policies[f"rl-{name}"]["spec"]["ingress"][0]["from"]
         return {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in rule}
 
-    # and the chart's test pod, which asks their health (`helm test`)
-    for inner in ("rerank", "generation", "budget"):
-        assert callers(inner) == {"orchestrator", "helm-test"}, inner
+    # and the chart's test pod, which asks their health (`helm test`); retrieval tells rerank
+    # and generation which documents were deleted (their copies go too)
+    assert callers("budget") == {"orchestrator", "helm-test"}
+    for keeper in ("rerank", "generation"):
+        assert callers(keeper) == {"orchestrator", "retrieval", "helm-test"}, keeper
     # retrieval embeds queries; the HTTP gateway serves /v1/embeddings, /v1/search and
     # /v1/documents
     assert callers("embedding") == {"orchestrator", "retrieval", "gateway", "helm-test"}
