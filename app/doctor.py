@@ -227,7 +227,7 @@ def ports(options: Options) -> Finding:
 
 def models(_: Options) -> Finding:
     from ragline.models import ModelStore
-    from ragline_app.cli import default_models
+    from ragline_app.commands.models import default_models
 
     store = ModelStore()
     names = default_models()

@@ -68,7 +68,7 @@ def test_every_copied_path_exists_and_local_state_stays_out():
 
 
 def test_the_image_bakes_in_the_models_the_service_defaults_name():
-    from ragline_app.cli import default_models
+    from ragline_app.commands.models import default_models
 
     match = re.search(r'^ARG MODELS="([^"]*)"', DOCKERFILE, re.MULTILINE)
     baked = set(match.group(1).split())
