@@ -89,6 +89,7 @@ class Outcome:
     escalated: bool = False
     signals: tuple[str, ...] = ()
     route: str = ""
+    subqueries: tuple[str, ...] = ()  # the agent plan's lookups
     parts_answered: int = 0  # multi-part questions: parts whose gold answer is in the answer
     parts_cited: int = 0  # ... and whose paragraph is cited
     # What the verifier's fit (tools/fit_verifier.py) reads again: the gold answers and
@@ -178,6 +179,7 @@ async def ask_one(
     outcome.escalated = result.escalated
     outcome.signals = tuple(s.split(":")[0] for s in result.escalation_signals)
     outcome.route = result.route
+    outcome.subqueries = tuple(result.subqueries)
     if isinstance(question, MultiPart):
         cited = {c.document_id for c in result.citations}
         for part in question.parts:
@@ -582,7 +584,13 @@ def main() -> int:
         plot(runs, args.plot)
     if args.json:
         args.json.write_text(
-            json.dumps({r.name: [o.__dict__ for o in r.outcomes] for r in runs}, indent=1)
+            json.dumps(
+                {
+                    r.name: [o.__dict__ for o in r.outcomes]
+                    for r in [*runs, *extra["tiers"], *extra["multipart"]]
+                },
+                indent=1,
+            )
         )
     return 0
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ragline.budget import Amounts
 from ragline.vocabulary import SearchMode
+from ragline_services.orchestrator import followup
 from ragline_services.orchestrator.params import RetrieveParams
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 
@@ -90,7 +91,9 @@ _CUTS = re.compile(
     r"|\s*[:：]\s*(?=\S)"  # "A: B?" (kept only before a question, below)
     r"|,?\s+and also[:,]?\s+"  # "A, and also B?"
     r"|,?\s+as well as\s+"  # "A, as well as when B?" (kept only before a question)
-    r"|,?\s+and\s+(?=(?:what|who|whom|when|where|which|how|why|whose)\b)"  # "A and who B?"
+    # "A and who B?", "A, and in which year B?"
+    r"|,?\s+and\s+(?=(?:(?:in|on|at|for|from|to|by|with|since|under|of|during)\s+)?"
+    r"(?:what|who|whom|when|where|which|how|why|whose)\b)"
     r"|，?\s*(?:以及|还有|另外|并且|同时)\s*"  # Chinese joiners (kept before a question)
     r"|\s*，\s*",  # "A在哪里，B是多少？" (kept only between two questions)
     re.IGNORECASE,
@@ -121,6 +124,8 @@ def clauses(question: str) -> list[str]:
         if not before.strip() or len(after.strip()) < 3:
             continue
         joiner = cut.group(0)
+        if after.lstrip().startswith(("(", "（")):
+            continue  # "When was it built? (Sigismund's Column)": a subject, not a question
         if _NEEDS_A_QUESTION_AFTER.search(joiner) and not _asks(after):
             continue  # "X as well as Y" joins words, not questions
         if ":" in joiner and not (_WH_ANYWHERE.search(before) or _CJK_ASK.search(before)):
@@ -137,6 +142,17 @@ def clauses(question: str) -> list[str]:
 
 def needs_several_lookups(question: str) -> bool:
     return len(clauses(question)) > 1
+
+
+def clause_lookups(question: str) -> tuple[str, ...]:
+    """The router's lookups for a question that joins several: its clauses, a later one
+    that refers back ("... and which hash does it use?") read with the first one's subject
+    (followup.py's rule), since each is searched alone."""
+    found = clauses(question)
+    if len(found) < 2:
+        return ()
+    first = [followup.Turn("user", found[0])]
+    return (found[0], *(followup.resolve(clause, first).question for clause in found[1:]))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,14 @@ from ragline.vocabulary import CachePolicy
 from ragline_services.orchestrator import answerability, verifier
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.admission import Admission
-from ragline_services.orchestrator.agent import Costs, affordable, agent_plan, with_planning
+from ragline_services.orchestrator.agent import (
+    AgentPlan,
+    Costs,
+    SubQuery,
+    affordable,
+    agent_plan,
+    with_planning,
+)
 from ragline_services.orchestrator.caches import (
     ANSWER,
     CacheUse,
@@ -73,6 +80,9 @@ class AskInput:
     # The agent plan (chosen by the caller or the router) instead of the RAG plan.
     agent: bool = False
     route_reason: str = ""
+    # The questions the router found joined in the question (its rule, agent.py): the
+    # lookups themselves, no planning call. Empty: the planner writes them.
+    clauses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -406,7 +416,11 @@ class Orchestrator:
         route = _Route("explicit" if request.plan else "rag", request.route_reason)
         self._runs.add(ctx)
         try:
-            if request.agent:
+            if request.agent and request.clauses:
+                plan, result, route = await self._run_clauses(
+                    ctx, budget, runner_for, request.clauses
+                )
+            elif request.agent:
                 plan, result, route = await self._run_agent(ctx, budget, runner_for, plan)
             else:
                 result = await runner_for(plan).run()
@@ -450,6 +464,49 @@ class Orchestrator:
 
     # -- the agent plan -------------------------------------------------------------------------
 
+    async def _run_clauses(
+        self, ctx: RunContext, budget: TaskBudget, runner_for, clauses: tuple[str, ...]
+    ):
+        """The agent plan's lookups and synthesis for the questions the router found joined:
+        each clause is a lookup and the part its answer answers, as written (a planning
+        call cost a model run, and the small model's lookups were keyword fragments that
+        its part answers then echoed: docs/answer-states.md)."""
+        planned = AgentPlan(subqueries=[SubQuery(query=clause) for clause in clauses])
+        graph, result, kept, dropped = await self._lookups_and_synthesis(
+            ctx, budget, runner_for, planned
+        )
+        route = _Route(
+            "agent",
+            f"the router's {len(clauses)} questions, {len(kept)} looked up in parallel"
+            + (f", {len(dropped)} optional dropped for the budget" if dropped else ""),
+            list(clauses),
+        )
+        return graph, result, route
+
+    async def _lookups_and_synthesis(
+        self, ctx: RunContext, budget: TaskBudget, runner_for, planned: AgentPlan
+    ):
+        """Runs the lookups of `planned` the budget affords, in parallel, and the synthesis:
+        (the graph, its result, the lookups kept, those dropped)."""
+        s = ctx.settings
+        remaining = await self._remaining(budget)
+        # A lookup: its search (the query embedded), its sentences embedded for the gate
+        # and the evidence, its part's answer. The synthesis: the one embedding call.
+        costs = Costs(
+            subquery=Amounts(
+                input_tokens=64 + s.embed_sentences * 40 + s.evidence_tokens + 150,
+                output_tokens=s.answer_tokens,
+                calls=2,
+            ),
+            synthesis=Amounts(calls=1),
+        )
+        kept, dropped = affordable(planned, remaining, costs, allow_degrade=s.allow_degrade)
+        graph = agent_plan(kept, allow_degrade=s.allow_degrade, k=min(s.candidates, 10))
+        result = await runner_for(graph).run()
+        for sub in dropped:
+            result.degraded.append(f"lookup_dropped_budget: {sub.query}")
+        return graph, result, kept, dropped
+
     async def _run_agent(self, ctx: RunContext, budget: TaskBudget, runner_for, rag: Plan):
         """Plans, then runs the lookups the plan affords in parallel and the synthesis;
         falls back to the RAG plan when the planner's replies were malformed twice."""
@@ -467,23 +524,9 @@ class Orchestrator:
                 + "): answered with the RAG plan"
             )
             return _merged_run(planning, first, rag, second, _Route("rag_fallback", detail))
-        s = ctx.settings
-        remaining = await self._remaining(budget)
-        # A lookup: its search (the query embedded), its sentences embedded for the gate
-        # and the evidence, its part's answer. The synthesis: the one embedding call.
-        costs = Costs(
-            subquery=Amounts(
-                input_tokens=64 + s.embed_sentences * 40 + s.evidence_tokens + 150,
-                output_tokens=s.answer_tokens,
-                calls=2,
-            ),
-            synthesis=Amounts(calls=1),
+        graph, second, kept, dropped = await self._lookups_and_synthesis(
+            ctx, budget, runner_for, planned.plan
         )
-        kept, dropped = affordable(planned.plan, remaining, costs, allow_degrade=s.allow_degrade)
-        graph = agent_plan(kept, allow_degrade=s.allow_degrade, k=min(s.candidates, 10))
-        second = await runner_for(graph).run()
-        for sub in dropped:
-            second.degraded.append(f"lookup_dropped_budget: {sub.query}")
         route = _Route(
             "agent",
             f"{len(kept)} lookup(s) run in parallel"

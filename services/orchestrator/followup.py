@@ -81,6 +81,16 @@ _ASKING = frozenset(
 )
 
 
+# The subject `resolve` carries, as it writes it after the question.
+_CARRIED = re.compile(r"\s*\([^()]*\)\s*$")
+
+
+def without_subject(question: str) -> str:
+    """`question` without a subject `resolve` carried into it (what a model is asked to
+    answer: it would copy the subject's words otherwise)."""
+    return _CARRIED.sub("", question) or question
+
+
 def resolve(question: str, conversation: Sequence[Turn]) -> Resolved:
     """The question to answer: `question` itself, or with the subject of the last user turn
     when it refers back to it."""

@@ -22,7 +22,7 @@ from ragline.v1 import (
 )
 from ragline.vocabulary import ModelTier, tier_to_proto
 from ragline.words import mostly_han
-from ragline_services.orchestrator import answerability, second_read, verifier
+from ragline_services.orchestrator import answerability, followup, second_read, verifier
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.agent import (
     PLANNER_PROMPT,
@@ -147,7 +147,9 @@ async def _answer(
     s = ctx.settings
     given = step.node.params_as(AnswerParams)
     tier = given.tier or s.tier
-    user = ev.user_message(s.question, evidence, part=question)
+    # A part is shown as asked, without a subject carried into it for its lookup.
+    asked = "" if question == s.question else followup.without_subject(question)
+    user = ev.user_message(s.question, evidence, part=asked)
     prompt_tokens = ev.tokens_estimate(ev.SYSTEM_PROMPT + user) + 16  # + chat template
     # The answer must fit the model's context beside the prompt (the estimate may be short
     # of the real count: a quarter more is kept free).

@@ -21,7 +21,7 @@ from ragline.vocabulary import (
 )
 from ragline_services.orchestrator import followup
 from ragline_services.orchestrator import plan as plans
-from ragline_services.orchestrator.agent import needs_several_lookups
+from ragline_services.orchestrator.agent import clause_lookups
 from ragline_services.orchestrator.caches import Viewer
 from ragline_services.orchestrator.core import (
     AnswerState,
@@ -109,16 +109,23 @@ def settings_of(
     )
 
 
-def route_of(request: orchestrator_pb2.AskRequest) -> dict:
-    """The agent plan or not: the caller's choice, else the router's rule."""
+def route_of(request: orchestrator_pb2.AskRequest, question: str | None = None) -> dict:
+    """The agent plan or not: the caller's choice, else the router's rule; `question`: as
+    resolved (default: the request's). A question the rule splits is looked up clause by
+    clause, without a planning call."""
     if request.HasField("plan"):
         return {"agent": False, "route_reason": "the request sent its own plan"}
     if request.plan_choice == orchestrator_pb2.PLAN_CHOICE_AGENT:
         return {"agent": True, "route_reason": "the request chose the agent plan"}
     if request.plan_choice == orchestrator_pb2.PLAN_CHOICE_RAG:
         return {"agent": False, "route_reason": "the request chose the RAG plan"}
-    if needs_several_lookups(request.question):
-        return {"agent": True, "route_reason": "router: the question joins several questions"}
+    lookups = clause_lookups(request.question if question is None else question)
+    if lookups:
+        return {
+            "agent": True,
+            "route_reason": "router: the question joins several questions",
+            "clauses": lookups,
+        }
     return {"agent": False, "route_reason": "router: one lookup"}
 
 
@@ -187,7 +194,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         orchestrator = self.orchestrator.value
         caller = current_caller()  # UNAUTHENTICATED before any work when no tenant came
         resolved = question_of(request)
-        route = route_of(request)
+        route = route_of(request, resolved.question)
         if resolved.subject:
             route["route_reason"] += f"; follow-up read with ({resolved.subject})"
         ask = AskInput(

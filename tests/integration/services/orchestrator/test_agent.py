@@ -1,7 +1,8 @@
-"""The agent plan with every service a real process: the router sends a joined question to
-it, the planner's lookups run concurrently (read off the timing report), a tight budget
-drops optional lookups with PARTIAL, a malformed plan falls back to the RAG plan. Where the
-model must say something on cue, a proxy in front of the real generation service says it."""
+"""The agent plan with every service a real process: the router looks up each question a
+joined question holds (no planning call), the planner's lookups run concurrently (read off
+the timing report), a tight budget drops optional lookups with PARTIAL, a malformed plan
+falls back to the RAG plan. Where the model must say something on cue, a proxy in front of
+the real generation service says it."""
 
 from __future__ import annotations
 
@@ -38,12 +39,35 @@ def plan_of(*subqueries: tuple[str, bool]) -> str:
     )
 
 
-async def test_the_router_sends_a_joined_question_to_the_agent_and_lookups_run_together(
+async def test_the_router_looks_up_each_question_a_question_joins_with_no_planning_call(
     proxied,
 ):
+    proxy, orchestrator = await proxied()
+    result = await ask(orchestrator.address, TWO_PARTS)
+    assert result.route == "agent", result.route_detail
+    assert "the router's 2 questions" in result.route_detail
+    # its own clauses are the lookups, and the parts the answers answer
+    assert list(result.subqueries) == [
+        "Which river flows through Warsaw",
+        "who designed the University Library garden?",
+    ]
+    assert not any(is_planning(r) for r in proxy.forwarded)
+    assert "plan" not in {n.node_id for n in result.timing.nodes}
+    first, second = lookups(result)
+    (a_start, a_end), (b_start, b_end) = interval(first), interval(second)
+    assert a_start < b_end and b_start < a_end  # side by side
+    assert len(answer_calls(proxy.forwarded)) == 2  # one generation per part
+    assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, (result.status, result)
+    first_part, second_part = result.answer.split(";")
+    assert "vistula" in first_part.lower() and "bajerska" in second_part.lower(), result.answer
+
+
+async def test_the_planners_lookups_run_together(proxied):
     plan = plan_of(("river through Warsaw", True), ("University Library garden designer", True))
     proxy, orchestrator = await proxied(lambda r: plan if is_planning(r) else None)
-    result = await ask(orchestrator.address, TWO_PARTS)
+    result = await ask(
+        orchestrator.address, TWO_PARTS, plan_choice=orchestrator_pb2.PLAN_CHOICE_AGENT
+    )
     assert result.route == "agent", result.route_detail
     assert list(result.subqueries) == ["river through Warsaw", "University Library garden designer"]
     first, second = lookups(result)
@@ -73,7 +97,10 @@ async def test_a_tight_budget_drops_the_optional_lookup_and_the_answer_is_partia
     # Enough for the planning call, one lookup (its search and its part's answer) and the
     # synthesis's embedding of the evidence; not for the second lookup.
     budget = common_pb2.BudgetAmounts(input_tokens=1200, output_tokens=400, calls=4)
-    result = await ask(orchestrator.address, TWO_PARTS, budget=budget, allow_degrade=True)
+    agent = orchestrator_pb2.PLAN_CHOICE_AGENT  # the planner marks the second lookup optional
+    result = await ask(
+        orchestrator.address, TWO_PARTS, budget=budget, allow_degrade=True, plan_choice=agent
+    )
     assert result.route == "agent"
     assert [n.node_id for n in lookups(result)] == ["lookup1"]
     assert any(d.startswith("lookup_dropped_budget") for d in result.degraded), result.degraded
@@ -82,7 +109,7 @@ async def test_a_tight_budget_drops_the_optional_lookup_and_the_answer_is_partia
         assert getattr(result.budget.used, amount) <= getattr(budget, amount)
     # Without leave to degrade nothing is dropped in advance: the budget refuses a call and
     # the answer is INCOMPLETE, never a guess.
-    strict = await ask(orchestrator.address, TWO_PARTS, budget=budget)
+    strict = await ask(orchestrator.address, TWO_PARTS, budget=budget, plan_choice=agent)
     assert not any(d.startswith("lookup_dropped") for d in strict.degraded)
     assert strict.status.state == common_pb2.ANSWER_STATE_INCOMPLETE, strict.status
 

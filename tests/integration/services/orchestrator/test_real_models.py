@@ -63,8 +63,10 @@ async def test_the_large_tier_cures_an_answer_the_small_one_could_not_ground(pro
 
 async def test_the_small_model_writes_the_agent_plan_and_each_part_is_answered(rag_stack):
     orchestrator = await asyncio.to_thread(rag_stack.orchestrator)
-    result = await ask(orchestrator.address, TWO_PARTS)
-    # The router picked the agent plan; the real model's plan parsed (no fallback).
+    result = await ask(
+        orchestrator.address, TWO_PARTS, plan_choice=orchestrator_pb2.PLAN_CHOICE_AGENT
+    )
+    # The agent plan as asked; the real model's plan parsed (no fallback).
     assert result.route == "agent", (result.route, result.route_detail)
     assert len(result.subqueries) >= 2, list(result.subqueries)
     plan = next(n for n in result.timing.nodes if n.node_id == "plan")

@@ -132,3 +132,47 @@ def test_the_graph_runs_every_lookup_in_parallel_into_the_synthesis():
     whole = with_planning(Node("plan", Kind.PLAN), graph)
     assert [n.depends_on for n in whole.nodes][:2] == [(), ("plan",)]
     assert whole.node("synthesize").depends_on == ("lookup1", "lookup2", "lookup3")
+
+
+def test_the_routers_lookups_are_its_clauses_a_later_one_with_the_first_ones_subject():
+    from ragline_services.orchestrator.agent import clause_lookups
+
+    assert clause_lookups("Which river flows through Warsaw?") == ()
+    first, second = clause_lookups(
+        "What is the default escape character in ssh, and which hash does it use for "
+        "fingerprints by default?"
+    )
+    assert first == "What is the default escape character in ssh"
+    # "it" names nothing to search for alone: the first clause's subject goes with it
+    assert second.startswith("which hash does it use for fingerprints by default?")
+    assert "ssh" in second
+    # a clause that stands alone is searched as it is
+    assert (
+        clause_lookups(
+            "What is zstd's largest compression level, and what is gzip's worst-case expansion "
+            "ratio for large files?"
+        )[1]
+        == "what is gzip's worst-case expansion ratio for large files?"
+    )
+
+
+def test_a_follow_ups_carried_subject_is_not_another_question():
+    from ragline_services.orchestrator.agent import clauses
+    from ragline_services.orchestrator.followup import without_subject
+
+    resolved = "And when was it built? (Sigismund's Column)"
+    assert clauses(resolved) == [resolved]  # one lookup: the RAG plan
+    assert without_subject(resolved) == "And when was it built?"
+    assert without_subject("What is (x)?") == "What is (x)?"  # only a trailing subject
+
+
+def test_a_second_question_may_open_with_a_preposition():
+    from ragline_services.orchestrator.agent import clauses
+
+    assert clauses(
+        "Since which version does xz --keep handle symbolic links, and in which release was "
+        "the + prefix for threads added?"
+    ) == [
+        "Since which version does xz --keep handle symbolic links",
+        "in which release was the + prefix for threads added?",
+    ]
