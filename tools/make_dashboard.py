@@ -298,6 +298,23 @@ ROWS: list[tuple[str, list]] = [
                 ],
             ),
             (
+                "Delete notices to rerank and generation",
+                "short",
+                [
+                    (
+                        q(
+                            "sum by (result) "
+                            "(increase(ragline_retrieval_forget_notices_total{S}[1h]))"
+                        ),
+                        "{{result}} in the last hour",
+                    ),
+                    (
+                        q("sum(ragline_retrieval_forget_notice_ids_waiting{S})"),
+                        "ids waiting",
+                    ),
+                ],
+            ),
+            (
                 "HNSW builds (seconds each)",
                 "s",
                 [
