@@ -1,4 +1,5 @@
-"""The words the services share: model tiers, search modes and fusion methods, each one
+"""The words the services share: model tiers, search modes, fusion methods, cache policies
+and rerank's skip causes, each one
 StrEnum, and the one place each is converted to and from its protobuf enum.
 
 A StrEnum is its text (`SearchMode.HYBRID == "hybrid"`), so logs, JSON reports and the
@@ -13,7 +14,7 @@ import enum
 from collections.abc import Mapping
 from typing import TypeVar
 
-from ragline.v1 import common_pb2, orchestrator_pb2, retrieval_pb2
+from ragline.v1 import common_pb2, orchestrator_pb2, rerank_pb2, retrieval_pb2
 
 
 class ModelTier(enum.StrEnum):
@@ -32,6 +33,14 @@ class SearchMode(enum.StrEnum):
 class Fusion(enum.StrEnum):
     RRF = "rrf"
     SCORE = "score"
+
+
+class SkipCause(enum.StrEnum):
+    """Why rerank skipped a stage (rerank.proto's SkipCause)."""
+
+    DEADLINE = "deadline"
+    DISABLED = "disabled"
+    LANGUAGE = "language"
 
 
 class CachePolicy(enum.StrEnum):
@@ -70,7 +79,13 @@ _CACHE_TO_PROTO: dict[CachePolicy, orchestrator_pb2.CachePolicy] = {
     CachePolicy.REFRESH: orchestrator_pb2.CACHE_POLICY_REFRESH,
     CachePolicy.BYPASS: orchestrator_pb2.CACHE_POLICY_BYPASS,
 }
+_SKIP_TO_PROTO: dict[SkipCause, rerank_pb2.SkipCause] = {
+    SkipCause.DEADLINE: rerank_pb2.SKIP_CAUSE_DEADLINE,
+    SkipCause.DISABLED: rerank_pb2.SKIP_CAUSE_DISABLED,
+    SkipCause.LANGUAGE: rerank_pb2.SKIP_CAUSE_LANGUAGE,
+}
 _CACHE_FROM_PROTO = _inverse(_CACHE_TO_PROTO)
+_SKIP_FROM_PROTO = _inverse(_SKIP_TO_PROTO)
 _TIER_FROM_PROTO = _inverse(_TIER_TO_PROTO)
 _MODE_FROM_PROTO = _inverse(_MODE_TO_PROTO)
 _FUSION_FROM_PROTO = _inverse(_FUSION_TO_PROTO)
@@ -94,6 +109,15 @@ def cache_policy_to_proto(policy: CachePolicy) -> orchestrator_pb2.CachePolicy:
 def cache_policy_from_proto(value: int) -> CachePolicy:
     """UNSPECIFIED is USE (the contract's default)."""
     return _CACHE_FROM_PROTO[value]
+
+
+def skip_cause_to_proto(cause: SkipCause) -> rerank_pb2.SkipCause:
+    return _SKIP_TO_PROTO[SkipCause(cause)]
+
+
+def skip_cause_from_proto(value: int) -> SkipCause | None:
+    """None: a rerank older than the field (its reason's words are all there is)."""
+    return _SKIP_FROM_PROTO.get(value)
 
 
 def search_mode_to_proto(mode: SearchMode) -> retrieval_pb2.SearchMode:

@@ -15,6 +15,7 @@ from ragline.v1 import (
     embedding_pb2,
     rerank_pb2,
 )
+from ragline.vocabulary import SkipCause, skip_cause_from_proto
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.caches import (
@@ -81,7 +82,7 @@ async def rerank(ctx: RunContext, step: Step) -> Ranked:
         )
         # A stage whose model does not read the question's language is left out on
         # purpose (the ranking is the better for it), not for want of time or a model.
-        lacking = [s for s in reply.skipped if not s.reason.startswith("language:")]
+        lacking = [s for s in reply.skipped if skip_cause_from_proto(s.cause) != SkipCause.LANGUAGE]
         for skipped in lacking:
             stage = rerank_pb2.RerankStage.Name(skipped.stage).removeprefix("RERANK_STAGE_")
             ctx.degraded.append(f"{stage.lower()}_skipped")

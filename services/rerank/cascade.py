@@ -39,6 +39,7 @@ from ragline import deadlines
 from ragline.batching import MicroBatcher
 from ragline.errors import DeadlineExceeded, InvalidArgument
 from ragline.tokenization import Tokenizer
+from ragline.vocabulary import SkipCause
 from ragline.words import has_han
 from ragline_services.rerank.models import dequantize, maxsim_many, quantize
 from ragline_services.rerank.token_store import TokenStore
@@ -73,11 +74,20 @@ class Scored:
     scores: dict[str, float]
 
 
+@dataclass(frozen=True)
+class Skipped:
+    """A stage left out: its cause to decide on, its reason in words."""
+
+    stage: str
+    cause: SkipCause
+    reason: str
+
+
 @dataclass
 class RerankOutput:
     results: list[Scored]
     stages_run: list[str] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (stage, reason)
+    skipped: list[Skipped] = field(default_factory=list)
     input_tokens: int = 0
     stage_seconds: list[tuple[str, float]] = field(default_factory=list)
     queue_wait_s: float = 0.0
@@ -303,9 +313,9 @@ class Reranker:
         if unread:
             # An English model scoring a Chinese question reorders at random (measured on
             # the Chinese set: hybrid nDCG@10 0.797, 0.743 after it): the order stands.
-            output.skipped.append((LATE_INTERACTION, unread))
+            output.skipped.append(Skipped(LATE_INTERACTION, SkipCause.LANGUAGE, unread))
             if not request.late_interaction_only and self.pair_batcher is not None:
-                output.skipped.append((CROSS_ENCODER, unread))
+                output.skipped.append(Skipped(CROSS_ENCODER, SkipCause.LANGUAGE, unread))
             output.results = [
                 Scored(c.id, float(c.first_stage_score), {})
                 for c in request.candidates[: request.top_k]
@@ -319,16 +329,16 @@ class Reranker:
         if request.late_interaction_only:
             pass  # the caller's choice: nothing skipped, nothing to report
         elif self.pair_batcher is None:
-            output.skipped.append((CROSS_ENCODER, "disabled"))
+            output.skipped.append(Skipped(CROSS_ENCODER, SkipCause.DISABLED, "disabled"))
         elif unread := language_skip(
             self.pair_scripts, request.query, survivors[: self.cross_encoder_candidates]
         ):
-            output.skipped.append((CROSS_ENCODER, unread))
+            output.skipped.append(Skipped(CROSS_ENCODER, SkipCause.LANGUAGE, unread))
         else:
             chosen = survivors[: self.cross_encoder_candidates]
             reason = self._cannot_afford(CROSS_ENCODER, len(chosen))
             if reason and request.allow_skip:
-                output.skipped.append((CROSS_ENCODER, reason))
+                output.skipped.append(Skipped(CROSS_ENCODER, SkipCause.DEADLINE, reason))
             elif reason:
                 raise DeadlineExceeded(
                     f"the cross-encoder would need about {reason}; the request does not allow "

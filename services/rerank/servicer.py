@@ -6,6 +6,7 @@ from ragline.identity import current_caller, write_scope_missing
 from ragline.server import Deferred
 from ragline.timing import current_clock
 from ragline.v1 import common_pb2, embedding_pb2, rerank_pb2, rerank_pb2_grpc
+from ragline.vocabulary import skip_cause_to_proto
 from ragline_services.rerank.cascade import (
     CROSS_ENCODER,
     LATE_INTERACTION,
@@ -47,8 +48,12 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
             ],
             stages_run=[_STAGES[s] for s in output.stages_run],
             skipped=[
-                rerank_pb2.SkippedStage(stage=_STAGES[stage], reason=reason)
-                for stage, reason in output.skipped
+                rerank_pb2.SkippedStage(
+                    stage=_STAGES[skip.stage],
+                    reason=skip.reason,
+                    cause=skip_cause_to_proto(skip.cause),
+                )
+                for skip in output.skipped
             ],
             usage=common_pb2.Usage(input_tokens=output.input_tokens),
             timing=clock.to_proto(),

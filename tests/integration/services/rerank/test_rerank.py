@@ -117,6 +117,7 @@ async def test_stage_two_is_skipped_when_the_deadline_cannot_afford_it(launcher)
     reply = await rerank(service.address, request, deadline_s=0.06)
     assert [s.stage for s in reply.skipped] == [rerank_pb2.RERANK_STAGE_CROSS_ENCODER]
     assert reply.skipped[0].reason.startswith("deadline")
+    assert reply.skipped[0].cause == rerank_pb2.SKIP_CAUSE_DEADLINE
     assert list(reply.stages_run) == [rerank_pb2.RERANK_STAGE_LATE_INTERACTION]
     strict = rerank_pb2.RerankRequest(
         query="Who were the Normans?", candidates=candidates(30), top_k=5

@@ -12,6 +12,7 @@ from ragline import deadlines
 from ragline.batching import MicroBatcher
 from ragline.errors import DeadlineExceeded, InvalidArgument
 from ragline.tokenization import TokenizedText
+from ragline.vocabulary import SkipCause
 from ragline_services.rerank.cascade import (
     CROSS_ENCODER,
     LATE_INTERACTION,
@@ -140,8 +141,9 @@ async def test_stage_two_is_skipped_when_the_deadline_cannot_afford_it_and_the_r
     with deadlines.deadline_scope(0.2):
         out = await reranker.rerank(question)
     assert out.stages_run == [LATE_INTERACTION]
-    assert out.skipped and out.skipped[0][0] == CROSS_ENCODER
-    assert out.skipped[0][1].startswith("deadline")
+    assert out.skipped and out.skipped[0].stage == CROSS_ENCODER
+    assert out.skipped[0].cause == SkipCause.DEADLINE
+    assert out.skipped[0].reason.startswith("deadline")
     assert models.pairs == 0 and len(out.results) == 2
     with deadlines.deadline_scope(0.2), pytest.raises(DeadlineExceeded, match="allow_skip"):
         await reranker.rerank(
@@ -402,8 +404,9 @@ async def test_a_question_the_models_do_not_read_keeps_the_order_it_came_in():
     )
     out = await reranker.rerank(RerankInput("acme", "哪条河流经华沙", CANDIDATES, top_k=3))
     assert [r.id for r in out.results] == ["far", "near", "gold"]
-    assert [stage for stage, _ in out.skipped] == [LATE_INTERACTION, CROSS_ENCODER]
-    assert all(reason.startswith("language:") for _, reason in out.skipped)
+    assert [skip.stage for skip in out.skipped] == [LATE_INTERACTION, CROSS_ENCODER]
+    assert all(skip.cause == SkipCause.LANGUAGE for skip in out.skipped)
+    assert all(skip.reason.startswith("language:") for skip in out.skipped)
     assert models.token_texts == 0 and models.pairs == 0
     # An English question is reranked by the same models as before.
     english = await reranker.rerank(
@@ -417,7 +420,9 @@ async def test_only_the_stage_whose_model_does_not_read_the_question_is_skipped(
     reranker = await make(models, pair_scripts=frozenset({"Latin"}))  # token model: any
     out = await reranker.rerank(RerankInput("acme", "华沙 river", CANDIDATES, top_k=2))
     assert out.stages_run == [LATE_INTERACTION]
-    assert [(stage, reason[:9]) for stage, reason in out.skipped] == [(CROSS_ENCODER, "language:")]
+    assert [(skip.stage, skip.cause) for skip in out.skipped] == [
+        (CROSS_ENCODER, SkipCause.LANGUAGE)
+    ]
 
 
 async def test_an_english_question_over_chinese_candidates_is_not_scored_by_english_models():
@@ -435,6 +440,6 @@ async def test_an_english_question_over_chinese_candidates_is_not_scored_by_engl
     ]
     out = await reranker.rerank(RerankInput("acme", "which river flows through warsaw", chinese))
     assert [r.id for r in out.results] == ["far", "gold"]
-    assert [stage for stage, _ in out.skipped] == [LATE_INTERACTION, CROSS_ENCODER]
-    assert all("every candidate" in reason for _, reason in out.skipped)
+    assert [skip.stage for skip in out.skipped] == [LATE_INTERACTION, CROSS_ENCODER]
+    assert all("every candidate" in skip.reason for skip in out.skipped)
     assert models.token_texts == 0 and models.pairs == 0
