@@ -115,7 +115,7 @@ def engine(_: Options) -> Finding:
 
     config = GenerationConfig()
     found = resolve_llama_server(
-        config.llama_server, config.llama_cache, CommonConfig().cache_dir, config.prebuilt or None
+        config.llama_server, config.llama_cache, CommonConfig().cache_dir, config.prebuilt
     )
     if found is None:
         return Finding(
@@ -162,7 +162,7 @@ def build_tools(_: Options) -> Finding:
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if not missing:
         return Finding("build tools", OK, "cmake and c++ found")
-    choice = GenerationConfig().prebuilt or None
+    choice = GenerationConfig().prebuilt
     prebuilt = prebuilt_llama_server(CommonConfig().cache_dir, choice)
     if prebuilt is not None:
         usable = not engine_version(prebuilt).failure

@@ -67,7 +67,7 @@ def install_prebuilt(
     return None
 
 
-def install_for_this_cpu(cache_dir: Path, choice: str | None, *, try_model: bool) -> str | None:
+def install_for_this_cpu(cache_dir: Path, choice: str, *, try_model: bool) -> str | None:
     """The first prebuilt engine of this CPU's choices that runs here: None, or why none."""
     choices = prebuilt.prebuilt_choices(machine_cpu_flags(), choice)
     if not choices:
@@ -104,7 +104,7 @@ def main() -> int:
     parser.add_argument("--no-check", action="store_true", help="do not run a model with it")
     args = parser.parse_args()
     cache_dir = CommonConfig().cache_dir
-    choice = args.prebuilt or GenerationConfig().prebuilt or None
+    choice = args.prebuilt or GenerationConfig().prebuilt
     if args.prebuilt:
         engine = prebuilt.prebuilt_choices(set(), args.prebuilt)[0]
         why_not = install_prebuilt(engine, cache_dir, try_model=not args.no_check)

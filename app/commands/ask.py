@@ -8,15 +8,11 @@ import asyncio
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 
 from ragline.config import CommonConfig
 from ragline.vocabulary import ModelTier, SearchMode, search_mode_to_proto, tier_to_proto
-
-if TYPE_CHECKING:
-    pass
 
 
 def register(sub: argparse._SubParsersAction) -> None:

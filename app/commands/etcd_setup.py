@@ -7,10 +7,6 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    pass
 
 
 def register(sub: argparse._SubParsersAction) -> None:

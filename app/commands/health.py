@@ -5,13 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from typing import TYPE_CHECKING
 
 from ragline.config import CommonConfig
 from ragline_app.commands.common import service_names
-
-if TYPE_CHECKING:
-    pass
 
 
 def register(sub: argparse._SubParsersAction) -> None:

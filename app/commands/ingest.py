@@ -8,14 +8,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 
 from ragline.config import CommonConfig
-
-if TYPE_CHECKING:
-    pass
 
 
 def register(sub: argparse._SubParsersAction) -> None:

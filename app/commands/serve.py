@@ -6,12 +6,8 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import TYPE_CHECKING
 
 from ragline_app.commands.common import service_names
-
-if TYPE_CHECKING:
-    pass
 
 
 def register(sub: argparse._SubParsersAction) -> None:

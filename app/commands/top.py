@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
 
 from ragline.config import CommonConfig
-
-if TYPE_CHECKING:
-    pass
 
 
 def register(sub: argparse._SubParsersAction) -> None:

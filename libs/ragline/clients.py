@@ -92,7 +92,7 @@ async def each_replica(address: str) -> list[Replica]:
     scheme, _, rest = target.partition(":")
     if scheme in ("ipv4", "ipv6"):
         return [Replica(part) for part in rest.split(",")]
-    if scheme == "unix" or target.startswith("unix"):
+    if target.startswith("unix"):  # unix: and unix-abstract: sockets
         return [Replica(target)]
     hostport = rest.rpartition("/")[2] if scheme == "dns" else target
     host, _, port = hostport.rpartition(":")

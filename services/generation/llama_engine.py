@@ -102,15 +102,13 @@ class LlamaServerBinary:
     kind: str  # "configured", "built for this machine", "prebuilt", "portable build"
 
 
-def prebuilt_llama_server(cache_dir: Path, choice: str | None = None) -> Path | None:
+def prebuilt_llama_server(cache_dir: Path, choice: str = "") -> Path | None:
     """The installed prebuilt engine this CPU runs best (prebuilt.py), or None."""
     found = installed_prebuilt(cache_dir, machine_cpu_flags(), choice)
     return found[1] if found else None
 
 
-def find_llama_server(
-    cache_dir: Path, prebuilt_choice: str | None = None
-) -> LlamaServerBinary | None:
+def find_llama_server(cache_dir: Path, prebuilt_choice: str = "") -> LlamaServerBinary | None:
     """The llama-server this machine runs best, in this order: the one built from source
     for its CPU (`make llama-server-from-source`: built on purpose, so it wins), the
     prebuilt engine for its CPU class (or the one named), the portable build (an image's,
@@ -131,7 +129,7 @@ def resolve_llama_server(
     configured: Path | None,
     llama_cache: Path | None,
     cache_dir: Path,
-    prebuilt_choice: str | None = None,
+    prebuilt_choice: str = "",
 ) -> LlamaServerBinary | None:
     """The binary the service runs: RAGLINE_GENERATION_LLAMA_SERVER, else the one in
     RAGLINE_GENERATION_LLAMA_CACHE, else the best one found (`find_llama_server`)."""

@@ -14,7 +14,6 @@ on one machine: docs/models.md.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -78,9 +77,10 @@ class UnknownPrebuilt(ValueError):
     pass
 
 
-def prebuilt_choices(flags: set[str], choice: str | None = None) -> tuple[PrebuiltEngine, ...]:
+def prebuilt_choices(flags: set[str], choice: str = "") -> tuple[PrebuiltEngine, ...]:
     """The engines a CPU with these flags can run, fastest first; `choice` (an engine's
-    name) narrows them to that one, whatever the flags say (the operator knows the nodes)."""
+    name; empty: none named) narrows them to that one, whatever the flags say (the operator
+    knows the nodes)."""
     if choice:
         named = tuple(engine for engine in PREBUILT_ENGINES if engine.name == choice)
         if not named:
@@ -90,12 +90,8 @@ def prebuilt_choices(flags: set[str], choice: str | None = None) -> tuple[Prebui
     return tuple(engine for engine in PREBUILT_ENGINES if engine.needs <= flags)
 
 
-def configured_choice() -> str | None:
-    return os.environ.get(PREBUILT_CHOICE_ENV) or None
-
-
 def installed_prebuilt(
-    cache_dir: Path, flags: set[str], choice: str | None = None
+    cache_dir: Path, flags: set[str], choice: str = ""
 ) -> tuple[PrebuiltEngine, Path] | None:
     """The first engine of `prebuilt_choices` that is installed, and its binary."""
     for engine in prebuilt_choices(flags, choice):

@@ -303,7 +303,7 @@ class GenerationService(Service):
     def _llama_binary(self) -> Path:
         cfg = self.config
         found = resolve_llama_server(
-            cfg.llama_server, cfg.llama_cache, self.common.cache_dir, cfg.prebuilt or None
+            cfg.llama_server, cfg.llama_cache, self.common.cache_dir, cfg.prebuilt
         )
         if found is None:  # where a build for this machine would be, for the message
             own = cpu_build(machine_cpu_flags())

@@ -140,10 +140,6 @@ def clauses(question: str) -> list[str]:
     return [c for c in found if c]
 
 
-def needs_several_lookups(question: str) -> bool:
-    return len(clauses(question)) > 1
-
-
 def clause_lookups(question: str) -> tuple[str, ...]:
     """The router's lookups for a question that joins several: its clauses, a later one
     that refers back ("... and which hash does it use?") read with the first one's subject

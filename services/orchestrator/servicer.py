@@ -109,17 +109,17 @@ def settings_of(
     )
 
 
-def route_of(request: orchestrator_pb2.AskRequest, question: str | None = None) -> dict:
-    """The agent plan or not: the caller's choice, else the router's rule; `question`: as
-    resolved (default: the request's). A question the rule splits is looked up clause by
-    clause, without a planning call."""
+def route_of(request: orchestrator_pb2.AskRequest, question: str) -> dict:
+    """The agent plan or not: the caller's choice, else the router's rule on `question` (as
+    resolved). A question the rule splits is looked up clause by clause, without a
+    planning call."""
     if request.HasField("plan"):
         return {"agent": False, "route_reason": "the request sent its own plan"}
     if request.plan_choice == orchestrator_pb2.PLAN_CHOICE_AGENT:
         return {"agent": True, "route_reason": "the request chose the agent plan"}
     if request.plan_choice == orchestrator_pb2.PLAN_CHOICE_RAG:
         return {"agent": False, "route_reason": "the request chose the RAG plan"}
-    lookups = clause_lookups(request.question if question is None else question)
+    lookups = clause_lookups(question)
     if lookups:
         return {
             "agent": True,

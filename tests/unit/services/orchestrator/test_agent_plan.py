@@ -13,8 +13,8 @@ from ragline_services.orchestrator.agent import (
     SubQuery,
     affordable,
     agent_plan,
+    clause_lookups,
     clauses,
-    needs_several_lookups,
     parse_plan,
     with_planning,
 )
@@ -46,7 +46,7 @@ from ragline_services.orchestrator.plan import Kind, Node
     ],
 )
 def test_the_router_sends_joined_questions_to_the_agent(question, several):
-    assert needs_several_lookups(question) is several
+    assert bool(clause_lookups(question)) is several
 
 
 def test_clauses_are_the_questions_joined():
@@ -135,8 +135,6 @@ def test_the_graph_runs_every_lookup_in_parallel_into_the_synthesis():
 
 
 def test_the_routers_lookups_are_its_clauses_a_later_one_with_the_first_ones_subject():
-    from ragline_services.orchestrator.agent import clause_lookups
-
     assert clause_lookups("Which river flows through Warsaw?") == ()
     first, second = clause_lookups(
         "What is the default escape character in ssh, and which hash does it use for "
