@@ -71,6 +71,11 @@ class Outcome:
     first_token_s: float | None = None
     complete_s: float | None = None
     ratio: float = 0.0
+    # Where the time went (the run's timing report): wall time of each kind of plan step,
+    # the server queue waits inside them, and the wait for admission before any step.
+    step_s: dict[str, float] = field(default_factory=dict)
+    step_wait_s: dict[str, float] = field(default_factory=dict)
+    admission_wait_s: float = 0.0
     f1: float = 0.0
     em: float = 0.0
     gold_in_prompt: bool = False
@@ -173,6 +178,15 @@ async def ask_one(
     outcome.ok = True
     outcome.state = common_pb2.AnswerState.Name(result.status.state).removeprefix("ANSWER_STATE_")
     outcome.ratio = result.timing.overhead_ratio
+    outcome.admission_wait_s = duration_s(result.timing.admission_wait)
+    for node in result.timing.nodes:
+        if node.state != orchestrator_pb2.NODE_STATE_SUCCEEDED:
+            continue
+        kind = orchestrator_pb2.NodeKind.Name(node.kind).removeprefix("NODE_KIND_").lower()
+        spent = duration_s(node.finished) - duration_s(node.began)
+        outcome.step_s[kind] = outcome.step_s.get(kind, 0.0) + spent
+        waited = duration_s(node.server.queue_wait)
+        outcome.step_wait_s[kind] = outcome.step_wait_s.get(kind, 0.0) + waited
     outcome.answer_hit = result.cache.answer_hit
     outcome.input_tokens = result.budget.used.input_tokens
     outcome.output_tokens = result.budget.used.output_tokens
@@ -284,6 +298,37 @@ def table(runs: list[Run]) -> str:
             f"{sum(o.gold_in_prompt for o in run.outcomes) / n:.2f}",
             f"{sum(o.gold_cited for o in run.outcomes) / n:.2f}",
         ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def duration_s(value) -> float:
+    return value.seconds + value.nanos / 1e9
+
+
+def steps_table(runs: list[Run]) -> str:
+    """Per run, the p50 of each kind of step's wall time (ms), its server queue wait in
+    brackets where there was one, and the admission wait p50 / p95: the queues of c>1."""
+    kinds = sorted({k for run in runs for o in run.outcomes for k in o.step_s})
+    lines = [
+        "| configuration | admission wait p50 / p95 (ms) | "
+        + " | ".join(f"{k} p50 (ms)" for k in kinds)
+        + " |",
+        "|---|---|" + "---|" * len(kinds),
+    ]
+    for run in runs:
+        ok = [o for o in run.outcomes if o.ok]
+        if not ok:
+            continue
+        waits = np.percentile([o.admission_wait_s * 1000 for o in ok], [50, 95])
+        cells = [run.name, f"{waits[0]:.0f} / {waits[1]:.0f}"]
+        for kind in kinds:
+            spent = [o.step_s[kind] * 1000 for o in ok if kind in o.step_s]
+            queued = [o.step_wait_s.get(kind, 0.0) * 1000 for o in ok if kind in o.step_s]
+            cell = f"{np.median(spent):.0f}" if spent else "-"
+            if queued and np.median(queued) >= 1:
+                cell += f" ({np.median(queued):.0f} queued)"
+            cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -575,6 +620,7 @@ def main() -> int:
     print(f"{len(sample)} questions of {args.data.name} (seed {args.seed}{held}), ", end="")
     print(f"deadline {args.deadline} s")
     print(table(runs))
+    print("\nwhere the time went: steps and queues\n" + steps_table(runs))
     print("\nanswer states: can COMPLETE be trusted?\n" + trust_table(runs))
     if extra["tiers"]:
         print("\nmodel routing: the same questions, c=1\n" + cost_table(extra["tiers"]))

@@ -9,9 +9,9 @@ one writer run against real processes while one part is killed outright, left do
 - every budget task the load opened ends with nothing in flight (settled, or never
   reserved) within `SETTLED_WITHIN_S`, but where the orchestrator that held it was killed;
 - no engine process outlives a killed service;
-- COMPLETE answers come again within `RECOVERY_S` of the restart (generation: once its
-  model is loaded, within `RECOVERY_AFTER_LOAD_S`, or `after_load_s` on a slower
-  machine), and acknowledged writes within
+- COMPLETE answers come again within `RECOVERY_S` of the restart (generation: answers
+  the model writes, once its model is loaded, within `RECOVERY_AFTER_LOAD_S`, or
+  `after_load_s` on a slower machine), and acknowledged writes within
   `WRITES_BACK_S` of the restarted part serving;
 - without an optional stage (embedding, rerank) at least 60% of asks are still answered.
 """
@@ -87,17 +87,20 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
         restarted_at = time.monotonic()
         await asyncio.to_thread(stack.restart, part)
         serving_s = time.monotonic() - restarted_at
+        # Generation is back when its model writes answers again: the first COMPLETE one
+        # also waits for a question the small model answers well (4 in 36 at times).
+        back = asks.first_drafted_after if part == "generation" else asks.first_complete_after
         allowed_s = (
-            serving_s + after_load_s(asks.answered_before(killed_at))
+            serving_s + after_load_s(asks.drafted_before(killed_at))
             if part == "generation"
             else RECOVERY_S
         )
         await wait_for(
-            lambda: asks.first_complete_after(restarted_at) is not None,
+            lambda: back(restarted_at) is not None,
             allowed_s + asks.deadline_s,
-            f"a COMPLETE answer after the restart of {part}",
+            f"an answer after the restart of {part}",
         )
-        recovered_s = asks.first_complete_after(restarted_at) - restarted_at
+        recovered_s = back(restarted_at) - restarted_at
         await wait_for(
             lambda: writes.first_acknowledged_after(restarted_at) is not None,
             max(0.0, restarted_at + RECOVERY_S - time.monotonic()),
@@ -112,7 +115,7 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
     answered = [o for o in down if o.outcome in ("COMPLETE", "PARTIAL")]
     print(
         f"\n{part}: while down {len(answered)} of {len(down)} asks answered; "
-        f"serving {serving_s:.1f} s after the restart, COMPLETE again after "
+        f"serving {serving_s:.1f} s after the restart, answered again after "
         f"{recovered_s:.1f} s (allowed {allowed_s:.1f} s), writes again after "
         f"{writes_back_s:.1f} s; "
         + (f"engine gone {engine_gone_s:.2f} s after the kill; " if engines else "")
@@ -122,7 +125,7 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
     )
     assert not asks.bugs(), [(o.outcome, o.reason) for o in asks.bugs()]
     assert not asks.late(0.5), [(o.outcome, round(o.seconds, 2)) for o in asks.late(0.5)]
-    assert recovered_s <= allowed_s, f"COMPLETE again only after {recovered_s:.1f} s"
+    assert recovered_s <= allowed_s, f"answered again only after {recovered_s:.1f} s"
     assert writes_back_s <= serving_s + WRITES_BACK_S, f"writes again after {writes_back_s:.1f} s"
     if part in ANSWERED_WITHOUT:  # an optional stage: its absence degrades, not fails
         assert len(answered) >= 0.6 * len(down), [(o.outcome, o.reason) for o in down]

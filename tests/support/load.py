@@ -52,6 +52,18 @@ class Outcome:
         return self.started + self.seconds
 
 
+# INCOMPLETE reasons given to a draft the model wrote (services/orchestrator/routing.py).
+DRAFT_REASONS = frozenset(
+    {"ungrounded", "conflicting_evidence", "failed_validation", "missing_part", "unverified"}
+)
+
+
+def drafted(outcome: Outcome) -> bool:
+    return outcome.outcome in ("COMPLETE", "PARTIAL") or (
+        outcome.outcome == "INCOMPLETE" and outcome.reason in DRAFT_REASONS
+    )
+
+
 @dataclass
 class AskLoad:
     """`workers` closed-loop askers, each ask with its own budget task and `deadline_s`."""
@@ -148,6 +160,18 @@ class AskLoad:
     def answered_before(self, moment: float) -> list[float]:
         """How long each COMPLETE answer that ended before `moment` took, in seconds."""
         return [o.seconds for o in self.outcomes if o.outcome == "COMPLETE" and o.ended <= moment]
+
+    def first_drafted_after(self, moment: float) -> float | None:
+        """When the first answer a model wrote, asked after `moment`, ended: COMPLETE or
+        PARTIAL, or INCOMPLETE for a reason only a written draft can have. The engine's
+        proof of life: whether that draft passes the checks is the model's business, and
+        waiting for a COMPLETE one measures the load's luck (one ask in nine at times)."""
+        ends = [o.ended for o in self.outcomes if o.started >= moment and drafted(o)]
+        return min(ends, default=None)
+
+    def drafted_before(self, moment: float) -> list[float]:
+        """How long each ask that a model wrote an answer for, ended before `moment`, took."""
+        return [o.seconds for o in self.outcomes if o.ended <= moment and drafted(o)]
 
     def summary(self) -> str:
         counts: dict[str, int] = {}

@@ -32,6 +32,9 @@ LONG_ANSWER = (
     "Describe Warsaw in detail, in at least ten sentences: its river, its history, its "
     "buildings, its parks, its wildlife and its people."
 )
+# Its answer's cap: seconds of decoding on any machine, so a cut lands mid-stream; a cap
+# of 2,000 let the small model write for a minute uncut, twice per test that timed it.
+LONG_ANSWER_TOKENS = 200
 
 
 def result_of(messages) -> orchestrator_pb2.AskResult:
@@ -134,7 +137,9 @@ async def long_answer_s(orchestrator) -> float:
 async def long_answer_timing(orchestrator) -> tuple[float, float]:
     """(seconds the long answer takes uncut, seconds into the run of its first token)."""
     request = orchestrator_pb2.AskRequest(
-        question=LONG_ANSWER, max_tokens=2000, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+        question=LONG_ANSWER,
+        max_tokens=LONG_ANSWER_TOKENS,
+        cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
     )
     started = time.monotonic()
     result = result_of(await ask(orchestrator.address, request))
@@ -160,7 +165,7 @@ async def test_a_deadline_during_generation_ends_the_run_partial_and_frees_the_s
     request = orchestrator_pb2.AskRequest(
         question=LONG_ANSWER,
         task_id=task_id,
-        max_tokens=2000,
+        max_tokens=LONG_ANSWER_TOKENS,
         cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
     )
     started = time.monotonic()
@@ -186,7 +191,9 @@ async def test_a_callers_deadline_beyond_the_servers_maximum_is_held_to_it(rag_s
     natural = await long_answer_s(rag_stack.orchestrator())
     orchestrator = rag_stack.orchestrator(max_deadline_s=round(natural / 2, 2))
     request = orchestrator_pb2.AskRequest(
-        question=LONG_ANSWER, max_tokens=2000, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+        question=LONG_ANSWER,
+        max_tokens=LONG_ANSWER_TOKENS,
+        cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
     )
     started = time.monotonic()
     result = result_of(await ask(orchestrator.address, request, deadline_s=60))
@@ -198,7 +205,9 @@ async def test_a_callers_deadline_beyond_the_servers_maximum_is_held_to_it(rag_s
 async def test_a_deadline_before_the_evidence_is_in_is_deadline_exceeded_at_once(rag_stack):
     orchestrator = rag_stack.orchestrator(small=True)
     request = orchestrator_pb2.AskRequest(
-        question=LONG_ANSWER, max_tokens=2000, cache=orchestrator_pb2.CACHE_POLICY_BYPASS
+        question=LONG_ANSWER,
+        max_tokens=LONG_ANSWER_TOKENS,
+        cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
     )
     started = time.monotonic()
     with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -217,7 +226,7 @@ async def test_a_cancelled_ask_frees_the_generation_slot_and_settles_its_ledger(
     request = orchestrator_pb2.AskRequest(
         question=LONG_ANSWER,
         task_id=task_id,
-        max_tokens=2000,
+        max_tokens=LONG_ANSWER_TOKENS,
         cache=orchestrator_pb2.CACHE_POLICY_BYPASS,
     )
     async with grpc.aio.insecure_channel(orchestrator.address) as channel:
