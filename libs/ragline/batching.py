@@ -8,7 +8,8 @@ of its own requests, never by its whole backlog. Requests whose caller went away
 deadline passed are dropped before compute. Inside a batch the texts are sorted by token
 length and run in length buckets, each padded only to its own longest text. Up to
 `max_parallel_runs` batches run at once (a CPU model with one thread per run: one per
-core), so a bulk load keeps every core busy while a lone query still runs alone. A full queue
+core), so a bulk load keeps every core busy; a batch of several runs (a model that runs one
+text at a time) borrows the runners nobody waits for. A full queue
 (all tenants: `max_queue_texts`; one tenant: `max_queue_texts_per_tenant`, smaller, so one
 tenant cannot fill it for everyone) refuses at once with RESOURCE_EXHAUSTED and a retry
 delay instead of letting callers time out.
@@ -271,6 +272,37 @@ class MicroBatcher:
                     self._running.add(task)
                     task.add_done_callback(self._batch_done)
 
+    async def _borrow_idle_runners(self, wanted: int) -> int:
+        """Takes up to `wanted` runners nobody waits for (none while work is queued), so
+        that a batch of several runs (a request of several texts, for a model that runs
+        one text at a time) uses the cores that would otherwise idle: 6 sentences of an
+        evidence step on 2 runners take 3 runs' time, not 6."""
+        borrowed = 0
+        while borrowed < wanted and not self._queues and not self._runners.locked():
+            await self._runners.acquire()  # free and unwaited for: returns at once
+            borrowed += 1
+        return borrowed
+
+    async def _run_groups(self, flat, groups: list[list[int]], rows: list, runners: int) -> None:
+        """Runs each group of `flat` on one of `runners` at a time, filling `rows`."""
+
+        async def run_each(pending) -> None:
+            for group in pending:
+                result = await self._run([flat[i] for i in group])
+                for position, index in enumerate(group):
+                    rows[index] = result[position]
+
+        if runners <= 1:
+            await run_each(groups)
+            return
+        shared = iter(groups)  # each runner takes the next group left
+        try:
+            async with asyncio.TaskGroup() as runs:
+                for _ in range(runners):
+                    runs.create_task(run_each(shared))
+        except ExceptionGroup as failed:  # the model's own error, as a lone run raises it
+            raise failed.exceptions[0] from None
+
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
         self._runners.release()
@@ -347,13 +379,10 @@ class MicroBatcher:
         started = time.monotonic()
         flat = [text for item in batch for text in item.texts]
         rows: list[np.ndarray | None] = [None] * len(flat)
+        groups = bucket_groups([t.length for t in flat], self.max_batch_texts, self._buckets)
+        borrowed = await self._borrow_idle_runners(len(groups) - 1)
         try:
-            for group in bucket_groups(
-                [t.length for t in flat], self.max_batch_texts, self._buckets
-            ):
-                result = await self._run([flat[i] for i in group])
-                for position, index in enumerate(group):
-                    rows[index] = result[position]
+            await self._run_groups(flat, groups, rows, 1 + borrowed)
         except Exception as error:  # the model failed: every request of the batch fails
             for item in batch:
                 if not item.future.done():
@@ -366,6 +395,9 @@ class MicroBatcher:
                         Unavailable(f"{self.name} is shutting down", reason="SHUTTING_DOWN")
                     )
             raise
+        finally:
+            for _ in range(borrowed):
+                self._runners.release()
         compute_s = time.monotonic() - started
         self.batches += 1
         if self.observer is not None:

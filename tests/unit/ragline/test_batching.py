@@ -175,6 +175,49 @@ async def test_batches_run_in_parallel_up_to_the_runners_and_stay_correct(runner
         assert result.vectors.tolist() == [[float(ids.sum()), float(len(ids))]]
 
 
+@pytest.mark.parametrize("runners", [1, 2, 3])
+async def test_one_request_of_several_runs_uses_the_idle_runners(runners):
+    """A model run one text at a time: a lone request of 6 texts (an evidence step's
+    sentences) takes 6 / runners runs' time, not 6, and each text keeps its own vector."""
+    model = ConcurrencyModel(delay_s=0.05)
+    batcher = MicroBatcher(model, max_batch_texts=1, max_wait_s=0, max_parallel_runs=runners)
+    await batcher.start()
+    request = [text(i, i + 1) for i in range(1, 7)]
+    result = await batcher.submit(request, None)
+    assert model.most_at_once == runners
+    assert result.vectors.tolist() == [[float(t.ids.sum()), float(t.length)] for t in request]
+    # Every runner was handed back: six more lone requests still run `runners` at once.
+    model.most_at_once = 0
+    await asyncio.gather(*(batcher.submit([t], None) for t in request))
+    await batcher.stop()
+    assert model.most_at_once == runners
+
+
+async def test_two_requests_of_several_runs_at_once_share_the_runners_and_keep_their_vectors():
+    model = ConcurrencyModel(delay_s=0.05)
+    batcher = MicroBatcher(model, max_batch_texts=1, max_wait_s=0, max_parallel_runs=2)
+    await batcher.start()
+    # Two requests of 4 texts at once: one runner each, never more than there are.
+    first, second = [text(i) for i in range(1, 5)], [text(i) for i in range(5, 9)]
+    results = await asyncio.gather(batcher.submit(first, None), batcher.submit(second, None))
+    await batcher.stop()
+    assert model.most_at_once == 2
+    assert [r.vectors[:, 0].tolist() for r in results] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+
+async def test_a_failed_run_of_a_request_on_borrowed_runners_fails_it_with_the_models_error():
+    batcher = MicroBatcher(
+        FakeModel(delay_s=0.01, fail=True), max_batch_texts=1, max_wait_s=0, max_parallel_runs=2
+    )
+    await batcher.start()
+    with pytest.raises(RuntimeError, match="model crashed"):
+        await batcher.submit([text(1), text(2), text(3)], None)
+    # Its runners came back: the next request is served (and fails the same way).
+    with pytest.raises(RuntimeError, match="model crashed"):
+        await asyncio.wait_for(batcher.submit([text(4)], None), 1)
+    await batcher.stop()
+
+
 async def test_a_stop_mid_batch_answers_unavailable():
     from ragline.errors import Unavailable
 
