@@ -167,6 +167,7 @@ async def refused_by_etcd(endpoint: str, pki: Path) -> None:
             await no_user.kv.get("/ragline/budget/v1/x", timeout=3)
 
 
+@pytest.mark.full
 def test_up_with_tls_answers_over_mutual_tls_and_refuses_plaintext(tmp_path, grpcurl_bin):
     """`ragline up --tls`: every hop (command -> orchestrator -> each service) under mTLS
     with a local CA; commands find the client certificate through the stack's state."""

@@ -27,7 +27,7 @@ from ragline.clients import RECONNECT_OPTIONS
 from support.load import AskLoad, WriteLoad, absent, unsettled_after
 from support.processes import children, seconds_until_gone, states
 
-pytestmark = [pytest.mark.integration, pytest.mark.faults]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.full]
 
 DOWN_S = 3.0
 DOWN_OPTIONAL_S = 10.0

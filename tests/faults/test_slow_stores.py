@@ -18,7 +18,7 @@ import pytest
 from ragline.v1 import orchestrator_pb2
 from support.load import AskLoad, unsettled_after
 
-pytestmark = [pytest.mark.integration, pytest.mark.faults]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.full]
 
 FAULT_S = 8.0
 

@@ -266,6 +266,7 @@ def test_full_queue_answers_resource_exhausted_quickly(launcher):
     assert any(not isinstance(r, Exception) for r in results)
 
 
+@pytest.mark.full
 def test_export_matches_torch(tmp_path):
     """tools/export_onnx.py: fp32 ONNX equals the torch model (the tool fails below 0.999)."""
     pytest.importorskip("torch", reason="the export extra is not installed")

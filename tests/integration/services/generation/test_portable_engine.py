@@ -64,6 +64,7 @@ async def test_the_engine_an_avx2_cpu_gets_answers_on_an_emulated_haswell(launch
     assert "TCG doesn't support requested feature" in logs
 
 
+@pytest.mark.full
 async def test_the_avx512_engine_dies_on_the_same_emulated_cpu(tmp_path):
     from ragline.models import ModelStore
     from ragline_services.generation.llama_engine import engine_serves

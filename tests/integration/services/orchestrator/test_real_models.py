@@ -40,6 +40,7 @@ def two_tiers(rag_stack):
     )
 
 
+@pytest.mark.full
 async def test_the_large_tier_cures_an_answer_the_small_one_could_not_ground(proxied, two_tiers):
     # The small tier's answer names a river its citation does not (scripted, so the test
     # does not hang on which question the 0.5B model gets wrong); the large tier is real.
@@ -77,6 +78,7 @@ async def test_the_small_model_writes_the_agent_plan_and_each_part_is_answered(r
     assert "vistula" in answer and ("catholic" in answer or "christian" in answer), evidence
 
 
+@pytest.mark.full
 async def test_the_large_tier_cures_an_answer_the_verifier_refused(proxied, two_tiers, rag_stack):
     # The small tier names the wrong one of two variables of its passage (scripted); the
     # verifier's second read (the real small model) and the large tier's answer are real.
