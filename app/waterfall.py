@@ -1,5 +1,7 @@
 """Where the time of one Ask went, drawn from its TimingReport: in the terminal (rich) or
-as a picture (matplotlib), the critical path highlighted."""
+as a picture (matplotlib), the critical path highlighted. Every wait is drawn as one: the
+run's wait for admission (a row of its own) and, inside a call, the time the request sat in
+the service's queue (the server's own report) before its work began."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from pathlib import Path
 
 # Phases of a node, in the order they happen, with their colours.
 PHASES = (
+    ("admission", "queued for admission", "#e78ac3"),
+    ("queued", "queued at the service", "#fc8d62"),
     ("reserve", "budget reservation", "#8da0cb"),
     ("call", "call, to the first byte", "#66c2a5"),
     ("stream", "streaming", "#a6d854"),
@@ -39,6 +43,7 @@ class Row:
     phases: list[tuple[str, float, float]]  # (phase, start_s, end_s)
     server_s: float | None  # the service's own total
     note: str
+    queued_s: float = 0.0  # in the service's queue (admission's, for the admission row)
 
 
 def _seconds(duration) -> float:
@@ -50,6 +55,10 @@ def rows(report) -> list[Row]:
 
     critical = set(report.critical_path)
     out = []
+    admitted = _seconds(report.admission_wait)
+    if admitted > 0:
+        phases = [("admission", 0.0, admitted)]
+        out.append(Row("admission", "queue", "ok", False, phases, None, "", admitted))
     for node in report.nodes:
         marks = {
             name: _seconds(getattr(node, name)) if node.HasField(name) else None
@@ -58,9 +67,15 @@ def rows(report) -> list[Row]:
         phases = []
         if marks["reserve_start"] is not None and marks["call_start"] is not None:
             phases.append(("reserve", marks["reserve_start"], marks["call_start"]))
+        queued = _seconds(node.server.queue_wait) if node.HasField("server") else 0.0
         if marks["call_start"] is not None and marks["call_end"] is not None:
             split = marks["first_byte"] or marks["call_end"]
-            phases.append(("call", marks["call_start"], split))
+            # The service's queue wait drawn first in the call (the network's share of a
+            # loopback call is a fraction of a millisecond).
+            began = min(marks["call_start"] + queued, split)
+            if began > marks["call_start"]:
+                phases.append(("queued", marks["call_start"], began))
+            phases.append(("call", began, split))
             if split < marks["call_end"]:
                 phases.append(("stream", split, marks["call_end"]))
         if marks["call_end"] is not None and marks["settled"] is not None:
@@ -74,6 +89,7 @@ def rows(report) -> list[Row]:
                 phases=phases,
                 server_s=_seconds(node.server.total) if node.HasField("server") else None,
                 note=node.error,
+                queued_s=queued,
             )
         )
     return out
@@ -96,7 +112,7 @@ def render_text(report, width: int = 60):
         ),
         title_justify="left",
     )
-    for column in ("node", "state", f"0 .. {total * 1000:.0f} ms", "ms", "server ms"):
+    for column in ("node", "state", f"0 .. {total * 1000:.0f} ms", "ms", "server ms", "queued ms"):
         table.add_column(column)
     colours = {name: colour for name, _, colour in PHASES}
     for row in table_rows:
@@ -112,6 +128,7 @@ def render_text(report, width: int = 60):
             bar,
             f"{spent * 1000:.1f}",
             "" if row.server_s is None else f"{row.server_s * 1000:.1f}",
+            f"{row.queued_s * 1000:.1f}" if row.queued_s else "",
         )
     return table
 
@@ -155,7 +172,7 @@ def render_png(report, path: Path, title: str = "") -> None:
         [label for _, label, _ in PHASES],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.22),
-        ncol=len(PHASES),
+        ncol=3,
         fontsize=8,
     )
     figure.tight_layout()

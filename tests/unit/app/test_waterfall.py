@@ -34,6 +34,8 @@ def report() -> orchestrator_pb2.TimingReport:
     ):
         getattr(generate, name).CopyFrom(duration(at))
     generate.server.total.CopyFrom(duration(0.88))
+    generate.server.queue_wait.CopyFrom(duration(0.2))
+    timing.admission_wait.CopyFrom(duration(0.3))
     timing.nodes.add(
         node_id="rerank",
         kind=orchestrator_pb2.NODE_KIND_RERANK,
@@ -45,7 +47,20 @@ def report() -> orchestrator_pb2.TimingReport:
 
 def test_rows_split_each_node_into_its_phases():
     by_id = {row.node_id: row for row in rows(report())}
-    assert [p[0] for p in by_id["generate"].phases] == ["reserve", "call", "stream", "settle"]
+    assert [p[0] for p in by_id["generate"].phases] == [
+        "reserve",
+        "queued",
+        "call",
+        "stream",
+        "settle",
+    ]
+    # The engine's queue: the first 0.2 s of the call, before its work (and first byte).
+    queued = next(p for p in by_id["generate"].phases if p[0] == "queued")
+    assert queued[1:] == (0.06, 0.26) and abs(by_id["generate"].queued_s - 0.2) < 1e-9
+    assert [p[0] for p in by_id["embed"].phases] == ["reserve", "call", "settle"]
+    # The run's own wait for admission, a row before every step.
+    assert by_id["admission"].phases == [("admission", 0.0, 0.3)]
+    assert next(iter(rows(report()))).node_id == "admission"
     assert by_id["generate"].critical and not by_id["rerank"].critical
     assert by_id["rerank"].phases == [] and by_id["rerank"].state == "failed"
     assert abs(by_id["generate"].server_s - 0.88) < 1e-9
@@ -57,5 +72,6 @@ def test_the_waterfall_draws_in_the_terminal_and_as_a_picture(tmp_path):
     text = console.export_text()
     assert "generate (generate)" in text and "embed -> generate" in text
     assert "UNAVAILABLE" in text
+    assert "admission (queue)" in text and "200.0" in text  # the waits, in the table
     render_png(report(), tmp_path / "w.png")
     assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
