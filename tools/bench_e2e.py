@@ -75,6 +75,9 @@ class Outcome:
     # the server queue waits inside them, and the wait for admission before any step.
     step_s: dict[str, float] = field(default_factory=dict)
     step_wait_s: dict[str, float] = field(default_factory=dict)
+    # ... and of the steps that call a service: the budget reservation before the call, the
+    # call, and the server's own total (call - server = network and client).
+    step_call_s: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     admission_wait_s: float = 0.0
     f1: float = 0.0
     em: float = 0.0
@@ -187,6 +190,10 @@ async def ask_one(
         outcome.step_s[kind] = outcome.step_s.get(kind, 0.0) + spent
         waited = duration_s(node.server.queue_wait)
         outcome.step_wait_s[kind] = outcome.step_wait_s.get(kind, 0.0) + waited
+        if node.HasField("call_start") and node.HasField("reserve_start"):
+            reserve = duration_s(node.call_start) - duration_s(node.reserve_start)
+            call = duration_s(node.call_end) - duration_s(node.call_start)
+            outcome.step_call_s[kind] = (reserve, call, duration_s(node.server.total))
     outcome.answer_hit = result.cache.answer_hit
     outcome.input_tokens = result.budget.used.input_tokens
     outcome.output_tokens = result.budget.used.output_tokens
@@ -329,6 +336,25 @@ def steps_table(runs: list[Run]) -> str:
             if queued and np.median(queued) >= 1:
                 cell += f" ({np.median(queued):.0f} queued)"
             cells.append(cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    calls = sorted({k for run in runs for o in run.outcomes for k in o.step_call_s})
+    lines += [
+        "",
+        "| configuration | "
+        + " | ".join(f"{k}: reserve / call / server p50 (ms)" for k in calls)
+        + " |",
+        "|---|" + "---|" * len(calls),
+    ]
+    for run in runs:
+        ok = [o for o in run.outcomes if o.ok]
+        cells = [run.name]
+        for kind in calls:
+            parts = np.array([o.step_call_s[kind] for o in ok if kind in o.step_call_s])
+            cells.append(
+                " / ".join(f"{v * 1000:.0f}" for v in np.median(parts, axis=0))
+                if len(parts)
+                else "-"
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -132,7 +132,7 @@ class Settings:
     context_passages: int = 4
     evidence_tokens: int = 120
     # Sentences embedded to compete for the prompt (the rest lose on lexical evidence).
-    embed_sentences: int = 12
+    embed_sentences: int = 6
     answer_tokens: int = 64
     tier: ModelTier = ModelTier.SMALL
     # The tier was not pinned by the request: a checkable signal may escalate to large.

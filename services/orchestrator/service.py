@@ -78,8 +78,9 @@ class OrchestratorConfig(ServiceConfig):
     rerank_cross_encoder: bool = False
     context_passages: int = Field(4, ge=1, le=50)
     evidence_tokens: int = Field(120, ge=16, le=32768)
-    # Sentences (shortlisted by lexical evidence) embedded to compete for the prompt.
-    embed_sentences: int = Field(12, ge=1, le=256)
+    # Sentences (shortlisted by lexical evidence) embedded to compete for the prompt; 12
+    # found the answer's sentence no more often than 6, at twice the cost (docs/tuning.md).
+    embed_sentences: int = Field(6, ge=1, le=256)
     answer_tokens: int = Field(64, ge=1, le=8192)
     # The answerability gate (answerability.py): below this estimate the run ends
     # INCOMPLETE `no_relevant_evidence` before generation; 0 turns it off.
