@@ -87,7 +87,7 @@ _QUESTION_WORD = re.compile(rf"^\W*(?:{_ASKS})\b", re.IGNORECASE)
 _CJK_ASK = re.compile(r"什么|哪|谁|多少|几|如何|怎么|怎样|为什么|为何|是否|吗|呢")
 _CUTS = re.compile(
     r"(?<=[?？])\s*(?=\S)"  # "A? B?"
-    r"|\s*[;；]\s*"  # "A; B"
+    r"|\s*[;；]\s*"  # "A; B?" (kept only before a question, below: "Reno; Fresno; ...")
     r"|\s*[:：]\s*(?=\S)"  # "A: B?" (kept only before a question, below)
     r"|,?\s+and also[:,]?\s+"  # "A, and also B?"
     r"|,?\s+as well as\s+"  # "A, as well as when B?" (kept only before a question)
@@ -99,11 +99,25 @@ _CUTS = re.compile(
     re.IGNORECASE,
 )
 _NEEDS_A_QUESTION_AFTER = re.compile(
-    r"^\s*[:：]|as well as|以及|还有|另外|并且|同时", re.IGNORECASE
+    r"^\s*[:：;；]|as well as|以及|还有|另外|并且|同时", re.IGNORECASE
 )
 
 
 _WH_ANYWHERE = re.compile(r"\b(?:what|who|whom|when|where|which|how|why|whose)\b", re.I)
+# A request put as an order ("Name the river ... and who built ...") asks too.
+_REQUEST = re.compile(r"^\W*(?:name|list|give|tell|describe|explain|state|find|show)\b", re.I)
+
+
+def _is_question(clause: str) -> bool:
+    """Whether `clause` asks something by itself: a question mark ends it, or a question
+    word, an auxiliary opening it, a request. "The Rhine is between Koblenz" does not:
+    "... and what other city?" fills its slot, one question."""
+    return bool(
+        clause.rstrip().endswith(("?", "？"))
+        or _WH_ANYWHERE.search(clause)
+        or _asks(clause)
+        or _REQUEST.search(clause)
+    )
 
 
 def _asks(clause: str) -> bool:
@@ -134,6 +148,8 @@ def clauses(question: str) -> list[str]:
             continue  # a comma inside one question
         if _words(before) < 2 or _words(after) < 2:
             continue  # "Who founded it and when?" asks two things of one lookup
+        if "also" not in joiner.lower() and not _is_question(before):
+            continue  # "X is between Koblenz and what other city?" is one question
         found.append(before.strip(" ,，"))
         start = cut.end()
     found.append(text[start:].strip(" ,，"))

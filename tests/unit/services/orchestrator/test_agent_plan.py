@@ -43,6 +43,16 @@ from ragline_services.orchestrator.plan import Kind, Node
         ("What did Tesla and Edison as well as Westinghouse invent?", False),
         ("Note: which river flows through Warsaw?", False),
         ("如果查询很多，系统会怎样？", False),
+        # A statement whose slot the question word fills is one question (SQuAD dev has
+        # 31 such; each went to the agent plan as two lookups of half a question).
+        ("The Rhine Gorge is between Koblenz and what other city?", False),
+        ("The Rhine and what other river were accepted as the Germanic frontier?", False),
+        ("Informal imperialism is still dominant; however, less what?", False),
+        ("Arab nationalism was blamed for the defeat as well as what type of stagnation?", False),
+        ("Name the river through Warsaw and who designed the library garden?", True),
+        ("What term is given to Reno, Nevada; Fresno, California; and Las Vegas combined?", False),
+        # "and also" says a second question comes, whatever the first looks like.
+        ("The Rhine flows through Basel, and also who designed the library garden?", True),
     ],
 )
 def test_the_router_sends_joined_questions_to_the_agent(question, several):
