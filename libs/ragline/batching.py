@@ -283,10 +283,16 @@ class MicroBatcher:
             borrowed += 1
         return borrowed
 
-    async def _run_groups(self, flat, groups: list[list[int]], rows: list, runners: int) -> None:
+    async def _run_groups(
+        self,
+        flat: list[TokenizedText],
+        groups: list[list[int]],
+        rows: list[np.ndarray | None],
+        runners: int,
+    ) -> None:
         """Runs each group of `flat` on one of `runners` at a time, filling `rows`."""
 
-        async def run_each(pending) -> None:
+        async def run_each(pending: Iterable[list[int]]) -> None:
             for group in pending:
                 result = await self._run([flat[i] for i in group])
                 for position, index in enumerate(group):
