@@ -1,5 +1,5 @@
-"""The words the services share: model tiers, search modes, fusion methods, cache policies
-and rerank's skip causes, each one
+"""The words the services share: model tiers, search modes, fusion methods, cache policies,
+rerank's skip causes, why a generation ended and the language of an answer, each one
 StrEnum, and the one place each is converted to and from its protobuf enum.
 
 A StrEnum is its text (`SearchMode.HYBRID == "hybrid"`), so logs, JSON reports and the
@@ -14,7 +14,7 @@ import enum
 from collections.abc import Mapping
 from typing import TypeVar
 
-from ragline.v1 import common_pb2, orchestrator_pb2, rerank_pb2, retrieval_pb2
+from ragline.v1 import common_pb2, generation_pb2, orchestrator_pb2, rerank_pb2, retrieval_pb2
 
 
 class ModelTier(enum.StrEnum):
@@ -41,6 +41,21 @@ class SkipCause(enum.StrEnum):
     DEADLINE = "deadline"
     DISABLED = "disabled"
     LANGUAGE = "language"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a generation ended (generation.proto's FinishReason)."""
+
+    STOP = "stop"  # the model ended it, or a stop word
+    LENGTH = "length"  # its token limit
+    DEADLINE = "deadline"  # its deadline: the text so far is what there is
+
+
+class Language(enum.StrEnum):
+    """The language a question is answered in (ISO 639-1)."""
+
+    ENGLISH = "en"
+    CHINESE = "zh"
 
 
 class CachePolicy(enum.StrEnum):
@@ -84,6 +99,12 @@ _SKIP_TO_PROTO: dict[SkipCause, rerank_pb2.SkipCause] = {
     SkipCause.DISABLED: rerank_pb2.SKIP_CAUSE_DISABLED,
     SkipCause.LANGUAGE: rerank_pb2.SKIP_CAUSE_LANGUAGE,
 }
+_FINISH_TO_PROTO: dict[FinishReason, generation_pb2.FinishReason] = {
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.DEADLINE: generation_pb2.FINISH_REASON_DEADLINE,
+}
+_FINISH_FROM_PROTO = _inverse(_FINISH_TO_PROTO)
 _CACHE_FROM_PROTO = _inverse(_CACHE_TO_PROTO)
 _SKIP_FROM_PROTO = _inverse(_SKIP_TO_PROTO)
 _TIER_FROM_PROTO = _inverse(_TIER_TO_PROTO)
@@ -118,6 +139,15 @@ def skip_cause_to_proto(cause: SkipCause) -> rerank_pb2.SkipCause:
 def skip_cause_from_proto(value: int) -> SkipCause | None:
     """None: a rerank older than the field (its reason's words are all there is)."""
     return _SKIP_FROM_PROTO.get(value)
+
+
+def finish_reason_to_proto(reason: FinishReason) -> generation_pb2.FinishReason:
+    return _FINISH_TO_PROTO[FinishReason(reason)]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason:
+    """UNSPECIFIED (a generation service older than the field) reads as STOP."""
+    return _FINISH_FROM_PROTO.get(value, FinishReason.STOP)
 
 
 def search_mode_to_proto(mode: SearchMode) -> retrieval_pb2.SearchMode:

@@ -19,7 +19,7 @@ from cachetools import LRUCache
 from ragline import deadlines, tracing
 from ragline.background import detached_task
 from ragline.errors import InvalidArgument, RaglineError, Unavailable
-from ragline.vocabulary import ModelTier
+from ragline.vocabulary import FinishReason, ModelTier
 from ragline_services.generation.chat_tokens import tokenize_chat
 from ragline_services.generation.engine import (
     GenerationEngine,
@@ -124,7 +124,7 @@ class Chunk:
 
 @dataclass
 class Summary:
-    finish_reason: str  # stop | length | deadline
+    finish_reason: FinishReason
     text: str
     prompt_tokens: int
     completion_tokens: int
@@ -337,11 +337,11 @@ class Generator:
                         if decoded.first_token_at is None:
                             decoded.paused_before_first_s += paused
                     if not resumed:
-                        decoded.finish = "deadline"
+                        decoded.finish = FinishReason.DEADLINE
                         break
                     left = request.max_tokens - len(decoded.token_ids)
                     if decoded.token_ids and left <= 0:
-                        decoded.finish = "length"
+                        decoded.finish = FinishReason.LENGTH
                         break
                     if not decoded.streamed and not await self._read_prompt_yielding(
                         rendered, lease, decoded, stop_at
@@ -372,7 +372,7 @@ class Generator:
                                 decoded.over = True
                                 break
                             except TimeoutError:
-                                decoded.finish, decoded.over = "deadline", True
+                                decoded.finish, decoded.over = FinishReason.DEADLINE, True
                                 break
                             except deadlines.StreamInterrupted:
                                 decoded.pauses += 1
@@ -398,7 +398,7 @@ class Generator:
                 store.to_save = []
                 tier.scheduler.release(lease.slot)
         decoded.ended = time.monotonic()
-        if decoded.finish != "deadline" and decoded.first_token_at is not None:
+        if decoded.finish != FinishReason.DEADLINE and decoded.first_token_at is not None:
             tier.scheduler.note_decode(decoded.decode_s())
         final = decoded.final
         drafted, accepted = (final.drafted, final.accepted) if final else (0, 0)
@@ -486,7 +486,7 @@ class Generator:
                             return False
                         await engine.prefill(slot.index, ids[: read + step])
             except TimeoutError:
-                decoded.finish, decoded.over = "deadline", True
+                decoded.finish, decoded.over = FinishReason.DEADLINE, True
                 return False
             finally:
                 # Waiting for another sequence's step is the engine's queue, not this
@@ -649,7 +649,11 @@ def _refuse_if_its_tokens_do_not_fit(rendered: Rendered, request: GenerationRequ
         )
 
 
-_FINISH_OF_STOP = {"eos": "stop", "word": "stop", "limit": "length"}
+_FINISH_OF_STOP = {
+    "eos": FinishReason.STOP,
+    "word": FinishReason.STOP,
+    "limit": FinishReason.LENGTH,
+}
 
 
 def _joined(first: StreamEvent, later: StreamEvent) -> StreamEvent:
@@ -674,7 +678,7 @@ class _Decoded:
     parts: list[str] = field(default_factory=list)
     first_token_at: float | None = None
     final: StreamEvent | None = None
-    finish: str = "stop"  # stop | length | deadline
+    finish: FinishReason = FinishReason.STOP
     ended: float | None = None
     token_ids: list[int] = field(default_factory=list)
     pauses: int = 0  # times the scheduler paused the sequence
@@ -700,7 +704,7 @@ class _Decoded:
             # A sequence paused and resumed ran as several engine streams: its figures are
             # their sums (the prompt and its cache as the first one found them).
             self.final = event if self.final is None else _joined(self.final, event)
-            self.finish = _FINISH_OF_STOP.get(event.stop_type, "stop")
+            self.finish = _FINISH_OF_STOP.get(event.stop_type, FinishReason.STOP)
         self.token_ids.extend(event.token_ids)
         if not (event.text or event.token_ids):
             return None

@@ -9,7 +9,7 @@ from ragline.identity import current_caller, write_scope_missing
 from ragline.server import Deferred
 from ragline.timing import current_clock
 from ragline.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from ragline.vocabulary import tier_from_proto, tier_to_proto
+from ragline.vocabulary import finish_reason_to_proto, tier_from_proto, tier_to_proto
 from ragline_services.generation.generator import (
     Chunk,
     GenerationRequest,
@@ -27,11 +27,6 @@ _SPECULATION_ENUM = {
     "none": generation_pb2.SPECULATION_OFF,
     "ngram": generation_pb2.SPECULATION_NGRAM,
     "draft": generation_pb2.SPECULATION_DRAFT_MODEL,
-}
-_FINISH = {
-    "stop": generation_pb2.FINISH_REASON_STOP,
-    "length": generation_pb2.FINISH_REASON_LENGTH,
-    "deadline": generation_pb2.FINISH_REASON_DEADLINE,
 }
 
 
@@ -133,7 +128,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         clock.mark_finished()
         drafted, accepted = summary.drafted, summary.accepted
         return generation_pb2.GenerateFinal(
-            finish_reason=_FINISH[summary.finish_reason],
+            finish_reason=finish_reason_to_proto(summary.finish_reason),
             usage=common_pb2.Usage(
                 input_tokens=summary.prompt_tokens,
                 output_tokens=summary.completion_tokens,

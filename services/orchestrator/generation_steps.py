@@ -20,7 +20,7 @@ from ragline.retry import DEFAULT_POLICY, call_with_retry
 from ragline.v1 import (
     generation_pb2,
 )
-from ragline.vocabulary import ModelTier, tier_to_proto
+from ragline.vocabulary import FinishReason, ModelTier, finish_reason_from_proto, tier_to_proto
 from ragline.words import mostly_han
 from ragline_services.orchestrator import answerability, followup, second_read, verifier
 from ragline_services.orchestrator import evidence as ev
@@ -44,12 +44,6 @@ from ragline_services.orchestrator.run_context import (
 from ragline_services.orchestrator.runner import Step
 
 log = structlog.get_logger("ragline.orchestrator")
-
-_FINISH = {
-    generation_pb2.FINISH_REASON_STOP: "stop",
-    generation_pb2.FINISH_REASON_LENGTH: "length",
-    generation_pb2.FINISH_REASON_DEADLINE: "deadline",
-}
 
 
 async def _generate_reserved(
@@ -282,7 +276,7 @@ def _answer_of(final, evidence: ev.Evidence, used: Amounts) -> Answer:
         text=text.strip(),
         evidence=evidence,
         cited=ev.cite(text, evidence),
-        finish_reason=_FINISH.get(final.finish_reason, "stop"),
+        finish_reason=finish_reason_from_proto(final.finish_reason),
         usage=used,
         cached_input_tokens=final.usage.cached_input_tokens,
         model=final.model,
@@ -437,7 +431,12 @@ def _joined(answers: list[Answer]) -> Answer:
 
     first = answers[0]
     finish = next(
-        (f for f in ("deadline", "length") if any(a.finish_reason == f for a in answers)), "stop"
+        (
+            f
+            for f in (FinishReason.DEADLINE, FinishReason.LENGTH)
+            if any(a.finish_reason == f for a in answers)
+        ),
+        FinishReason.STOP,
     )
     usage = Amounts()
     for answer in answers:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ragline.vocabulary import FinishReason
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator import grounding
 
@@ -72,7 +73,7 @@ def escalation_signals(
     text: str,
     evidence: ev.Evidence,
     cited: ev.Cited,
-    finish_reason: str,
+    finish_reason: FinishReason,
     *,
     question: str = "",
     parts: int = 1,
@@ -87,7 +88,7 @@ def escalation_signals(
         signals.append(Signal("citation_not_in_evidence", ", ".join(cited.dropped), UNGROUNDED))
     if not answer:
         signals.append(Signal("failed_validation", "empty answer", FAILED_VALIDATION))
-    elif finish_reason == "length":
+    elif finish_reason == FinishReason.LENGTH:
         # A cut answer whose written part is grounded stands, PARTIAL (reason `length`).
         signals.append(Signal("failed_validation", "cut at its limit", CUT))
     if not answer:

@@ -27,7 +27,7 @@ from ragline.clients import ServiceClient
 from ragline.errors import FailedPrecondition
 from ragline.retry import DEFAULT_POLICY, call_with_retry
 from ragline.v1 import common_pb2
-from ragline.vocabulary import Fusion, ModelTier, SearchMode
+from ragline.vocabulary import FinishReason, Fusion, ModelTier, SearchMode
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.agent import (
     AgentPlan,
@@ -94,7 +94,7 @@ class Answer:
     text: str
     evidence: ev.Evidence
     cited: ev.Cited
-    finish_reason: str
+    finish_reason: FinishReason
     usage: Amounts
     cached_input_tokens: int
     model: str

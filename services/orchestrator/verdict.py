@@ -17,6 +17,7 @@ import grpc
 from ragline.budget import Amounts, BudgetRefused
 from ragline.errors import DeadlineExceeded
 from ragline.v1 import common_pb2
+from ragline.vocabulary import FinishReason
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator import routing
 from ragline_services.orchestrator.plan import Kind
@@ -65,7 +66,7 @@ class Written:
 def answered(answer: Answer, degraded: Sequence[str]) -> tuple[Verdict, Written]:
     """The verdict on an answer the plan produced, and what of it the caller gets."""
     text, draft, citations = answer.text, "", answer.cited.citations
-    if answer.finish_reason == "deadline":
+    if answer.finish_reason == FinishReason.DEADLINE:
         verdict = Verdict(
             AnswerState.PARTIAL,
             "deadline",

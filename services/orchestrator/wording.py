@@ -5,6 +5,7 @@ errors that have no fixed wording)."""
 
 from __future__ import annotations
 
+from ragline.vocabulary import Language
 from ragline_services.orchestrator.evidence import language_of
 
 # reason (or its prefix before ":" / the suffix "_failed") -> the Chinese lead sentence.
@@ -36,7 +37,7 @@ def _lead(reason: str) -> str | None:
 def status_detail(question: str, reason: str, detail: str) -> str:
     """`detail` as the asker reads it: for a Chinese question the reason's Chinese
     sentence first, the English detail after it; otherwise unchanged."""
-    if not reason or language_of(question) != "zh":
+    if not reason or language_of(question) != Language.CHINESE:
         return detail
     lead = _lead(reason)
     if lead is None:

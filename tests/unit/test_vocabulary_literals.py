@@ -1,6 +1,6 @@
 """A vocabulary is spelled in its enum only: no model tier, search mode, fusion method, node
-state, answer state or cache policy is written as a bare string where the code decides
-with it.
+state, answer state, cache policy or language is written as a bare string where the code
+decides with it.
 
 Where the code decides: a comparison (`mode == "hybrid"`, `tier in ("small", ...)`), a
 set or list of a vocabulary's words, a mapping with two or more of them as keys or as values
@@ -19,7 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from ragline.vocabulary import CachePolicy, Fusion, ModelTier, SearchMode
+from ragline.vocabulary import (
+    CachePolicy,
+    Fusion,
+    Language,
+    ModelTier,
+    SearchMode,
+)
 from ragline_services.orchestrator.runner import NodeState
 from ragline_services.orchestrator.verdict import AnswerState
 from support import REPO_ROOT
@@ -32,6 +38,9 @@ VOCABULARIES: dict[type[enum.StrEnum], tuple[str, ...]] = {
     NodeState: ("state",),
     AnswerState: ("state",),
     CachePolicy: ("policy", "cache"),
+    Language: ("language",),
+    # FinishReason and SkipCause are left out: their words ("deadline", "length", "stop")
+    # are also answer reasons and verbs, so the checker cannot tell a decision about them.
 }
 CHECKED = [
     REPO_ROOT / "libs" / "ragline",
