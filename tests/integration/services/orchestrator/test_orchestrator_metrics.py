@@ -95,16 +95,16 @@ async def test_admission_is_watched_and_refusals_are_counted_by_reason(rag_stack
     assert refusals == {"QUEUE_FULL": 1.0}
 
 
-async def test_a_thousand_tenants_make_two_label_values(rag_stack):
-    """Only the tenants RAGLINE_METRICS_TENANTS names are label values: 1,000 tenants asking
-    leave `acme` and `other`, however many there are."""
+async def test_many_tenants_make_two_label_values(rag_stack):
+    """Only the tenants RAGLINE_METRICS_TENANTS names are label values: 200 tenants asking
+    leave `acme` and `other`, however many there are (1,000 proved no more: 23 s)."""
     port = free_ports(1)[0]
     orchestrator = rag_stack.orchestrator(
         metrics_port=port, env={"RAGLINE_METRICS_TENANTS": "acme"}
     )
     # one budget call: each ask ends INCOMPLETE at once (budget_exhausted), cheaply
     request = orchestrator_pb2.AskRequest(question=WARSAW, budget=common_pb2.BudgetAmounts(calls=1))
-    tenants = ["acme", *(f"tenant-{n}" for n in range(999))]
+    tenants = ["acme", *(f"tenant-{n}" for n in range(199))]
     limit = asyncio.Semaphore(16)
 
     async def ask_as(stub, tenant: str) -> None:
@@ -121,4 +121,4 @@ async def test_a_thousand_tenants_make_two_label_values(rag_stack):
     for sample in answers:
         tenant = sample.labels["tenant"]
         by_tenant[tenant] = by_tenant.get(tenant, 0.0) + sample.value
-    assert by_tenant == {"acme": 1.0, "other": 999.0}
+    assert by_tenant == {"acme": 1.0, "other": 199.0}
