@@ -435,7 +435,38 @@ def plot(runs: list[Run], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(9, 5))
+    # The parallel plan's runs at several concurrencies also get the scale curve.
+    curve = sorted(
+        (run for run in runs if run.name.startswith("parallel plan, c=")),
+        key=lambda run: run.concurrency,
+    )
+    figure, panels = plt.subplots(1, 2 if len(curve) > 1 else 1, figsize=(14, 5), squeeze=False)
+    axes = panels[0][0]
+    if len(curve) > 1:
+        scale = panels[0][1]
+        levels = [run.concurrency for run in curve]
+        rates = [sum(o.ok for o in run.outcomes) / run.wall_s for run in curve]
+        scale.plot(levels, rates, "o-", label="answers/s")
+        scale.set_xscale("log", base=2)
+        scale.set_xticks(levels, [str(level) for level in levels])
+        scale.set_xlabel("concurrent callers")
+        scale.set_ylabel("answers/s")
+        tails = scale.twinx()
+        p95 = [
+            np.percentile([o.complete_s for o in run.outcomes if o.ok] or [0], 95) for run in curve
+        ]
+        tails.plot(levels, p95, "s--", color="#d62728", label="complete p95 (s)")
+        tails.set_ylabel("complete answer p95 (s)")
+        scale.set_ylim(bottom=0)
+        for level, rate, run in zip(levels, rates, curve, strict=True):
+            refused = sum(o.code == "RESOURCE_EXHAUSTED" for o in run.outcomes)
+            failed = sum(not o.ok and o.code != "RESOURCE_EXHAUSTED" for o in run.outcomes)
+            notes = [f"{refused} refused at once"] if refused else []
+            notes += [f"{failed} failed"] if failed else []
+            if notes:
+                scale.annotate(", ".join(notes), (level, rate), fontsize=8)
+        scale.set_title("Throughput and tail as callers grow")
+        scale.grid(alpha=0.3)
     for run in runs:
         for attribute, style in (("complete_s", "-"), ("first_token_s", ":")):
             values = sorted(getattr(o, attribute) for o in run.outcomes if getattr(o, attribute))
@@ -496,13 +527,33 @@ def main() -> int:
     )
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--json", type=Path, help="write every outcome here")
+    parser.add_argument(
+        "--disjoint",
+        action="store_true",
+        help="each concurrency asks its own --questions (a scale curve without cache hits)",
+    )
     args = parser.parse_args()
 
     passages, questions = load_squad(args.data)
     impossible, two_part = load_squad_extras(args.data)
     split = held_out_split(passages, questions, every=args.hold_out)
     rng = random.Random(args.seed)
+    levels = [int(c) for c in args.concurrency.split(",")]
     sample = rng.sample(split.answerable, min(args.questions, len(split.answerable)))
+    # The warm-up's questions (and --disjoint's further levels) come from the rest, drawn
+    # apart so that a seed's sample stays what it was: a prompt the warm-up saw would be
+    # read from the engine's caches.
+    chosen = {id(q) for q in sample}
+    rest = [q for q in split.answerable if id(q) not in chosen]
+    more = args.questions * (len(levels) - 1) if args.disjoint else 0
+    extra = random.Random(args.seed + 1).sample(rest, min(8 + more, len(rest)))
+    warm_up, drawn = extra[:8], sample + extra[8:]
+    # --disjoint: each concurrency its own questions, so that no level reads prompts an
+    # earlier one left in the engine's caches (its slots, the hot-prefix store).
+    per_level = {
+        level: drawn[i * args.questions : (i + 1) * args.questions] if args.disjoint else sample
+        for i, level in enumerate(levels)
+    }
     # Out of corpus: questions about held-out articles, and those the file says no
     # paragraph answers (SQuAD 2.0's is_impossible).
     pool = split.unanswerable + impossible
@@ -536,15 +587,15 @@ def main() -> int:
     try:
         asyncio.run(ensure_ingested(data, addresses, args.workdir, len(split.passages), TENANT))
         # Warm-up: every generation slot sees the system prompt once; not measured.
-        asyncio.run(run_config("warm-up", addresses["orchestrator"], sample[:8], 4, None, 60))
+        asyncio.run(run_config("warm-up", addresses["orchestrator"], warm_up, 4, None, 60))
         runs = []
-        for level in (int(c) for c in args.concurrency.split(",")):
+        for level in levels:
             runs.append(
                 asyncio.run(
                     run_config(
                         f"parallel plan, c={level}",
                         addresses["orchestrator"],
-                        sample,
+                        per_level[level],
                         level,
                         None,
                         args.deadline,
