@@ -432,7 +432,7 @@ def ledger():
 
 @pytest.fixture
 def qdrant():
-    """A Qdrant-protocol stand-in (support/fake_qdrant.py: Qdrant's own gRPC stubs, exact search)."""
+    """A Qdrant-protocol stand-in (support/fake_qdrant.py: Qdrant's gRPC stubs, exact search)."""
     from support.fake_qdrant import start_fake_qdrant
 
     port = free_ports(1)[0]
