@@ -53,9 +53,10 @@ def start_stack(
 
 async def ensure_ingested(
     data: Path, addresses: dict, workdir: Path, expected: int, tenant: str
-) -> None:
+) -> float | None:
     """`data` ingested into `tenant` unless the tenant already holds `expected` documents
-    (then only rerank's token vectors are prepared again, a restarted rerank has none)."""
+    (then only rerank's token vectors are prepared again, a restarted rerank has none).
+    The seconds the ingest took, None when it was not ingested now."""
     client = ServiceClient(
         retrieval_pb2_grpc.RetrievalServiceStub,
         addresses["retrieval"],
@@ -65,12 +66,12 @@ async def ensure_ingested(
         status = await client.unary("IndexStatus", retrieval_pb2.IndexStatusRequest())
     if status.tenant_documents >= expected:
         if not addresses.get("rerank"):
-            return
+            return None
         prepared = await prepare_rerank(
             data, rerank_addr=addresses["rerank"], default_tenant=tenant, notice=print
         )
         print(f"rerank prepared {prepared} passages", file=sys.stderr)
-        return
+        return None
     started = time.monotonic()
     written, _ = await ingest(
         data,
@@ -81,7 +82,9 @@ async def ensure_ingested(
         rerank_addr=addresses.get("rerank"),
         notice=print,
     )
-    print(f"ingested {written} passages in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    seconds = time.monotonic() - started
+    print(f"ingested {written} passages in {seconds:.0f} s", file=sys.stderr)
+    return seconds
 
 
 async def ask_seconds(client: ServiceClient, question: str) -> float:

@@ -359,6 +359,60 @@ def steps_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+# issue 55's goals, as ratios to the peer (ragline's figure over the peer's, or the peer's
+# time over ragline's): what the ratio table measures against.
+PEER_GOALS = {"ingest": 3.0, "p50 c=1": 4.0, "answers/s c>1": 5.0, "p95 c>1": 5.0}
+
+
+def peer_table(runs: list[Run], peer: dict, ingest_s: float | None) -> str:
+    """ragline against the peer's report (haystack_rag.py --out): ingest, complete answer
+    p50 and answers/s at c=1, answers/s and p95 at the peer's concurrency, failures; each
+    ratio beside its goal."""
+    by_level = {run.concurrency: run for run in runs if run.name.startswith("parallel plan")}
+    lines = ["| | peer | ragline | ratio | goal |", "|---|---|---|---|---|"]
+
+    def cell(value: float | None, unit: str) -> str:
+        return "-" if value is None else f"{value:.3f}{unit}"
+
+    def row(what: str, theirs: float | None, ours: float | None, unit: str, higher: bool):
+        goal = PEER_GOALS.get(what)
+        ratio = "-"
+        if theirs and ours:
+            ratio = f"{(ours / theirs) if higher else (theirs / ours):.2f}x"
+        wanted = f">= {goal:g}x" if goal else ""
+        lines.append(f"| {what} | {cell(theirs, unit)} | {cell(ours, unit)} | {ratio} | {wanted} |")
+
+    indexing = peer.get("indexing", {})
+    row("ingest", indexing.get("wall_s"), ingest_s, " s", higher=False)
+    sequential, concurrent = peer.get("e2e_sequential", {}), peer.get("e2e_concurrent", {})
+    alone = by_level.get(1)
+    if alone is not None:
+        ok = [o.complete_s for o in alone.outcomes if o.ok]
+        p50 = float(np.percentile(ok, 50)) if ok else None
+        row("p50 c=1", sequential.get("p50_ms", 0) / 1000 or None, p50, " s", higher=False)
+        rate = len(ok) / alone.wall_s if alone.wall_s else None
+        row("answers/s c=1", sequential.get("throughput_answers_per_s"), rate, "", higher=True)
+    level = concurrent.get("concurrency")
+    loaded = by_level.get(level)
+    if loaded is not None:
+        ok = [o.complete_s for o in loaded.outcomes if o.ok]
+        rate = len(ok) / loaded.wall_s if loaded.wall_s else None
+        row("answers/s c>1", concurrent.get("throughput_answers_per_s"), rate, "", higher=True)
+        p95 = float(np.percentile(ok, 95)) if ok else None
+        row("p95 c>1", concurrent.get("p95_ms", 0) / 1000 or None, p95, " s", higher=False)
+    failed = {
+        run.concurrency: sum(not o.ok and o.code != "RESOURCE_EXHAUSTED" for o in run.outcomes)
+        for run in by_level.values()
+    }
+    lines.append(f"| failed requests by concurrency | | {failed} | | 0 |")
+    if level is not None:
+        lines.append(
+            f"(c>1 is the peer's concurrency, {level}; ragline's run at it: "
+            f"{'yes' if loaded is not None else 'none, add it to --concurrency'})"
+        )
+    return "\n".join(lines)
+
+
 def trust_table(runs: list[Run]) -> str:
     """Per run: how often COMPLETE was returned, whether every COMPLETE answer cited a
     passage, the F1 of what was answered (an INCOMPLETE answer counts 0) and of the drafts
@@ -528,6 +582,12 @@ def main() -> int:
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--json", type=Path, help="write every outcome here")
     parser.add_argument(
+        "--peer",
+        type=Path,
+        help="the framework peer's report (../shared/peers/haystack_rag.py --out FILE, same "
+        "data, seed and questions, run just before): prints the ratio table against it",
+    )
+    parser.add_argument(
         "--disjoint",
         action="store_true",
         help="each concurrency asks its own --questions (a scale curve without cache hits)",
@@ -585,7 +645,9 @@ def main() -> int:
         overrides = dict(item.split("=", 1) for item in args.env)
         process, addresses = start_stack(args.workdir, overrides)
     try:
-        asyncio.run(ensure_ingested(data, addresses, args.workdir, len(split.passages), TENANT))
+        ingest_s = asyncio.run(
+            ensure_ingested(data, addresses, args.workdir, len(split.passages), TENANT)
+        )
         # Warm-up: every generation slot sees the system prompt once; not measured.
         asyncio.run(run_config("warm-up", addresses["orchestrator"], warm_up, 4, None, 60))
         runs = []
@@ -698,6 +760,9 @@ def main() -> int:
     print(f"deadline {args.deadline} s")
     print(table(runs))
     print("\nwhere the time went: steps and queues\n" + steps_table(runs))
+    if args.peer:
+        peer = json.loads(args.peer.read_text())
+        print("\nagainst the peer (" + args.peer.name + ")\n" + peer_table(runs, peer, ingest_s))
     print("\nanswer states: can COMPLETE be trusted?\n" + trust_table(runs))
     if extra["tiers"]:
         print("\nmodel routing: the same questions, c=1\n" + cost_table(extra["tiers"]))
