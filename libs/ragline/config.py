@@ -74,10 +74,8 @@ class CommonConfig(EmptyMeansUnset):
     # that tests and laptops start.
     triton_venv: Path = Path(".venv-triton")
     # Threads of the BLAS behind numpy (0: the library's own default, one per core). A
-    # service sizes its parallelism itself (model runs, executors), and BLAS's pool on top
-    # spins beside them: measured in rerank during an ingest of SQuAD dev, its
-    # 384x128 token projections ran on OpenBLAS threads that took a third of the process's
-    # CPU (128 s -> 84 s for 2,067 passages with one thread).
+    # service sizes its parallelism itself (model runs, executors); a BLAS pool on top
+    # spins beside them (docs/tuning.md).
     blas_threads: int = Field(1, ge=0)
     # Tenants that are label values in metrics (comma-separated); any other is "other".
     metrics_tenants: str = ""

@@ -46,8 +46,8 @@ class OnnxRuntimeBackend:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        # One thread per worker: on a small shared box threads fight (measured: 2 threads
-        # under contention were 5x slower at p50); scale by batching and processes instead.
+        # One thread per worker: on a small shared box threads fight (docs/tuning.md);
+        # scale by parallel runs, batching and processes instead.
         options.intra_op_num_threads = intra_op_threads
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

@@ -27,18 +27,13 @@ if TYPE_CHECKING:
 # Bump when the prompt changes: answer caches key on it.
 PROMPT_TEMPLATE_VERSION = "rag-v2"
 
-# Measured on 100 SQuAD questions with Qwen2.5-Coder-0.5B (token F1): this wording 0.50;
-# asking for "the shortest exact phrase" with an example answer 0.25 (the model copied the
-# example's marker alone); adding "if the evidence does not answer it, reply: not in the
-# evidence" 0.41 (the small model refuses answerable questions).
+# The wording the small model answered best with (docs/tuning.md, "The answer prompt").
 SYSTEM_PROMPT = (
     "Answer the question from the evidence. Give only the answer: a few words copied from the "
     "evidence, no sentence. Then the passage number in brackets."
 )
 # A question written in Chinese gets the evidence and question labelled in Chinese; the
-# instruction stays English: measured with the small model on 20 questions of the Chinese
-# set (gold passage as evidence), character F1 0.713 so, 0.688 all English, 0.473 with the
-# instruction in Chinese (it then wrote sentences, or only the passage number).
+# instruction stays English, which the small model followed best (docs/tuning.md).
 _LABELS = {Language.ENGLISH: ("Evidence:", "Question:", "Answer only this part of it:"),
            Language.CHINESE: ("证据：", "问题：", "只回答其中这一部分：")}  # fmt: skip
 

@@ -72,9 +72,8 @@ class OrchestratorConfig(ServiceConfig):
     # (docs/tuning.md).
     rerank_candidates: int = Field(30, ge=1, le=1000)
     late_interaction_k: int = Field(20, ge=1, le=1000)
-    # The cross-encoder stage of rerank in the default plan. Off: measured on SQuAD dev it
-    # takes from late interaction after hybrid search (nDCG@10 0.925 vs 0.927) and costs
-    # ~45 ms per question on 2 cores (tools/eval_retrieval.py, tools/bench_rerank.py).
+    # The cross-encoder stage of rerank in the default plan: off, it ranked no better than
+    # late interaction after hybrid search and costs ~45 ms a question (docs/tuning.md).
     rerank_cross_encoder: bool = False
     context_passages: int = Field(4, ge=1, le=50)
     evidence_tokens: int = Field(120, ge=16, le=32768)

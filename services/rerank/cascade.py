@@ -311,8 +311,8 @@ class Reranker:
         output = RerankOutput(results=[])
         unread = language_skip(self.token_scripts, request.query, request.candidates)
         if unread:
-            # An English model scoring a Chinese question reorders at random (measured on
-            # the Chinese set: hybrid nDCG@10 0.797, 0.743 after it): the order stands.
+            # An English model scoring a Chinese question reorders at random, worse than
+            # the order it came with (docs/tuning.md): the order stands.
             output.skipped.append(Skipped(LATE_INTERACTION, SkipCause.LANGUAGE, unread))
             if not request.late_interaction_only and self.pair_batcher is not None:
                 output.skipped.append(Skipped(CROSS_ENCODER, SkipCause.LANGUAGE, unread))
@@ -579,8 +579,8 @@ class Reranker:
         self.costs[CROSS_ENCODER].record(seconds, len(chosen))
         output.stages_run.append(CROSS_ENCODER)
         output.stage_seconds.append((CROSS_ENCODER, seconds))
-        # The cross-encoder's view blended with what stage 1 knew: measured on SQuAD dev, a
-        # small cross-encoder alone orders the survivors worse than stage 1 does.
+        # The cross-encoder's view blended with what stage 1 knew: a small cross-encoder
+        # alone orders the survivors worse than stage 1 does (docs/tuning.md).
         weight = self.cross_encoder_weight
         before = np.array([stage1[c.id] for c in chosen])
         blended = weight * _minmax(scores) + (1 - weight) * _minmax(before)

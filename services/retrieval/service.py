@@ -88,9 +88,8 @@ class RetrievalConfig(ServiceConfig):
     # Weight of a BM25 query word's translation into the other language (0: none).
     cross_lingual_weight: float = Field(0.5, ge=0, le=10)
     # BM25's term saturation and length normalisation. Tantivy's own (1.2, 0.75) score in
-    # the index; others score its candidates again (bm25_params.py), at ~12 ms per search
-    # on 2 cores. Measured (tools/eval_bm25_params.py, nDCG@10 SQuAD dev / new_wiki /
-    # Chinese set): 1.2/0.75 0.869 / 0.877 / 0.940, 1.5/0.75 0.866 / 0.875 / 0.940.
+    # the index; others score its candidates again (bm25_params.py, ~12 ms per search) and
+    # ranked no better here (docs/tuning.md).
     bm25_k1: float = Field(1.2, gt=0, le=10)
     bm25_b: float = Field(0.75, ge=0, le=1)
     # Worker threads for searches (one hop each), apart from writes and HNSW builds.
