@@ -145,6 +145,7 @@ class MicroBatcher:
         self.max_parallel_runs = max(1, max_parallel_runs)
         self._runners = asyncio.Semaphore(self.max_parallel_runs)
         self._running: set[asyncio.Task[None]] = set()
+        self._lent = 0  # runners lent to running batches (`_borrow_idle_runners`)
         self.max_batch_texts = max_batch_texts
         self.max_bulk_batch_texts = max_bulk_batch_texts or max_batch_texts
         self.max_wait_s = max_wait_s
@@ -197,7 +198,8 @@ class MicroBatcher:
 
     @property
     def runs_in_flight(self) -> int:
-        return len(self._running)
+        """Model runs going on: one per batch, and the runners lent to them."""
+        return len(self._running) + self._lent
 
     def _refuse(self, waiting: int, limit: int, whose: str) -> ResourceExhausted:
         backlog_s = waiting / max(self._texts_per_s, 1.0)
@@ -276,36 +278,53 @@ class MicroBatcher:
         """Takes up to `wanted` runners nobody waits for (none while work is queued), so
         that a batch of several runs (a request of several texts, for a model that runs
         one text at a time) uses the cores that would otherwise idle: 6 sentences of an
-        evidence step on 2 runners take 3 runs' time, not 6."""
+        evidence step on 2 runners take 3 runs' time, not 6. A lent runner goes back as
+        soon as other work queues (after the run it is in), so the lending never makes
+        another request wait longer than one run."""
         borrowed = 0
         while borrowed < wanted and not self._queues and not self._runners.locked():
             await self._runners.acquire()  # free and unwaited for: returns at once
             borrowed += 1
+        self._lent += borrowed
         return borrowed
+
+    def _give_back(self, loan: list[int]) -> None:
+        """One runner of a batch's `loan` (a count of one item) handed back."""
+        if loan[0]:
+            loan[0] -= 1
+            self._lent -= 1
+            self._runners.release()
 
     async def _run_groups(
         self,
         flat: list[TokenizedText],
         groups: list[list[int]],
         rows: list[np.ndarray | None],
-        runners: int,
+        loan: list[int],
     ) -> None:
-        """Runs each group of `flat` on one of `runners` at a time, filling `rows`."""
+        """Runs each group of `flat`, filling `rows`: on the batch's own runner and on the
+        `loan[0]` lent ones, each handed back after `_borrow_idle_runners`' rule (the
+        caller hands back whatever is still lent when this ends, however it ends)."""
+        shared = iter(groups)  # each runner takes the next group left
 
-        async def run_each(pending: Iterable[list[int]]) -> None:
-            for group in pending:
+        async def run_each(on_loan: bool) -> None:
+            for group in shared:
                 result = await self._run([flat[i] for i in group])
                 for position, index in enumerate(group):
                     rows[index] = result[position]
+                if on_loan and self._queues:
+                    break  # someone waits: the batch's own runner does the rest
+            if on_loan:
+                self._give_back(loan)
 
-        if runners <= 1:
-            await run_each(groups)
+        if not loan[0]:
+            await run_each(False)
             return
-        shared = iter(groups)  # each runner takes the next group left
         try:
             async with asyncio.TaskGroup() as runs:
-                for _ in range(runners):
-                    runs.create_task(run_each(shared))
+                runs.create_task(run_each(False))
+                for _ in range(loan[0]):
+                    runs.create_task(run_each(True))
         except ExceptionGroup as failed:  # the model's own error, as a lone run raises it
             raise failed.exceptions[0] from None
 
@@ -386,9 +405,9 @@ class MicroBatcher:
         flat = [text for item in batch for text in item.texts]
         rows: list[np.ndarray | None] = [None] * len(flat)
         groups = bucket_groups([t.length for t in flat], self.max_batch_texts, self._buckets)
-        borrowed = await self._borrow_idle_runners(len(groups) - 1)
+        loan = [await self._borrow_idle_runners(len(groups) - 1)]
         try:
-            await self._run_groups(flat, groups, rows, 1 + borrowed)
+            await self._run_groups(flat, groups, rows, loan)
         except Exception as error:  # the model failed: every request of the batch fails
             for item in batch:
                 if not item.future.done():
@@ -402,8 +421,8 @@ class MicroBatcher:
                     )
             raise
         finally:
-            for _ in range(borrowed):
-                self._runners.release()
+            while loan[0]:
+                self._give_back(loan)
         compute_s = time.monotonic() - started
         self.batches += 1
         if self.observer is not None:

@@ -193,6 +193,27 @@ async def test_one_request_of_several_runs_uses_the_idle_runners(runners):
     assert model.most_at_once == runners
 
 
+async def test_a_lent_runner_goes_back_after_one_run_when_another_request_queues():
+    """Tenant A's 10 texts on both runners of 2 (0.05 s a run: 0.25 s in all); B's one
+    text arriving meanwhile waits about one run, not for A's whole request, and the
+    gauge of runs in flight counts the lent runner."""
+    model = ConcurrencyModel(delay_s=0.05)
+    batcher = MicroBatcher(model, max_batch_texts=1, max_wait_s=0, max_parallel_runs=2)
+    await batcher.start()
+    first = asyncio.create_task(batcher.submit([text(i) for i in range(1, 11)], None, "a"))
+    await asyncio.sleep(0.02)
+    assert batcher.runs_in_flight == 2  # A's own runner and the one lent to it
+    asked = time.monotonic()
+    second = await batcher.submit([text(99)], None, "b")
+    waited = time.monotonic() - asked
+    result = await first
+    await batcher.stop()
+    assert waited < 0.15, f"B waited {waited:.2f} s behind A's lent runner"
+    assert second.vectors.tolist() == [[99.0, 1.0]]
+    assert result.vectors[:, 0].tolist() == list(range(1, 11))
+    assert batcher.runs_in_flight == 0
+
+
 async def test_two_requests_of_several_runs_at_once_share_the_runners_and_keep_their_vectors():
     model = ConcurrencyModel(delay_s=0.05)
     batcher = MicroBatcher(model, max_batch_texts=1, max_wait_s=0, max_parallel_runs=2)
