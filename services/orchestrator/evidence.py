@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ragline import control_tokens, words
+from ragline import control_tokens, numbers, words
 from ragline.vocabulary import Language
 
 if TYPE_CHECKING:
@@ -287,10 +287,16 @@ def cite(answer: str, evidence: Evidence) -> Cited:
         elif item not in citations:
             citations.append(item)
     if not citations:
-        words = set(content_words(strip_markers(answer)))
+        # Numbers compare as numbers: "8" is in a passage that says "eight".
+        words = set(content_words(numbers.spelled_as_digits(strip_markers(answer))))
         if words:
             overlap = [
-                (len(words & set(content_words(item.text))) / len(words), -n, item)
+                (
+                    len(words & set(content_words(numbers.spelled_as_digits(item.text))))
+                    / len(words),
+                    -n,
+                    item,
+                )
                 for n, item in enumerate(evidence.items)
             ]
             share, _, best = max(overlap, key=lambda row: row[:2])

@@ -84,6 +84,13 @@ def test_an_answer_without_markers_is_attributed_to_the_passage_holding_its_word
     assert ev.cite("Atlantis", evidence_of(WARSAW, SKY)).citations == []
 
 
+def test_a_number_without_a_marker_is_attributed_however_its_passage_writes_it():
+    stations = ev.Passage("n", "Network", "The network owns eight of its stations outright.")
+    cited = ev.cite("8", evidence_of(WARSAW, stations))
+    assert [c.passage.id for c in cited.citations] == ["n"]
+    assert ev.cite("9", evidence_of(WARSAW, stations)).citations == []
+
+
 def test_markers_are_stripped_and_refusals_recognised():
     assert ev.strip_markers("Vistula [1][2]") == "Vistula"
     assert ev.is_refusal("Not in the evidence.")
