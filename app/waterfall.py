@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ragline.timing import seconds_of
+
 # Phases of a node, in the order they happen, with their colours.
 PHASES = (
     ("admission", "queued for admission", "#e78ac3"),
@@ -46,28 +48,24 @@ class Row:
     queued_s: float = 0.0  # in the service's queue (admission's, for the admission row)
 
 
-def _seconds(duration) -> float:
-    return duration.ToNanoseconds() / 1e9
-
-
 def rows(report) -> list[Row]:
     from ragline.v1 import orchestrator_pb2
 
     critical = set(report.critical_path)
     out = []
-    admitted = _seconds(report.admission_wait)
+    admitted = seconds_of(report.admission_wait)
     if admitted > 0:
         phases = [("admission", 0.0, admitted)]
         out.append(Row("admission", "queue", "ok", False, phases, None, "", admitted))
     for node in report.nodes:
         marks = {
-            name: _seconds(getattr(node, name)) if node.HasField(name) else None
+            name: seconds_of(getattr(node, name)) if node.HasField(name) else None
             for name in ("reserve_start", "call_start", "first_byte", "call_end", "settled")
         }
         phases = []
         if marks["reserve_start"] is not None and marks["call_start"] is not None:
             phases.append(("reserve", marks["reserve_start"], marks["call_start"]))
-        queued = _seconds(node.server.queue_wait) if node.HasField("server") else 0.0
+        queued = seconds_of(node.server.queue_wait) if node.HasField("server") else 0.0
         if marks["call_start"] is not None and marks["call_end"] is not None:
             split = marks["first_byte"] or marks["call_end"]
             # The service's queue wait drawn first in the call (the network's share of a
@@ -87,7 +85,7 @@ def rows(report) -> list[Row]:
                 state=_state_label(node.state),
                 critical=node.node_id in critical,
                 phases=phases,
-                server_s=_seconds(node.server.total) if node.HasField("server") else None,
+                server_s=seconds_of(node.server.total) if node.HasField("server") else None,
                 note=node.error,
                 queued_s=queued,
             )
@@ -101,13 +99,13 @@ def render_text(report, width: int = 60):
     from rich.text import Text
 
     table_rows = rows(report)
-    total = max(_seconds(report.end_to_end), 1e-6)
+    total = max(seconds_of(report.end_to_end), 1e-6)
     scale = width / total
     table = Table(
         title=(
             f"end to end {total * 1000:.0f} ms; critical path "
             f"{' -> '.join(report.critical_path)} = "
-            f"{_seconds(report.critical_path_lower_bound) * 1000:.0f} ms "
+            f"{seconds_of(report.critical_path_lower_bound) * 1000:.0f} ms "
             f"(measured / lower bound {report.overhead_ratio:.2f})"
         ),
         title_justify="left",
@@ -163,8 +161,8 @@ def render_png(report, path: Path, title: str = "") -> None:
     axes.set_xlabel("ms since the request arrived")
     axes.set_title(
         title
-        or f"end to end {_seconds(report.end_to_end) * 1000:.0f} ms, critical path "
-        f"(red outline) {_seconds(report.critical_path_lower_bound) * 1000:.0f} ms"
+        or f"end to end {seconds_of(report.end_to_end) * 1000:.0f} ms, critical path "
+        f"(red outline) {seconds_of(report.critical_path_lower_bound) * 1000:.0f} ms"
     )
     handles = [plt.Rectangle((0, 0), 1, 1, color=colour) for _, _, colour in PHASES]
     axes.legend(

@@ -40,6 +40,7 @@ import numpy as np
 
 from ragline import deadlines, identity
 from ragline.clients import ChannelPool, ServiceClient
+from ragline.timing import seconds_of
 from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from ragline_app.benchmarks import ensure_ingested, start_stack
 from ragline_app.datasets import held_out_split, load_squad, load_squad_extras, write_jsonl
@@ -117,6 +118,24 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     wall_s: float = 0.0
 
+    @property
+    def answered_s(self) -> list[float]:
+        """How long each answered request took (complete answer), in order."""
+        return [o.complete_s for o in self.outcomes if o.ok]
+
+    @property
+    def answers_per_s(self) -> float:
+        return len(self.answered_s) / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def refused(self) -> int:
+        """Refused at once (RESOURCE_EXHAUSTED with a retry delay): not a failure."""
+        return sum(o.code == "RESOURCE_EXHAUSTED" for o in self.outcomes)
+
+    @property
+    def failed(self) -> int:
+        return sum(not o.ok and o.code != "RESOURCE_EXHAUSTED" for o in self.outcomes)
+
 
 @dataclass(frozen=True)
 class OutOfCorpus:
@@ -181,19 +200,19 @@ async def ask_one(
     outcome.ok = True
     outcome.state = common_pb2.AnswerState.Name(result.status.state).removeprefix("ANSWER_STATE_")
     outcome.ratio = result.timing.overhead_ratio
-    outcome.admission_wait_s = duration_s(result.timing.admission_wait)
+    outcome.admission_wait_s = seconds_of(result.timing.admission_wait)
     for node in result.timing.nodes:
         if node.state != orchestrator_pb2.NODE_STATE_SUCCEEDED:
             continue
         kind = orchestrator_pb2.NodeKind.Name(node.kind).removeprefix("NODE_KIND_").lower()
-        spent = duration_s(node.finished) - duration_s(node.began)
+        spent = seconds_of(node.finished) - seconds_of(node.began)
         outcome.step_s[kind] = outcome.step_s.get(kind, 0.0) + spent
-        waited = duration_s(node.server.queue_wait)
+        waited = seconds_of(node.server.queue_wait)
         outcome.step_wait_s[kind] = outcome.step_wait_s.get(kind, 0.0) + waited
         if node.HasField("call_start") and node.HasField("reserve_start"):
-            reserve = duration_s(node.call_start) - duration_s(node.reserve_start)
-            call = duration_s(node.call_end) - duration_s(node.call_start)
-            outcome.step_call_s[kind] = (reserve, call, duration_s(node.server.total))
+            reserve = seconds_of(node.call_start) - seconds_of(node.reserve_start)
+            call = seconds_of(node.call_end) - seconds_of(node.call_start)
+            outcome.step_call_s[kind] = (reserve, call, seconds_of(node.server.total))
     outcome.answer_hit = result.cache.answer_hit
     outcome.input_tokens = result.budget.used.input_tokens
     outcome.output_tokens = result.budget.used.output_tokens
@@ -284,7 +303,6 @@ def table(runs: list[Run]) -> str:
     for run in runs:
         ok = [o for o in run.outcomes if o.ok]
         states = collections.Counter(o.state for o in ok)
-        refused = sum(o.code == "RESOURCE_EXHAUSTED" for o in run.outcomes)
         codes = collections.Counter(
             o.code for o in run.outcomes if o.code and o.code != "RESOURCE_EXHAUSTED"
         )
@@ -294,11 +312,11 @@ def table(runs: list[Run]) -> str:
             run.name,
             str(len(run.outcomes)),
             f"{states['COMPLETE']} / {states['PARTIAL']} / {states['INCOMPLETE']}",
-            str(refused),
+            str(run.refused),
             failed,
             percentiles([o.first_token_s for o in ok if o.first_token_s is not None]),
             percentiles([o.complete_s for o in ok]),
-            f"{len(ok) / run.wall_s:.3f}",
+            f"{run.answers_per_s:.3f}",
             f"{np.median([o.ratio for o in ok]) if ok else 0:.3f}",
             f"{sum(o.em for o in run.outcomes) / n:.3f}",
             f"{sum(o.f1 for o in run.outcomes) / n:.3f}",
@@ -309,22 +327,30 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def duration_s(value) -> float:
-    return value.seconds + value.nanos / 1e9
+def markdown(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table's lines: the header, its rule, one line per row."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
 
 
 def steps_table(runs: list[Run]) -> str:
     """Per run, the p50 of each kind of step's wall time (ms), its server queue wait in
-    brackets where there was one, and the admission wait p50 / p95: the queues of c>1."""
+    brackets where there was one, and the admission wait p50 / p95: the queues of c>1;
+    then, for the steps that call a service, the reservation / call / server split."""
     kinds = sorted({k for run in runs for o in run.outcomes for k in o.step_s})
-    lines = [
-        "| configuration | admission wait p50 / p95 (ms) | "
-        + " | ".join(f"{k} p50 (ms)" for k in kinds)
-        + " |",
-        "|---|---|" + "---|" * len(kinds),
-    ]
+    calls = sorted({k for run in runs for o in run.outcomes for k in o.step_call_s})
+    steps, splits = [], []
     for run in runs:
         ok = [o for o in run.outcomes if o.ok]
+        split = [run.name]
+        for kind in calls:
+            parts = np.array([o.step_call_s[kind] for o in ok if kind in o.step_call_s])
+            medians = np.median(parts, axis=0) if len(parts) else []
+            split.append(" / ".join(f"{v * 1000:.0f}" for v in medians) or "-")
+        splits.append(split)
         if not ok:
             continue
         waits = np.percentile([o.admission_wait_s * 1000 for o in ok], [50, 95])
@@ -336,27 +362,10 @@ def steps_table(runs: list[Run]) -> str:
             if queued and np.median(queued) >= 1:
                 cell += f" ({np.median(queued):.0f} queued)"
             cells.append(cell)
-        lines.append("| " + " | ".join(cells) + " |")
-    calls = sorted({k for run in runs for o in run.outcomes for k in o.step_call_s})
-    lines += [
-        "",
-        "| configuration | "
-        + " | ".join(f"{k}: reserve / call / server p50 (ms)" for k in calls)
-        + " |",
-        "|---|" + "---|" * len(calls),
-    ]
-    for run in runs:
-        ok = [o for o in run.outcomes if o.ok]
-        cells = [run.name]
-        for kind in calls:
-            parts = np.array([o.step_call_s[kind] for o in ok if kind in o.step_call_s])
-            cells.append(
-                " / ".join(f"{v * 1000:.0f}" for v in np.median(parts, axis=0))
-                if len(parts)
-                else "-"
-            )
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        steps.append(cells)
+    header = ["configuration", "admission wait p50 / p95 (ms)", *(f"{k} p50 (ms)" for k in kinds)]
+    called = ["configuration", *(f"{k}: reserve / call / server p50 (ms)" for k in calls)]
+    return "\n".join([*markdown(header, steps), "", *markdown(called, splits)])
 
 
 # issue 55's goals, as ratios to the peer (ragline's figure over the peer's, or the peer's
@@ -387,23 +396,20 @@ def peer_table(runs: list[Run], peer: dict, ingest_s: float | None) -> str:
     sequential, concurrent = peer.get("e2e_sequential", {}), peer.get("e2e_concurrent", {})
     alone = by_level.get(1)
     if alone is not None:
-        ok = [o.complete_s for o in alone.outcomes if o.ok]
+        ok = alone.answered_s
         p50 = float(np.percentile(ok, 50)) if ok else None
         row("p50 c=1", sequential.get("p50_ms", 0) / 1000 or None, p50, " s", higher=False)
-        rate = len(ok) / alone.wall_s if alone.wall_s else None
+        rate = alone.answers_per_s or None
         row("answers/s c=1", sequential.get("throughput_answers_per_s"), rate, "", higher=True)
     level = concurrent.get("concurrency")
     loaded = by_level.get(level)
     if loaded is not None:
-        ok = [o.complete_s for o in loaded.outcomes if o.ok]
-        rate = len(ok) / loaded.wall_s if loaded.wall_s else None
+        ok = loaded.answered_s
+        rate = loaded.answers_per_s or None
         row("answers/s c>1", concurrent.get("throughput_answers_per_s"), rate, "", higher=True)
         p95 = float(np.percentile(ok, 95)) if ok else None
         row("p95 c>1", concurrent.get("p95_ms", 0) / 1000 or None, p95, " s", higher=False)
-    failed = {
-        run.concurrency: sum(not o.ok and o.code != "RESOURCE_EXHAUSTED" for o in run.outcomes)
-        for run in by_level.values()
-    }
+    failed = {run.concurrency: run.failed for run in by_level.values()}
     lines.append(f"| failed requests by concurrency | | {failed} | | 0 |")
     if level is not None:
         lines.append(
@@ -499,24 +505,20 @@ def plot(runs: list[Run], path: Path) -> None:
     if len(curve) > 1:
         scale = panels[0][1]
         levels = [run.concurrency for run in curve]
-        rates = [sum(o.ok for o in run.outcomes) / run.wall_s for run in curve]
+        rates = [run.answers_per_s for run in curve]
         scale.plot(levels, rates, "o-", label="answers/s")
         scale.set_xscale("log", base=2)
         scale.set_xticks(levels, [str(level) for level in levels])
         scale.set_xlabel("concurrent callers")
         scale.set_ylabel("answers/s")
         tails = scale.twinx()
-        p95 = [
-            np.percentile([o.complete_s for o in run.outcomes if o.ok] or [0], 95) for run in curve
-        ]
+        p95 = [np.percentile(run.answered_s or [0], 95) for run in curve]
         tails.plot(levels, p95, "s--", color="#d62728", label="complete p95 (s)")
         tails.set_ylabel("complete answer p95 (s)")
         scale.set_ylim(bottom=0)
         for level, rate, run in zip(levels, rates, curve, strict=True):
-            refused = sum(o.code == "RESOURCE_EXHAUSTED" for o in run.outcomes)
-            failed = sum(not o.ok and o.code != "RESOURCE_EXHAUSTED" for o in run.outcomes)
-            notes = [f"{refused} refused at once"] if refused else []
-            notes += [f"{failed} failed"] if failed else []
+            notes = [f"{run.refused} refused at once"] if run.refused else []
+            notes += [f"{run.failed} failed"] if run.failed else []
             if notes:
                 scale.annotate(", ".join(notes), (level, rate), fontsize=8)
         scale.set_title("Throughput and tail as callers grow")

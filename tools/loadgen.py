@@ -52,6 +52,7 @@ from ragline import deadlines, identity
 from ragline.clients import ChannelPool, ServiceClient
 from ragline.logs import configure_logging
 from ragline.retry import retry_delay_of
+from ragline.timing import seconds_of
 from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from ragline_app.benchmarks import ensure_ingested, start_stack
 from ragline_app.datasets import load_squad
@@ -85,17 +86,14 @@ class Ask:
 
 
 def time_spent(report: orchestrator_pb2.TimingReport) -> dict[str, float]:
-    def s(duration) -> float:
-        return duration.ToNanoseconds() / 1e9
-
-    spent = {"admission": s(report.admission_wait)}
+    spent = {"admission": seconds_of(report.admission_wait)}
     for node in report.nodes:
         if node.HasField("finished") and node.HasField("began"):
-            spent[node.node_id] = s(node.finished) - s(node.began)
+            spent[node.node_id] = seconds_of(node.finished) - seconds_of(node.began)
         if node.kind == orchestrator_pb2.NODE_KIND_GENERATE and node.HasField("server"):
-            spent["generation queue"] = s(node.server.queue_wait)
+            spent["generation queue"] = seconds_of(node.server.queue_wait)
             for stage in node.server.stages:
-                spent[f"generation {stage.name}"] = s(stage.duration)
+                spent[f"generation {stage.name}"] = seconds_of(stage.duration)
     return spent
 
 

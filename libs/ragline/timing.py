@@ -26,6 +26,11 @@ def duration(seconds: float) -> duration_pb2.Duration:
     return value
 
 
+def seconds_of(value: duration_pb2.Duration) -> float:
+    """A Duration as seconds (the inverse of `duration`)."""
+    return value.ToNanoseconds() / 1e9
+
+
 @dataclass
 class RequestClock:
     received: float = field(default_factory=time.monotonic)

@@ -273,6 +273,12 @@ class Cited:
     dropped: list[str]  # markers the model wrote that were not in the prompt
 
 
+def _compared_words(text: str) -> set[str]:
+    """The content words `text` is attributed by, numbers as numbers ("8" is in a passage
+    that says "eight")."""
+    return set(content_words(numbers.spelled_as_digits(text)))
+
+
 def cite(answer: str, evidence: Evidence) -> Cited:
     """Citations of an answer: the markers it wrote that were in the prompt (any other is
     dropped and reported); without a valid marker, the evidence passage that contains the
@@ -287,16 +293,10 @@ def cite(answer: str, evidence: Evidence) -> Cited:
         elif item not in citations:
             citations.append(item)
     if not citations:
-        # Numbers compare as numbers: "8" is in a passage that says "eight".
-        words = set(content_words(numbers.spelled_as_digits(strip_markers(answer))))
+        words = _compared_words(strip_markers(answer))
         if words:
             overlap = [
-                (
-                    len(words & set(content_words(numbers.spelled_as_digits(item.text))))
-                    / len(words),
-                    -n,
-                    item,
-                )
+                (len(words & _compared_words(item.text)) / len(words), -n, item)
                 for n, item in enumerate(evidence.items)
             ]
             share, _, best = max(overlap, key=lambda row: row[:2])

@@ -21,6 +21,7 @@ from ragline.v1 import (
     retrieval_pb2,
     retrieval_pb2_grpc,
 )
+from ragline_services.orchestrator import routing
 from support import error_info
 from support.orchestrator import who
 
@@ -52,9 +53,15 @@ class Outcome:
         return self.started + self.seconds
 
 
-# INCOMPLETE reasons given to a draft the model wrote (services/orchestrator/routing.py).
+# INCOMPLETE reasons given to a draft the model wrote (the answer checks' own words).
 DRAFT_REASONS = frozenset(
-    {"ungrounded", "conflicting_evidence", "failed_validation", "missing_part", "unverified"}
+    {
+        routing.UNGROUNDED,
+        routing.CONFLICTING,
+        routing.FAILED_VALIDATION,
+        routing.MISSING_PART,
+        routing.UNVERIFIED,
+    }
 )
 
 
