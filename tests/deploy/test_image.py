@@ -1,7 +1,9 @@
-"""The Dockerfile every pod runs (no Docker engine here to build it): what it copies
-exists, the models it bakes in are the ones the services' defaults name, and the paths,
-user and entrypoint it sets are the ones the Helm chart relies on. Plus the model store's
-side of a read-only image: verifying prepared models writes nothing it needs."""
+"""The Dockerfile every pod runs, read as text (the full tier builds and runs it:
+tests/e2e/test_image_stack.py): what it copies exists, the models it bakes in are the
+ones the services' defaults name, the base image holds every library the engine links,
+and the paths, user and entrypoint it sets are the ones the Helm chart relies on. Plus
+the model store's side of a read-only image: verifying prepared models writes nothing it
+needs."""
 
 from __future__ import annotations
 
@@ -79,11 +81,13 @@ def test_the_image_bakes_in_the_models_the_service_defaults_name():
     assert defaults - {""} <= baked
 
 
-def test_the_chart_reads_models_and_llama_server_where_the_image_puts_them():
+def test_the_chart_reads_models_and_engines_where_the_image_puts_them():
     env, config = final_env(), VALUES["config"]
     assert config["RAGLINE_MODEL_DIR"] == env["RAGLINE_MODEL_DIR"]
-    assert config["RAGLINE_GENERATION_LLAMA_SERVER"] == env["RAGLINE_GENERATION_LLAMA_SERVER"]
-    assert env["RAGLINE_GENERATION_LLAMA_SERVER"] in DOCKERFILE.split("install -D -m 0755")[1]
+    assert config["RAGLINE_GENERATION_ENGINES_DIR"] == env["RAGLINE_GENERATION_ENGINES_DIR"]
+    assert f"prebuilt.py {env['RAGLINE_GENERATION_ENGINES_DIR']}" in DOCKERFILE
+    # No fixed binary: each node runs the fastest engine its CPU has.
+    assert config["RAGLINE_GENERATION_LLAMA_SERVER"] == ""
     # The pod's writable volumes are the cache, data and tmp mounts, nothing in the image.
     assert config["RAGLINE_CACHE_DIR"] == "/cache" and config["RAGLINE_DATA_DIR"] == "/data"
 
@@ -116,17 +120,18 @@ def test_a_read_only_prepared_store_still_verifies(tmp_path, monkeypatch):
     assert written  # the write was tried and refused
 
 
-# In every Debian image, python:*-slim included: glibc, and libgcc-s1 (protected).
+# In every Debian image, a minbase debootstrap included: glibc, and libgcc-s1 (protected).
 DEBIAN_BASE = {"libc6", "libgcc-s1"}
 
 
-def final_stage_packages() -> set[str]:
-    packages = set()
-    for word, rest in final_stage():
-        if word == "RUN" and "apt-get install" in rest:
-            command = rest.split("apt-get install", 1)[1].split("&&", 1)[0]
-            packages |= {p for p in command.split() if not p.startswith("-")}
-    return packages
+def base_image_packages() -> set[str]:
+    """The packages tools/make_image.py puts in the base beyond a minimal Debian."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_image", REPO_ROOT / "tools/make_image.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return set(module.BASE_PACKAGES)
 
 
 def linked_packages(binary) -> dict[str, str]:
@@ -151,24 +156,29 @@ def linked_packages(binary) -> dict[str, str]:
     return found
 
 
-def test_every_library_llama_server_links_is_installed_in_the_runtime_stage():
-    """The image's llama-server is built from the same source and options as the one here
-    (only the instruction sets differ): the libraries it loads must be in the final
-    stage, or generation fails to start in every pod."""
+def test_every_library_the_prebuilt_engines_link_is_in_the_base_image():
+    """The image carries the prebuilt engines the tests run here: the libraries they load
+    must be in the base, or generation fails to start in every pod."""
     from ragline.config import CommonConfig
-    from ragline_services.generation.llama_engine import find_llama_server
+    from ragline_services.generation.prebuilt import PREBUILT_ENGINES
 
     if shutil.which("dpkg") is None:
         pytest.skip("not a Debian machine: the image's packages cannot be named here")
-    found = find_llama_server(CommonConfig().cache_dir)
-    assert found is not None, "no llama-server: `make llama-server`"
-    needed = linked_packages(found.path)
-    assert {"libgomp.so.1", "libstdc++.so.6"} <= set(needed), needed  # what it is built with
-    missing = set(needed.values()) - final_stage_packages() - DEBIAN_BASE
-    assert not missing, f"the runtime stage lacks {sorted(missing)} ({needed})"
+    installed = [
+        e.binary(CommonConfig().cache_dir)
+        for e in PREBUILT_ENGINES
+        if e.binary(CommonConfig().cache_dir).exists()
+    ]
+    assert installed, "no prebuilt engine: `make test-engines`"
+    for binary in installed:
+        needed = linked_packages(binary)
+        assert {"libgomp.so.1", "libstdc++.so.6"} <= set(needed), needed  # built with them
+        missing = set(needed.values()) - base_image_packages() - DEBIAN_BASE
+        assert not missing, f"the base image lacks {sorted(missing)} ({needed})"
 
 
 def test_the_final_stage_runs_the_engine_and_imports_every_service_before_it_is_done():
     runs = [rest for word, rest in final_stage() if word == "RUN"]
-    smoke = next((r for r in runs if "llama-server --version" in r), "")
+    smoke = next((r for r in runs if "engine_version" in r), "")
     assert "ragline --help" in smoke and "service_names()" in smoke, runs
+    assert "assert not ran.failure" in smoke, smoke

@@ -30,8 +30,8 @@ README = REPO_ROOT / "README.md"
 NOT_RUN_HERE = {
     "make up": "this test runs it, in README's form for free ports (`make up BASE_PORT=0`)",
     "make test": "CI runs it (.ci/run)",
-    "docker build": "no Docker engine or cluster here; tests/deploy renders the chart and "
-    "checks the Dockerfile against it",
+    "make image": "the full tier builds it (`make test-full`) and runs the stack from it "
+    "(tests/e2e/test_image_stack.py); no registry or cluster here to push to",
     "export RAGLINE_AUTH_JWT_KEY=...": "its key is a placeholder for the reader's own, and "
     "the stack `make up` starts has authentication off",
 }

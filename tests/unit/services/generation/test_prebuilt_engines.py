@@ -5,6 +5,7 @@ choice wins; the one found is the installed one of those."""
 from __future__ import annotations
 
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,21 @@ def test_a_failed_install_leaves_nothing_the_service_would_find(tmp_path, monkey
     assert "pip could not install" in (prebuilt.install(AVX2, tmp_path) or "")
     assert installed_prebuilt(tmp_path, HASWELL) is None
     assert list((tmp_path / "llama-prebuilt").iterdir()) == []  # no staging folder left
+
+
+def test_a_wheels_library_copies_become_links_to_the_versioned_file(tmp_path):
+    from ragline_services.generation.prebuilt import link_library_copies
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("libggml.so", "libggml.so.0", "libggml.so.0.17.0"):
+        (bin_dir / name).write_bytes(b"ELF the same library")
+    (bin_dir / "libother.so").write_bytes(b"another library")
+    (bin_dir / "libother.so.1").write_bytes(b"not the same bytes")
+    (bin_dir / "libother.so.1.2.3").write_bytes(b"not the same bytes either")
+    link_library_copies(tmp_path)
+    assert (bin_dir / "libggml.so").readlink() == Path("libggml.so.0.17.0")
+    assert (bin_dir / "libggml.so.0").readlink() == Path("libggml.so.0.17.0")
+    assert (bin_dir / "libggml.so").read_bytes() == b"ELF the same library"
+    assert not (bin_dir / "libother.so").is_symlink()  # different bytes stay files
+    assert not (bin_dir / "libother.so.1").is_symlink()
