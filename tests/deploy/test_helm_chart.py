@@ -11,7 +11,17 @@ import pytest
 
 from ragline_services.registry import service_names
 from support import service_settings
-from support.helm_chart import CHART, KEYS, VALUES, config_map, invalid, render, template
+from support.helm_chart import (
+    CHART,
+    KEYS,
+    VALUES,
+    config_map,
+    invalid,
+    pod_spec,
+    ragline_workloads,
+    render,
+    template,
+)
 
 pytestmark = pytest.mark.deploy
 
@@ -60,7 +70,7 @@ def test_the_chart_lints_renders_and_validates(helm, flavour):
     assert len(services) == 7
     assert {s["metadata"]["name"]: s["spec"]["ports"][0]["appProtocol"] for s in services} == {
         **{f"rl-{name}": "grpc" for name in service_names()},
-        "rl-gateway": "http",
+        "rl-gateway": "https",  # TLS is on by default
     }
     # and each serves its metrics (docs/operations.md) on a port of its own
     assert all(s["spec"]["ports"][1]["name"] == "metrics" for s in services)
@@ -109,7 +119,8 @@ def test_inner_services_accept_only_the_services_that_call_them(helm):
     # /v1/documents
     assert callers("embedding") == {"orchestrator", "retrieval", "gateway", "helm-test"}
     assert callers("retrieval") == {"orchestrator", "gateway", "helm-test"}
-    assert callers("etcd") == {"budget", "etcd"}
+    # and the Job that turns etcd's auth on at install (etcd.secure, the default)
+    assert callers("etcd") == {"budget", "etcd", "etcd-setup"}
 
 
 def test_helm_test_asks_every_service_health_and_the_policies_let_it(helm):
@@ -155,12 +166,19 @@ def test_a_broken_template_fails_the_check(helm, tmp_path):
 
 
 def config_keys(objects: list[dict]) -> set[str]:
-    """The variables the chart hands the services (its config ConfigMap and auth Secret)."""
+    """The variables the chart hands the services: its config ConfigMap, and the Secrets
+    the services' containers take as environment (not the stores' own, nor certificates)."""
+    as_env = {
+        source["secretRef"]["name"]
+        for workload in ragline_workloads(objects)
+        for source in pod_spec(workload)["containers"][0].get("envFrom", [])
+        if "secretRef" in source
+    }
     keys = set()
     for obj in objects:
         if obj["kind"] == "ConfigMap" and obj["metadata"]["name"].endswith("-config"):
             keys |= set(obj["data"])
-        elif obj["kind"] == "Secret":
+        elif obj["kind"] == "Secret" and obj["metadata"]["name"] in as_env:
             keys |= set(obj.get("stringData", {})) | set(obj.get("data", {}))
     return keys
 

@@ -64,7 +64,7 @@ def test_the_bundled_etcd_needs_no_shell(helm):
         "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
     } in container["env"]
     peers = next(a for a in container["args"] if a.startswith("--initial-cluster="))
-    assert peers.count("=http://rl-etcd-") == 3
+    assert peers.count("=https://rl-etcd-") == 3  # peers under TLS (etcd.secure, the default)
 
 
 def test_the_budget_service_reaches_the_bundled_etcd_by_one_name(helm):
@@ -130,7 +130,8 @@ def test_a_secured_bundled_etcd_speaks_mutual_tls_and_a_job_turns_its_auth_on(he
 
 
 def test_a_secured_etcd_without_tls_fails_with_what_to_set(helm):
-    result = template(helm, *KEYS, "--set", "etcd.secure=true")
+    plaintext = ["--set", "insecure=true", "--set", "config.RAGLINE_TLS_MODE=off"]
+    result = template(helm, *KEYS, *plaintext, "--set", "etcd.secure=true")
     assert result.returncode != 0 and "etcd.secure needs RAGLINE_TLS_MODE on" in result.stderr
 
 
@@ -173,7 +174,7 @@ def test_every_workload_takes_scheduling_annotations_and_pull_secrets(helm, tmp_
             assert {"key": "dedicated", "operator": "Exists"} in spec["tolerations"], name
             assert spec["affinity"] == affinity, name
             assert workload["spec"]["template"]["metadata"]["annotations"]["team"] == "search"
-        elif workload["kind"] != "Pod":
+        elif workload["kind"] not in ("Pod", "Job"):  # not the hooks (helm test, etcd setup)
             mounts = spec["containers"][0]["volumeMounts"]
             assert {"name": "etcd-ca", "mountPath": "/etc/etcd-ca"} in mounts, name
             assert {"name": "etcd-ca", "secret": {"secretName": "etcd-ca"}} in spec["volumes"], name

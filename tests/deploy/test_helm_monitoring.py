@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from support import REPO_ROOT
-from support.helm_chart import CHART, SECURED, VALUES, invalid, render, tool_check
+from support.helm_chart import CHART, OPEN, SECURED, VALUES, invalid, render, tool_check
 
 pytestmark = pytest.mark.deploy
 
@@ -296,7 +296,7 @@ def test_the_bundled_qdrant_is_scraped_with_its_read_only_key_or_not_at_all(helm
     where Qdrant serves TLS; without a read-only key it is not scraped (a scrape that can
     only fail would raise RaglineTargetDown)."""
     scrapers = ["--set", "monitoring.scrapersFrom[0].namespaceSelector.matchLabels.name=mon"]
-    open_qdrant = [*OPERATOR_API, *scrapers, "--set", "qdrant.enabled=true"]
+    open_qdrant = [*OPERATOR_API, *scrapers, *OPEN, "--set", "qdrant.enabled=true"]
     objects = render(helm, CHART, *open_qdrant)
     monitor, service = qdrant_scrape(objects)
     assert monitor is not None and not operator_invalid(monitor)
@@ -311,7 +311,8 @@ def test_the_bundled_qdrant_is_scraped_with_its_read_only_key_or_not_at_all(helm
     keyed = [*open_qdrant, "--set", "qdrant.apiKey=admin-key"]
     assert qdrant_scrape(render(helm, CHART, *keyed))[0] is None  # no key to read with
 
-    objects = render(helm, CHART, *keyed, "--set", "qdrant.metricsApiKey=read-key", *SECURED)
+    secured = [*OPERATOR_API, *scrapers, "--set", "qdrant.enabled=true", *SECURED]
+    objects = render(helm, CHART, *secured, "--set", "qdrant.metricsApiKey=read-key")
     monitor, _ = qdrant_scrape(objects)
     (endpoint,) = monitor["spec"]["endpoints"]
     secret_name = endpoint["authorization"]["credentials"]["name"]

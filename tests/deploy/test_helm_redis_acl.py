@@ -12,7 +12,7 @@ from ragline.cache import RedisAccess, open_cache
 from ragline.errors import Unavailable
 from ragline.processes import free_ports
 from ragline_app.redis_server import RedisServer
-from support.helm_chart import CHART, KEYS, config_map, render, secret_holders, template
+from support.helm_chart import CHART, KEYS, OPEN, config_map, render, secret_holders, template
 
 pytestmark = pytest.mark.deploy
 
@@ -91,8 +91,9 @@ def test_the_exporters_user_reads_redis_state_and_no_cached_entry(helm, tmp_path
         if variable.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "rl-redis-exporter"
     }
     assert readers == {("rl-redis", "exporter")}  # its password reaches it alone
-    # a password for the services' user and none for the exporter's: no exporter at all
-    objects = render(helm, CHART, *SECURED)
+    # insecure, a password for the services' user and none for the exporter's (the chart
+    # makes none): no exporter at all
+    objects = render(helm, CHART, *SECURED, *OPEN)
     (statefulset,) = [
         o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-redis"
     ]
@@ -101,7 +102,8 @@ def test_the_exporters_user_reads_redis_state_and_no_cached_entry(helm, tmp_path
 
 
 def test_a_password_without_its_user_fails_with_what_to_set(helm):
-    result = template(helm, *KEYS, "--set", f"redis.password={PASSWORD}")
+    no_user = ["--set", "config.RAGLINE_REDIS_USERNAME="]
+    result = template(helm, *KEYS, "--set", f"redis.password={PASSWORD}", *no_user)
     assert result.returncode != 0 and "config.RAGLINE_REDIS_USERNAME" in result.stderr
 
 

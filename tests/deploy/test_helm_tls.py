@@ -9,6 +9,7 @@ import pytest
 from support.helm_chart import (
     CHART,
     KEYS,
+    OPEN,
     config_map,
     invalid,
     ragline_workloads,
@@ -28,8 +29,8 @@ CERT_MANAGER = [
 ]
 
 
-def test_probes_use_the_plaintext_health_port_and_no_secret_is_mounted_by_default(helm):
-    objects = render(helm)
+def test_probes_use_the_plaintext_health_port_and_no_secret_is_mounted_when_open(helm):
+    objects = render(helm, CHART, *OPEN)
     config = config_map(objects)
     assert config["RAGLINE_TLS_MODE"] == "off"
     workloads = ragline_workloads(objects)
@@ -46,6 +47,7 @@ def test_probes_use_the_plaintext_health_port_and_no_secret_is_mounted_by_defaul
             assert container[probe]["grpc"]["port"] == health_port, (name, probe)
         assert all(m["name"] != "tls" for m in container["volumeMounts"])
     assert not [o for o in objects if o["kind"] == "Certificate"]
+    assert not [o for o in objects if o["metadata"]["name"] in ("rl-tls", "rl-tls-ca")]
 
 
 def test_mtls_with_cert_manager_names_every_address_and_mounts_the_secret(helm):
@@ -87,10 +89,7 @@ def test_an_existing_secret_is_mounted_as_it_is(helm):
         } in volumes
 
 
-def test_tls_without_certificates_fails_with_what_to_set(helm):
-    result = template(helm, *KEYS, *MTLS)
-    assert result.returncode != 0
-    assert "set tls.secretName" in result.stderr
+def test_an_unknown_tls_mode_fails_with_what_to_set(helm):
     unknown = template(helm, *KEYS, "--set", "config.RAGLINE_TLS_MODE=on")
     assert unknown.returncode != 0 and "RAGLINE_TLS_MODE" in unknown.stderr
 
@@ -101,7 +100,8 @@ def test_only_the_budget_pods_hold_the_etcd_password_and_etcd_compacts(helm):
         o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "rl-budget-etcd"
     ]
     assert secret["stringData"] == {"RAGLINE_BUDGET_ETCD_PASSWORD": "ledger-secret"}
-    assert secret_holders(objects, "rl-budget-etcd") == {"rl-budget"}
+    # the budget pods, and the Job that makes the budget's etcd user at install
+    assert secret_holders(objects, "rl-budget-etcd") == {"rl-budget", "rl-etcd-setup"}
     (etcd,) = [
         o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-etcd"
     ]
@@ -143,9 +143,8 @@ def test_the_qdrant_key_reaches_the_retrieval_pods_and_qdrant_only(helm):
     (qdrant,) = [
         o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-qdrant"
     ]
-    (env,) = qdrant["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert env["name"] == "QDRANT__SERVICE__API_KEY"
-    assert env["valueFrom"]["secretKeyRef"] == {
+    env = {e["name"]: e for e in qdrant["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["QDRANT__SERVICE__API_KEY"]["valueFrom"]["secretKeyRef"] == {
         "name": "rl-qdrant-key",
         "key": "RAGLINE_RETRIEVAL_QDRANT_API_KEY",
     }
@@ -168,7 +167,7 @@ def test_triton_serves_grpc_under_mutual_tls_when_the_stack_does(helm):
     (certificate,) = [o for o in objects if o["kind"] == "Certificate"]
     host = config["RAGLINE_GENERATION_TRITON_URL"].rpartition(":")[0]
     assert host in certificate["spec"]["dnsNames"]
-    plain = render(helm, CHART, *gpu)
+    plain = render(helm, CHART, *gpu, *OPEN)
     config = config_map(plain)
     assert config["RAGLINE_EMBEDDING_TRITON_TLS"] == "false"
     (triton,) = [
@@ -194,6 +193,6 @@ def test_the_bundled_qdrant_serves_tls_and_retrieval_checks_it(helm):
         "rl-qdrant" in certificate["spec"]["dnsNames"]
         and "rl-redis" in certificate["spec"]["dnsNames"]
     )
-    plain = render(helm, CHART, "--set", "qdrant.enabled=true")
+    plain = render(helm, CHART, *OPEN, "--set", "qdrant.enabled=true")
     config = config_map(plain)
     assert config["RAGLINE_RETRIEVAL_QDRANT_CA_FILE"] == ""

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from support.helm_chart import CHART, template, tool_check
+from support.helm_chart import CHART, OPEN, template, tool_check
 
 pytestmark = pytest.mark.deploy
 
@@ -73,12 +73,15 @@ def notes(helm: str, tmp_path, *values: str) -> str:
 def test_the_install_notes_say_where_to_call_and_warn_when_authentication_is_off(helm, tmp_path):
     on = notes(helm, tmp_path / "on", *GOOD_KEYS)
     assert "rl-orchestrator.default.svc:50100" in on
-    assert "http://rl-gateway.default.svc:8080/v1" in on
+    assert "https://rl-gateway.default.svc:8080/v1" in on  # TLS on by default
     # networkPolicy on, clientsFrom empty: the rendered rule admits every pod, and says so
     assert "Any pod in the cluster may call them" in on
     assert "Authentication is on" in on and "rl-auth" in on
-    off = notes(helm, tmp_path / "off", "--set", "config.RAGLINE_AUTH_MODE=off")
+    assert "Secured: mutual TLS between every part" in on and "WARNING" not in on
+    off = notes(helm, tmp_path / "off", *OPEN, "--set", "config.RAGLINE_AUTH_MODE=off")
     assert "WARNING: authentication is off" in off
+    assert "WARNING: insecure is true" in off
+    assert "travels in plaintext" in off and "etcd has no authentication" in off
 
 
 def test_every_setting_the_templates_read_for_a_service_is_accepted_for_each_one():
@@ -98,7 +101,7 @@ def test_every_setting_the_templates_read_for_a_service_is_accepted_for_each_one
 
 
 def test_the_install_notes_give_grpcurl_the_flags_of_the_transport(helm, tmp_path):
-    plain = notes(helm, tmp_path / "plain", *GOOD_KEYS)
+    plain = notes(helm, tmp_path / "plain", *GOOD_KEYS, *OPEN)
     assert "grpcurl -plaintext" in plain
     mtls = notes(
         helm,

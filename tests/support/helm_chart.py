@@ -29,6 +29,15 @@ SECURED = [
 ]  # fmt: skip
 
 
+# The chart deliberately open (`insecure`: no TLS, etcd without auth, stores without the
+# passwords the chart would make): what the opt-out renders.
+OPEN = [
+    "--set", "insecure=true",
+    "--set", "config.RAGLINE_TLS_MODE=off",
+    "--set", "etcd.secure=false",
+]  # fmt: skip
+
+
 def template(helm: str, *values: str, chart=CHART) -> subprocess.CompletedProcess:
     """`helm template` of the chart with `values` (no keys added), as it ran."""
     return subprocess.run(
