@@ -252,14 +252,16 @@ def authenticated_stack(module_launcher, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def jwt_stack(module_launcher, etcd, tmp_path_factory) -> dict[str, ServiceHandle]:
-    """All six services with authentication on (HMAC client key, service credential
-    between them) and an empty index; name -> handle."""
+    """All six services with authentication on as the chart runs them (HMAC client key;
+    between services, each one's credential signed with its own key) and an empty index;
+    name -> handle."""
     from ragline_services.registry import service_names
-    from support import AUTH_ENV
+    from support import AUTH_ENV, service_key_pairs
     from support.budget import budget_env
 
     names = service_names()
     ports = dict(zip(names, free_ports(len(names)), strict=True))
+    own_keys = service_key_pairs(tmp_path_factory.mktemp("service-keys"), names)
     env = {
         **AUTH_ENV,
         **{f"RAGLINE_{n.upper()}_ADDR": f"127.0.0.1:{p}" for n, p in ports.items()},
@@ -267,7 +269,10 @@ def jwt_stack(module_launcher, etcd, tmp_path_factory) -> dict[str, ServiceHandl
         "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path_factory.mktemp("jwt-index")),
         "RAGLINE_GENERATION_MAX_NUM_SEQS": "1",
     }
-    handles = {n: module_launcher.start(n, env=env, wait=False, port=ports[n]) for n in names}
+    handles = {
+        n: module_launcher.start(n, env={**env, **own_keys[n]}, wait=False, port=ports[n])
+        for n in names
+    }
     for handle in handles.values():
         wait_serving(handle, timeout_s=120)
     return handles

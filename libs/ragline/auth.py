@@ -14,8 +14,12 @@ port can claim any tenant. With `jwt`:
   PERMISSION_DENIED) and may repeat the token's tenant, never change it.
 - A service calling another service passes the verified caller on in the identity metadata
   and proves it is a ragline service with `x-ragline-service-credential`: a short-lived JWT
-  signed with `RAGLINE_AUTH_SERVICE_KEY` (a key clients never hold). Only then is identity
-  metadata believed.
+  naming the service, signed with its own private key (`RAGLINE_AUTH_SERVICE_PRIVATE_KEY_FILE`,
+  its `kid` the service's name) and verified with that service's public key from
+  `RAGLINE_AUTH_SERVICE_PUBLIC_KEYS_DIR`, so a compromised pod cannot act as another
+  service; or, where no keys are set (a laptop, tests), signed with the shared HMAC key
+  `RAGLINE_AUTH_SERVICE_KEY`. Clients hold neither. Only then is identity metadata
+  believed.
 - Any other call to a ragline method is UNAUTHENTICATED (health and reflection stay open:
   probes and `grpcurl list` need no token).
 """
@@ -72,8 +76,14 @@ class AuthConfig(EmptyMeansUnset):
     # The longest a client token may still live when it is shown (its exp from now): a
     # leaked token that never expires is a key. 0: no limit.
     max_token_lifetime_s: float = Field(86400.0, ge=0)
-    # Signs and verifies the credential services present to each other.
+    # Signs and verifies the credential services present to each other: one HMAC key
+    # shared by every service ...
     service_key: str = ""
+    # ... or each service's own private key (PEM: EC P-256 or Ed25519), and a folder of
+    # every service's public key as `<service>.pem` (a public key or a certificate); with
+    # the folder set, a credential signed with the shared key is refused.
+    service_private_key_file: Path | None = None
+    service_public_keys_dir: Path | None = None
     service_credential_ttl_s: float = Field(300.0, gt=10)
     # With authentication off a service listens on loopback only, unless this says the
     # network itself keeps strangers out (a sealed test network, a mesh with mTLS).
@@ -110,37 +120,90 @@ class AuthConfig(EmptyMeansUnset):
             raise ConfigError(
                 f"RAGLINE_AUTH_JWKS_URL={self.jwks_url!r}: expected https://, http:// or file://"
             )
-        if len(self.service_key) < 32:
+        if self.service_private_key_file is not None and self.service_public_keys_dir is None:
             raise ConfigError(
-                "RAGLINE_AUTH_MODE=jwt needs RAGLINE_AUTH_SERVICE_KEY (at least 32 characters; "
-                "shared by the services only) for the service-to-service credential"
+                "RAGLINE_AUTH_SERVICE_PRIVATE_KEY_FILE is set without "
+                "RAGLINE_AUTH_SERVICE_PUBLIC_KEYS_DIR: a service that signs with its own key "
+                "verifies the others' with theirs"
             )
+        if self.service_public_keys_dir is None and len(self.service_key) < 32:
+            raise ConfigError(
+                "RAGLINE_AUTH_MODE=jwt needs the service-to-service credential's keys: "
+                "RAGLINE_AUTH_SERVICE_PRIVATE_KEY_FILE and RAGLINE_AUTH_SERVICE_PUBLIC_KEYS_DIR "
+                "(each service its own key), or RAGLINE_AUTH_SERVICE_KEY (at least 32 "
+                "characters, shared by the services only)"
+            )
+
+
+ORCHESTRATOR = "orchestrator"
 
 
 @dataclass(frozen=True)
 class Authenticated:
     caller: Caller | None
     via: str  # "token", "service", "metadata" (auth off) or "none"
+    # The calling ragline service its credential names (verified by the service's own key
+    # where keys are per service); "" for anyone else.
+    service: str = ""
 
 
-# How the call in progress authenticated (`Authenticated.via`), bound by the server's
-# interceptor for the call's handler.
-_via: ContextVar[str] = ContextVar("ragline_auth_via", default="none")
+# How the call in progress authenticated (`Authenticated.via`, `.service`), bound by the
+# server's interceptor for the call's handler.
+_via: ContextVar[tuple[str, str]] = ContextVar("ragline_auth_via", default=("none", ""))
 
 
-def bind_via(via: str) -> Token[str]:
-    return _via.set(via)
+def bind_via(via: str, service: str = "") -> Token[tuple[str, str]]:
+    return _via.set((via, service))
 
 
-def unbind_via(token: Token[str]) -> None:
+def unbind_via(token: Token[tuple[str, str]]) -> None:
     _via.reset(token)
 
 
-def from_a_service() -> bool:
-    """Whether the call in progress came from a ragline service (its credential), or from
-    anyone while authentication is off: only then are scheduling hints in a request
-    believed (`GenerateRequest.light_tenant`), never from an end user's token."""
-    return _via.get() in ("service", "metadata", "none")
+def from_the_orchestrator() -> bool:
+    """Whether the call in progress came from the orchestrator's credential, or from anyone
+    while authentication is off: only then are scheduling hints in a request believed
+    (`GenerateRequest.light_tenant`: one tenant could otherwise pause all others), never
+    from an end user's token or another service."""
+    via, service = _via.get()
+    return via in ("metadata", "none") or (via == "service" and service == ORCHESTRATOR)
+
+
+def _service_algorithm(key: Any) -> str:
+    """The JWT algorithm of a service's key pair (EC P-256: ES256; Ed25519: EdDSA)."""
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+    if isinstance(key, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey):
+        if key.curve.name != "secp256r1":
+            raise ConfigError(f"a service key on curve {key.curve.name}: use P-256 or Ed25519")
+        return "ES256"
+    if isinstance(key, ed25519.Ed25519PrivateKey | ed25519.Ed25519PublicKey):
+        return "EdDSA"
+    raise ConfigError(f"a service key of type {type(key).__name__}: use EC P-256 or Ed25519")
+
+
+def load_service_public_keys(folder: Path) -> dict[str, Any]:
+    """Each `<service>.pem` of `folder` (a public key, or a certificate holding one), by
+    service name."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    keys: dict[str, Any] = {}
+    for path in sorted(folder.glob("*.pem")):
+        data = path.read_bytes()
+        key: Any
+        if b"BEGIN CERTIFICATE" in data:
+            key = x509.load_pem_x509_certificate(data).public_key()
+        else:
+            key = load_pem_public_key(data)
+        _service_algorithm(key)  # a key of a kind no credential is signed with: refused now
+        keys[path.stem] = key
+    if not keys:
+        raise ConfigError(
+            f"RAGLINE_AUTH_SERVICE_PUBLIC_KEYS_DIR={folder} holds no <service>.pem: no "
+            "service's credential could be verified"
+        )
+    return keys
 
 
 def _values(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
@@ -188,6 +251,9 @@ class Authenticator:
                 f"RAGLINE_AUTH_JWT_ALGORITHMS ({self.config.jwt_algorithms}) has no algorithm "
                 f"for {'an HMAC key' if hmac else 'a public key'}"
             )
+        self._service_keys: dict[str, Any] | None = None
+        if self.enabled and self.config.service_public_keys_dir is not None:
+            self._service_keys = load_service_public_keys(self.config.service_public_keys_dir)
         self._jwks = None
         if self.enabled and self.config.jwks_url:
             from ragline.jwks import JwksKeys
@@ -243,8 +309,8 @@ class Authenticator:
             return Authenticated(self._from_token(bearer, values), "token")
         credential = values.get(SERVICE_CREDENTIAL_KEY, "")
         if credential:
-            self._verify_service(credential)
-            return Authenticated(caller_from_metadata(metadata), "service")
+            service = self._verify_service(credential)
+            return Authenticated(caller_from_metadata(metadata), "service", service)
         if values.get(TENANT_KEY, "").strip():
             raise Unauthenticated(
                 f"authentication is on: metadata {TENANT_KEY} alone is not believed; send "
@@ -309,19 +375,42 @@ class Authenticator:
         operator = claims.get("ragline_operator") is True
         return Caller(tenant=tenant, principal=principal, scopes=asked or held, operator=operator)
 
-    def _verify_service(self, credential: str) -> None:
+    def _verify_service(self, credential: str) -> str:
+        """The calling service's name: the `kid` whose public key verifies the credential
+        (per-service keys), or the `sub` of one signed with the shared key."""
+        key: Any = self.config.service_key
+        algorithms = ["HS256"]
+        kid = ""
+        if self._service_keys is not None:
+            try:
+                kid = self._jwt.get_unverified_header(credential).get("kid") or ""
+            except self._jwt.PyJWTError as error:
+                raise Unauthenticated(f"the service credential was refused: {error}") from None
+            if not isinstance(kid, str) or kid not in self._service_keys:
+                raise Unauthenticated(
+                    f"the service credential names no service whose key this service holds "
+                    f"(kid {kid!r}); each service signs with its own key"
+                )
+            key = self._service_keys[kid]
+            algorithms = [_service_algorithm(key)]
         try:
-            self._jwt.decode(
+            claims = self._jwt.decode(
                 credential,
-                self.config.service_key,
-                algorithms=["HS256"],
+                key,
+                algorithms=algorithms,
                 issuer=SERVICE_ISSUER,
                 audience=SERVICE_ISSUER,
                 leeway=self.config.leeway_s,
-                options={"require": ["exp", "iss", "aud"]},
+                options={"require": ["exp", "iss", "aud", "sub"]},
             )
         except self._jwt.PyJWTError as error:
             raise Unauthenticated(f"the service credential was refused: {error}") from None
+        service = claims["sub"] if isinstance(claims["sub"], str) else ""
+        if kid and service != kid:
+            raise Unauthenticated(
+                f"the service credential of {kid!r} speaks for {service!r}: refused"
+            )
+        return service
 
 
 class ServiceCredential:
@@ -335,24 +424,42 @@ class ServiceCredential:
         self.config = config or AuthConfig()
         self.name = name
         self._token, self._renew_at = "", 0.0
+        self._private_key: Any = None
+        path = self.config.service_private_key_file
+        if self.config.mode == "jwt" and path is not None:
+            from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+            try:
+                self._private_key = load_pem_private_key(path.read_bytes(), password=None)
+            except (OSError, ValueError) as error:
+                raise ConfigError(
+                    f"RAGLINE_AUTH_SERVICE_PRIVATE_KEY_FILE={path}: not a readable PEM private "
+                    f"key ({error})"
+                ) from None
+            _service_algorithm(self._private_key)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        if self.config.mode != "jwt" or not self.config.service_key:
+        if self.config.mode != "jwt" or not (self._private_key or self.config.service_key):
             return ()
         now = time.time()
         if now >= self._renew_at:
             ttl = self.config.service_credential_ttl_s
-            self._token = self._jwt.encode(
-                {
-                    "iss": SERVICE_ISSUER,
-                    "aud": SERVICE_ISSUER,
-                    "sub": self.name,
-                    "iat": int(now),
-                    "exp": int(now + ttl),
-                },
-                self.config.service_key,
-                algorithm="HS256",
-            )
+            claims = {
+                "iss": SERVICE_ISSUER,
+                "aud": SERVICE_ISSUER,
+                "sub": self.name,
+                "iat": int(now),
+                "exp": int(now + ttl),
+            }
+            if self._private_key is not None:
+                self._token = self._jwt.encode(
+                    claims,
+                    self._private_key,
+                    algorithm=_service_algorithm(self._private_key),
+                    headers={"kid": self.name},
+                )
+            else:
+                self._token = self._jwt.encode(claims, self.config.service_key, algorithm="HS256")
             self._renew_at = now + ttl / 2
         return ((SERVICE_CREDENTIAL_KEY, self._token),)
 
@@ -387,13 +494,21 @@ def mint_token(
 
 
 _process_credential: ServiceCredential | None = None
+_process_service = "ragline"
+
+
+def name_process_service(name: str) -> None:
+    """The service this process serves (`ragline serve NAME`): the name its credential
+    speaks for, and with per-service keys the key it signs with belongs to."""
+    global _process_service, _process_credential
+    _process_service, _process_credential = name, None
 
 
 def process_credential() -> ServiceCredential:
     """This process's service credential, from the environment (read once)."""
     global _process_credential
     if _process_credential is None:
-        _process_credential = ServiceCredential(AuthConfig())
+        _process_credential = ServiceCredential(AuthConfig(), _process_service)
     return _process_credential
 
 

@@ -68,7 +68,7 @@ def generation_request(
         visibility=visibility,
         sources=tuple(request.sources),
         # A scheduling hint: believed from a ragline service (the orchestrator) only.
-        light_tenant=request.light_tenant and auth.from_a_service(),
+        light_tenant=request.light_tenant and auth.from_the_orchestrator(),
     )
 
 

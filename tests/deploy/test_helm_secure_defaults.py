@@ -13,7 +13,7 @@ import hashlib
 import pytest
 
 from ragline.cache import RedisAccess, open_cache
-from ragline.errors import Unavailable
+from ragline.errors import Unauthenticated, Unavailable
 from ragline.processes import free_ports
 from ragline.tls import TlsConfig
 from ragline_app.redis_server import RedisServer
@@ -161,3 +161,50 @@ def test_the_made_redis_password_is_the_only_way_in(helm, tmp_path):
         asyncio.run(checks())
     finally:
         server.stop()
+
+
+def test_each_service_signs_with_its_own_key_and_holds_no_other(helm, tmp_path):
+    """The keys the chart makes, as the pods mount them: each service's private key
+    reaches its own pods only, its credential verifies as that service with the public
+    keys every pod mounts, and one service's key cannot speak for another."""
+    from ragline.auth import AuthConfig, Authenticator, ServiceCredential
+
+    objects = render(helm)
+    names = ("budget", "embedding", "generation", "orchestrator", "rerank", "retrieval")
+    for workload in workloads(objects):
+        volumes = pod_spec(workload).get("volumes", [])
+        keys = {
+            v["secret"]["secretName"]
+            for v in volumes
+            if v.get("secret", {}).get("secretName", "").endswith("-service-key")
+        }
+        label = workload["metadata"].get("labels", {}).get("app.kubernetes.io/name")
+        if label in names:
+            assert keys == {f"rl-{label}-service-key"}, workload["metadata"]["name"]
+        else:
+            assert not keys, workload["metadata"]["name"]
+    (public,) = [o for o in objects if o["metadata"]["name"] == "rl-service-public-keys"]
+    (tmp_path / "public").mkdir()
+    for file, pem in public["data"].items():
+        (tmp_path / "public" / file).write_text(pem)
+    assert sorted(public["data"]) == sorted(f"{n}.pem" for n in names)
+
+    def config(name: str) -> AuthConfig:
+        private = tmp_path / f"{name}.pem"
+        private.write_text(secret(objects, f"rl-{name}-service-key")["key.pem"])
+        return AuthConfig(
+            mode="jwt",
+            jwt_key="k",
+            service_private_key_file=private,
+            service_public_keys_dir=tmp_path / "public",
+        )
+
+    generation = Authenticator(config("generation"))
+    orchestrator = ServiceCredential(config("orchestrator"), "orchestrator")
+    assert generation.authenticate(orchestrator.metadata()).service == "orchestrator"
+    posing = ServiceCredential(config("retrieval"), "orchestrator")
+    with pytest.raises(Unauthenticated):
+        generation.authenticate(posing.metadata())
+    assert (
+        config_map(objects)["RAGLINE_AUTH_SERVICE_PUBLIC_KEYS_DIR"] == "/etc/ragline/service-keys"
+    )

@@ -156,3 +156,43 @@ async def wait_until(check: Callable[[], Awaitable[object]], timeout_s: float = 
             return False
         await asyncio.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
     return False
+
+
+def service_key_pairs(folder, names, kind: str = "ec") -> dict[str, dict[str, str]]:
+    """A private key per service under `folder`/private and every public key under
+    `folder`/public as `<name>.pem` (`kind`: "ec" P-256 or "ed25519"): each service's
+    authentication environment, by name (no shared service key)."""
+    from pathlib import Path
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+
+    folder = Path(folder)
+    (folder / "private").mkdir(parents=True, exist_ok=True)
+    (folder / "public").mkdir(parents=True, exist_ok=True)
+    envs = {}
+    for name in names:
+        key = (
+            ec.generate_private_key(ec.SECP256R1())
+            if kind == "ec"
+            else (ed25519.Ed25519PrivateKey.generate())
+        )
+        private = folder / "private" / f"{name}.pem"
+        private.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        (folder / "public" / f"{name}.pem").write_bytes(
+            key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            )
+        )
+        envs[name] = {
+            "RAGLINE_AUTH_SERVICE_PRIVATE_KEY_FILE": str(private),
+            "RAGLINE_AUTH_SERVICE_PUBLIC_KEYS_DIR": str(folder / "public"),
+            "RAGLINE_AUTH_SERVICE_KEY": "",
+        }
+    return envs

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ragline import tracing
 from ragline.allocator import fix_mmap_threshold
-from ragline.auth import AuthConfig, Authenticator
+from ragline.auth import AuthConfig, Authenticator, name_process_service, process_credential
 from ragline.config import CommonConfig, ServiceConfig
 from ragline.cores import limit_blas_threads
 from ragline.logs import configure_logging
@@ -128,6 +128,8 @@ class ServerRunner:
     async def start(self) -> int:
         cfg = self.config
         AuthConfig().check_exposure(cfg.host)
+        name_process_service(self.spec.name)
+        process_credential()  # a key file that cannot be read stops the start, named
         if cfg.metrics_port is not None:
             self._metrics = ProcessMetrics(self.common.metrics_tenant_names())
         self._authenticator = authenticator = Authenticator(AuthConfig())

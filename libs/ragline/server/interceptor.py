@@ -246,7 +246,7 @@ class _CallScope:
             identity.unbind(self._tokens.pop()[1])
             self._tokens.append(("identity", identity.bind(caller, self.run_id)))
             structlog.contextvars.bind_contextvars(tenant=caller.tenant)
-        self._tokens.append(("via", auth.bind_via(self.admitted.via)))
+        self._tokens.append(("via", auth.bind_via(self.admitted.via, self.admitted.service)))
         if isinstance(request, Message):
             check_size(request, self.owner._max_request_bytes)
             validate(request)

@@ -94,6 +94,18 @@ the names the one certificate holds (cert-manager's or the chart's). */ -}}
 {{- join "\n" $names -}}
 {{- end -}}
 
+{{- /* The enabled gRPC services, space-separated: each holds a key of its own for the
+credential it presents to the others (service-keys.yaml). */ -}}
+{{- define "ragline.keyedServices" -}}
+{{- $names := list -}}
+{{- range $name, $svc := .Values.services -}}
+{{- if and $svc.enabled (ne $name "gateway") -}}
+{{- $names = append $names $name -}}
+{{- end -}}
+{{- end -}}
+{{- join " " $names -}}
+{{- end -}}
+
 {{- /* A credential kept across upgrades: the value the Secret `name` holds under `key`
 (written by an earlier install), else a new random one. */ -}}
 {{- define "ragline.kept" -}}
