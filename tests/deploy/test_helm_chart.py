@@ -248,3 +248,16 @@ def test_the_gateway_ingress_renders_for_its_host_and_refuses_without_one(helm):
     assert not [o for o in render(helm) if o["kind"] == "Ingress"]  # off by default
     refused = template(helm, *KEYS, *ingress)
     assert refused.returncode != 0 and "ingress.host is required" in refused.stderr
+
+
+def test_the_bundled_qdrant_is_a_version_the_client_speaks_to():
+    """Qdrant's clients speak to servers one minor version apart at most (qdrant-client
+    warns past that): the chart's image moves with the pinned client."""
+    from importlib.metadata import version
+
+    import yaml
+
+    image = yaml.safe_load((CHART / "values.yaml").read_text())["qdrant"]["image"]
+    server = [int(p) for p in image.rpartition(":v")[2].split(".")[:2]]
+    client = [int(p) for p in version("qdrant-client").split(".")[:2]]
+    assert server[0] == client[0] and abs(server[1] - client[1]) <= 1, (image, client)
