@@ -261,3 +261,15 @@ def test_the_bundled_qdrant_is_a_version_the_client_speaks_to():
     server = [int(p) for p in image.rpartition(":v")[2].split(".")[:2]]
     client = [int(p) for p in version("qdrant-client").split(".")[:2]]
     assert server[0] == client[0] and abs(server[1] - client[1]) <= 1, (image, client)
+
+
+def test_extra_peers_reach_the_inner_services_and_no_store(helm):
+    extra = "networkPolicy.extraIngress[0].namespaceSelector.matchLabels.team=ops"
+    gpu = ["-f", str(CHART / "values-gpu.yaml"), "--set", "qdrant.enabled=true"]
+    objects = render(helm, CHART, *gpu, "--set", extra)
+    policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "NetworkPolicy"}
+    ops = {"namespaceSelector": {"matchLabels": {"team": "ops"}}}
+    for name in ("embedding", "retrieval", "rerank", "generation", "budget"):
+        assert ops in policies[f"rl-{name}"]["spec"]["ingress"][0]["from"], name
+    for store in ("etcd", "redis", "qdrant", "triton"):
+        assert ops not in policies[f"rl-{store}"]["spec"]["ingress"][0]["from"], store
