@@ -108,7 +108,9 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
             ledger_proto(outcome.task, outcome.revision, self.ledger.now_ns()),
         )
 
-    async def OpenTask(self, request, context):
+    async def OpenTask(
+        self, request: budget_pb2.OpenTaskRequest, context: grpc.aio.ServicerContext
+    ) -> budget_pb2.OpenTaskResponse:
         task, revision, created = await self._counted(
             "open_task",
             self.ledger.open_task(
@@ -123,7 +125,9 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
             ledger=ledger_proto(task, revision, self.ledger.now_ns()), created=created
         )
 
-    async def Reserve(self, request, context):
+    async def Reserve(
+        self, request: budget_pb2.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> budget_pb2.ReserveResponse:
         outcome = await self._counted(
             "reserve",
             self.ledger.reserve(
@@ -142,7 +146,9 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
             attempts=outcome.attempts,
         )
 
-    async def Settle(self, request, context):
+    async def Settle(
+        self, request: budget_pb2.SettleRequest, context: grpc.aio.ServicerContext
+    ) -> budget_pb2.SettleResponse:
         outcome = await self._counted(
             "settle",
             self.ledger.settle(
@@ -161,7 +167,9 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
             attempts=outcome.attempts,
         )
 
-    async def Cancel(self, request, context):
+    async def Cancel(
+        self, request: budget_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> budget_pb2.CancelResponse:
         outcome = await self._counted(
             "cancel",
             self.ledger.cancel(
@@ -176,7 +184,9 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
             attempts=outcome.attempts,
         )
 
-    async def GetLedger(self, request, context):
+    async def GetLedger(
+        self, request: budget_pb2.GetLedgerRequest, context: grpc.aio.ServicerContext
+    ) -> budget_pb2.Ledger:
         task, revision, reservations = await self._counted(
             "get",
             self.ledger.get(
@@ -187,7 +197,9 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
         )
         return ledger_proto(task, revision, self.ledger.now_ns(), reservations)
 
-    async def CloseTask(self, request, context):
+    async def CloseTask(
+        self, request: budget_pb2.CloseTaskRequest, context: grpc.aio.ServicerContext
+    ) -> budget_pb2.CloseTaskResponse:
         task, revision = await self._counted(
             "close_task", self.ledger.close_task(current_caller().tenant, request.task_id)
         )
@@ -195,17 +207,25 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
             ledger=ledger_proto(task, revision, self.ledger.now_ns())
         )
 
-    async def Batch(self, request, context):
+    async def Batch(
+        self, request: budget_pb2.BatchRequest, context: grpc.aio.ServicerContext
+    ) -> budget_pb2.BatchResponse:
         # Every item through its own handler, all at once: items of one task meet in the
         # ledger's group commit in the order sent (each enqueues before its first await).
         results = await asyncio.gather(*(self._batch_item(item, context) for item in request.items))
         return budget_pb2.BatchResponse(results=results)
 
-    async def _batch_item(self, item, context) -> budget_pb2.BatchResult:
+    async def _batch_item(
+        self, item: budget_pb2.BatchItem, context: grpc.aio.ServicerContext
+    ) -> budget_pb2.BatchResult:
         kind = item.WhichOneof("operation")
-        handler = {"reserve": self.Reserve, "settle": self.Settle, "cancel": self.Cancel}[kind]
         try:
-            response = await handler(getattr(item, kind), context)
+            if kind == "reserve":
+                return budget_pb2.BatchResult(reserve=await self.Reserve(item.reserve, context))
+            if kind == "settle":
+                return budget_pb2.BatchResult(settle=await self.Settle(item.settle, context))
+            # the oneof is required (validated before any handler runs)
+            return budget_pb2.BatchResult(cancel=await self.Cancel(item.cancel, context))
         except Exception as error:
             code, message, status = to_rpc_status(error)
             if code == grpc.StatusCode.INTERNAL:
@@ -215,4 +235,3 @@ class BudgetServicer(budget_pb2_grpc.BudgetServiceServicer):
                     code=status.code, message=message, details=status.details
                 )
             )
-        return budget_pb2.BatchResult(**{kind: response})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import grpc
+
 from ragline.embedder import PASSAGE, QUERY, Embedder
 from ragline.identity import optional_caller
 from ragline.server import Deferred
@@ -19,7 +21,9 @@ class EmbeddingServicer(embedding_pb2_grpc.EmbeddingServiceServicer):
     def __init__(self) -> None:
         self.embedder: Deferred[Embedder] = Deferred("the embedding model")
 
-    async def Embed(self, request, context):
+    async def Embed(
+        self, request: embedding_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> embedding_pb2.EmbedResponse:
         embedder = self.embedder.value
         # A caller without identity (a tool) queues as tenant "" and is no operator.
         caller = optional_caller()

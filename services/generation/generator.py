@@ -10,7 +10,7 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import structlog
@@ -298,7 +298,7 @@ class Generator:
         rendered = await self.render(request, for_store=False)
         return rendered.tokens, rendered.tier
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk | Summary]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[Chunk | Summary, None]:
         rendered = await self.render(request)
         tier = rendered.tier
         _refuse_if_its_tokens_do_not_fit(rendered, request)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
 
 from ragline import auth
 from ragline.identity import current_caller, write_scope_missing
@@ -88,7 +91,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.generator: Deferred[Generator] = Deferred("the generation engines")
         self.metrics: GenerationMetrics | None = None  # when the process serves metrics
 
-    async def Generate(self, request, context):
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         generator = self.generator.value
         clock = current_clock()
         caller = current_caller()
@@ -155,7 +160,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             ),
         )
 
-    async def CountTokens(self, request, context):
+    async def CountTokens(
+        self, request: generation_pb2.CountTokensRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.CountTokensResponse:
         generator = self.generator.value
         domain = count_request(request, current_caller().tenant)
         tokens, tier = await generator.count_tokens(domain)
@@ -167,7 +174,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             light_first=tier.scheduler.priority_slots > 0,
         )
 
-    async def ForgetSources(self, request, context):
+    async def ForgetSources(
+        self, request: generation_pb2.ForgetSourcesRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ForgetSourcesResponse:
         caller = current_caller()
         if not caller.may_write:
             raise write_scope_missing("ForgetSources")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
 
 from ragline import tracing
 from ragline.budget import AMOUNT_FIELDS, Amounts
@@ -190,7 +193,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
         self.orchestrator: Deferred[Orchestrator] = Deferred("the orchestrator")
         self.metrics: OrchestratorMetrics | None = None  # when the process serves metrics
 
-    async def Ask(self, request, context):
+    async def Ask(
+        self, request: orchestrator_pb2.AskRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[orchestrator_pb2.AskResponse]:
         orchestrator = self.orchestrator.value
         caller = current_caller()  # UNAUTHENTICATED before any work when no tenant came
         resolved = question_of(request)

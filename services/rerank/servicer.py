@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import grpc
+
 from ragline.identity import current_caller, write_scope_missing
 from ragline.server import Deferred
 from ragline.timing import current_clock
@@ -25,7 +27,9 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
     def __init__(self) -> None:
         self.reranker: Deferred[Reranker] = Deferred("the rerank models")
 
-    async def Rerank(self, request, context):
+    async def Rerank(
+        self, request: rerank_pb2.RerankRequest, context: grpc.aio.ServicerContext
+    ) -> rerank_pb2.RerankResponse:
         reranker = self.reranker.value
         output = await reranker.rerank(
             RerankInput(
@@ -59,7 +63,9 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
             timing=clock.to_proto(),
         )
 
-    async def Prepare(self, request, context):
+    async def Prepare(
+        self, request: rerank_pb2.PrepareRequest, context: grpc.aio.ServicerContext
+    ) -> rerank_pb2.PrepareResponse:
         reranker = self.reranker.value
         output = await reranker.prepare(
             current_caller().tenant,
@@ -83,7 +89,9 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
             embedding_model_version=reranker.embedding_model_version,
         )
 
-    async def ForgetDocuments(self, request, context):
+    async def ForgetDocuments(
+        self, request: rerank_pb2.ForgetDocumentsRequest, context: grpc.aio.ServicerContext
+    ) -> rerank_pb2.ForgetDocumentsResponse:
         caller = current_caller()
         if not caller.may_write:
             raise write_scope_missing("ForgetDocuments")

@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -795,6 +795,8 @@ class RetrievalIndex:
             stages.extend(own_stages)
             return pool
 
+        # each hit's scores by part ("bm25", "vector", "fused")
+        ordered: list[tuple[Hashable, float, dict[str, float]]]
         if mode == SearchMode.BM25:
             if early_bm25 is not None:  # a fallback: the first k of the longer list
                 ranked = bm25_pool()[: query.k]

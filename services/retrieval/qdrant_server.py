@@ -120,7 +120,9 @@ class QdrantServerIndex:
             return fn(request, timeout=timeout)
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise deadlines.timed_out(what, timeout, self._timeout, error.details()) from error
+                raise deadlines.timed_out(
+                    what, timeout, self._timeout, error.details() or ""
+                ) from error
             raise Unavailable(f"{what}: {error.details()}") from error
 
     def _ensure_collection(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import grpc
 from google.protobuf import timestamp_pb2
 
 from ragline.identity import current_caller
@@ -36,7 +37,9 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         self._embedding_version = embedding_version
         self.metrics: RetrievalMetrics | None = None  # when the process serves metrics
 
-    async def Upsert(self, request, context):
+    async def Upsert(
+        self, request: retrieval_pb2.UpsertRequest, context: grpc.aio.ServicerContext
+    ) -> retrieval_pb2.UpsertResponse:
         index = self.index.value
         documents = [
             DocumentInput(
@@ -63,7 +66,9 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             timing=_finish_timing(),
         )
 
-    async def Delete(self, request, context):
+    async def Delete(
+        self, request: retrieval_pb2.DeleteRequest, context: grpc.aio.ServicerContext
+    ) -> retrieval_pb2.DeleteResponse:
         index = self.index.value
         caller = current_caller()
         result = await index.delete(caller.tenant, list(request.ids), writer=Writer.of(caller))
@@ -77,7 +82,9 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             timing=_finish_timing(),
         )
 
-    async def Search(self, request, context):
+    async def Search(
+        self, request: retrieval_pb2.SearchRequest, context: grpc.aio.ServicerContext
+    ) -> retrieval_pb2.SearchResponse:
         index = self.index.value
         caller = current_caller()
         visibility = Visibility(
@@ -121,7 +128,9 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             timing=_finish_timing(result.stages),
         )
 
-    async def DocumentVersions(self, request, context):
+    async def DocumentVersions(
+        self, request: retrieval_pb2.DocumentVersionsRequest, context: grpc.aio.ServicerContext
+    ) -> retrieval_pb2.DocumentVersionsResponse:
         caller = current_caller()
         versions, index_version = await self.index.value.document_versions(
             Visibility(caller.tenant, caller.visibility), list(request.ids)
@@ -133,7 +142,9 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             timing=_finish_timing(),
         )
 
-    async def IndexStatus(self, request, context):
+    async def IndexStatus(
+        self, request: retrieval_pb2.IndexStatusRequest, context: grpc.aio.ServicerContext
+    ) -> retrieval_pb2.IndexStatusResponse:
         caller = current_caller()
         status = await self.index.value.status(caller.tenant, operator=caller.operator)
         reply = retrieval_pb2.IndexStatusResponse(
