@@ -1,7 +1,7 @@
 """The agent plan: a planning call writes the lookups a question needs, they run in
 parallel, a synthesis answers from their merged evidence. Pure decisions here (routing,
 the planner's prompt and schema, what the budget affords, the plan's graph); the calls
-are steps (generation_steps.py, retrieval_steps.py), the run is core.py's.
+are steps (agent_steps.py, retrieval_steps.py), the run is core.py's.
 
 The planner's reply must be JSON valid against `AgentPlan`; a malformed reply is asked for
 once more (with what was wrong), then the run falls back to the RAG plan and says so.

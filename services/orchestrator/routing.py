@@ -2,7 +2,7 @@
 answers; the large tier is asked only when a checkable signal says the small answer is
 wrong, never on the model's own confidence. A signal that the large tier's answer does not
 clear ends the answer INCOMPLETE with the signal's `reason` (COMPLETE is a promise). Pure
-checks here; the escalating call is the generate step's (generation_steps.py), with its own
+checks here; the escalating call is the answer step's (answer_step.py), with its own
 reservation.
 
 Signals (each names what fired):
@@ -16,7 +16,7 @@ Signals (each names what fired):
   not hold it (two passages, two answers to the same slot).
 - `failed_validation` (reason `failed_validation`): the answer repeats the prompt's own
   instruction;
-- `unverified` (set by the answer step, generation_steps.py): the verifier (verifier.py)
+- `unverified` (set by the answer step, answer_step.py): the verifier (verifier.py)
   judged that the answer is not the one the question asks for, or its second read
   (second_read.py) chose another candidate of the answer's citation.
 A refusal ("not in the evidence") fires nothing: INCOMPLETE is the honest answer there.

@@ -1,6 +1,7 @@
 """Which function runs each kind of plan step, and the executors a run's PlanRunner is
-given. The steps live by stage in retrieval_steps, evidence_steps and generation_steps;
-what they share is run_context's."""
+given. The steps live by stage in retrieval_steps, evidence_steps, answer_step and
+agent_steps (their calls to the generation service in generation_call); what they share
+is run_context's."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import time
 import structlog
 
 from ragline import deadlines
+from ragline_services.orchestrator.agent_steps import plan_question, synthesize
+from ragline_services.orchestrator.answer_step import generate
 from ragline_services.orchestrator.evidence_steps import rerank, rerank_query, select_evidence
-from ragline_services.orchestrator.generation_steps import generate, plan_question
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.retrieval_steps import bm25, embed, fuse, retrieve, vector_search
 from ragline_services.orchestrator.run_context import RunContext
@@ -28,7 +30,7 @@ EXECUTORS = {
     Kind.RERANK_QUERY: rerank_query,
     Kind.SELECT_EVIDENCE: select_evidence,
     Kind.GENERATE: generate,
-    Kind.SYNTHESIZE: generate,
+    Kind.SYNTHESIZE: synthesize,
     Kind.PLAN: plan_question,
 }
 

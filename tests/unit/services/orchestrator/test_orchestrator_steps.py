@@ -10,7 +10,12 @@ import pytest
 
 from ragline.budget import BudgetRefused
 from ragline.v1 import generation_pb2
-from ragline_services.orchestrator import evidence_steps, generation_steps, run_context
+from ragline_services.orchestrator import (
+    agent_steps,
+    evidence_steps,
+    generation_call,
+    run_context,
+)
 from ragline_services.orchestrator.plan import Kind, Node
 from ragline_services.orchestrator.runner import NodeRecord
 
@@ -63,7 +68,7 @@ async def test_a_cancelled_rerank_query_step_stays_cancelled():
 
 def test_parts_stream_in_their_order_whatever_order_they_are_written_in():
     out: list[str] = []
-    emitter = generation_steps._InOrder(out.append, 3, "; ")
+    emitter = agent_steps._InOrder(out.append, 3, "; ")
     first, second, third = (emitter.part(i) for i in range(3))
     third("C")  # held: the parts before it are not done
     first("A")
@@ -98,7 +103,7 @@ def test_a_several_part_answer_names_each_part_in_its_signals():
         )
 
     unsupported = Signal("failed_validation", "not supported (x)", "ungrounded")
-    joined = generation_steps._joined([answer("Vistula [1]"), answer("1999 [2]", [unsupported])])
+    joined = agent_steps._joined([answer("Vistula [1]"), answer("1999 [2]", [unsupported])])
     assert joined.text == "Vistula [1]; 1999 [2]"
     assert [str(p) for p in joined.problems] == ["failed_validation: part 2: not supported (x)"]
     assert joined.usage == Amounts(input_tokens=20, calls=2)
@@ -137,7 +142,7 @@ def read_watching(client: SlowStream) -> tuple[list[str], asyncio.Event, asyncio
     reading `client`'s generation while it watches that event."""
     pieces, turned = [], asyncio.Event()
     reading = asyncio.create_task(
-        generation_steps._read_generation(client, "req", generating_step(), pieces, None, turned)
+        generation_call.read_generation(client, "req", generating_step(), pieces, None, turned)
     )
     return pieces, turned, reading
 
@@ -148,7 +153,7 @@ async def test_a_generation_whose_tenant_turns_light_before_its_first_token_ends
     pieces, turned, reading = read_watching(client)
     await asyncio.sleep(0.01)
     turned.set()
-    with pytest.raises(generation_steps._TurnedLight):
+    with pytest.raises(generation_call.TurnedLight):
         await reading
     assert client.closed and pieces == []  # the call ended, nothing of it went out
 
@@ -194,7 +199,7 @@ async def test_a_generation_goes_again_marked_only_where_its_tier_serves_light_f
     client.stream = stream
     current = generating_step()
     generating = asyncio.create_task(
-        generation_steps._stream_generation(
+        generation_call.stream_generation(
             run, current, generation_pb2.GenerateRequest(), [], None, [0], raise_light=light_first
         )
     )
