@@ -46,6 +46,7 @@ class Row:
     server_s: float | None  # the service's own total
     note: str
     queued_s: float = 0.0  # in the service's queue (admission's, for the admission row)
+    calls: int = 0  # service calls the node made (their server times summed)
 
 
 def rows(report) -> list[Row]:
@@ -66,11 +67,14 @@ def rows(report) -> list[Row]:
         if marks["reserve_start"] is not None and marks["call_start"] is not None:
             phases.append(("reserve", marks["reserve_start"], marks["call_start"]))
         queued = seconds_of(node.server.queue_wait) if node.HasField("server") else 0.0
+        # Several calls' queue waits summed (side by side, perhaps) are not one stretch of
+        # the node's time: drawn for a single call only, shown as a number either way.
+        drawn_queue = queued if node.calls <= 1 else 0.0
         if marks["call_start"] is not None and marks["call_end"] is not None:
             split = marks["first_byte"] or marks["call_end"]
             # The service's queue wait drawn first in the call (the network's share of a
             # loopback call is a fraction of a millisecond).
-            began = min(marks["call_start"] + queued, split)
+            began = min(marks["call_start"] + drawn_queue, split)
             if began > marks["call_start"]:
                 phases.append(("queued", marks["call_start"], began))
             phases.append(("call", began, split))
@@ -88,9 +92,15 @@ def rows(report) -> list[Row]:
                 server_s=seconds_of(node.server.total) if node.HasField("server") else None,
                 note=node.error,
                 queued_s=queued,
+                calls=node.calls,
             )
         )
     return out
+
+
+def _calls(row: Row) -> str:
+    """How many calls a server figure sums, where it sums several."""
+    return f" ({row.calls} calls)" if row.calls > 1 else ""
 
 
 def render_text(report, width: int = 60):
@@ -125,7 +135,7 @@ def render_text(report, width: int = 60):
             row.state + (f": {row.note[:40]}" if row.note else ""),
             bar,
             f"{spent * 1000:.1f}",
-            "" if row.server_s is None else f"{row.server_s * 1000:.1f}",
+            "" if row.server_s is None else f"{row.server_s * 1000:.1f}" + _calls(row),
             f"{row.queued_s * 1000:.1f}" if row.queued_s else "",
         )
     return table

@@ -86,6 +86,20 @@ def start_service(index_dir: Path, env_extra: dict) -> tuple[subprocess.Popen, s
     )
 
 
+def service_memory_mb(pid: int) -> tuple[float, float]:
+    """(resident now, peak resident) of a process, in MB, from /proc."""
+    found = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            found[key] = int(value.split()[0]) / 1024
+    return found.get("VmRSS", float("nan")), found.get("VmHWM", float("nan"))
+
+
+def folder_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e6
+
+
 def synthetic_vectors(count: int, dim: int = 384, seed: int = 5) -> np.ndarray:
     rng = np.random.default_rng(seed)
     centres = rng.standard_normal((1000, dim)).astype(np.float32)
@@ -311,11 +325,30 @@ def run_size(size: int, docs_all, vectors_all, questions, q_vecs, args) -> list[
                 for level in levels:
                     r = asyncio.run(load(address, questions, q_vecs, mode, level, args.seconds))
                     steady[(mode, level)] = r
-                    value = f"{r['p50']:.2f} / {r['p99']:.2f} ms ({r['qps']:.0f} q/s, "
+                    value = f"{r['p50']:.2f} / {r['p95']:.2f} / {r['p99']:.2f} ms "
                     rows.append(
-                        (f"{mode} c={level} p50 / p99", value + f"failed {r['failed']})", r["p50"])
+                        (
+                            f"{mode} c={level} p50 / p95 / p99",
+                            value + f"({r['qps']:.0f} q/s, failed {r['failed']})",
+                            r["p50"],
+                        )
                     )
+                    rows.append((f"{mode} c={level} p95 ms", f"{r['p95']:.2f}", r["p95"]))
                     rows.append((f"{mode} c={level} queries/s", f"{r['qps']:.0f}", r["qps"]))
+            # What the corpus costs at rest: the index folder (write log, BM25, HNSW) and
+            # the serving process's memory (the build runs in a process of its own).
+            disk = folder_mb(Path(tmp) / "index")
+            rows.append(
+                ("index on disk MB", f"{disk:.0f} ({disk * 1e6 / size:.0f} B/passage)", disk)
+            )
+            resident, peak = service_memory_mb(process.pid)
+            rows.append(
+                (
+                    "service memory MB (resident, serving)",
+                    f"{resident:.0f} ({resident * 1e6 / size:.0f} B/passage; peak {peak:.0f})",
+                    resident,
+                )
+            )
             if args.service_embeds:
 
                 def restarted(process, env: dict):
@@ -474,6 +507,9 @@ def main() -> int:
         "with the same load on a quiet index (0: closed-loop clients, as the steady rows)",
     )
     parser.add_argument(
+        "--plot", type=Path, help="a PNG of the cost per corpus size (ingest, build, memory, p95)"
+    )
+    parser.add_argument(
         "--service-embeds",
         action="store_true",
         help="also measure HYBRID with query text only (an embedding service runs the model)",
@@ -530,7 +566,38 @@ def main() -> int:
         if args.baseline and "before" in cells and "after" in cells and cells["before"][1]:
             line += f" | {cells['after'][1] / cells['before'][1]:.2f}x"
         print(line + " |")
+    if args.plot:
+        plot_sizes(table, names[-1], args.plot)
     return 0
+
+
+def plot_sizes(table: dict, variant: str, path: Path) -> None:
+    """How each cost grows with the corpus: one panel per measure, passages on the x axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("ingest (fsync per 500-doc batch)", "ingest s"),
+        ("HNSW build (m=16, ef_construct=200)", "HNSW build s"),
+        ("index on disk MB", "index on disk, MB"),
+        ("service memory MB (resident, serving)", "service resident memory, MB"),
+        ("hybrid c=1 p95 ms", "HYBRID c=1 p95, ms"),
+        ("hybrid c=8 p95 ms", "HYBRID c=8 p95, ms"),
+    ]
+    sizes = sorted({size for size, _ in table})
+    figure, axes = plt.subplots(2, 3, figsize=(12, 6.5))
+    for axis, (measure, title) in zip(axes.flat, panels, strict=True):
+        points = [(n, table[(n, measure)][variant][1]) for n in sizes if (n, measure) in table]
+        if points:
+            axis.plot([n for n, _ in points], [v for _, v in points], marker="o")
+        axis.set_title(title, fontsize=10)
+        axis.set_xlabel("passages")
+        axis.grid(alpha=0.3)
+    figure.suptitle("Retrieval cost by corpus size (tools/bench_retrieval.py)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

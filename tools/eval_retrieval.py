@@ -34,12 +34,8 @@ from ragline_app.evaluation import ranking_metrics
 from ragline_services.embedding.offline import squad_vectors
 from ragline_services.embedding.service import EmbeddingConfig
 from ragline_services.retrieval.documents import Visibility
-from ragline_services.retrieval.index import (
-    DocumentInput,
-    IndexSettings,
-    RetrievalIndex,
-    SearchQuery,
-)
+from ragline_services.retrieval.index import RetrievalIndex
+from ragline_services.retrieval.index_types import DocumentInput, IndexSettings, SearchQuery
 from ragline_services.retrieval.vectors import EdgeVectorIndex
 
 

@@ -31,6 +31,28 @@ def seconds_of(value: duration_pb2.Duration) -> float:
     return value.ToNanoseconds() / 1e9
 
 
+def summed_server_timing(
+    first: common_pb2.ServerTiming, then: common_pb2.ServerTiming
+) -> common_pb2.ServerTiming:
+    """Two calls' server timings as one node's: queue wait, compute and total added, the
+    first token the first call's, stages of one name added in the order first seen."""
+    from ragline.v1 import common_pb2
+
+    summed = common_pb2.ServerTiming()
+    for name in ("queue_wait", "compute", "total"):
+        total = seconds_of(getattr(first, name)) + seconds_of(getattr(then, name))
+        getattr(summed, name).CopyFrom(duration(total))
+    source = first if first.HasField("first_token") else then
+    if source.HasField("first_token"):
+        summed.first_token.CopyFrom(source.first_token)
+    stages: dict[str, float] = {}
+    for stage in (*first.stages, *then.stages):
+        stages[stage.name] = stages.get(stage.name, 0.0) + seconds_of(stage.duration)
+    for name, seconds in stages.items():
+        summed.stages.add(name=name, duration=duration(seconds))
+    return summed
+
+
 @dataclass
 class RequestClock:
     received: float = field(default_factory=time.monotonic)

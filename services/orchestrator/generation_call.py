@@ -219,5 +219,5 @@ async def stream_generation(
         step.mark("call_end")
     if final is None:
         raise StreamStarted("the generation stream ended without its final message")
-    step.record.server = final.timing
+    step.record.served(final.timing)
     return final

@@ -283,7 +283,7 @@ class RunContext:
             reply = await call_with_retry(attempt, DEFAULT_POLICY, what=f"{service}.{method}")
             step.mark("call_end")
         if reply.HasField("timing"):
-            step.record.server = reply.timing
+            step.record.served(reply.timing)
         return reply
 
     async def reserve(self, step: Step, amounts: Amounts, *, part: str = "") -> Reservation:

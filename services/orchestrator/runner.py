@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from opentelemetry.trace import Span
 
 from ragline import deadlines, tracing
+from ragline.timing import summed_server_timing
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 
 if TYPE_CHECKING:
@@ -54,8 +55,10 @@ class NodeRecord:
     call_end: float | None = None
     settled: float | None = None
     finished: float | None = None
-    # The service's own report of its queue and compute (a ServerTiming), when it sent one.
+    # The service's own report of its queue and compute (a ServerTiming), when it sent one;
+    # over several calls, summed (`calls` of them).
     server: common_pb2.ServerTiming | None = None
+    calls: int = 0
     attempts: int = 0
     error: str = ""
     exception: BaseException | None = field(default=None, repr=False)
@@ -68,6 +71,11 @@ class NodeRecord:
     @property
     def started(self) -> float | None:
         return self.reserve_start or self.call_start
+
+    def served(self, timing: common_pb2.ServerTiming) -> None:
+        """The server's own timing of one call the node made, added to the others'."""
+        self.calls += 1
+        self.server = timing if self.server is None else summed_server_timing(self.server, timing)
 
     @property
     def duration_s(self) -> float:

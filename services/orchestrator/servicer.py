@@ -301,6 +301,7 @@ def _node_timing(record: NodeRecord, origin: float) -> orchestrator_pb2.NodeTimi
             getattr(timing, name).CopyFrom(value)
     if record.server is not None:
         timing.server.CopyFrom(record.server)
+        timing.calls = record.calls
     return timing
 
 

@@ -10,24 +10,24 @@ never compares two models' vectors: when the embedding service answers with anot
 model, the index re-embeds its documents with it in the background (or, with
 re-embedding off, refuses such writes); see `reembed.py`. Vectors a caller sends are the
 caller's business.
+
+The values a write or a search takes and gives are `index_types.py`'s; one search
+through the engines is `search.py`'s. This class keeps what shares the write turn, the
+apply order and the log (writes, replay, re-embedding, compaction), by section below.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import json
 import time
-from collections.abc import Awaitable, Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import structlog
 
-from ragline import tracing
 from ragline.background import detached_task
 from ragline.errors import (
     DeadlineExceeded,
@@ -36,10 +36,8 @@ from ragline.errors import (
     Unavailable,
 )
 from ragline.files import atomic_write_text
-from ragline.ranking import rrf, score_fusion
-from ragline.vocabulary import Fusion, SearchMode
+from ragline.vocabulary import SearchMode
 from ragline_services.retrieval.bm25 import Bm25Index, LexicalIndex
-from ragline_services.retrieval.bm25_params import TANTIVY, Bm25Params
 from ragline_services.retrieval.documents import (
     StoredDocument,
     Visibility,
@@ -48,6 +46,19 @@ from ragline_services.retrieval.documents import (
     passage_text,
     point_id,
     split_key,
+)
+from ragline_services.retrieval.index_types import (
+    EMBEDDING_MODEL_CHANGED,
+    REEMBEDDING,
+    Changed,
+    DocumentInput,
+    Embed,
+    IndexSettings,
+    IndexStatus,
+    SearchHit,
+    SearchQuery,
+    SearchResult,
+    WriteResult,
 )
 from ragline_services.retrieval.permissions import (
     Writer,
@@ -62,165 +73,13 @@ from ragline_services.retrieval.reembed import (
     stale_batches,
     stale_keys,
 )
+from ragline_services.retrieval.search import Engines, in_context, timed_apart
 from ragline_services.retrieval.vectors import VectorIndex
 from ragline_services.retrieval.wal import WriteLog, live_documents, tenant_seq
 
 log = structlog.get_logger("ragline.retrieval")
 
-
-@dataclass(frozen=True)
-class Embedded:
-    vectors: np.ndarray  # one row per text
-    model_version: str  # of the model that made them ("": unknown)
-
-
-# (texts, input kind "query" | "passage") -> vectors; raises Unavailable when it can't.
-Embed = Callable[[list[str], str], Awaitable[Embedded]]
-Changed = Callable[[str, list[str]], None]  # (tenant, ids of documents replaced or deleted)
-
-
-# Stages that are an engine's search, a span each while tracing is on (the others are
-# short enough to read as the rest of the call's span).
-_ENGINE_STAGES: dict[str, str] = {
-    SearchMode.BM25: "search bm25",
-    SearchMode.VECTOR: "search vector",
-}
-
-
-def _timed(stages: list[tuple[str, float]], name: str, fn, *args):
-    """`fn(*args)`, its duration appended to `stages` as (name, seconds) and, for an
-    engine's search (Tantivy, qdrant) while tracing is on, a span of its own."""
-    started = time.perf_counter()
-    if name in _ENGINE_STAGES and tracing.sampled():
-        with tracing.span(_ENGINE_STAGES[name]):
-            result = fn(*args)
-    else:
-        result = fn(*args)
-    stages.append((name, time.perf_counter() - started))
-    return result
-
-
-def _in_context(fn, *args):
-    """`fn(*args)` in a copy of the caller's context (its trace) when run on a pool's
-    thread; `fn` itself while nothing is traced."""
-    if not tracing.sampled():
-        return (fn, *args)
-    return (contextvars.copy_context().run, fn, *args)
-
-
-def _timed_apart(name: str, fn, *args):
-    """`fn(*args)` and its own stages list, for a half whose time is reported later (in
-    the order of the report, not of the threads)."""
-    stages: list[tuple[str, float]] = []
-    return _timed(stages, name, fn, *args), stages
-
-
-EMBEDDING_MODEL_CHANGED = "embedding_model_changed"
-REEMBEDDING = "vector_index_reembedding"
 _REEMBED_BATCH = 64
-
-
-@dataclass(frozen=True)
-class DocumentInput:
-    id: str
-    title: str
-    text: str
-    acl: tuple[str, ...] = ()
-    attributes: dict[str, str] = field(default_factory=dict)
-    vector: tuple[float, ...] = ()
-    vector_model: str = ""  # the embedding model of `vector` ("": the caller's own)
-
-
-@dataclass(frozen=True)
-class WriteResult:
-    seq: int  # position in the whole log (operators)
-    versions: list[int]
-    deleted: int = 0
-    not_found: int = 0
-    tenant_seq: int = 0  # position among the tenant's writes (what the tenant is shown)
-
-
-@dataclass(frozen=True)
-class SearchQuery:
-    text: str
-    k: int
-    mode: SearchMode = SearchMode.HYBRID
-    vector: tuple[float, ...] = ()
-    hnsw_ef: int = 0
-    candidates: int = 0
-    fusion: Fusion | None = None  # None: the index's default
-    vector_weight: float = 0.0
-    include_text: bool = False
-
-
-@dataclass(frozen=True)
-class SearchHit:
-    id: str
-    score: float
-    version: int
-    scores: dict[str, float]
-    title: str = ""
-    text: str = ""
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    hits: list[SearchHit]
-    mode_used: SearchMode
-    fell_back: bool
-    fallback_reason: str
-    index_version: int
-    stages: list[tuple[str, float]]
-
-
-@dataclass(frozen=True)
-class IndexStatus:
-    index_version: int
-    tenant_documents: int
-    total_documents: int
-    log_sequence: int
-    applied_sequence: int
-    delta_documents: int
-    vector_index_ready: bool
-    rebuilding: bool
-    last_build_finished: float | None  # unix time
-    dim: int
-    apply_error: str = ""
-    reembedding_to: str = ""
-    reembed_remaining: int = 0
-
-
-@dataclass
-class IndexSettings:
-    dim: int
-    default_candidates: int = 100
-    default_hnsw_ef: int = 128
-    # HYBRID weight of the vector list (BM25 gets the rest) for RRF, and for min-max score
-    # fusion, the default fusion: tuned on SQuAD dev, held out on new_wiki (docs/tuning.md).
-    default_vector_weight: float = 0.2
-    default_score_weight: float = 0.4
-    default_fusion: Fusion = Fusion.SCORE
-    bm25_max_open_tenants: int = 256
-    # Weight of a BM25 query word's translation into the other language (Chinese <->
-    # English, ragline.lexicon); 0: none (docs/tuning.md).
-    cross_lingual_weight: float = 0.5
-    # BM25's k1 and b (Tantivy's own by default; others score its candidates again).
-    bm25: Bm25Params = TANTIVY
-    # Threads that run searches (one hop per search), apart from writes and builds.
-    query_threads: int = 2
-    # HYBRID runs its vector half on a second thread while BM25 runs on the first: Tantivy
-    # releases the GIL while it searches, and the vector half waits on its shard process
-    # (or holds the GIL, in process), so the two overlap.
-    parallel_hybrid: bool = True
-    # When the embedding service runs another model than the index's vectors came from:
-    # re-embed every document with it in the background (False: refuse such writes).
-    reembed_on_model_change: bool = True
-    # The write log is compacted (wal.py) once it is larger than this and twice what the
-    # last compaction left; 0: never for size.
-    wal_compact_bytes: int = 256 << 20
-    # ... and once a delete is this old, so that deleted text leaves the log within it
-    # (0: only for size).
-    forget_after_s: float = 3600.0
 
 
 APPLY_RETRY_FIRST_S, APPLY_RETRY_MAX_S = 0.05, 5.0
@@ -718,8 +577,8 @@ class RetrievalIndex:
                     # BM25 needs no vector: it searches while the query is embedded (its
                     # own pool, whose tasks never wait on others, as for HYBRID's halves).
                     early_bm25 = self._half_pool.submit(
-                        *_in_context(
-                            _timed_apart,
+                        *in_context(
+                            timed_apart,
                             SearchMode.BM25,
                             self.bm25.search,
                             query.text,
@@ -749,8 +608,8 @@ class RetrievalIndex:
         loop = asyncio.get_running_loop()
         ordered, resolved = await loop.run_in_executor(
             self._query_pool,
-            *_in_context(
-                self._search_sync,
+            *in_context(
+                Engines(self.bm25, self.vectors, self.settings, self._half_pool).search,
                 visibility,
                 query,
                 mode,
@@ -778,84 +637,6 @@ class RetrievalIndex:
             )
         version = self.tenant_applied.get(visibility.tenant, 0)
         return SearchResult(hits, mode, mode != query.mode, reason, version, stages)
-
-    def _search_sync(self, visibility, query, mode, vector, candidates, ef, stages, early_bm25):
-        """The whole search in one worker thread: the engines return point ids, and only
-        the k ranked first are resolved to keys, versions (and text when asked).
-        `early_bm25`: the BM25 half already started (`candidates` long), or None."""
-        s = self.settings
-
-        def timed(name: str, fn, *args):
-            return _timed(stages, name, fn, *args)
-
-        def bm25_pool():
-            if early_bm25 is None:
-                return timed(SearchMode.BM25, self.bm25.search, query.text, visibility, candidates)
-            pool, own_stages = early_bm25.result()
-            stages.extend(own_stages)
-            return pool
-
-        # each hit's scores by part ("bm25", "vector", "fused")
-        ordered: list[tuple[Hashable, float, dict[str, float]]]
-        if mode == SearchMode.BM25:
-            if early_bm25 is not None:  # a fallback: the first k of the longer list
-                ranked = bm25_pool()[: query.k]
-            else:
-                ranked = timed(SearchMode.BM25, self.bm25.search, query.text, visibility, query.k)
-            ordered = [(c.pid, c.score, {SearchMode.BM25: c.score}) for c in ranked]
-        elif mode == SearchMode.VECTOR:
-            ranked = timed(SearchMode.VECTOR, self.vectors.search, vector, visibility, query.k, ef)
-            ordered = [(c.pid, c.score, {SearchMode.VECTOR: c.score}) for c in ranked]
-        elif mode == SearchMode.PREFILTER:
-            pool = bm25_pool()
-            bm25_scores = {c.pid: c.score for c in pool}
-            only = [c.pid for c in pool]
-            ranked = (
-                timed(SearchMode.VECTOR, self.vectors.search, vector, visibility, query.k, ef, only)
-                if pool
-                else []
-            )
-            ordered = [
-                (c.pid, c.score, {SearchMode.VECTOR: c.score, SearchMode.BM25: bm25_scores[c.pid]})
-                for c in ranked
-            ]
-        else:  # HYBRID
-            semantic = (SearchMode.VECTOR, self.vectors.search, vector, visibility, candidates, ef)
-            if early_bm25 is not None:
-                vector_list = timed(*semantic)
-                bm25_list = bm25_pool()
-            else:
-                # The vector half goes to the other thread and BM25 runs here: qdrant-edge
-                # keeps the GIL for its whole search, so the other way round the BM25 thread
-                # could not even start until the vector search had finished; this way the
-                # vector search runs while Tantivy searches without the GIL.
-                pending = (
-                    self._half_pool.submit(*_in_context(timed, *semantic))
-                    if s.parallel_hybrid
-                    else None
-                )
-                bm25_list = timed(
-                    SearchMode.BM25, self.bm25.search, query.text, visibility, candidates
-                )
-                vector_list = pending.result() if pending is not None else timed(*semantic)
-            started = time.perf_counter()
-            if (query.fusion or s.default_fusion) == Fusion.SCORE:
-                fuse, weight = score_fusion, query.vector_weight or s.default_score_weight
-            else:
-                fuse, weight = rrf, query.vector_weight or s.default_vector_weight
-            ordered = [
-                (pid, fused, {**parts, "fused": fused})
-                for pid, fused, parts in fuse(bm25_list, vector_list, weight, query.k)
-            ]
-            stages.append(("fusion", time.perf_counter() - started))
-        resolved = timed(
-            "resolve",
-            self.bm25.resolve,
-            visibility,
-            [pid for pid, _, _ in ordered],
-            query.include_text,
-        )
-        return ordered, resolved
 
     async def document_versions(
         self, visibility: Visibility, ids: list[str]

@@ -11,7 +11,8 @@ from prometheus_client.registry import Collector
 
 from ragline.metrics import LATENCY_BUCKETS, ProcessMetrics, read_safely
 from ragline_services.retrieval.forget_notices import NoticeCounts
-from ragline_services.retrieval.index import RetrievalIndex, SearchResult
+from ragline_services.retrieval.index import RetrievalIndex
+from ragline_services.retrieval.index_types import SearchResult
 from ragline_services.retrieval.vectors import VectorIndexStatus
 
 # An HNSW build: seconds for a small corpus, an hour for a large one.

@@ -37,7 +37,8 @@ from ragline.v1 import (
 from ragline.vocabulary import Fusion
 from ragline_services.retrieval.bm25_params import Bm25Params
 from ragline_services.retrieval.forget_notices import ForgetNotices, ForgetTarget
-from ragline_services.retrieval.index import Embedded, IndexSettings, RetrievalIndex
+from ragline_services.retrieval.index import RetrievalIndex
+from ragline_services.retrieval.index_types import Embedded, IndexSettings
 from ragline_services.retrieval.metrics import RetrievalMetrics
 from ragline_services.retrieval.query_encoder import LocalQueryEncoder
 from ragline_services.retrieval.servicer import RetrievalServicer

@@ -14,11 +14,8 @@ from ragline.timing import current_clock
 from ragline.v1 import common_pb2, retrieval_pb2, retrieval_pb2_grpc
 from ragline.vocabulary import fusion_from_proto, search_mode_from_proto, search_mode_to_proto
 from ragline_services.retrieval.documents import Visibility
-from ragline_services.retrieval.index import (
-    DocumentInput,
-    RetrievalIndex,
-    SearchQuery,
-)
+from ragline_services.retrieval.index import RetrievalIndex
+from ragline_services.retrieval.index_types import DocumentInput, SearchQuery
 from ragline_services.retrieval.metrics import RetrievalMetrics
 from ragline_services.retrieval.permissions import Writer
 

@@ -75,3 +75,17 @@ def test_the_waterfall_draws_in_the_terminal_and_as_a_picture(tmp_path):
     assert "admission (queue)" in text and "200.0" in text  # the waits, in the table
     render_png(report(), tmp_path / "w.png")
     assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_node_of_several_calls_says_so_and_draws_no_summed_queue():
+    """A synthesis's parts ran side by side: their queue waits summed are no stretch of the
+    node's own time, so none is drawn; the server figure says how many calls it sums."""
+    several = report()
+    generate = next(n for n in several.nodes if n.node_id == "generate")
+    generate.calls = 3
+    by_id = {row.node_id: row for row in rows(several)}
+    assert [p[0] for p in by_id["generate"].phases] == ["reserve", "call", "stream", "settle"]
+    assert abs(by_id["generate"].queued_s - 0.2) < 1e-9  # still a number in the table
+    console = Console(record=True, width=160)
+    console.print(render_text(several))
+    assert "880.0 (3 calls)" in console.export_text()

@@ -76,6 +76,13 @@ async def test_the_small_model_writes_the_agent_plan_and_each_part_is_answered(r
     evidence = [(e.marker, e.snippet) for e in result.evidence]
     answer = result.answer.lower()
     assert "vistula" in answer and ("catholic" in answer or "christian" in answer), evidence
+    # The synthesis made a call per part (and embedded their sentences): the report counts
+    # them and sums their server time, not the last call's alone.
+    (synthesis,) = [
+        n for n in result.timing.nodes if n.kind == orchestrator_pb2.NODE_KIND_SYNTHESIZE
+    ]
+    assert synthesis.calls >= len(result.subqueries), synthesis
+    assert synthesis.server.total.ToNanoseconds() > 0
 
 
 @pytest.mark.full

@@ -13,11 +13,11 @@ import numpy as np
 
 from ragline.vocabulary import SearchMode
 from ragline_services.retrieval.documents import Visibility, doc_key, point_id
-from ragline_services.retrieval.index import (
+from ragline_services.retrieval.index import RetrievalIndex
+from ragline_services.retrieval.index_types import (
     DocumentInput,
     Embedded,
     IndexSettings,
-    RetrievalIndex,
     SearchQuery,
 )
 from ragline_services.retrieval.vectors import EdgeVectorIndex

@@ -15,7 +15,8 @@ from test_retrieval_hit_resolution import RIVERS, open_index, toy_embed
 from ragline.errors import Unavailable
 from ragline.vocabulary import SearchMode
 from ragline_services.retrieval.documents import Visibility
-from ragline_services.retrieval.index import RetrievalIndex, SearchQuery
+from ragline_services.retrieval.index import RetrievalIndex
+from ragline_services.retrieval.index_types import SearchQuery
 
 
 def meet_inside(index: RetrievalIndex) -> threading.Barrier:

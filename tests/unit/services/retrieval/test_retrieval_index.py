@@ -20,11 +20,11 @@ from ragline_services.retrieval.documents import (
     encode_vector,
     point_id,
 )
-from ragline_services.retrieval.index import (
+from ragline_services.retrieval.index import RetrievalIndex
+from ragline_services.retrieval.index_types import (
     DocumentInput,
     Embedded,
     IndexSettings,
-    RetrievalIndex,
     SearchQuery,
 )
 from ragline_services.retrieval.reembed import VectorModel, WriteTurns

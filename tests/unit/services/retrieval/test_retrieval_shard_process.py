@@ -13,12 +13,8 @@ from test_retrieval_index import DIM, DOCS, toy_embed, toy_vector
 
 from ragline.vocabulary import SearchMode
 from ragline_services.retrieval.documents import Visibility, doc_key, point_id
-from ragline_services.retrieval.index import (
-    DocumentInput,
-    IndexSettings,
-    RetrievalIndex,
-    SearchQuery,
-)
+from ragline_services.retrieval.index import RetrievalIndex
+from ragline_services.retrieval.index_types import DocumentInput, IndexSettings, SearchQuery
 from ragline_services.retrieval.shard_process import ShardProcess, ShardQuery
 from ragline_services.retrieval.vectors import EdgeVectorIndex
 
