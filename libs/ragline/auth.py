@@ -182,13 +182,13 @@ def _service_algorithm(key: Any) -> str:
     raise ConfigError(f"a service key of type {type(key).__name__}: use EC P-256 or Ed25519")
 
 
-def load_service_public_keys(folder: Path) -> dict[str, Any]:
-    """Each `<service>.pem` of `folder` (a public key, or a certificate holding one), by
-    service name."""
+def load_service_public_keys(folder: Path) -> dict[str, tuple[Any, str]]:
+    """Each `<service>.pem` of `folder` (a public key, or a certificate holding one) and the
+    algorithm its credentials are signed with, by service name."""
     from cryptography import x509
     from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
-    keys: dict[str, Any] = {}
+    keys: dict[str, tuple[Any, str]] = {}
     for path in sorted(folder.glob("*.pem")):
         data = path.read_bytes()
         key: Any
@@ -196,8 +196,8 @@ def load_service_public_keys(folder: Path) -> dict[str, Any]:
             key = x509.load_pem_x509_certificate(data).public_key()
         else:
             key = load_pem_public_key(data)
-        _service_algorithm(key)  # a key of a kind no credential is signed with: refused now
-        keys[path.stem] = key
+        # a key of a kind no credential is signed with is refused now, not at a call
+        keys[path.stem] = (key, _service_algorithm(key))
     if not keys:
         raise ConfigError(
             f"RAGLINE_AUTH_SERVICE_PUBLIC_KEYS_DIR={folder} holds no <service>.pem: no "
@@ -251,7 +251,7 @@ class Authenticator:
                 f"RAGLINE_AUTH_JWT_ALGORITHMS ({self.config.jwt_algorithms}) has no algorithm "
                 f"for {'an HMAC key' if hmac else 'a public key'}"
             )
-        self._service_keys: dict[str, Any] | None = None
+        self._service_keys: dict[str, tuple[Any, str]] | None = None
         if self.enabled and self.config.service_public_keys_dir is not None:
             self._service_keys = load_service_public_keys(self.config.service_public_keys_dir)
         self._jwks = None
@@ -391,8 +391,8 @@ class Authenticator:
                     f"the service credential names no service whose key this service holds "
                     f"(kid {kid!r}); each service signs with its own key"
                 )
-            key = self._service_keys[kid]
-            algorithms = [_service_algorithm(key)]
+            key, algorithm = self._service_keys[kid]
+            algorithms = [algorithm]
         try:
             claims = self._jwt.decode(
                 credential,
@@ -425,6 +425,7 @@ class ServiceCredential:
         self.name = name
         self._token, self._renew_at = "", 0.0
         self._private_key: Any = None
+        self._algorithm = "HS256"
         path = self.config.service_private_key_file
         if self.config.mode == "jwt" and path is not None:
             from cryptography.hazmat.primitives.serialization import load_pem_private_key
@@ -436,7 +437,7 @@ class ServiceCredential:
                     f"RAGLINE_AUTH_SERVICE_PRIVATE_KEY_FILE={path}: not a readable PEM private "
                     f"key ({error})"
                 ) from None
-            _service_algorithm(self._private_key)
+            self._algorithm = _service_algorithm(self._private_key)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         if self.config.mode != "jwt" or not (self._private_key or self.config.service_key):
@@ -455,7 +456,7 @@ class ServiceCredential:
                 self._token = self._jwt.encode(
                     claims,
                     self._private_key,
-                    algorithm=_service_algorithm(self._private_key),
+                    algorithm=self._algorithm,
                     headers={"kid": self.name},
                 )
             else:

@@ -22,6 +22,23 @@ def forget_calls(metrics_port: int) -> float:
     return sum(v for labels, v in handled.items() if "ForgetDocuments" in labels)
 
 
+async def start_retrieval(launcher, embedding_service, tmp_path, keepers: dict[str, str]):
+    """A real retrieval service telling the keepers at `keepers`' addresses (replicas
+    behind one list each); its handle and its metrics port."""
+    (metrics_port,) = free_ports(1)
+    retrieval = await asyncio.to_thread(
+        launcher.start,
+        "retrieval",
+        env={
+            "RAGLINE_EMBEDDING_ADDR": embedding_service.address,
+            "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path / "index"),
+            "RAGLINE_RETRIEVAL_METRICS_PORT": str(metrics_port),
+            **keepers,
+        },
+    )
+    return retrieval, metrics_port
+
+
 async def test_a_delete_reaches_every_rerank_replica(launcher, embedding_service, tmp_path):
     rerank_metrics = free_ports(2)
     reranks = [
@@ -30,17 +47,12 @@ async def test_a_delete_reaches_every_rerank_replica(launcher, embedding_service
         )
         for port in rerank_metrics
     ]
-    (retrieval_metrics,) = free_ports(1)
-    retrieval = await asyncio.to_thread(
-        launcher.start,
-        "retrieval",
-        env={
-            "RAGLINE_EMBEDDING_ADDR": embedding_service.address,
-            "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path / "index"),
-            "RAGLINE_RETRIEVAL_METRICS_PORT": str(retrieval_metrics),
-            # both replicas behind one address, as a headless Service's name resolves
-            "RAGLINE_RERANK_ADDR": ",".join(r.address for r in reranks),
-        },
+    # both replicas behind one address, as a headless Service's name resolves
+    retrieval, retrieval_metrics = await start_retrieval(
+        launcher,
+        embedding_service,
+        tmp_path,
+        {"RAGLINE_RERANK_ADDR": ",".join(r.address for r in reranks)},
     )
     client = Client(retrieval.address)
     await client.upsert("acme", [{"id": "memo", "title": "", "text": "the okapi budget memo"}])
@@ -82,14 +94,11 @@ async def test_a_delete_reaches_two_replicas_of_each_keeper_and_one_down_is_retr
         )
         for port in generation_metrics
     ]
-    (retrieval_metrics,) = free_ports(1)
-    retrieval = await asyncio.to_thread(
-        launcher.start,
-        "retrieval",
-        env={
-            "RAGLINE_EMBEDDING_ADDR": embedding_service.address,
-            "RAGLINE_RETRIEVAL_INDEX_DIR": str(tmp_path / "index"),
-            "RAGLINE_RETRIEVAL_METRICS_PORT": str(retrieval_metrics),
+    retrieval, retrieval_metrics = await start_retrieval(
+        launcher,
+        embedding_service,
+        tmp_path,
+        {
             "RAGLINE_RERANK_ADDR": f"{first_rerank.address},127.0.0.1:{late_port}",
             "RAGLINE_GENERATION_ADDR": ",".join(g.address for g in generations),
         },
