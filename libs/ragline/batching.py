@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,6 +29,7 @@ import numpy as np
 
 from ragline import tracing
 from ragline.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from ragline.fair_queue import FairQueue
 from ragline.tokenization import TokenizedText
 
 # Runs the model on one length bucket: its texts in, one row per text out. The batcher
@@ -149,14 +150,15 @@ class MicroBatcher:
         self.max_batch_texts = max_batch_texts
         self.max_bulk_batch_texts = max_bulk_batch_texts or max_batch_texts
         self.max_wait_s = max_wait_s
-        self.max_queue_texts = max_queue_texts
-        self.max_queue_texts_per_tenant = max_queue_texts_per_tenant or max(max_queue_texts // 2, 1)
         self._buckets = buckets
         # Waiting requests by (lane, tenant); the dict's order is the round-robin order.
         # Lane URGENT (queries someone waits on) is served before lane BULK (passages).
-        self._queues: dict[tuple[int, str], deque[_Item]] = {}
-        self._queued_by_tenant: dict[str, int] = {}
-        self._queued_texts = 0
+        self._queue: FairQueue[tuple[int, str], _Item] = FairQueue(
+            max_queue_texts,
+            max_queue_texts_per_tenant or max(max_queue_texts // 2, 1),
+            size=lambda item: len(item.texts),
+            tenant_of=lambda key: key[1],
+        )
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # Recent throughput, for the retry hint of a full queue.
@@ -179,22 +181,18 @@ class MicroBatcher:
         for task in list(self._running):
             task.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
-        for queue in self._queues.values():
-            for item in queue:
-                if not item.future.done():
-                    item.future.set_exception(
-                        Unavailable(f"{self.name} is shutting down", reason="SHUTTING_DOWN")
-                    )
-        self._queues.clear()
-        self._queued_by_tenant.clear()
-        self._queued_texts = 0
+        for item in self._queue.drain():
+            if not item.future.done():
+                item.future.set_exception(
+                    Unavailable(f"{self.name} is shutting down", reason="SHUTTING_DOWN")
+                )
 
     @property
     def queued_texts(self) -> int:
-        return self._queued_texts
+        return self._queue.waiting
 
     def queued_texts_of(self, tenant: str) -> int:
-        return self._queued_by_tenant.get(tenant, 0)
+        return self._queue.waiting_of(tenant)
 
     @property
     def runs_in_flight(self) -> int:
@@ -222,17 +220,17 @@ class MicroBatcher:
     ) -> BatchResult:
         """`urgent`: a request someone waits on (a query), run before bulk work (passages
         of an ingest), in batches of its own lane."""
-        mine = self._queued_by_tenant.get(tenant, 0)
-        if mine + len(texts) > self.max_queue_texts_per_tenant:
-            raise self._refuse(mine, self.max_queue_texts_per_tenant, "this tenant")
-        if self._queued_texts + len(texts) > self.max_queue_texts:
-            raise self._refuse(self._queued_texts, self.max_queue_texts, "all tenants")
+        scope = self._queue.over_cap(tenant, len(texts))
+        if scope == "tenant":
+            mine = self._queue.waiting_of(tenant)
+            raise self._refuse(mine, self._queue.max_per_tenant, "this tenant")
+        if scope == "all":
+            raise self._refuse(self._queue.waiting, self._queue.max_total, "all tenants")
         future: asyncio.Future[BatchResult] = asyncio.get_running_loop().create_future()
-        self._queues.setdefault((URGENT if urgent else BULK, tenant), deque()).append(
-            _Item(texts, deadline, time.monotonic(), future, tenant)
+        self._queue.push(
+            (URGENT if urgent else BULK, tenant),
+            _Item(texts, deadline, time.monotonic(), future, tenant),
         )
-        self._queued_by_tenant[tenant] = mine + len(texts)
-        self._queued_texts += len(texts)
         self._wakeup.set()
         try:
             result = await future
@@ -257,13 +255,13 @@ class MicroBatcher:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while self._queues:
+            while self._queue:
                 # A batch forms only once a runner is free: what arrives meanwhile joins it.
                 await self._runners.acquire()
                 batch: list[_Item] = []
                 lane = URGENT
                 try:
-                    if self._queues:
+                    if self._queue:
                         await self._gather()
                         batch, lane = self._take()
                 finally:
@@ -282,7 +280,7 @@ class MicroBatcher:
         soon as other work queues (after the run it is in), so the lending never makes
         another request wait longer than one run."""
         borrowed = 0
-        while borrowed < wanted and not self._queues and not self._runners.locked():
+        while borrowed < wanted and not self._queue and not self._runners.locked():
             await self._runners.acquire()  # free and unwaited for: returns at once
             borrowed += 1
         self._lent += borrowed
@@ -312,7 +310,7 @@ class MicroBatcher:
                 result = await self._run([flat[i] for i in group])
                 for position, index in enumerate(group):
                     rows[index] = result[position]
-                if on_loan and self._queues:
+                if on_loan and self._queue:
                     break  # someone waits: the batch's own runner does the rest
             if on_loan:
                 self._give_back(loan)
@@ -334,8 +332,9 @@ class MicroBatcher:
 
     async def _gather(self) -> None:
         """Waits (at most max_wait after the oldest request) for the batch to fill."""
-        wait_until = min(q[0].enqueued for q in self._queues.values()) + self.max_wait_s
-        while self._queued_texts < self.max_batch_texts:
+        oldest = min(self._queue.head(key).enqueued for key in self._queue.keys())
+        wait_until = oldest + self.max_wait_s
+        while self._queue.waiting < self.max_batch_texts:
             left = wait_until - time.monotonic()
             if left <= 0:
                 return
@@ -347,26 +346,13 @@ class MicroBatcher:
 
     def _next_key(self) -> tuple[int, str]:
         """The first tenant in the round with urgent work, else the first one."""
-        for key in self._queues:
+        first = None
+        for key in self._queue.keys():
             if key[0] == URGENT:
                 return key
-        return next(iter(self._queues))
-
-    def _pop(self, key: tuple[int, str]) -> _Item:
-        queue = self._queues[key]
-        item = queue.popleft()
-        # The tenant goes to the back of the round: the next batch starts with another.
-        del self._queues[key]
-        if queue:
-            self._queues[key] = queue
-        tenant = key[1]
-        self._queued_texts -= len(item.texts)
-        left = self._queued_by_tenant[tenant] - len(item.texts)
-        if left:
-            self._queued_by_tenant[tenant] = left
-        else:
-            del self._queued_by_tenant[tenant]
-        return item
+            first = first or key
+        assert first is not None  # called with work waiting
+        return first
 
     def _take(self) -> tuple[list[_Item], int]:
         """The next batch and its lane."""
@@ -374,15 +360,16 @@ class MicroBatcher:
         texts = 0
         now = time.monotonic()
         lane = None
-        while self._queues:
+        while self._queue:
             key = self._next_key()
             if lane is not None and key[0] != lane:
                 break  # urgent and bulk work never share a run (a query would wait for it)
-            head = self._queues[key][0]
+            head = self._queue.head(key)
             limit = self.max_bulk_batch_texts if key[0] == BULK else self.max_batch_texts
             if batch and texts + len(head.texts) > limit:
                 break
-            item = self._pop(key)
+            # The tenant goes to the back of the round: the next batch starts with another.
+            item = self._queue.pop(key)
             if item.future.done():  # cancelled by its caller
                 self.dropped["cancelled"] += 1
                 continue

@@ -72,6 +72,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ragline.errors import DeadlineExceeded, ResourceExhausted
+from ragline.fair_queue import FairQueue
 
 # Leases seen before a wait is estimated (and a request refused on it).
 _HOLDS_BEFORE_ESTIMATING = 4
@@ -159,14 +160,12 @@ class SlotScheduler:
         ]
         self.priority_slots = priority_slots
         self._leases: list[Lease] = []
-        self.max_queue = max_queue
-        self.max_queue_per_tenant = max_queue_per_tenant or max((max_queue + 1) // 2, 1)
         self.erase = erase
         self._paused = False
         self._idle = asyncio.Event()
         self._idle.set()
-        # Waiters by tenant; the dict's order is the round-robin order of hand-overs.
-        self._queues: dict[str, deque[_Waiter]] = {}
+        # Waiters by tenant; the round's order is the order of hand-overs.
+        self._queue: FairQueue[str, _Waiter] = FairQueue(max_queue, max_queue_per_tenant)
         self._typical_request_s = typical_request_s
         self._holds: deque[float] = deque(maxlen=64)  # seconds recent leases lasted
         # Requests refused at once, by reason (QUEUE_FULL, DEADLINE_TOO_SHORT_FOR_QUEUE),
@@ -194,7 +193,7 @@ class SlotScheduler:
 
     @property
     def waiting(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return self._queue.waiting
 
     def _refuse(self, waiting: int, limit: int, whose: str) -> ResourceExhausted:
         retry = self._typical_request_s * (waiting + 1) / len(self.slots)
@@ -217,9 +216,11 @@ class SlotScheduler:
         until enough leases were seen to say."""
         if len(self._holds) < _HOLDS_BEFORE_ESTIMATING:
             return 0.0
-        mine = len(self._queues.get(tenant, ()))
+        mine = self._queue.waiting_of(tenant)
         ahead = mine + sum(
-            min(len(queue), mine + 1) for other, queue in self._queues.items() if other != tenant
+            min(self._queue.items_of(other), mine + 1)
+            for other in self._queue.keys()
+            if other != tenant
         )
         typical = statistics.median(self._holds)
         return typical * (ahead + 0.5) / len(self.slots)
@@ -245,7 +246,7 @@ class SlotScheduler:
     def _load(self, tenant: str) -> int:
         """What a tenant has in generation: its leases and its waiting requests."""
         held = sum(lease.tenant == tenant for lease in self._leases)
-        return held + len(self._queues.get(tenant, ()))
+        return held + self._queue.waiting_of(tenant)
 
     def _is_priority(self, tenant: str, light: bool) -> bool:
         if self.priority_slots == 0:
@@ -378,21 +379,22 @@ class SlotScheduler:
         started = time.monotonic()
         priority = self._is_priority(tenant, light)
         picked = (
-            self._pick(owner, tenant, priority=priority) if priority or not self._queues else None
+            self._pick(owner, tenant, priority=priority) if priority or not self._queue else None
         )
         if picked is not None:
             slot = picked
         else:
-            mine = len(self._queues.get(tenant, ()))
-            if mine >= self.max_queue_per_tenant:
-                raise self._refuse(mine, self.max_queue_per_tenant, "this tenant")
-            if self.waiting >= self.max_queue:
-                raise self._refuse(self.waiting, self.max_queue, "all tenants")
+            scope = self._queue.over_cap(tenant)
+            if scope == "tenant":
+                mine = self._queue.waiting_of(tenant)
+                raise self._refuse(mine, self._queue.max_per_tenant, "this tenant")
+            if scope == "all":
+                raise self._refuse(self.waiting, self._queue.max_total, "all tenants")
             self._refuse_if_it_would_only_time_out(tenant, deadline)
             waiter = _Waiter(
                 tenant, owner, deadline, asyncio.get_running_loop().create_future(), priority
             )
-            self._queues.setdefault(tenant, deque()).append(waiter)
+            self._queue.push(tenant, waiter)
             try:
                 timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
                 slot = await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
@@ -444,12 +446,9 @@ class SlotScheduler:
         return lease
 
     def _abandon(self, waiter: _Waiter) -> None:
-        queue = self._queues.get(waiter.tenant)
-        if queue is not None and waiter in queue:
-            queue.remove(waiter)
-            if not queue:
-                del self._queues[waiter.tenant]
-        elif waiter.future.done() and not waiter.future.cancelled():
+        if self._queue.remove(waiter.tenant, waiter):
+            return
+        if waiter.future.done() and not waiter.future.cancelled():
             # A slot was handed over just as the waiter gave up: pass it on.
             self.release(waiter.future.result())
 
@@ -502,9 +501,9 @@ class SlotScheduler:
 
     def _hand_over(self) -> None:
         handed = True
-        while handed and self._queues:
+        while handed and self._queue:
             handed = False
-            for tenant in list(self._queues):
+            for tenant in list(self._queue.keys()):
                 if self._hand_over_to(tenant):
                     handed = True
                     break
@@ -512,18 +511,14 @@ class SlotScheduler:
     def _hand_over_to(self, tenant: str) -> bool:
         """Gives the first waiter of `tenant` a slot if one is free for it; whether the
         queues changed."""
-        queue = self._queues[tenant]
-        waiter = queue[0]
+        waiter = self._queue.head(tenant)
         slot = None
         if not waiter.future.done():  # else it gave up: just dropped
             slot = self._pick(waiter.owner, tenant, priority=waiter.priority)
             if slot is None:
                 return False
-        queue.popleft()
         # The tenant goes to the back of the round: the next free slot is another's.
-        del self._queues[tenant]
-        if queue:
-            self._queues[tenant] = queue
+        self._queue.pop(tenant)
         if slot is not None:
             slot.busy = True  # reserved for the waiter; acquire() finishes the hand-over
             self._idle.clear()

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ragline.errors import DeadlineExceeded, ResourceExhausted
+from ragline.fair_queue import FairQueue
 
 # Recent runs whose durations set the expected and the slow run time.
 _WINDOW = 64
@@ -119,13 +120,11 @@ class Admission:
         activity_s: float = 5.0,
     ) -> None:
         self.max_in_flight = max_in_flight
-        self.max_queue = max_queue
-        self.max_queue_per_tenant = max_queue_per_tenant or max((max_queue + 1) // 2, 1)
+        # Waiters by tenant; among tenants with as many runs, the round's order.
+        self._queue: FairQueue[str, _Waiter] = FairQueue(max_queue, max_queue_per_tenant)
         self.activity_s = activity_s
         self.in_flight = 0
         self._running: Counter[str] = Counter()  # runs in flight per tenant
-        # Waiters by tenant; the dict's order is the round-robin order among equals.
-        self._queues: dict[str, deque[_Waiter]] = {}
         self._runs: deque[float] = deque([typical_run_s], maxlen=_WINDOW)
         self._tenants: dict[str, _Tenant] = {}
         self._recheck: asyncio.TimerHandle | None = None
@@ -135,7 +134,7 @@ class Admission:
 
     @property
     def waiting(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return self._queue.waiting
 
     def _own_runs(self, tenant: str | None) -> Sequence[_Run] | None:
         """`tenant`'s recent runs when there are enough to go by: those that ran as it
@@ -201,7 +200,7 @@ class Admission:
         share = self.share(tenant)
         if self.in_flight < self.max_in_flight and self._running[tenant] < share:
             return 0.0
-        ahead = len(self._queues.get(tenant, ())) + 1
+        ahead = self._queue.waiting_of(tenant) + 1
         if self._running[tenant] >= share:  # its own runs must end first
             return self.mean_run_s(tenant) * ahead / share
         return self.mean_run_s() * ahead / self.max_in_flight
@@ -216,7 +215,7 @@ class Admission:
         among them."""
         now = time.monotonic() if now is None else now
         active = {t for t, k in self._tenants.items() if now - k.last_asked < self.activity_s}
-        return active | set(self._running) | set(self._queues) | {tenant}
+        return active | set(self._running) | set(self._queue.keys()) | {tenant}
 
     def _beside_others(self, tenant: str, now: float | None = None) -> bool:
         return len(self._active(tenant, now)) > 1
@@ -233,7 +232,7 @@ class Admission:
         sparse flow before a backlogged one. (Ask rates alone misjudged a quiet tenant
         asking back to back: half a flood's rate, now and then more.) A run may turn light
         while it generates, a flood beginning beside it: `on_pressure` says when to ask."""
-        if self._running[tenant] != 1 or self._queues.get(tenant):
+        if self._running[tenant] != 1 or self._queue.waiting_of(tenant):
             return False
         now = time.monotonic()
         me = self._tenants[tenant]
@@ -243,7 +242,7 @@ class Admission:
         for other, known in self._tenants.items():
             if other == tenant:
                 continue
-            if self._running[other] + len(self._queues.get(other, ())) >= 2:
+            if self._running[other] + self._queue.waiting_of(other) >= 2:
                 return True
             if now - known.last_refused < self.activity_s:
                 return True
@@ -262,7 +261,7 @@ class Admission:
             self._forget_idle_tenants(started)
         try:
             if (
-                self._queues
+                self._queue
                 or self.in_flight >= self.max_in_flight
                 or self._running[tenant] >= self.share(tenant, started)
             ):
@@ -325,7 +324,7 @@ class Admission:
         return "more than a tenth of this tenant's recent runs ran out of time"
 
     def _forget_idle_tenants(self, now: float) -> None:
-        busy = set(self._running) | set(self._queues)
+        busy = set(self._running) | set(self._queue.keys())
         for tenant, known in list(self._tenants.items()):
             if tenant not in busy and now - known.last_asked > _FORGET_AFTER_S:
                 del self._tenants[tenant]
@@ -360,11 +359,10 @@ class Admission:
         retry = self.retry_after_s(tenant)
         if self.in_flight >= self.max_in_flight or self._running[tenant] >= self.share(tenant):
             self._refuse_if_it_cannot_finish(deadline, started, tenant)
-        mine = len(self._queues.get(tenant, ()))
-        if mine >= self.max_queue_per_tenant or self.waiting >= self.max_queue:
-            scope = "tenant" if mine >= self.max_queue_per_tenant else "all"
+        scope = self._queue.over_cap(tenant)
+        if scope is not None:
             whose = "this tenant's" if scope == "tenant" else "the"
-            limit = self.max_queue_per_tenant if scope == "tenant" else self.max_queue
+            limit = self._queue.max_per_tenant if scope == "tenant" else self._queue.max_total
             raise ResourceExhausted(
                 f"the orchestrator is at capacity: {self.in_flight} runs in flight, "
                 f"{whose} queue full ({limit} waiting); retry in about {retry:.1f} s",
@@ -373,7 +371,7 @@ class Admission:
                 metadata={"queue": "orchestrator", "scope": scope},
             )
         waiter = _Waiter(tenant, deadline, asyncio.get_running_loop().create_future())
-        self._queues.setdefault(tenant, deque()).append(waiter)
+        self._queue.push(tenant, waiter)
         self._hand_over()  # a free place another tenant's share kept may be this one's
         if not waiter.future.done():
             self._pressed()
@@ -399,12 +397,9 @@ class Admission:
         self._running[tenant] += 1
 
     def _abandon(self, waiter: _Waiter) -> None:
-        queue = self._queues.get(waiter.tenant)
-        if queue is not None and waiter in queue:
-            queue.remove(waiter)
-            if not queue:
-                del self._queues[waiter.tenant]
-        elif waiter.future.done() and not waiter.future.cancelled():
+        if self._queue.remove(waiter.tenant, waiter):
+            return
+        if waiter.future.done() and not waiter.future.cancelled():
             # Handed over as the waiter gave up: the place goes back (a refusal held none).
             if waiter.future.exception() is None:
                 self._release(waiter.tenant)
@@ -418,19 +413,16 @@ class Admission:
 
     def _hand_over(self) -> None:
         now = time.monotonic()
-        while self._queues and self.in_flight < self.max_in_flight:
+        while self._queue and self.in_flight < self.max_in_flight:
             # The waiting tenant with the fewest runs in flight (the dict order breaks
             # ties), if it is under its share.
-            tenant = min(self._queues, key=lambda t: self._running.get(t, 0))
+            tenant = self._queue.lightest(lambda t: self._running.get(t, 0))
             if self._running.get(tenant, 0) >= self.share(tenant, now):
                 # The free place is an active tenant's share: kept for its next question,
                 # until that tenant has been quiet for activity_s.
                 self._recheck_later()
                 return
-            queue = self._queues.pop(tenant)
-            waiter = queue.popleft()
-            if queue:
-                self._queues[tenant] = queue  # to the back of the round
+            waiter = self._queue.pop(tenant)  # the tenant goes to the back of the round
             if waiter.future.done():
                 continue
             if waiter.deadline is not None and waiter.deadline <= now:
