@@ -7,13 +7,14 @@ retry elsewhere (or later) can still help: when what is ahead of it in the queue
 run's slow case (the 90th percentile of recent run times) does not fit its deadline. What is
 admitted can finish; nothing is let in only to be cut at its deadline.
 
-Run times are measured per tenant as well as for everyone: a tenant's runs can take far
-longer than the others' (a flood whose generations pause for a light tenant's, a tenant
-whose questions need the large model), and a run its deadline cut counts as one that did
-not fit (it needed more than it had). A tenant's run with a place free is still refused
-when most of its recent runs ran out of time and another of its runs is under way (that
-one keeps measuring, so the estimate follows when things get faster); one that must queue
-is refused when its wait and its tenant's slow case do not fit.
+Run times (run_times.py) are measured per tenant as well as for everyone: a tenant's
+runs can take far longer than the others' (a flood whose generations pause for a light
+tenant's, a tenant whose questions need the large model), and a run its deadline cut
+counts as one that did not fit (it needed more than it had). A tenant's run with a place
+free is still refused when most of its recent runs ran out of time and another of its
+runs is under way (that one keeps measuring, so the estimate follows when things get
+faster); one that must queue is refused when its wait and its tenant's slow case do not
+fit.
 
 Fairness between tenants: each tenant queues apart (at most `max_queue_per_tenant`, so a
 flood cannot fill the queue for everyone), and a freed place goes to the waiting tenant with
@@ -27,6 +28,9 @@ A queued run whose deadline passes leaves the queue with DEADLINE_EXCEEDED befor
 a cancelled one just leaves. One handed a place with less time left than a slow run of its
 tenant (what was ahead of it ran longer than expected: the test it passed to queue no
 longer holds) is refused then, and the place goes on to the next.
+
+The queues are the kit's FairQueue; which tenant's run goes first beside a flood is
+light_tenant.py's policy.
 """
 
 from __future__ import annotations
@@ -35,27 +39,14 @@ import asyncio
 import contextlib
 import math
 import time
-from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from ragline.errors import DeadlineExceeded, ResourceExhausted
 from ragline.fair_queue import FairQueue
-
-# Recent runs whose durations set the expected and the slow run time.
-_WINDOW = 64
-# A tenant's recent runs, and how many make its own estimate (fewer: everyone's).
-_TENANT_WINDOW = 16
-_TENANT_SAMPLES = 4
-# The half-life of a tenant's ask rate (asks refused included), and how many times another
-# tenant's rate makes it the heavier one.
-_RATE_HALF_LIFE_S = 10.0
-_HEAVIER = 2.0
-# Tenants remembered (when they last asked, their run times) before idle ones are forgotten.
-_TENANTS_KEPT = 4096
-_FORGET_AFTER_S = 600.0
+from ragline_services.orchestrator import light_tenant
+from ragline_services.orchestrator.run_times import RunTimes
 
 
 @dataclass
@@ -65,40 +56,6 @@ class Place:
 
     admitted: float
     ran_out: bool = False
-
-
-@dataclass
-class _Run:
-    held_s: float
-    ran_out: bool
-    # Another tenant was active as it began or ended: a tenant's runs take longer beside
-    # others (its generations pause for light ones, the cores are shared).
-    beside: bool = False
-
-    @property
-    def needed_s(self) -> float:
-        """What the run needed: its time, or more than any deadline where it ran out."""
-        return math.inf if self.ran_out else self.held_s
-
-
-@dataclass
-class _Tenant:
-    """What admission remembers of a tenant: when it last asked, its asks (admitted or
-    refused) each counted less as it ages (halved every _RATE_HALF_LIFE_S), its recent
-    runs, and when it was last refused."""
-
-    last_asked: float
-    asks: float = 0.0
-    runs: deque[_Run] = field(default_factory=lambda: deque(maxlen=_TENANT_WINDOW))
-    last_refused: float = -math.inf  # when the front door last refused it
-
-    def rate(self, now: float) -> float:
-        """Proportional to its recent ask rate."""
-        return self.asks * 0.5 ** ((now - self.last_asked) / _RATE_HALF_LIFE_S)
-
-    def asked(self, now: float) -> None:
-        self.asks = self.rate(now) + 1.0
-        self.last_asked = now
 
 
 @dataclass
@@ -125,8 +82,7 @@ class Admission:
         self.activity_s = activity_s
         self.in_flight = 0
         self._running: Counter[str] = Counter()  # runs in flight per tenant
-        self._runs: deque[float] = deque([typical_run_s], maxlen=_WINDOW)
-        self._tenants: dict[str, _Tenant] = {}
+        self.times = RunTimes(typical_run_s, self._beside_others)
         self._recheck: asyncio.TimerHandle | None = None
         # Called when a tenant asks for more than it gets (a run refused, queued, or a
         # second one admitted): a run of another tenant may have turned light (`light`).
@@ -136,60 +92,13 @@ class Admission:
     def waiting(self) -> int:
         return self._queue.waiting
 
-    def _own_runs(self, tenant: str | None) -> Sequence[_Run] | None:
-        """`tenant`'s recent runs when there are enough to go by: those that ran as it
-        would now (beside other active tenants, or alone) where there are enough."""
-        known = None if tenant is None else self._tenants.get(tenant)
-        if tenant is None or known is None or len(known.runs) < _TENANT_SAMPLES:
-            return None
-        beside = self._beside_others(tenant)
-        alike = [run for run in known.runs if run.beside == beside]
-        return alike if len(alike) >= _TENANT_SAMPLES else known.runs
-
-    def _measured_alone_only(self, tenant: str) -> bool:
-        """Whether other tenants are active now while `tenant`'s runs were measured alone
-        (fewer than enough of them beside others): its figures say too little."""
-        known = self._tenants.get(tenant)
-        if known is None or not known.runs or not self._beside_others(tenant):
-            return False
-        return sum(run.beside for run in known.runs) < _TENANT_SAMPLES
-
-    def _held_s(self, tenant: str | None) -> Sequence[float]:
-        """Recent run times: `tenant`'s own where there are enough, else everyone's."""
-        own = self._own_runs(tenant)
-        return self._runs if own is None else [r.held_s for r in own]
-
-    def typical_run_s(self, tenant: str | None = None) -> float:
-        """The median of recent run times (`tenant`'s own where there are enough)."""
-        return float(np.median(self._held_s(tenant)))
-
-    def mean_run_s(self, tenant: str | None = None) -> float:
-        """The mean of recent run times (`tenant`'s own where there are enough): k runs
-        ahead take about k of it in all (the median undercounts when quick abstentions sit
-        beside slow answers)."""
-        return float(np.mean(self._held_s(tenant)))
-
-    def slow_run_s(self, tenant: str | None = None) -> float:
-        """The 90th percentile of recent run times, `tenant`'s own where there are enough
-        (infinite when more than a tenth of them ran out of time): what a run admitted now
-        must be ready to take."""
-        own = self._own_runs(tenant)
-        if own is None:
-            return float(np.percentile(self._runs, 90))
-        return float(np.percentile([r.needed_s for r in own], 90, method="higher"))
-
-    def ran_out_mostly(self, tenant: str) -> bool:
-        """Whether most of `tenant`'s recent runs ran out of time."""
-        own = self._own_runs(tenant)
-        return own is not None and 2 * sum(r.ran_out for r in own) > len(own)
-
     def retry_after_s(self, tenant: str | None = None) -> float:
         ahead = self.in_flight + self.waiting + 1 - self.max_in_flight
-        everyone = self.typical_run_s() * ahead / max(self.max_in_flight, 1)
-        if tenant is None or self._own_runs(tenant) is None:
+        everyone = self.times.typical_s() * ahead / max(self.max_in_flight, 1)
+        if tenant is None or self.times.own(tenant) is None:
             return max(everyone, 0.05)
         # Its own place frees when one of its runs ends.
-        own = self.typical_run_s(tenant) / max(self._running[tenant], 1)
+        own = self.times.typical_s(tenant) / max(self._running[tenant], 1)
         return max(everyone, own, 0.05)
 
     def expected_wait_s(self, tenant: str = "") -> float:
@@ -202,8 +111,8 @@ class Admission:
             return 0.0
         ahead = self._queue.waiting_of(tenant) + 1
         if self._running[tenant] >= share:  # its own runs must end first
-            return self.mean_run_s(tenant) * ahead / share
-        return self.mean_run_s() * ahead / self.max_in_flight
+            return self.times.mean_s(tenant) * ahead / share
+        return self.times.mean_s() * ahead / self.max_in_flight
 
     def share(self, tenant: str, now: float | None = None) -> int:
         """The places `tenant` may hold now: all of them while it is the only active tenant,
@@ -214,51 +123,31 @@ class Admission:
         """The tenants active now (asked within activity_s, running or waiting), `tenant`
         among them."""
         now = time.monotonic() if now is None else now
-        active = {t for t, k in self._tenants.items() if now - k.last_asked < self.activity_s}
+        active = {t for t, k in self.times.tenants.items() if now - k.last_asked < self.activity_s}
         return active | set(self._running) | set(self._queue.keys()) | {tenant}
 
     def _beside_others(self, tenant: str, now: float | None = None) -> bool:
         return len(self._active(tenant, now)) > 1
 
     def light(self, tenant: str) -> bool:
-        """Whether `tenant`, with one run in flight, is a light tenant beside a flood now:
-        no other run of its own in flight or waiting and none refused lately, while
-        another tenant asks for more than it gets: two or more runs in flight or waiting,
-        a refusal within activity_s (the front door may hold a flood to one run in flight
-        or none, and the next may be admitted while this one generates), or it is active
-        and asks at least twice as often. Its generation goes first
-        (GenerateRequest.light_tenant), and the heavier tenants' generations wait for it:
-        a tenant within its share before those beyond theirs, as fair queueing serves a
-        sparse flow before a backlogged one. (Ask rates alone misjudged a quiet tenant
-        asking back to back: half a flood's rate, now and then more.) A run may turn light
-        while it generates, a flood beginning beside it: `on_pressure` says when to ask."""
-        if self._running[tenant] != 1 or self._queue.waiting_of(tenant):
-            return False
-        now = time.monotonic()
-        me = self._tenants[tenant]
-        if now - me.last_refused < self.activity_s:
-            return False
-        mine = me.rate(now)
-        for other, known in self._tenants.items():
-            if other == tenant:
-                continue
-            if self._running[other] + self._queue.waiting_of(other) >= 2:
-                return True
-            if now - known.last_refused < self.activity_s:
-                return True
-            active = now - known.last_asked < self.activity_s
-            if active and known.rate(now) >= _HEAVIER * mine:
-                return True
-        return False
+        """Whether `tenant`'s run goes first beside a flood now (light_tenant.py). A run may
+        turn light while it generates, a flood beginning beside it: `on_pressure` says when
+        to ask."""
+        return light_tenant.is_light(
+            tenant,
+            running=self._running,
+            waiting_of=self._queue.waiting_of,
+            tenants=self.times.tenants,
+            now=time.monotonic(),
+            activity_s=self.activity_s,
+        )
 
     @contextlib.asynccontextmanager
     async def admit(self, deadline: float | None, tenant: str = "") -> AsyncIterator[Place]:
         """Holds a place while the run goes on; the caller marks it if it ran out of time."""
         started = time.monotonic()
-        known = self._tenants.setdefault(tenant, _Tenant(started))
-        known.asked(started)
-        if len(self._tenants) > _TENANTS_KEPT:
-            self._forget_idle_tenants(started)
+        known = self.times.asked(tenant, started)
+        self.times.forget_idle(started, lambda: set(self._running) | set(self._queue.keys()))
         try:
             if (
                 self._queue
@@ -286,8 +175,7 @@ class Admission:
             ended = time.monotonic()
             held = ended - place.admitted
             beside = beside or self._beside_others(tenant, ended)
-            self._runs.append(held)
-            known.runs.append(_Run(held, place.ran_out, beside))
+            self.times.ended(known, held, place.ran_out, beside)
             self._release(tenant)
 
     def _refuse_if_its_runs_run_out(
@@ -295,12 +183,12 @@ class Admission:
     ) -> None:
         """A run with a place free is refused when most of its tenant's recent runs ran
         out of time and another of them is under way: it would most likely be cut too."""
-        if deadline is None or not self._running[tenant] or not self.ran_out_mostly(tenant):
+        if deadline is None or not self._running[tenant] or not self.times.ran_out_mostly(tenant):
             return
         raise self._cannot_finish(
             tenant,
             f"most of this tenant's recent runs ran out of time (typically "
-            f"{self.typical_run_s(tenant):.1f} s) and {self._running[tenant]} of them are "
+            f"{self.times.typical_s(tenant):.1f} s) and {self._running[tenant]} of them are "
             "under way",
             scope="tenant",
         )
@@ -318,16 +206,10 @@ class Admission:
 
     def _slow_run_said(self, tenant: str) -> str:
         """What a slow run of `tenant` takes now, in words (a refusal's reason)."""
-        slow = self.slow_run_s(tenant)
+        slow = self.times.slow_s(tenant)
         if math.isfinite(slow):
             return f"a run takes up to about {slow:.1f} s now"
         return "more than a tenth of this tenant's recent runs ran out of time"
-
-    def _forget_idle_tenants(self, now: float) -> None:
-        busy = set(self._running) | set(self._queue.keys())
-        for tenant, known in list(self._tenants.items()):
-            if tenant not in busy and now - known.last_asked > _FORGET_AFTER_S:
-                del self._tenants[tenant]
 
     def _refuse_if_it_cannot_finish(self, deadline: float | None, started: float, tenant: str):
         """A run that must queue is refused when its wait and a slow run do not fit its
@@ -337,14 +219,14 @@ class Admission:
             return
         left = deadline - started
         wait = self.expected_wait_s(tenant)
-        if wait + self.slow_run_s(tenant) > left:
+        if wait + self.times.slow_s(tenant) > left:
             # It would only wait, or run, to time out: say so now, while a retry can help.
             raise self._cannot_finish(
                 tenant,
                 f"it would wait about {wait:.1f} s and {self._slow_run_said(tenant)}, more "
                 f"than the {left:.1f} s its deadline leaves",
             )
-        if self._measured_alone_only(tenant):
+        if self.times.measured_alone_only(tenant):
             # A flood beginning beside a light tenant queued on runs measured alone, which
             # then took twice as long: its queued runs were cut, or refused seconds late.
             raise self._cannot_finish(
@@ -427,7 +309,7 @@ class Admission:
                 continue
             if waiter.deadline is not None and waiter.deadline <= now:
                 continue  # expired: dropped; its own wait ends with DEADLINE_EXCEEDED
-            if waiter.deadline is not None and waiter.deadline - now < self.slow_run_s(
+            if waiter.deadline is not None and waiter.deadline - now < self.times.slow_s(
                 waiter.tenant
             ):
                 # Queued because its wait and a slow run fit; what was ahead of it took

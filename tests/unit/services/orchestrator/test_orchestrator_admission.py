@@ -130,7 +130,7 @@ async def _admit_as(admission: Admission, tenant: str, release: asyncio.Event) -
 async def test_a_run_that_must_queue_and_could_not_finish_is_refused_at_once():
     admission = Admission(max_in_flight=1, max_queue=8, typical_run_s=0.2)
     for seconds in [0.2] * 8 + [2.0] * 2:  # most runs are quick, the slow tenth take 2 s
-        admission._runs.append(seconds)
+        admission.times._everyone.append(seconds)
     release = asyncio.Event()
     first = asyncio.create_task(hold(admission, release))
     await asyncio.sleep(0.01)
@@ -236,16 +236,16 @@ async def test_a_run_that_ends_in_deadline_exceeded_counts_as_one_that_ran_out()
             async with admission.admit(None, "flood"):
                 raise DeadlineExceeded("cut")
     await _runs_of(admission, "flood", [False])
-    assert admission.ran_out_mostly("flood") and not admission.ran_out_mostly("quiet")
+    assert admission.times.ran_out_mostly("flood") and not admission.times.ran_out_mostly("quiet")
     # As its runs fit again, the estimate follows.
     await _runs_of(admission, "flood", [False] * 4)
-    assert not admission.ran_out_mostly("flood")
+    assert not admission.times.ran_out_mostly("flood")
 
 
 async def test_a_queued_run_is_judged_by_its_own_tenants_run_times():
     admission = Admission(max_in_flight=2, max_queue=8, typical_run_s=0.5)
     await _runs_of(admission, "slow", [False] * 4)
-    for run in admission._tenants["slow"].runs:
+    for run in admission.times.tenants["slow"].runs:
         run.held_s = 6.0  # its runs take 6 s; everyone's (0.5 s) would let it queue
     release = asyncio.Event()
     running = [
@@ -299,7 +299,7 @@ async def test_a_tenant_beside_one_the_front_door_refuses_is_the_light_one():
     await _runs_of(admission, "flood", [False] * 4)
     await _runs_of(admission, "quiet", [False] * 4)
     for tenant in ("flood", "quiet"):
-        for run in admission._tenants[tenant].runs:
+        for run in admission.times.tenants[tenant].runs:
             run.held_s = 6.0
     release = asyncio.Event()
     flood = asyncio.create_task(_admit_as_until(admission, "flood", release, None))
@@ -324,7 +324,7 @@ async def test_a_tenant_beside_one_the_front_door_refuses_is_the_light_one():
 async def test_a_run_handed_a_place_too_late_to_finish_is_refused_and_the_place_goes_on():
     admission = Admission(max_in_flight=1, max_queue=8)
     await _runs_of(admission, "slow", [False] * 4)
-    for run in admission._tenants["slow"].runs:
+    for run in admission.times.tenants["slow"].runs:
         run.held_s = 2.0
     release = asyncio.Event()
     running = asyncio.create_task(_admit_as_until(admission, "slow", release, None))
@@ -335,7 +335,7 @@ async def test_a_run_handed_a_place_too_late_to_finish_is_refused_and_the_place_
     await asyncio.sleep(0.01)
     assert admission.waiting == 2
     # What ran meanwhile took far longer: its runs now take 8 s, more than it has left.
-    for run in admission._tenants["slow"].runs:
+    for run in admission.times.tenants["slow"].runs:
         run.held_s = 8.0
     release.set()
     with pytest.raises(ResourceExhausted, match=r"waited 0\.\d s for a place") as caught:
