@@ -35,11 +35,29 @@ def ranking_metrics(rankings: Sequence[Sequence[Hashable]], relevant: Sequence[H
 # SQuAD answer scoring (the official normalisation).
 
 
+# What SQuAD's official normalisation joins but technical answers write as separators: all
+# punctuation but that inside an identifier or a number ("--keep-old-files",
+# "os.path.basename", "ZSTD_CLEVEL", "3.5"). The official rule made `--sort=inode` one word
+# "sortinode" that the answer "inode" shares nothing with, and "rsh(1)" one that "rsh" does
+# not match.
+_SEPARATORS = frozenset(string.punctuation) - frozenset("-._")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
+_ABBREVIATION = re.compile(r"\b(?:[a-z]\.){2,}")  # "u.s." is "us"
+# A number and its unit in the adjective form ("512-byte", "32-bit") are two words.
+_NUMBER_UNIT = re.compile(r"(?<=\d)-(?=[a-z])")
+
+
 def normalise(text: str) -> str:
     """SQuAD's official normalisation, with numbers written as digits first ("two" and "2"
-    are one answer: `ragline.numbers`)."""
-    text = numbers.spelled_as_digits(text)
-    text = "".join(c for c in text.lower() if c not in set(string.punctuation))
+    are one answer: `ragline.numbers`), and punctuation separating words where it is not
+    part of an identifier or a number (`_SEPARATORS`)."""
+    text = numbers.spelled_as_digits(text).lower()
+    text = _THOUSANDS.sub("", text)
+    text = _ABBREVIATION.sub(lambda m: m.group(0).replace(".", ""), text)
+    text = _NUMBER_UNIT.sub(" ", text)
+    text = "".join(" " if c in _SEPARATORS else c for c in text)
+    words = (w.strip("-._") for w in text.split())
+    text = " ".join(w for w in words if w)
     text = re.sub(r"\b(a|an|the)\b", " ", text)
     return " ".join(text.split())
 
