@@ -19,9 +19,9 @@ from ragline import deadlines
 from ragline.budget import Amounts, TaskBudget
 from ragline.retry import DEFAULT_POLICY
 from ragline.timing import duration
-from ragline.v1 import budget_pb2, generation_pb2, retrieval_pb2
+from ragline.v1 import budget_pb2
 from ragline.vocabulary import CachePolicy
-from ragline_services.orchestrator import answerability, verifier
+from ragline_services.orchestrator import answer_cache, answerability
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.admission import Admission
 from ragline_services.orchestrator.agent import (
@@ -37,8 +37,6 @@ from ragline_services.orchestrator.caches import (
     CacheUse,
     OrchestratorCaches,
     Viewer,
-    normalise,
-    stale_documents,
 )
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 from ragline_services.orchestrator.report import CriticalPath, critical_path
@@ -64,8 +62,6 @@ log = structlog.get_logger("ragline.orchestrator")
 
 # Time a closing ledger read may take after the run (bookkeeping, not the answer).
 _CLOSE_TIMEOUT_S = 5.0
-# Time the checks of an answer-cache hit may take (each a cheap call).
-_CHECK_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -209,18 +205,19 @@ class Orchestrator:
         outcome.cache.answer_miss = looked_up
         if (
             key
+            and self.caches is not None
             and request.cache_policy != CachePolicy.BYPASS
             and outcome.state == AnswerState.COMPLETE
             and request.viewer is not None
         ):
-            await self._remember_answer(key, outcome, request.viewer)
+            await answer_cache.remember(self.caches, key, outcome, request.viewer)
         return outcome
 
     def _turn_light_runs(self) -> None:
         for ctx in self._runs:
             ctx.turn_light_if_so()
 
-    # -- the answer cache ---------------------------------------------------------------------
+    # -- the answer cache (answer_cache.py) ----------------------------------------------------
 
     def _answer_key(self, request: AskInput, plan: Plan) -> str:
         if (
@@ -229,57 +226,18 @@ class Orchestrator:
             or request.cache_policy == CachePolicy.BYPASS
         ):
             return ""
-        shaping = {
-            name: value
-            for name, value in request.settings.__dict__.items()
-            if name not in ("question", "allow_degrade", "prices")
-        }
-        return self.caches.key(
-            ANSWER,
-            request.viewer,
-            normalise(request.settings.question),
-            shaping,
-            repr(plan.nodes),
-            request.agent,
-            ev.PROMPT_TEMPLATE_VERSION,
-            verifier.VERSION,
+        return answer_cache.answer_key(
+            self.caches, request.viewer, request.settings, plan, request.agent
         )
 
     async def _cached_answer(
         self, key: str, request: AskInput, plan: Plan, received: float
     ) -> AskOutcome | None:
-        """The stored answer when every document it returns is still at its version and
-        visible to this caller, and the tier's model is the one that wrote it."""
+        """The stored answer, as this run's outcome, when it may be served now."""
         assert self.caches is not None
-        entry = await self.caches.get(ANSWER, key)
+        entry = await answer_cache.lookup(self.caches, self.clients, key)
         if entry is None:
             return None
-        documents: dict[str, int] = entry["documents"]
-        versions, model = await asyncio.gather(
-            self.clients.retrieval.unary(
-                "DocumentVersions",
-                retrieval_pb2.DocumentVersionsRequest(ids=list(documents)),
-                stage_budget_s=_CHECK_TIMEOUT_S,
-            ),
-            self.clients.generation.unary(
-                "CountTokens",
-                generation_pb2.CountTokensRequest(prompt="x", tier=entry["tier"]),
-                stage_budget_s=_CHECK_TIMEOUT_S,
-            ),
-        )
-        stale = stale_documents(documents, dict(versions.versions))
-        if stale or model.model_version != entry["model_version"]:
-            why = f"documents changed or hidden: {stale}" if stale else "the model changed"
-            await self.caches.drop(ANSWER, key, why)
-            return None
-        self.caches.hit(ANSWER)
-
-        def items(kind: str) -> list[ev.EvidenceItem]:
-            return [
-                ev.EvidenceItem(marker, ev.Passage(doc, title, "", version), text)
-                for marker, doc, title, version, text in entry[kind]
-            ]
-
         now = time.monotonic()
         records = {
             node.id: NodeRecord(node, state=NodeState.SUCCEEDED, cached=ANSWER)
@@ -291,13 +249,13 @@ class Orchestrator:
             reason="",
             detail="answered from the answer cache",
             written=Written(
-                answer=entry["answer"],
-                citations=items("citations"),
-                evidence=items("evidence"),
-                model=entry["model"],
-                tier=entry["tier"],
-                model_version=entry["model_version"],
-                verified=entry.get("verified"),
+                answer=entry.answer,
+                citations=list(entry.citations),
+                evidence=list(entry.evidence),
+                model=entry.model,
+                tier=entry.tier,
+                model_version=entry.model_version,
+                verified=entry.verified,
             ),
             plan=plan,
             records=records,
@@ -306,62 +264,10 @@ class Orchestrator:
             admitted=received,
             plan_ready=now,
             finished=now,
-            cache=CacheUse(answer_hit=True, saved=entry["saved"]),
-            route=entry.get("route", "rag"),
+            cache=CacheUse(answer_hit=True, saved=list(entry.saved)),
+            route=entry.route,
             route_detail="answered from the answer cache",
-            subqueries=entry.get("subqueries", []),
-        )
-
-    async def _remember_answer(self, key: str, outcome: AskOutcome, viewer: Viewer) -> None:
-        assert self.caches is not None
-        written = outcome.written
-
-        def rows(items: list[ev.EvidenceItem]) -> list[list]:
-            return [
-                [i.marker, i.passage.id, i.passage.title, i.passage.version, i.text] for i in items
-            ]
-
-        earlier = {saving["node_id"]: saving for saving in outcome.cache.saved}
-        saved = []
-        for node in outcome.plan.nodes:
-            record = outcome.records[node.id]
-            if record.state != NodeState.SUCCEEDED:
-                continue
-            saving = earlier.get(node.id) or {
-                "node_id": node.id,
-                "kind": node.kind.value,
-                "time_s": record.duration_s,
-                "input_tokens": 0,
-                "output_tokens": 0,
-            }
-            saving = {**saving, "layer": ANSWER}
-            if node.kind in (Kind.GENERATE, Kind.SYNTHESIZE) and written.usage is not None:
-                stages = _stages(record.server)
-                saving.update(
-                    input_tokens=written.usage.input_tokens,
-                    output_tokens=written.usage.output_tokens,
-                    prefill_s=stages.get("prefill", 0.0),
-                    decode_s=stages.get("decode", 0.0),
-                )
-            saved.append(saving)
-        documents = {i.passage.id: i.passage.version for i in written.citations + written.evidence}
-        await self.caches.put(
-            ANSWER,
-            key,
-            {
-                "answer": written.answer,
-                "citations": rows(written.citations),
-                "evidence": rows(written.evidence),
-                "documents": documents,
-                "model": written.model,
-                "model_version": written.model_version,
-                "tier": written.tier,
-                "verified": written.verified,
-                "saved": saved,
-                "route": outcome.route,
-                "subqueries": outcome.subqueries,
-            },
-            viewer=viewer,
+            subqueries=list(entry.subqueries),
         )
 
     async def _run(
@@ -629,9 +535,3 @@ def _answerability(records: dict[str, NodeRecord]) -> float | None:
         if isinstance(record.exception, answerability.NotAnswerable):
             return record.exception.signals.probability
     return None
-
-
-def _stages(timing) -> dict[str, float]:
-    if timing is None:
-        return {}
-    return {stage.name: stage.duration.ToNanoseconds() / 1e9 for stage in timing.stages}
