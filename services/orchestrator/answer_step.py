@@ -39,6 +39,9 @@ from ragline_services.orchestrator.runner import Step
 
 log = structlog.get_logger("ragline.orchestrator")
 
+# The answerability gate's estimate below which a failed answer is not escalated.
+ESCALATE_FROM = 0.85
+
 
 async def generate(ctx: RunContext, step: Step) -> Answer:
     """The answer from selected evidence, earlier answers' sources, or the best passages."""
@@ -92,6 +95,19 @@ async def answer(
         return replace(answer, signals=signals)
     if not await tier_served(ctx, ModelTier.LARGE):
         return replace(answer, signals=signals, outcome="escalation_unavailable: no large tier")
+    gate = evidence.signals
+    if gate is not None and gate.probability < ESCALATE_FROM:
+        # A larger model cannot read what the evidence does not hold: escalated below this,
+        # the large tier mostly wrote a grounded-looking answer to a question the documents
+        # do not answer (docs/answer-states.md, "Which tiers").
+        skipped = (
+            f"escalation_skipped: the evidence likely does not answer ({gate.probability:.2f})"
+        )
+        return replace(answer, signals=signals, outcome=skipped)
+    beside = ctx.others_running()
+    if beside > s.escalate_beside:
+        skipped = f"escalation_skipped: {beside} other runs in flight"
+        return replace(answer, signals=signals, outcome=skipped)
     # Escalation: the large tier, in a reservation of its own; the small answer stands
     # (with its signals) when that does not fit the budget or the tier is not served.
     request.tier = tier_to_proto(ModelTier.LARGE)

@@ -200,6 +200,7 @@ class Orchestrator:
                         run_id,
                         plan,
                         light_tenant=lambda: self.admission.light(tenant),
+                        others_running=lambda: self.admission.in_flight - 1,
                     )
                 place.ran_out = outcome.reason == "deadline"
         outcome.cache.answer_miss = looked_up
@@ -280,6 +281,7 @@ class Orchestrator:
         plan: Plan,
         *,
         light_tenant: Callable[[], bool] | None = None,
+        others_running: Callable[[], int] | None = None,
     ) -> AskOutcome:
         # A caller's own task id may be shared by several Asks (one budget for an agent's
         # whole job): joined if open, opened if not, never closed here. A task this run
@@ -300,6 +302,7 @@ class Orchestrator:
             read_cache=request.cache_policy == CachePolicy.USE,
             write_cache=request.cache_policy != CachePolicy.BYPASS,
             light_tenant=light_tenant,
+            others_running=others_running,
         )
 
         def changed(record: NodeRecord) -> None:

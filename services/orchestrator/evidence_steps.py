@@ -217,6 +217,10 @@ def evidence_of(ctx: RunContext, inputs: list[object]) -> ev.Evidence:
     else the best passages, cut to the budget by lexical evidence alone."""
     items: list[ev.EvidenceItem] = []
     tokens = 0
+    # The gate's reading of the one selection the answer reads: the verifier weighs it (it
+    # was fitted with it), and escalation asks it. Merged evidence has none.
+    selections = [item for item in inputs if isinstance(item, ev.Evidence)]
+    gate = selections[0].signals if len(selections) == 1 and len(inputs) == 1 else None
     for item in inputs:
         if isinstance(item, ev.Evidence):
             found = list(item.items)
@@ -235,4 +239,4 @@ def evidence_of(ctx: RunContext, inputs: list[object]) -> ev.Evidence:
             ctx.settings.question, passages, sentences, None, ctx.settings.evidence_tokens
         )
     # Number the markers anew over the merged evidence.
-    return ev.renumbered(ev.Evidence(tuple(items), tokens, 0))
+    return replace(ev.renumbered(ev.Evidence(tuple(items), tokens, 0)), signals=gate)

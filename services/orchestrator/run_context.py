@@ -135,8 +135,10 @@ class Settings:
     embed_sentences: int = 6
     answer_tokens: int = 64
     tier: ModelTier = ModelTier.SMALL
-    # The tier was not pinned by the request: a checkable signal may escalate to large.
+    # The tier was not pinned by the request: a checkable signal may escalate to large,
+    # while at most `escalate_beside` other runs are in flight.
     escalate: bool = False
+    escalate_beside: int = 0
     allow_degrade: bool = False
     # The answerability gate's threshold (answerability.py; 0: every question is answered).
     answerable_threshold: float = 0.25
@@ -177,8 +179,11 @@ class RunContext:
         read_cache: bool = True,
         write_cache: bool = True,
         light_tenant: Callable[[], bool] | None = None,
+        others_running: Callable[[], int] | None = None,
     ) -> None:
         self.clients = clients
+        # How many other runs are in flight now (admission.py): escalation waits for none.
+        self.others_running = others_running or (lambda: 0)
         # Whether the run is a light tenant's beside a flood now (admission.py): its
         # generations go first. Asked at each generation: a flood may start meanwhile.
         self.light_tenant = light_tenant or (lambda: False)

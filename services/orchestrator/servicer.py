@@ -101,6 +101,7 @@ def settings_of(
         answer_tokens=request.max_tokens or config.answer_tokens,
         tier=tier_from_proto(request.tier),
         escalate=config.escalation and request.tier == common_pb2.MODEL_TIER_UNSPECIFIED,
+        escalate_beside=config.escalate_beside,
         allow_degrade=request.allow_degrade,
         answerable_threshold=config.answerable_threshold,
         verify_threshold=config.verify_threshold,

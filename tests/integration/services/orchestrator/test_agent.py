@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
 import pytest
 
 from ragline.v1 import common_pb2, orchestrator_pb2
+from ragline_services.orchestrator.answer_step import ESCALATE_FROM
 from support.generation_proxy import GenerationProxy, is_planning
 from support.orchestrator import answer_calls, ask_result
+from support.retrieval import Client
 
 pytestmark = pytest.mark.integration
 
@@ -183,5 +186,66 @@ async def test_a_citation_outside_the_evidence_escalates_and_the_reason_is_recor
         assert tight.status.state == common_pb2.ANSWER_STATE_INCOMPLETE
         assert tight.draft_answer == "the Vistula [7]"
         assert tight.budget.used.calls <= 4
+    finally:
+        await proxy.stop()
+
+
+async def test_no_escalation_beside_other_runs_or_where_the_evidence_likely_does_not_answer(
+    rag_stack,
+):
+    """Escalation is optional work: a failed small answer goes to the large tier only while
+    no other run is in flight here, and only where the evidence likely answers."""
+    proxy = GenerationProxy(
+        rag_stack.generation.address, small_answer("the Vistula [7]"), large_as_small=True
+    )
+    await proxy.start()
+    try:
+        orchestrator = await asyncio.to_thread(
+            rag_stack.orchestrator, generation_addr=proxy.address
+        )
+        # Two runs whose small answers fail: the first one's answer is written while the
+        # second is in flight (its scripted answer takes two seconds), the second's once the
+        # first has ended.
+        proxy.hold_s = 2.0
+        first = asyncio.ensure_future(
+            ask(orchestrator.address, "Which river flows through Warsaw?")
+        )
+        await asyncio.sleep(1.0)
+        second = await ask(orchestrator.address, "Which river flows through Warsaw?")
+        first_result = await first
+        assert not first_result.escalated, list(first_result.escalation_signals)
+        assert list(first_result.escalation_signals) == [
+            "citation_not_in_evidence: [7]",
+            "escalation_skipped: 1 other runs in flight",
+        ]
+        assert first_result.status.state == common_pb2.ANSWER_STATE_INCOMPLETE
+        assert second.escalated and second.escalation_cured, list(second.escalation_signals)
+        proxy.hold_s = 0.0
+        # Evidence that likely does not answer (the gate let it through, below
+        # ESCALATE_FROM): the large tier is not asked.
+        tenant = f"weak-{uuid.uuid4().hex[:8]}"
+        client = Client(rag_stack.retrieval.address)
+        await client.upsert(
+            tenant,
+            [
+                {
+                    "id": "zstd-env",
+                    "title": "zstd environment variables",
+                    "text": "Only two environment variables are read by zstd. ZSTD_CLEVEL "
+                    "sets the compression level used when the command line gives none.",
+                }
+            ],
+        )
+        await client.close()
+        weak = await ask(
+            orchestrator.address,
+            "Which environment variable sets the compression level of gzip?",
+            tenant=tenant,
+        )
+        assert 0 < weak.answerability < ESCALATE_FROM, weak.answerability
+        assert not weak.escalated
+        assert weak.escalation_signals[-1].startswith(
+            "escalation_skipped: the evidence likely does not answer"
+        ), list(weak.escalation_signals)
     finally:
         await proxy.stop()
