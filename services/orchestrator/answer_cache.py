@@ -9,7 +9,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ragline.v1 import generation_pb2, retrieval_pb2
+from ragline.v1 import common_pb2, generation_pb2, retrieval_pb2
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator import verifier
 from ragline_services.orchestrator.caches import (
@@ -42,7 +42,7 @@ class CachedAnswer:
     evidence: tuple[ev.EvidenceItem, ...]
     model: str
     model_version: str
-    tier: int
+    tier: common_pb2.ModelTier
     verified: float | None = None
     saved: tuple[dict[str, Any], ...] = ()
     route: str = "rag"
