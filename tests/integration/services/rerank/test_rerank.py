@@ -111,19 +111,26 @@ async def test_stage_two_is_skipped_when_the_deadline_cannot_afford_it(launcher)
     request = rerank_pb2.RerankRequest(
         query="Who were the Normans?", candidates=candidates(30), top_k=5, allow_skip=True
     )
-    await rerank(service.address, request)  # warm: the service learns what each stage costs
-    # 60 ms: room for stage one (channel included) but not for the cross-encoder (30 ms
-    # failed once on a loaded machine: stage one alone).
-    reply = await rerank(service.address, request, deadline_s=0.06)
-    assert [s.stage for s in reply.skipped] == [rerank_pb2.RERANK_STAGE_CROSS_ENCODER]
-    assert reply.skipped[0].reason.startswith("deadline")
-    assert reply.skipped[0].cause == rerank_pb2.SKIP_CAUSE_DEADLINE
-    assert list(reply.stages_run) == [rerank_pb2.RERANK_STAGE_LATE_INTERACTION]
-    strict = rerank_pb2.RerankRequest(
-        query="Who were the Normans?", candidates=candidates(30), top_k=5
-    )
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await rerank(service.address, strict, deadline_s=0.06)
+    # One channel, connected before the timed calls: a connection made inside a 60 ms
+    # deadline on a loaded machine ran the call out before the service could decide.
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        await asyncio.wait_for(channel.channel_ready(), 10)
+        stub = rerank_pb2_grpc.RerankServiceStub(channel)
+        tenant = (("x-ragline-tenant", "acme"),)
+        # warm: the service learns what each stage costs
+        await stub.Rerank(request, timeout=60, metadata=tenant)
+        # 60 ms: room for stage one but not for the cross-encoder (30 ms failed once on a
+        # loaded machine: stage one alone).
+        reply = await stub.Rerank(request, timeout=0.06, metadata=tenant)
+        assert [s.stage for s in reply.skipped] == [rerank_pb2.RERANK_STAGE_CROSS_ENCODER]
+        assert reply.skipped[0].reason.startswith("deadline")
+        assert reply.skipped[0].cause == rerank_pb2.SKIP_CAUSE_DEADLINE
+        assert list(reply.stages_run) == [rerank_pb2.RERANK_STAGE_LATE_INTERACTION]
+        strict = rerank_pb2.RerankRequest(
+            query="Who were the Normans?", candidates=candidates(30), top_k=5
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Rerank(strict, timeout=0.06, metadata=tenant)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     # The service's own decision (its ErrorInfo), not the client's timer running out.
     assert error_info(caught.value)[0] == "STAGE_UNAFFORDABLE"
