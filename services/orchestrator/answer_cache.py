@@ -22,6 +22,7 @@ from ragline_services.orchestrator.caches import (
 from ragline_services.orchestrator.plan import Kind, Plan
 from ragline_services.orchestrator.run_context import Clients, Settings
 from ragline_services.orchestrator.runner import NodeState
+from ragline_services.orchestrator.verdict import Written
 
 if TYPE_CHECKING:
     from ragline_services.orchestrator.core import AskOutcome
@@ -47,6 +48,34 @@ class CachedAnswer:
     saved: tuple[dict[str, Any], ...] = ()
     route: str = "rag"
     subqueries: tuple[Any, ...] = field(default=())
+
+    @classmethod
+    def of(cls, outcome: AskOutcome, saved: tuple[dict[str, Any], ...]) -> CachedAnswer:
+        written = outcome.written
+        return cls(
+            answer=written.answer,
+            citations=tuple(written.citations),
+            evidence=tuple(written.evidence),
+            model=written.model,
+            model_version=written.model_version,
+            tier=written.tier,
+            verified=written.verified,
+            saved=saved,
+            route=outcome.route,
+            subqueries=tuple(outcome.subqueries),
+        )
+
+    def written(self) -> Written:
+        """What the answer step wrote, as a hit serves it."""
+        return Written(
+            answer=self.answer,
+            citations=list(self.citations),
+            evidence=list(self.evidence),
+            model=self.model,
+            tier=self.tier,
+            model_version=self.model_version,
+            verified=self.verified,
+        )
 
     @property
     def documents(self) -> dict[str, int]:
@@ -168,18 +197,7 @@ async def remember(
                 decode_s=stages.get("decode", 0.0),
             )
         saved.append(saving)
-    entry = CachedAnswer(
-        answer=written.answer,
-        citations=tuple(written.citations),
-        evidence=tuple(written.evidence),
-        model=written.model,
-        model_version=written.model_version,
-        tier=written.tier,
-        verified=written.verified,
-        saved=tuple(saved),
-        route=outcome.route,
-        subqueries=tuple(outcome.subqueries),
-    )
+    entry = CachedAnswer.of(outcome, tuple(saved))
     await caches.put(ANSWER, key, entry.to_json(), viewer=viewer)
 
 

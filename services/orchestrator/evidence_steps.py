@@ -219,8 +219,8 @@ def evidence_of(ctx: RunContext, inputs: list[object]) -> ev.Evidence:
     tokens = 0
     # The gate's reading of the one selection the answer reads: the verifier weighs it (it
     # was fitted with it), and escalation asks it. Merged evidence has none.
-    selections = [item for item in inputs if isinstance(item, ev.Evidence)]
-    gate = selections[0].signals if len(selections) == 1 and len(inputs) == 1 else None
+    alone = inputs[0] if len(inputs) == 1 else None
+    gate = alone.signals if isinstance(alone, ev.Evidence) else None
     for item in inputs:
         if isinstance(item, ev.Evidence):
             found = list(item.items)

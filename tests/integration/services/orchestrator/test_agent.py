@@ -7,6 +7,7 @@ the real generation service says it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 
@@ -145,7 +146,10 @@ def small_answer(text: str):
     return script
 
 
-async def test_a_citation_outside_the_evidence_escalates_and_the_reason_is_recorded(rag_stack):
+@contextlib.asynccontextmanager
+async def small_answers_fail(rag_stack):
+    """A proxy whose small tier answers "the Vistula [7]" (a citation outside the evidence)
+    and which plays the large tier with the real model, and an orchestrator behind it."""
     proxy = GenerationProxy(
         rag_stack.generation.address, small_answer("the Vistula [7]"), large_as_small=True
     )
@@ -154,6 +158,13 @@ async def test_a_citation_outside_the_evidence_escalates_and_the_reason_is_recor
         orchestrator = await asyncio.to_thread(
             rag_stack.orchestrator, generation_addr=proxy.address
         )
+        yield proxy, orchestrator
+    finally:
+        await proxy.stop()
+
+
+async def test_a_citation_outside_the_evidence_escalates_and_the_reason_is_recorded(rag_stack):
+    async with small_answers_fail(rag_stack) as (proxy, orchestrator):
         result = await ask(orchestrator.address, "Which river flows through Warsaw?")
         assert result.escalated, list(result.escalation_signals)
         assert list(result.escalation_signals) == ["citation_not_in_evidence: [7]"]
@@ -186,8 +197,6 @@ async def test_a_citation_outside_the_evidence_escalates_and_the_reason_is_recor
         assert tight.status.state == common_pb2.ANSWER_STATE_INCOMPLETE
         assert tight.draft_answer == "the Vistula [7]"
         assert tight.budget.used.calls <= 4
-    finally:
-        await proxy.stop()
 
 
 async def test_no_escalation_beside_other_runs_or_where_the_evidence_likely_does_not_answer(
@@ -195,14 +204,7 @@ async def test_no_escalation_beside_other_runs_or_where_the_evidence_likely_does
 ):
     """Escalation is optional work: a failed small answer goes to the large tier only while
     no other run is in flight here, and only where the evidence likely answers."""
-    proxy = GenerationProxy(
-        rag_stack.generation.address, small_answer("the Vistula [7]"), large_as_small=True
-    )
-    await proxy.start()
-    try:
-        orchestrator = await asyncio.to_thread(
-            rag_stack.orchestrator, generation_addr=proxy.address
-        )
+    async with small_answers_fail(rag_stack) as (proxy, orchestrator):
         # Two runs whose small answers fail: the first one's answer is written while the
         # second is in flight (its scripted answer takes two seconds), the second's once the
         # first has ended.
@@ -247,5 +249,3 @@ async def test_no_escalation_beside_other_runs_or_where_the_evidence_likely_does
         assert weak.escalation_signals[-1].startswith(
             "escalation_skipped: the evidence likely does not answer"
         ), list(weak.escalation_signals)
-    finally:
-        await proxy.stop()

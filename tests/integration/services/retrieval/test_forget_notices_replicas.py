@@ -16,6 +16,11 @@ from support.retrieval import Client
 pytestmark = pytest.mark.integration
 
 
+def forget_notices(metrics_port: int) -> dict:
+    """Retrieval's forget notices by result (delivered, retried, given_up)."""
+    return sample_values(scrape(metrics_port), "ragline_retrieval_forget_notices", "_total")
+
+
 def forget_calls(metrics_port: int) -> float:
     found = scrape(metrics_port)
     handled = sample_values(found, "grpc_server_handled", "_total")
@@ -66,9 +71,7 @@ async def test_a_delete_reaches_every_rerank_replica(launcher, embedding_service
     assert await wait_until(every_replica_told, 15), [forget_calls(p) for p in rerank_metrics]
 
     def notices() -> dict:
-        return sample_values(
-            scrape(retrieval_metrics), "ragline_retrieval_forget_notices", "_total"
-        )
+        return forget_notices(retrieval_metrics)
 
     async def counted() -> bool:
         return (await asyncio.to_thread(notices)).get(("delivered",), 0) >= 1
@@ -118,9 +121,7 @@ async def test_a_delete_reaches_two_replicas_of_each_keeper_and_one_down_is_retr
     await client.close()
 
     def notices() -> dict:
-        return sample_values(
-            scrape(retrieval_metrics), "ragline_retrieval_forget_notices", "_total"
-        )
+        return forget_notices(retrieval_metrics)
 
     async def retried() -> bool:
         return (await asyncio.to_thread(notices)).get(("retried",), 0) >= 1
