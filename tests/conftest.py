@@ -29,6 +29,10 @@ from support.tcp_proxy import TcpProxy
 
 BIN_DIR = Path(sys.executable).parent
 
+# Every service the tests start serves the small tier alone unless a test names the large
+# one: its model (1.1 GB) would load in each of the suite's ~40 generation starts.
+os.environ.setdefault("RAGLINE_GENERATION_LARGE_MODEL", "")
+
 
 @pytest.fixture(scope="session")
 def grpcurl_bin() -> str:

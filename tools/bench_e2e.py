@@ -561,8 +561,8 @@ def main() -> int:
     parser.add_argument(
         "--tiers",
         action="store_true",
-        help="also small / routed / large at c=1 (needs a large tier: --env "
-        "RAGLINE_GENERATION_LARGE_MODEL=qwen2.5-coder-1.5b): quality and cost",
+        help="also small / routed / large at c=1 (needs the large tier, the default; "
+        "--env RAGLINE_GENERATION_LARGE_MODEL= serves the small one alone): quality and cost",
     )
     parser.add_argument(
         "--multipart",

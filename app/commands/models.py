@@ -60,10 +60,12 @@ def default_models() -> list[str]:
     from ragline_services.rerank.service import RerankConfig
 
     rerank = RerankConfig()
+    generation = GenerationConfig()
     names = [
         EmbeddingConfig().model,
         rerank.token_model,
         rerank.cross_encoder_model,
-        GenerationConfig().small_model,
+        generation.small_model,
+        generation.large_model,
     ]
     return list(dict.fromkeys(n for n in names if n))

@@ -14,8 +14,8 @@ from pydantic import Field
 from ragline.cache import CacheBackend, open_cache
 from ragline.config import MiB, ServiceConfig
 from ragline.cores import usable_cores
-from ragline.errors import FailedPrecondition
-from ragline.models import ModelStore
+from ragline.errors import FailedPrecondition, Unavailable
+from ragline.models import ModelError, ModelStore
 from ragline.processes import free_ports
 from ragline.server import Periodic, Service, ServiceSpec
 from ragline.tls import process_tls_for
@@ -48,9 +48,12 @@ log = structlog.get_logger("ragline.generation")
 
 class GenerationConfig(ServiceConfig):
     model_config = ServiceConfig.env_for("generation")
-    # Models of the manifest per tier; an empty large model means "small only".
+    # Models of the manifest per tier. The large tier answers where the small tier's answer
+    # failed its checks (docs/answer-states.md, "Which tiers"); "" serves the small tier
+    # alone. Where the large model cannot be fetched, does not fit the memory budget or its
+    # engine does not start, the small tier serves alone and the log says why.
     small_model: str = "qwen2.5-coder-0.5b"
-    large_model: str = ""
+    large_model: str = "qwen2.5-coder-1.5b"
     # Where prepared models live (default: the shared RAGLINE_MODEL_DIR).
     model_dir: Path | None = None
     prepare_models: bool = True
@@ -449,10 +452,34 @@ class GenerationService(Service):
             )
         }
         if cfg.large_model:
-            tiers[ModelTier.LARGE] = await self._tier(
+            tiers.update(await self._optional_large_tier(store))
+        self._serve(Generator(tiers))
+
+    async def _optional_large_tier(self, store: ModelStore) -> dict[ModelTier, Tier]:
+        """The large tier is optional work (the answer step escalates to it only where that
+        pays), so a machine that cannot hold or fetch it still answers from the small tier.
+        A model name the manifest does not know is a mistake in the settings: that stops
+        the start."""
+        cfg = self.config
+        store.spec(cfg.large_model)
+        started = len(self.engines)
+        try:
+            tier = await self._tier(
                 store, ModelTier.LARGE, cfg.large_model, cfg.large_speculation, cfg.small_model
             )
-        self._serve(Generator(tiers))
+        except (ModelError, FailedPrecondition, Unavailable, OSError) as error:
+            for engine in self.engines[started:]:
+                await engine.close()
+            del self.engines[started:]
+            log.warning(
+                "generation.large_tier_off",
+                model=cfg.large_model,
+                why=str(error)[:400],
+                hint="the small tier serves every answer; RAGLINE_GENERATION_LARGE_MODEL='' "
+                "says so without this warning",
+            )
+            return {}
+        return {ModelTier.LARGE: tier}
 
     def _serve(self, generator: Generator) -> None:
         if self.metrics is not None:

@@ -69,7 +69,7 @@ def test_every_copied_path_exists_and_local_state_stays_out():
         assert path in ignored
 
 
-def test_the_image_bakes_in_the_models_the_service_defaults_name():
+def test_the_image_bakes_in_the_models_the_chart_names(monkeypatch):
     from ragline_app.commands.models import default_models
 
     match = re.search(r'^ARG MODELS="([^"]*)"', DOCKERFILE, re.MULTILINE)
@@ -77,8 +77,12 @@ def test_the_image_bakes_in_the_models_the_service_defaults_name():
     store = ModelStore()
     for name in baked:
         assert store.spec(name).preparable, f"{name} is not prepared from a package"
-    defaults = set(default_models())
-    assert defaults - {""} <= baked
+    # The services' defaults as the chart's values set them (it serves one generation tier).
+    for key, value in VALUES["config"].items():
+        if key.endswith("_MODEL"):
+            monkeypatch.setenv(key, str(value))
+    named = set(default_models())
+    assert "qwen2.5-coder-0.5b" in named and named <= baked
 
 
 def test_the_chart_reads_models_and_engines_where_the_image_puts_them():

@@ -240,6 +240,36 @@ async def test_a_call_before_the_engine_is_loaded_is_not_ready_with_a_retry_dela
     assert error_info(not_ready)[0] == "NOT_READY" and retry_delay(not_ready) > 0
 
 
+async def test_a_large_tier_that_does_not_fit_leaves_the_small_tier_serving(launcher):
+    # SmolLM2 (~94 MB + 256 MiB buffers + 45 MiB KV) fits half of a 900 MiB budget;
+    # Qwen2.5-Coder-0.5B as the large tier (469 MB + 256 MiB) does not.
+    env = {
+        **SMALL_GENERATION,
+        "RAGLINE_GENERATION_LARGE_MODEL": "qwen2.5-coder-0.5b",
+        "RAGLINE_GENERATION_MEMORY_BUDGET_MB": "900",
+    }
+    service = await asyncio.to_thread(launcher.start, "generation", env=env)
+    assert "generation.large_tier_off" in service.log()
+    assert "RAGLINE_GENERATION_MEMORY_BUDGET_MB" in service.log()  # what to raise, said
+    messages = await collect(service.address, prompt_request("The capital of France is", 4))
+    assert messages[-1].final.tier == common_pb2.MODEL_TIER_SMALL
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await collect(
+            service.address,
+            prompt_request("The capital of France is", 4, tier=common_pb2.MODEL_TIER_LARGE),
+        )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not served here" in refused.value.details()
+
+
+def test_a_large_model_the_manifest_does_not_know_stops_the_start(launcher):
+    env = {**SMALL_GENERATION, "RAGLINE_GENERATION_LARGE_MODEL": "qwen9-typo"}
+    handle = launcher.start("generation", env=env, wait=False)
+    code = handle.process.wait(120)
+    launcher.forget(handle)
+    assert code != 0 and "unknown model 'qwen9-typo'" in handle.log()
+
+
 def test_the_engine_never_outlives_its_service_even_killed_outright(launcher):
     from support.processes import all_gone, children
 
