@@ -8,12 +8,12 @@ past what each index had applied. No gRPC here.
 The index records which embedding model made the vectors it embedded itself, and
 never compares two models' vectors: when the embedding service answers with another
 model, the index re-embeds its documents with it in the background (or, with
-re-embedding off, refuses such writes); see `reembed.py`. Vectors a caller sends are the
-caller's business.
+re-embedding off, refuses such writes); `reembed.py`'s `ModelKeeper` holds that, the
+index writes its batches. Vectors a caller sends are the caller's business.
 
 The values a write or a search takes and gives are `index_types.py`'s; one search
 through the engines is `search.py`'s. This class keeps what shares the write turn, the
-apply order and the log (writes, replay, re-embedding, compaction), by section below.
+apply order and the log (writes, replay, compaction), by section below.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ import structlog
 from ragline.background import detached_task
 from ragline.errors import (
     DeadlineExceeded,
-    FailedPrecondition,
     InvalidArgument,
     Unavailable,
 )
 from ragline.files import atomic_write_text
 from ragline.vocabulary import SearchMode
 from ragline_services.retrieval.bm25 import Bm25Index, LexicalIndex
+from ragline_services.retrieval.compaction import LogCompaction
 from ragline_services.retrieval.documents import (
     StoredDocument,
     Visibility,
@@ -66,20 +66,12 @@ from ragline_services.retrieval.permissions import (
     check_may_write,
     refuse_hidden_overwrites,
 )
-from ragline_services.retrieval.reembed import (
-    CALLER_VECTOR,
-    VectorModel,
-    WriteTurns,
-    stale_batches,
-    stale_keys,
-)
+from ragline_services.retrieval.reembed import CALLER_VECTOR, ModelKeeper, Stale, WriteTurns
 from ragline_services.retrieval.search import Engines, in_context, timed_apart
 from ragline_services.retrieval.vectors import VectorIndex
-from ragline_services.retrieval.wal import WriteLog, live_documents, tenant_seq
+from ragline_services.retrieval.wal import WriteLog, tenant_seq
 
 log = structlog.get_logger("ragline.retrieval")
-
-_REEMBED_BATCH = 64
 
 
 APPLY_RETRY_FIRST_S, APPLY_RETRY_MAX_S = 0.05, 5.0
@@ -111,14 +103,15 @@ class RetrievalIndex:
         self.vectors = vectors
         self._embed = embed
         self._state_path = directory / "state.json"
-        # The embedding model of the vectors this index made ("": none made yet, or an
-        # index from before the record: the first model seen is taken as its own).
-        self._vector_model_path = directory / "vector_model.json"
-        self.vector_model = VectorModel.load(self._vector_model_path)
         self._turns = WriteTurns()
-        self._reembedder: asyncio.Future | None = None
-        self._reembed_batch: asyncio.Future | None = None
-        self.reembed_remaining = 0  # documents the running re-embed has still to write
+        # The embedding model of the vectors this index made, and the move to another.
+        self.models = ModelKeeper(
+            directory,
+            self.wal.path,
+            embed,
+            self._rewrite,
+            reembed_on_change=settings.reembed_on_model_change,
+        )
         state = json.loads(self._state_path.read_text()) if self._state_path.exists() else {}
         self.bm25_seq = int(state.get("bm25_seq", 0))
         if bm25.migrated:
@@ -133,11 +126,13 @@ class RetrievalIndex:
         self._apply_turn = asyncio.Condition()
         self._writes: set[asyncio.Task] = set()
         self.last_build_finished: float | None = None
-        # What the last compaction left, and since when a logged delete waits for one.
-        self._compacted_bytes = 0
-        self._forget_pending_since: float | None = None
-        self.compactions = 0
-        self._reanalysis_stopped = False
+        self.compaction = LogCompaction(
+            self.wal,
+            bm25,
+            vectors,
+            settings,
+            applied_by_all=lambda: min(self.bm25_seq, self.vectors.built_seq),
+        )
         # Searches run here, one hop each; never queued behind writes or builds.
         self._query_pool = ThreadPoolExecutor(
             max_workers=settings.query_threads, thread_name_prefix="retrieval-search"
@@ -181,7 +176,7 @@ class RetrievalIndex:
         self.applied_seq = max(self.applied_seq, self.wal.last_seq)
         self.tenant_applied = dict(self.wal.tenant_last)  # everything logged is applied now
         if self.wal.holds_forgettable:
-            self._forget_pending_since = time.monotonic()  # its age is unknown: from now
+            self.compaction.text_to_forget(age_unknown=True)
         return count
 
     def _bm25_apply_final(self, seq: int, final: dict[str, StoredDocument | None]) -> None:
@@ -228,7 +223,7 @@ class RetrievalIndex:
             seen.add(doc.id)
         overwritten = await self._overwritten(tenant, [d.id for d in documents], writer)
         for named in sorted({d.vector_model for d in documents if d.vector and d.vector_model}):
-            await self._check_named_vectors(named)
+            await self.models.check_named(named)
         missing = [i for i, d in enumerate(documents) if not d.vector]
         vectors: dict[int, tuple[float, ...]] = {}
         model = CALLER_VECTOR
@@ -241,7 +236,7 @@ class RetrievalIndex:
                 [passage_text(documents[i].title, documents[i].text) for i in missing],
                 "passage",
             )
-            await self._check_vector_model(embedded.model_version, writing=True)
+            await self.models.check(embedded.model_version, writing=True)
             vectors = {i: embedded.vectors[n] for n, i in enumerate(missing)}
             model = embedded.model_version
         # The log assigns the version; documents carry it once the sequence is known. Each
@@ -264,153 +259,14 @@ class RetrievalIndex:
             {"op": "write", "tenant": tenant, "upserts": records, "deletes": []}
         )
         self._tell_changed(tenant, overwritten)
-        if overwritten and self._forget_pending_since is None:
-            # the replaced text is forgotten as a deleted one is (maybe_compact)
-            self._forget_pending_since = time.monotonic()
+        if overwritten:
+            self.compaction.text_to_forget()  # the replaced text, as a deleted one's
         return WriteResult(seq, [tseq] * len(records), tenant_seq=tseq)
 
-    async def _check_vector_model(self, model_version: str, *, writing: bool) -> bool:
-        """Whether vectors of `model_version` may go into (writing) or be compared with
-        (querying) this index's. The first model that embeds for the index becomes its
-        own, recorded before its vectors are logged. Another one starts a re-embed with
-        it as the target (writes by the target are accepted, queries wait for the end);
-        with re-embedding off, such a write is refused and a query gets False."""
-        current = self.vector_model
-        if not model_version:
-            return True
-        if not current.model_version:
-            await self._set_vector_model(VectorModel(model_version))
-            log.info("retrieval.vector_model_recorded", model_version=model_version)
-            return True
-        if model_version == current.target:
-            return writing or not current.reembedding_to
-        if self.settings.reembed_on_model_change:
-            await self._start_reembed(model_version)
-            return writing
-        log.error(
-            "retrieval.embedding_model_changed",
-            index_model=current.model_version,
-            service_model=model_version,
-            writing=writing,
-        )
-        if not writing:
-            return False
-        raise FailedPrecondition(
-            f"this index's vectors were made by embedding model {current.model_version}, but "
-            f"the embedding service now runs {model_version}, and re-embedding is off "
-            "(RAGLINE_RETRIEVAL_REEMBED_ON_MODEL_CHANGE): mixing the two would rank without a "
-            "word of warning. Serve the index's model again (RAGLINE_EMBEDDING_MODEL), turn "
-            "re-embedding on, or send the vectors yourself",
-            reason="EMBEDDING_MODEL_CHANGED",
-            metadata={"index_model": current.model_version, "service_model": model_version},
-        )
-
-    async def _check_named_vectors(self, model_version: str) -> None:
-        """Vectors a caller made with a named model (`ragline ingest` embeds itself) go
-        in when they are of the index's model, or of the one the embedding service runs
-        now (asked here: the index may not have heard of a change yet, and then moves to
-        it); any other model is refused."""
-        current = self.vector_model
-        if model_version == current.target:
-            return
-        serving = ""
-        if self._embed is not None:
-            with contextlib.suppress(Unavailable, DeadlineExceeded):
-                serving = await self.probe_model()
-        # Unverifiable (no embedding service to ask) only for an index of no model yet.
-        if serving == model_version or (not serving and not self.vector_model.model_version):
-            await self._check_vector_model(model_version, writing=True)
-            return
-        index_model = current.target
-        raise FailedPrecondition(
-            f"documents[].vector_model_version is {model_version}, but this index's vectors "
-            f"are of {index_model} and the embedding service runs {serving or '(unreachable)'}"
-            ": send vectors of the index's model, or none",
-            reason="EMBEDDING_MODEL_CHANGED",
-            metadata={
-                "index_model": index_model,
-                "service_model": serving,
-                "vector_model": model_version,
-            },
-        )
-
-    async def probe_model(self) -> str:
-        """The model the embedding service runs now, held to the index's like any reply
-        (so a change is noticed at start, before the first write or query)."""
-        assert self._embed is not None
-        embedded = await self._embed(["model probe"], "probe")
-        await self._check_vector_model(embedded.model_version, writing=False)
-        return embedded.model_version
-
-    # -- moving to another embedding model (reembed.py) -------------------------------------
-
-    async def resume_reembed(self) -> None:
-        """Goes on with a re-embed a restart interrupted (called once the loop runs)."""
-        if self.vector_model.reembedding_to and self._reembedder is None:
-            self._launch_reembed(self.vector_model.reembedding_to)
-
-    async def _set_vector_model(self, model: VectorModel) -> None:
-        # Set before the save's await: a concurrent write or query already sees it.
-        self.vector_model = model
-        await asyncio.to_thread(model.save, self._vector_model_path)
-
-    async def _start_reembed(self, target: str) -> None:
-        await self._set_vector_model(VectorModel(self.vector_model.model_version, target))
-        log.warning(
-            "retrieval.reembed_started",
-            index_model=self.vector_model.model_version,
-            target=target,
-        )
-        self._launch_reembed(target)
-
-    def _launch_reembed(self, target: str) -> None:
-        if self._reembedder is not None:
-            self._reembedder.cancel()  # its target is not the index's any more
-        # Started by whichever request noticed the new model: it runs as the service, not
-        # under that request's deadline or that tenant's identity.
-        self._reembedder = detached_task(self._reembed(target), name="reembed")
-
-    async def _reembed(self, target: str) -> None:
-        delay = 1.0
-        while True:
-            try:
-                if not await self._reembed_pass(target):
-                    return  # another model took over; its own re-embed runs
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # the embedding service, a disk: try again later
-                log.warning("retrieval.reembed_retry", error=str(error), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 60.0)
-        if self.vector_model.reembedding_to == target:
-            await self._set_vector_model(VectorModel(target))
-            self._reembedder = None
-            log.warning("retrieval.reembed_finished", model_version=target)
-
-    async def _reembed_pass(self, target: str) -> bool:
-        """Rewrites every live document whose vector another model made; False when the
-        embedding service stopped answering with `target` on the way."""
-        stale = await asyncio.to_thread(stale_keys, self.wal.path, target)
-        self.reembed_remaining = len(stale)
-        batches = stale_batches(self.wal.path, stale, _REEMBED_BATCH)
-        while (found := await asyncio.to_thread(next, batches, None)) is not None:
-            tenant, batch = found
-            texts = [passage_text(s.item["title"], s.item["text"]) for s in batch]
-            embedded = await self._embedder(texts, "bulk")
-            if embedded.model_version != target:
-                await self._check_vector_model(embedded.model_version, writing=True)
-                return False
-            # Its own task: once the versions are checked, the write must land before
-            # any caller's, even if this re-embed is cancelled meanwhile.
-            self._reembed_batch = asyncio.ensure_future(
-                self._rewrite(tenant, batch, embedded.vectors, target)
-            )
-            await asyncio.shield(self._reembed_batch)
-            self.reembed_remaining -= len(batch)
-        return True
-
-    async def _rewrite(self, tenant: str, batch, vectors: np.ndarray, target: str) -> None:
+    async def _rewrite(
+        self, tenant: str, batch: list[Stale], vectors: np.ndarray, target: str
+    ) -> None:
+        """One re-embedded batch (reembed.py), written while no caller's write is in flight."""
         async with self._turns.exclusive():
             # No other write is in flight: a document a caller rewrote or deleted since the
             # log was read has another version now, and is left as it is.
@@ -434,17 +290,6 @@ class RetrievalIndex:
         if self._writes:
             await asyncio.gather(*list(self._writes), return_exceptions=True)
 
-    async def stop_reembed(self) -> None:
-        """Stops a running re-embed (it resumes at the next start) once its batch in
-        flight, if any, is written."""
-        if self._reembedder is not None:
-            self._reembedder.cancel()
-            with contextlib.suppress(BaseException):
-                await self._reembedder
-        if self._reembed_batch is not None:
-            with contextlib.suppress(Exception):
-                await self._reembed_batch
-
     async def delete(
         self, tenant: str, ids: list[str], *, writer: Writer | None = None
     ) -> WriteResult:
@@ -466,8 +311,7 @@ class RetrievalIndex:
             {"op": "write", "tenant": tenant, "upserts": [], "deletes": present}
         )
         self._tell_changed(tenant, [split_key(k)[1] for k in present])
-        if self._forget_pending_since is None:
-            self._forget_pending_since = time.monotonic()
+        self.compaction.text_to_forget()
         return WriteResult(seq, [], len(present), len(keys) - len(present), tenant_seq=tseq)
 
     async def _existing_and_seen(
@@ -597,9 +441,9 @@ class RetrievalIndex:
                         early_bm25.cancel()
                     raise
                 else:
-                    if await self._check_vector_model(embedded.model_version, writing=False):
+                    if await self.models.check(embedded.model_version, writing=False):
                         vector = embedded.vectors[0]
-                    elif self.vector_model.reembedding_to:
+                    elif self.models.current.reembedding_to:
                         mode, reason = SearchMode.BM25, REEMBEDDING
                     else:
                         mode, reason = SearchMode.BM25, EMBEDDING_MODEL_CHANGED
@@ -673,95 +517,13 @@ class RetrievalIndex:
                 last_build_finished=self.last_build_finished if operator else None,
                 dim=self.settings.dim,
                 apply_error=(self.apply_error or "") if operator else "",
-                reembedding_to=self.vector_model.reembedding_to,
-                reembed_remaining=self.reembed_remaining
-                if operator and self.vector_model.reembedding_to
+                reembedding_to=self.models.current.reembedding_to,
+                reembed_remaining=self.models.remaining
+                if operator and self.models.current.reembedding_to
                 else 0,
             )
 
         return await asyncio.to_thread(read)
-
-    # -- write-log compaction -------------------------------------------------------------
-
-    async def maybe_compact(self) -> bool:
-        """Compacts the write log when it has grown past `wal_compact_bytes` (and twice
-        what the last compaction left), or the text of a deleted or overwritten document has
-        waited `forget_after_s`."""
-        settings, size = self.settings, self.wal.size
-        by_size = bool(settings.wal_compact_bytes) and size > max(
-            settings.wal_compact_bytes, 2 * self._compacted_bytes
-        )
-        pending = self._forget_pending_since
-        by_age = (
-            bool(settings.forget_after_s)
-            and pending is not None
-            and time.monotonic() - pending >= settings.forget_after_s
-        )
-        if not (by_size or by_age):
-            return False
-        await self.compact_log("size" if by_size else "forget")
-        return True
-
-    def stop_reanalysis(self) -> None:
-        """The re-indexing stops after its current pass (what is left: at the next start)."""
-        self._reanalysis_stopped = True
-
-    async def reanalyse(self, tenants_per_pass: int = 16) -> int:
-        """Re-indexes in the background each tenant's BM25 index that an earlier lexical
-        analysis made (analysis.py), from the write log; each answers as before until its
-        new index is swapped in. Returns how many tenants it re-indexed."""
-        outdated = await asyncio.to_thread(self.bm25.outdated_tenants)
-        started = time.monotonic()
-        for start in range(0, len(outdated), tenants_per_pass):
-            if self._reanalysis_stopped:
-                return start
-            # One read of the log per pass, holding the live documents of these tenants.
-            chosen = set(outdated[start : start + tenants_per_pass])
-            await asyncio.to_thread(self.bm25.rewrite, chosen, self._live_documents)
-        if outdated:
-            log.info(
-                "retrieval.bm25_reanalysed",
-                tenants=len(outdated),
-                seconds=round(time.monotonic() - started, 3),
-            )
-        return len(outdated)
-
-    async def compact_log(self, why: str = "asked") -> tuple[int, int]:
-        """Rewrites the log with only what a replay can need (wal.py): the text of
-        deleted and overwritten documents leaves it. Returns (bytes before, after)."""
-        applied_by_all = min(self.bm25_seq, self.vectors.built_seq)
-        started = time.monotonic()
-        before, after, dropped, forgotten = await asyncio.to_thread(
-            self.wal.compact, applied_by_all
-        )
-        if forgotten:
-            # The engines keep what they no longer show until they merge or rebuild: BM25
-            # is rewritten for these tenants from the compacted log, the HNSW shard is
-            # built again from it.
-            await asyncio.to_thread(self.bm25.rewrite, forgotten, self._live_documents)
-            self.vectors.request_build()
-        self._compacted_bytes = after
-        self._forget_pending_since = None  # replaced text is gone; tombstones hold only ids
-        self.compactions += 1
-        log.info(
-            "retrieval.log_compacted",
-            why=why,
-            bytes_before=before,
-            bytes_after=after,
-            records_dropped=dropped,
-            tenants_rewritten=len(forgotten),
-            tombstones_kept_after=applied_by_all,
-            seconds=round(time.monotonic() - started, 3),
-        )
-        return before, after
-
-    def _live_documents(self, tenants: set[str]) -> dict[str, list[StoredDocument]]:
-        """Every live document of `tenants`, from the write log."""
-        live: dict[str, list[StoredDocument]] = {tenant: [] for tenant in tenants}
-        for doc in live_documents(self.wal.path):
-            if doc.tenant in live:
-                live[doc.tenant].append(doc)
-        return live
 
     # -- background HNSW builds -------------------------------------------------------------
 
@@ -778,9 +540,8 @@ class RetrievalIndex:
         return True
 
     def close(self) -> None:
-        """Closes the engines (after `stop_reembed` when a loop runs)."""
-        if self._reembedder is not None:
-            self._reembedder.cancel()  # resumed at the next start (vector_model.json)
+        """Closes the engines (after `models.stop()` when a loop runs)."""
+        self.models.cancel()  # a re-embed resumes at the next start (vector_model.json)
         self._query_pool.shutdown(wait=True)
         self._half_pool.shutdown(wait=True)
         self.wal.close()

@@ -62,13 +62,13 @@ class IndexCollector(Collector):
                 "counter",
                 "wal_compactions",
                 "Compactions of the write log.",
-                lambda: index.compactions,
+                lambda: index.compaction.count,
             ),
             (
                 "gauge",
                 "reembed_remaining_documents",
                 "Documents a running re-embed (after a model change) has still to write.",
-                lambda: index.reembed_remaining if index.vector_model.reembedding_to else 0,
+                lambda: index.models.remaining if index.models.current.reembedding_to else 0,
             ),
         )
         for kind, name, meaning, value in rows:

@@ -140,7 +140,7 @@ class RetrievalService(Service):
         # The model of the index's vectors once it has made some, else the one serving.
         self._servicer = RetrievalServicer(
             lambda: (
-                (self.index.vector_model.model_version if self.index else "")
+                (self.index.models.current.model_version if self.index else "")
                 or self.embedding_version
             )
         )
@@ -231,7 +231,7 @@ class RetrievalService(Service):
         # Only needed while queries skip the service: otherwise each one hears its model.
         if self._local is not None and self._local.serves(self.embedding_version):
             try:
-                await self._opened.probe_model()
+                await self._opened.models.probe()
             except (Unavailable, DeadlineExceeded) as error:
                 log.info("retrieval.embedding_check_failed", error=str(error))
 
@@ -299,13 +299,13 @@ class RetrievalService(Service):
             metrics.watch(self.index)
             metrics.watch_notices(self.notices.counts)
         self._servicer.index.set(self.index)
-        await self.index.resume_reembed()
+        await self.index.models.resume()
         if not await self._adopt_query_encoder_before_serving():
             self._probe = asyncio.ensure_future(self._probe_embedding_model())
         self._builder.start()
         self._model_check.start()
         self.notices.start()
-        self._reanalysing = asyncio.ensure_future(self.index.reanalyse())
+        self._reanalysing = asyncio.ensure_future(self.index.compaction.reanalyse())
 
     async def _adopt_query_encoder_before_serving(self, wait_s: float = 2.0) -> bool:
         """Loads the local query encoder before the service says SERVING when the embedding
@@ -319,7 +319,7 @@ class RetrievalService(Service):
             return False
         try:
             with deadlines.deadline_scope(wait_s):
-                version = await self._opened.probe_model()
+                version = await self._opened.models.probe()
         except (Unavailable, DeadlineExceeded) as error:
             log.info("retrieval.query_encoder_later", reason=str(error))
             return False
@@ -334,7 +334,7 @@ class RetrievalService(Service):
         delay = 0.5
         while True:
             try:
-                await self._opened.probe_model()
+                await self._opened.models.probe()
                 return
             except (Unavailable, DeadlineExceeded) as error:
                 log.info("retrieval.embedding_probe_retry", error=str(error), retry_in_s=delay)
@@ -346,7 +346,7 @@ class RetrievalService(Service):
         started = time.monotonic()
         if await self._opened.maybe_build() and self._servicer.metrics is not None:
             self._servicer.metrics.built(time.monotonic() - started)
-        await self._opened.maybe_compact()
+        await self._opened.compaction.maybe_compact()
 
     async def stop(self) -> None:
         await self._builder.stop()
@@ -356,7 +356,7 @@ class RetrievalService(Service):
             self._probe.cancel()
         if self._reanalysing is not None:
             # A pass runs in a thread a cancel would not stop: the current one ends first.
-            self._opened.stop_reanalysis()
+            self._opened.compaction.stop_reanalysis()
             with contextlib.suppress(Exception):
                 await self._reanalysing
         if self._adopting is not None:
@@ -366,7 +366,7 @@ class RetrievalService(Service):
         if self._local is not None:
             await self._local.close()
         if self.index is not None:
-            await self.index.stop_reembed()
+            await self.index.models.stop()
             await self.index.drain_writes()
             self.index.close()
 

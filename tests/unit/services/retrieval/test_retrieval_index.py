@@ -135,10 +135,10 @@ def refusing(path, embed) -> RetrievalIndex:
 async def test_with_re_embedding_off_an_index_refuses_another_models_vectors(tmp_path):
     first = open_index(tmp_path, embed=Embedder("minilm-a"))
     await first.upsert("acme", DOCS)
-    assert first.vector_model.model_version == "minilm-a"
+    assert first.models.current.model_version == "minilm-a"
     first.close()
     index = refusing(tmp_path, Embedder("minilm-b"))  # the service changed models
-    assert index.vector_model.model_version == "minilm-a"  # kept with the index
+    assert index.models.current.model_version == "minilm-a"  # kept with the index
     logged = index.wal.last_seq
     with pytest.raises(FailedPrecondition) as caught:
         await index.upsert("acme", [DocumentInput("rome", "Rome", "Rome is on the Tiber.")])
@@ -189,8 +189,8 @@ async def test_another_model_re_embeds_the_index_and_bm25_answers_meanwhile(tmp_
     # A write embedded by the new model is accepted while the index moves to it.
     await index.upsert("acme", [DocumentInput("rome", "Rome", "Rome is on the Tiber.")])
     embed.gate.set()
-    await until(lambda: not index.vector_model.reembedding_to)
-    assert index.vector_model == VectorModel("minilm-b")
+    await until(lambda: not index.models.current.reembedding_to)
+    assert index.models.current == VectorModel("minilm-b")
     models = logged_models(index)
     assert models == {
         "warsaw": "minilm-b",
@@ -229,7 +229,7 @@ async def test_a_document_rewritten_during_the_re_embed_keeps_its_new_text(tmp_p
     await index.upsert("acme", [new])
     await index.delete("acme", ["paris"])
     embed.gate.set()
-    await until(lambda: not index.vector_model.reembedding_to)
+    await until(lambda: not index.models.current.reembedding_to)
     found = await index.search(ACME, SearchQuery("Warsaw", 5, SearchMode.BM25, include_text=True))
     assert [(h.id, h.text) for h in found.hits] == [("warsaw", new.text)]
     index.close()
@@ -244,12 +244,12 @@ async def test_a_re_embed_interrupted_by_a_restart_goes_on_at_the_next_start(tmp
     index = open_index(tmp_path, embed=stalled)
     await index.search(ACME, SearchQuery("Warsaw", 1, SearchMode.HYBRID))
     await until(stalled.held.is_set)
-    await index.stop_reembed()
+    await index.models.stop()
     index.close()
     assert VectorModel.load(tmp_path / "vector_model.json").reembedding_to == "minilm-b"
     again = open_index(tmp_path, embed=Embedder("minilm-b"))
-    await again.resume_reembed()
-    await until(lambda: not again.vector_model.reembedding_to)
+    await again.models.resume()
+    await until(lambda: not again.models.current.reembedding_to)
     assert set(logged_models(again).values()) == {"minilm-b"}
     again.close()
 
@@ -273,7 +273,7 @@ async def test_vectors_a_caller_names_are_held_to_the_index_model(tmp_path):
     # (the index asks the service) and the index moves to b.
     moved = open_index(tmp_path, embed=Embedder("minilm-b"))
     await moved.upsert("acme", [named("fresh", "minilm-b")])
-    await until(lambda: moved.vector_model == VectorModel("minilm-b"))
+    await until(lambda: moved.models.current == VectorModel("minilm-b"))
     assert set(logged_models(moved).values()) == {"minilm-b"}
     moved.close()
 
@@ -284,9 +284,9 @@ async def test_an_index_from_before_the_record_takes_the_first_model_it_sees(tmp
     index.close()
     (tmp_path / "vector_model.json").unlink()
     older = open_index(tmp_path, embed=Embedder("minilm-b"))
-    assert older.vector_model == VectorModel()
+    assert older.models.current == VectorModel()
     found = await older.search(ACME, SearchQuery("capital of Poland Vistula", 2, SearchMode.HYBRID))
-    assert found.mode_used == SearchMode.HYBRID and older.vector_model == VectorModel("minilm-b")
+    assert found.mode_used == SearchMode.HYBRID and older.models.current == VectorModel("minilm-b")
     assert (tmp_path / "vector_model.json").exists()
 
 
@@ -793,11 +793,11 @@ async def test_an_index_made_by_the_old_analysis_answers_and_is_reindexed(tmp_pa
     assert await top("Which river flows through Paris?") == ["paris"]
     assert await top("哪条河注入东海？") == []  # the old index holds sentences, not words
     assert index.bm25.outdated_tenants() == ["acme"]
-    assert await index.reanalyse() == 1
+    assert await index.compaction.reanalyse() == 1
     assert await top("哪条河注入东海？") == ["river"]
     assert await top("Which river flows through Paris?") == ["paris"]
     assert index.bm25.outdated_tenants() == []
-    assert await index.reanalyse() == 0
+    assert await index.compaction.reanalyse() == 0
     index.close()
 
 
