@@ -130,9 +130,13 @@ redis-server:
 # Two tiers (issue 58): `make test` is the fast one, every real engine in it at least once;
 # `make test-all` runs what it leaves out (tests marked `full`: the fault matrix, the TLS
 # stack, the 1.5B model, an emulated CPU, the ONNX export check). CI runs both, apart.
+# TEST_WORKERS: pytest processes; each runs whole modules (their fixtures are the module's),
+# so a service a module starts is started once. Two on two cores: most of a test's time is
+# a process starting or waiting on one, which the other worker's tests fill.
+TEST_WORKERS ?= 2
 test: lint triton-env checkov-env llama-server test-engines node-client redis-server models test-models
 	$(BIN)/ragline doctor --for test
-	$(BIN)/pytest -m "not full" --durations=40
+	$(BIN)/pytest -m "not full" --numprocesses $(TEST_WORKERS) --dist loadfile --durations=40
 
 test-all: test test-full
 
