@@ -1,6 +1,9 @@
 """The generation domain: validate, admit, stream, stop on deadline or cancel, report.
 
 No gRPC here: the servicer turns these events into GenerateResponse messages.
+
+Why one file of this length: admission, the stream's report and the hot-prefix saves
+share one sequence's lease; a sequence's run through the engine is sequence.py's.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from ragline_services.generation.engine import (
     SlotStateEngine,
     TokenizingEngine,
 )
+from ragline_services.generation.leases import Lease
 from ragline_services.generation.prefix_store import Candidate, PrefixStore, StoreOutcome
-from ragline_services.generation.scheduler import Lease, SlotScheduler
+from ragline_services.generation.scheduler import SlotScheduler
 from ragline_services.generation.sequence import Chunk, common_prefix
 
 log = structlog.get_logger("ragline.generation")
@@ -100,7 +104,7 @@ class GenerationRequest:
     visibility: frozenset[str] = frozenset()
     # What the prompt holds (document ids): its saved KV states name them, to be forgotten.
     sources: tuple[str, ...] = ()
-    # The caller says this is a light tenant's request (scheduler.py: it goes first).
+    # The caller says this is a light tenant's request (scheduler.py: it goes first; pausing.py).
     light_tenant: bool = False
 
     @property
@@ -135,7 +139,7 @@ class Summary:
     accepted: int
     fell_back: bool
     store: StoreOutcome = field(default_factory=StoreOutcome)
-    paused_s: float = 0.0  # paused for light tenants' requests (scheduler.py)
+    paused_s: float = 0.0  # paused for light tenants' requests (pausing.py)
     engine_wait_s: float = 0.0  # see sequence.Decoded.engine_wait_s
 
 
@@ -324,7 +328,7 @@ class Generator:
                 tier.scheduler.release(lease.slot)
         decoded.ended = time.monotonic()
         if decoded.finish != FinishReason.DEADLINE and decoded.first_token_at is not None:
-            tier.scheduler.note_decode(decoded.decode_s())
+            tier.scheduler.pausing.note_decode(decoded.decode_s())
         final = decoded.final
         drafted, accepted = (final.drafted, final.accepted) if final else (0, 0)
         self._note_speculation(tier, drafted, accepted)

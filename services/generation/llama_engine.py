@@ -4,6 +4,9 @@ The service launches and owns the process, talks to it over loopback HTTP and al
 names the slot a request runs in (our scheduler decides, for prefix-cache isolation).
 Cross-slot prompt sharing of llama-server (the RAM prompt cache and "most similar slot"
 selection) is switched off for the same reason.
+
+Why one file of this length: the process's lifecycle and the HTTP protocol of one binary
+change together with its version.
 """
 
 from __future__ import annotations

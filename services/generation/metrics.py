@@ -191,10 +191,10 @@ class GenerationMetrics:
                 return {**counts, ("DEADLINE_EXCEEDED",): scheduler.expired_waiting}
 
             refusals.add(refused, name)
-            pauses.add(lambda: scheduler.pauses, name)
-            kept_for_deadline.add(lambda: scheduler.kept_for_deadline, name)
-            decoding_beside.add(lambda: scheduler.decoding_beside, name)
-            yielding_prompts.add(lambda: scheduler.yielding_prompts, name)
+            pauses.add(lambda: scheduler.pausing.pauses, name)
+            kept_for_deadline.add(lambda: scheduler.pausing.kept_for_deadline, name)
+            decoding_beside.add(lambda: scheduler.pausing.decoding_beside, name)
+            yielding_prompts.add(lambda: scheduler.pausing.yielding_prompts, name)
             engine_up.add(lambda: 0.0 if name in engine_problems() else 1.0, name)
             store = tier.prefix_store
             if store is not None:

@@ -1,6 +1,6 @@
 """One sequence's run through the engine, apart from admitting it and reporting it
 (generator.py): in stretches between the pauses a light tenant's request makes
-(scheduler.py), its prompt read in yielding steps while the scheduler says so, and what its
+(pausing.py), its prompt read in yielding steps while that policy says so, and what its
 streams gave, as they arrive."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ragline import deadlines
 from ragline.vocabulary import FinishReason
 from ragline_services.generation.engine import SlotStateEngine, StreamEvent
-from ragline_services.generation.scheduler import Lease
+from ragline_services.generation.leases import Lease
 
 if TYPE_CHECKING:
     from ragline_services.generation.generator import GenerationRequest, Rendered
@@ -75,7 +75,7 @@ class Decoded:
     over: bool = False  # the engine ended it, or the deadline did
     streamed_s: float = 0.0  # inside the engine's streams, from each request to its end
     streamed: bool = False  # a stream was sent
-    # Prompt read in yielding steps before its stream (scheduler.py): tokens, seconds.
+    # Prompt read in yielding steps before its stream (pausing.py): tokens, seconds.
     yielded_tokens: int = 0
     yielded_s: float = 0.0
     turn_wait_s: float = 0.0  # waiting for another sequence's yielding step to end
@@ -155,7 +155,7 @@ async def run(
         # One engine stream per stretch the sequence runs unpaused.
         while not decoded.over:
             paused_at = time.monotonic() if lease.paused else None
-            resumed = await rendered.tier.scheduler.wait_resumed(lease, stop_at)
+            resumed = await rendered.tier.scheduler.pausing.wait_resumed(lease, stop_at)
             if paused_at is not None:
                 paused = time.monotonic() - paused_at
                 decoded.paused_s += paused
@@ -205,7 +205,7 @@ async def run(
                     chunk = decoded.take(event)
                     if chunk is not None:
                         if not lease.decoding:
-                            rendered.tier.scheduler.started_decoding(lease)
+                            rendered.tier.scheduler.pausing.started_decoding(lease)
                         yield chunk
             finally:
                 # Closing the engine stream stops decoding now (deadline, cancel,
@@ -218,26 +218,26 @@ async def run(
 async def read_prompt_yielding(
     rendered: Rendered, lease: Lease, decoded: Decoded, stop_at: float | None
 ) -> bool:
-    """Reads the prompt in yielding steps while the scheduler says so (scheduler.py),
+    """Reads the prompt in yielding steps while the pause policy says so (pausing.py),
     all but its last step: the stream reads that and the logits come from it. False
     when the sequence was paused, or ran out of time (then it is over), first."""
-    scheduler, engine, ids = rendered.tier.scheduler, rendered.tier.engine, rendered.token_ids
+    pausing, engine, ids = rendered.tier.scheduler.pausing, rendered.tier.engine, rendered.token_ids
     if ids is None or not isinstance(engine, SlotStateEngine):
         return True
-    step, slot, counted = scheduler.yield_step_tokens, lease.slot, False
-    while scheduler.yielding(lease):
+    step, slot, counted = pausing.yield_step_tokens, lease.slot, False
+    while pausing.yielding(lease):
         read = common_prefix(slot.tokens, ids)
         if len(ids) - read <= step:
             break
         if lease.paused:
             return False
         if not counted:
-            scheduler.yielding_prompts += 1
+            pausing.yielding_prompts += 1
             counted = True
         began, turned = time.monotonic(), None
         try:
             async with asyncio.timeout_at(stop_at):
-                async with scheduler.prompt_turn:
+                async with pausing.prompt_turn:
                     turned = time.monotonic()
                     if lease.paused:
                         return False

@@ -62,7 +62,7 @@ class GenerationConfig(ServiceConfig):
     max_num_seqs: int = Field(4, ge=1)
     # Slots beside those (when the memory budget holds them), kept for a light tenant's
     # request (one asking one question at a time while another floods): the other tenants'
-    # sequences pause while it runs (generation/scheduler.py). 0: none, nothing paused.
+    # sequences pause while it runs (generation/pausing.py). 0: none, nothing paused.
     priority_slots: int = Field(1, ge=0)
     # Memory for all tiers' engines (weights, buffers, KV caches) in MiB; 0: half of the
     # memory available when the service starts.

@@ -249,13 +249,13 @@ async def test_a_light_tenants_request_runs_alone_and_the_flood_resumes_after_it
     # in slot order, so what a paused sequence still has in the step under way goes after.
     assert quiet.slot.index == 0 and {lease.slot.index for lease in running} == {1, 2}
     assert all(lease.paused and lease.interrupt.count == 1 for lease in running)
-    assert scheduler.pauses == 2
+    assert scheduler.pausing.pauses == 2
     # A flood sequence that ends meanwhile hands its slot to nobody of the flood.
     scheduler.release(running[0].slot)
     await asyncio.sleep(0)
     assert not waiting.done()
     scheduler.release(quiet.slot)
-    assert not running[1].paused and await scheduler.wait_resumed(running[1], None)
+    assert not running[1].paused and await scheduler.pausing.wait_resumed(running[1], None)
     third = await asyncio.wait_for(waiting, 1)
     assert not third.paused and not third.priority
 
@@ -274,7 +274,7 @@ async def test_a_tenant_alone_never_takes_the_priority_slot_nor_pauses_itself():
     second = asyncio.create_task(scheduler.acquire("acme", None, pausable=True))
     await asyncio.sleep(0.01)
     assert not second.done()  # queued behind its own request, the kept slot stays free
-    assert not first.paused and scheduler.pauses == 0
+    assert not first.paused and scheduler.pausing.pauses == 0
     scheduler.release(first.slot)
     assert not (await asyncio.wait_for(second, 1)).slot.reserved
 
@@ -293,7 +293,7 @@ async def test_without_priority_slots_nothing_is_paused():
     quiet = asyncio.create_task(scheduler.acquire("quiet", None))
     await asyncio.sleep(0.01)
     assert not quiet.done()  # it waits its turn, as before
-    assert not any(lease.paused for lease in running) and scheduler.pauses == 0
+    assert not any(lease.paused for lease in running) and scheduler.pausing.pauses == 0
     # Behind at most one request of the flood (the turns go round), as before.
     for lease in running:
         scheduler.release(lease.slot)
@@ -306,7 +306,7 @@ async def test_a_paused_sequence_whose_deadline_passes_stops_waiting():
     running, waiting = await flood_holding_both_slots(scheduler)
     await asyncio.wait_for(scheduler.acquire("quiet", None), 1)
     started = time.monotonic()
-    assert not await scheduler.wait_resumed(running[0], time.monotonic() + 0.05)
+    assert not await scheduler.pausing.wait_resumed(running[0], time.monotonic() + 0.05)
     assert time.monotonic() - started < 1.0
     waiting.cancel()
 
@@ -344,7 +344,7 @@ async def _decoding(scheduler: SlotScheduler, tenant: str, deadline: float, deco
 async def test_a_decoding_sequence_closer_to_its_deadline_than_a_decode_is_not_paused():
     scheduler = SlotScheduler(2, 8, Eraser(), priority_slots=1)
     for _ in range(4):
-        scheduler.note_decode(1.0)  # decodes take about 1 s
+        scheduler.pausing.note_decode(1.0)  # decodes take about 1 s
     now = time.monotonic()
     near = await _decoding(scheduler, "flood", now + 0.5)
     far = await _decoding(scheduler, "flood", now + 30)
@@ -352,13 +352,13 @@ async def test_a_decoding_sequence_closer_to_its_deadline_than_a_decode_is_not_p
     assert quiet.priority and far.paused and far.interrupt.count == 1
     # Paused now, it would be cut at its deadline with its answer nearly done.
     assert not near.paused and near.interrupt.count == 0
-    assert scheduler.kept_for_deadline == 1
+    assert scheduler.pausing.kept_for_deadline == 1
 
 
 async def test_a_paused_decoding_sequence_runs_again_when_its_deadline_nears():
     scheduler = SlotScheduler(2, 8, Eraser(), priority_slots=1)
     for _ in range(4):
-        scheduler.note_decode(0.3)
+        scheduler.pausing.note_decode(0.3)
     deadline = time.monotonic() + 0.6
     decoding = await _decoding(scheduler, "flood", deadline)
     reading = await _decoding(scheduler, "flood", deadline, decoding=False)
@@ -366,11 +366,11 @@ async def test_a_paused_decoding_sequence_runs_again_when_its_deadline_nears():
     assert decoding.paused and reading.paused  # both had more than a decode left
     started = time.monotonic()
     # The priority request still runs: the decoding one resumes 0.3 s before its deadline.
-    assert await scheduler.wait_resumed(decoding, deadline)
+    assert await scheduler.pausing.wait_resumed(decoding, deadline)
     assert 0.2 < time.monotonic() - started < 0.5 and not decoding.paused
     # One still reading its prompt waits (it would fill the priority request's steps).
-    assert not await scheduler.wait_resumed(reading, deadline)
-    assert time.monotonic() >= deadline and scheduler.kept_for_deadline == 1
+    assert not await scheduler.pausing.wait_resumed(reading, deadline)
+    assert time.monotonic() >= deadline and scheduler.pausing.kept_for_deadline == 1
 
 
 async def test_until_decodes_were_measured_every_sequence_pauses():
@@ -378,7 +378,7 @@ async def test_until_decodes_were_measured_every_sequence_pauses():
     near = await _decoding(scheduler, "flood", time.monotonic() + 0.2)
     await asyncio.wait_for(scheduler.acquire("quiet", None, light=True), 1)
     assert near.paused
-    assert not await scheduler.wait_resumed(near, near.deadline)
+    assert not await scheduler.pausing.wait_resumed(near, near.deadline)
 
 
 async def test_paused_decoding_sequences_run_beside_a_priority_request_once_it_decodes():
@@ -388,17 +388,17 @@ async def test_paused_decoding_sequences_run_beside_a_priority_request_once_it_d
     reading = await _decoding(scheduler, "flood", far, decoding=False)
     quiet = await asyncio.wait_for(scheduler.acquire("quiet", None, light=True), 1)
     assert decoding.paused and reading.paused  # the light prompt has the engine alone
-    scheduler.started_decoding(quiet)
+    scheduler.pausing.started_decoding(quiet)
     # Its prompt read, it decodes: a decoding flood sequence beside it costs little...
-    assert not decoding.paused and scheduler.decoding_beside == 1
+    assert not decoding.paused and scheduler.pausing.decoding_beside == 1
     # ...one still reading its prompt would fill its steps: it waits.
     assert reading.paused
     # A new light prompt pauses the flood again.
     other = await asyncio.wait_for(scheduler.acquire("quiet2", None, light=True), 1)
     assert decoding.paused and decoding.interrupt.count == 2
-    scheduler.started_decoding(quiet)
+    scheduler.pausing.started_decoding(quiet)
     assert decoding.paused  # not while another priority request reads its prompt
-    scheduler.started_decoding(other)
+    scheduler.pausing.started_decoding(other)
     assert not decoding.paused
 
 
@@ -407,23 +407,23 @@ async def test_a_tenant_held_back_for_a_light_one_reads_in_yielding_steps_for_a_
         2, 4, Eraser(), priority_slots=1, yield_step_tokens=64, light_about_s=0.2
     )
     flood = await scheduler.acquire("ann", None, pausable=True)
-    assert not scheduler.yielding(flood)  # nobody light yet: whole batches
+    assert not scheduler.pausing.yielding(flood)  # nobody light yet: whole batches
     light = await scheduler.acquire("bob", None, light=True)
-    assert scheduler.yielding(flood) and not scheduler.yielding(light)
+    assert scheduler.pausing.yielding(flood) and not scheduler.pausing.yielding(light)
     scheduler.release(light.slot)
     scheduler.release(flood.slot)
     again = await scheduler.acquire("ann", None, pausable=True)
     alone = await scheduler.acquire("carl", None, pausable=True)
     # Ann floods beside a light tenant that asks again soon; Carl was never held back.
-    assert scheduler.yielding(again) and not scheduler.yielding(alone)
+    assert scheduler.pausing.yielding(again) and not scheduler.pausing.yielding(alone)
     await asyncio.sleep(0.3)
-    assert not scheduler.yielding(again)  # the light tenant gone quiet
+    assert not scheduler.pausing.yielding(again)  # the light tenant gone quiet
     scheduler.release(again.slot)
     scheduler.release(alone.slot)
     unpausable = await scheduler.acquire("ann", None)
     await scheduler.acquire("bob", None, light=True)
-    assert not scheduler.yielding(unpausable)  # it could not stop between steps anyway
+    assert not scheduler.pausing.yielding(unpausable)  # it could not stop between steps anyway
     off = SlotScheduler(2, 4, Eraser(), priority_slots=1)
     held = await off.acquire("ann", None, pausable=True)
     await off.acquire("bob", None, light=True)
-    assert not off.yielding(held)
+    assert not off.pausing.yielding(held)

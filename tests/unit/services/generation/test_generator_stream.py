@@ -146,7 +146,7 @@ async def test_a_paused_sequence_resumes_where_it_stopped_with_every_token_once(
                 asyncio.get_running_loop().call_later(0.1, scheduler.release, quiet.slot)
         else:
             summary = event
-    assert other is not None and scheduler.pauses >= 1
+    assert other is not None and scheduler.pausing.pauses >= 1
     assert "".join(texts) == "".join(engine.words)  # nothing lost, nothing twice
     assert len(engine.streams) == 2
     resumed = engine.streams[1]
@@ -165,7 +165,7 @@ async def test_a_sequence_decoding_near_its_deadline_is_not_paused_for_a_light_r
     scheduler = SlotScheduler(2, 4, engine.erase_slot, priority_slots=1)
     generator.tier(ModelTier.SMALL).scheduler = scheduler
     for _ in range(4):
-        scheduler.note_decode(2.0)  # decodes take about 2 s; this one has less left
+        scheduler.pausing.note_decode(2.0)  # decodes take about 2 s; this one has less left
     request = GenerationRequest(tenant="ann", tier=ModelTier.SMALL, max_tokens=8, prompt="Hi")
     texts, summary = [], None
     with deadlines.deadline_scope(1.5):
@@ -177,7 +177,7 @@ async def test_a_sequence_decoding_near_its_deadline_is_not_paused_for_a_light_r
                     asyncio.get_running_loop().call_later(0.1, scheduler.release, quiet.slot)
             else:
                 summary = event
-    assert scheduler.pauses == 0 and scheduler.kept_for_deadline == 1
+    assert scheduler.pausing.pauses == 0 and scheduler.pausing.kept_for_deadline == 1
     assert len(engine.streams) == 1 and "".join(texts) == "".join(engine.words)
     assert summary.finish_reason == "stop" and summary.paused_s == 0
 
@@ -203,7 +203,7 @@ async def test_a_paused_decoding_sequence_runs_again_once_the_light_request_deco
                         break
         else:
             summary = event
-    assert scheduler.pauses == 1 and scheduler.decoding_beside == 1
+    assert scheduler.pausing.pauses == 1 and scheduler.pausing.decoding_beside == 1
     assert "".join(texts) == "".join(engine.words)
     assert summary.finish_reason == "stop"
 
@@ -281,7 +281,7 @@ async def test_beside_a_light_tenant_a_prompt_is_read_in_yielding_steps_before_i
     # 64 tokens a step, all but the last step's worth: the stream reads that (its logits).
     assert [end for _, end, _ in engine.prefilled] == [64, 128, 192, 256]
     assert engine.streams[0]["prompt_ids"] == [ord("x")] * 300
-    assert text == " w0 w1" and scheduler.yielding_prompts == 1
+    assert text == " w0 w1" and scheduler.pausing.yielding_prompts == 1
     assert summary.cached_tokens == 0  # what the steps read is not a cache hit
 
 
@@ -291,7 +291,7 @@ async def test_a_tenant_no_light_request_held_back_reads_its_prompt_whole():
     await generated(generator, "ann", "x" * 300)  # nobody light
     await held_back_for_a_light_tenant(scheduler, "ann")
     await generated(generator, "carl", "x" * 300)  # asking alone beside a light tenant
-    assert engine.prefilled == [] and scheduler.yielding_prompts == 0
+    assert engine.prefilled == [] and scheduler.pausing.yielding_prompts == 0
 
 
 async def test_a_prompt_paused_between_yielding_steps_issues_none_until_resumed():
