@@ -279,10 +279,24 @@ def _compared_words(text: str) -> set[str]:
     return set(content_words(numbers.spelled_as_digits(text)))
 
 
+# A literal of code or notation ("'+'", "**", "->", "~"): no word to count, read as written.
+_PUNCTUATION = frozenset(".,;:!?\u2026-()[]")  # sentence marks alone are no literal
+_LITERAL = re.compile(r"[^\sA-Za-z0-9\u3400-\u9fff]+")
+
+
+def literal_of(answer: str) -> str:
+    """The literal an answer of symbols only writes, as written ("" for any other answer)."""
+    bare = strip_markers(answer).strip().strip(words.QUOTES).strip()
+    symbols = bare.replace(" ", "")
+    if _LITERAL.fullmatch(symbols) is None or not set(symbols) - _PUNCTUATION:
+        return ""
+    return bare
+
+
 def cite(answer: str, evidence: Evidence) -> Cited:
     """Citations of an answer: the markers it wrote that were in the prompt (any other is
     dropped and reported); without a valid marker, the evidence passage that contains the
-    answer's words."""
+    answer's words, or the one passage that holds a literal answer as written."""
     citations: list[EvidenceItem] = []
     dropped: list[str] = []
     for number in _MARKER.findall(answer):
@@ -302,6 +316,10 @@ def cite(answer: str, evidence: Evidence) -> Cited:
             share, _, best = max(overlap, key=lambda row: row[:2])
             if share >= 0.5:
                 citations.append(best)
+        elif literal := literal_of(answer):
+            # "~" in two passages says nothing about which one it came from.
+            holding = [item for item in evidence.items if literal in item.text]
+            citations.extend(holding if len(holding) == 1 else ())
     return Cited(citations, dropped)
 
 

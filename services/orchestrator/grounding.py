@@ -13,12 +13,11 @@ supported when the cited text holds the question's own terms (it speaks of what 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragline import numbers
-from ragline.words import QUOTES, has_han
+from ragline.words import has_han
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
 
@@ -29,20 +28,6 @@ MIN_WORD_SHARE = 0.75
 MIN_QUESTION_SHARE = 0.5
 
 _YES_NO = frozenset({"yes", "no"})
-# A literal of code or notation ("'+'", "**", "->"): no word to count, checked as written.
-_PUNCTUATION = frozenset(".,;:!?\u2026-()[]")  # sentence marks alone are no literal
-_LITERAL = re.compile(r"[^\sA-Za-z0-9\u3400-\u9fff]+")
-
-
-def _literal_in(answer: str, source: str) -> bool:
-    """Whether an answer that is only symbols is written in `source` as it stands."""
-    bare = answer.strip().strip(QUOTES).strip()
-    symbols = bare.replace(" ", "")
-    return (
-        _LITERAL.fullmatch(symbols) is not None
-        and bool(set(symbols) - _PUNCTUATION)
-        and bare in source
-    )
 
 
 @dataclass(frozen=True)
@@ -85,7 +70,8 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
     ]
     share = 1.0 - len(missing_words) / len(counted) if counted else 1.0
     if not counted and not numbers.numbers(text):
-        if _literal_in(text, source):
+        literal = ev.literal_of(text)
+        if literal and literal in source:
             return Support(True)  # a literal copied as written ("'+'", "**")
         # Nothing checkable (punctuation, a lone stop word): not an answer to stand on.
         return Support(False, ("any content word",))

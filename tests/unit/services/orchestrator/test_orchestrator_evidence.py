@@ -91,6 +91,17 @@ def test_a_number_without_a_marker_is_attributed_however_its_passage_writes_it()
     assert ev.cite("9", evidence_of(WARSAW, stations)).citations == []
 
 
+def test_a_literal_without_a_marker_is_attributed_to_the_one_passage_holding_it():
+    escape = ev.Passage("e", "ssh", "The default escape character is ~ (tilde).")
+    paths = ev.Passage("p", "ssh", "Keys are read from ~/.ssh/id_ed25519 and ~/.ssh/id_rsa.")
+    cited = ev.cite("`~`", evidence_of(WARSAW, escape))
+    assert [c.passage.id for c in cited.citations] == ["e"]
+    # Held by two passages, it tells nothing of which one it came from.
+    assert ev.cite("~", evidence_of(escape, paths)).citations == []
+    # Sentence marks alone are no literal.
+    assert ev.cite("...", evidence_of(WARSAW, escape)).citations == []
+
+
 def test_markers_are_stripped_and_refusals_recognised():
     assert ev.strip_markers("Vistula [1][2]") == "Vistula"
     assert ev.is_refusal("Not in the evidence.")
