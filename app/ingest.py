@@ -18,6 +18,9 @@ service which model it runs (one short Embed); batches are then sent to `Prepare
 with `return_embeddings`, and when rerank names the same model version the vectors it
 returns are what is written: the Embed call is skipped, halving the model work of an
 ingest. Another model, or any failure, falls back to Embed for the rest of the run.
+
+Why one file of this length: each input format's reader and the pipeline that checks,
+embeds and writes share the record type and the one progress report.
 """
 
 from __future__ import annotations

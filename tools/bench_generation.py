@@ -850,6 +850,7 @@ def main() -> int:
     rows: list[str] = []
     base_env = {
         "RAGLINE_GENERATION_SMALL_MODEL": args.model,
+        "RAGLINE_GENERATION_LARGE_MODEL": "",  # one tier measured (the draft rows add one)
         "RAGLINE_GENERATION_CONTEXT_PER_SEQ": "2048",
         "RAGLINE_GENERATION_ENGINE_LOG_DIR": str(logs),
     }

@@ -29,6 +29,7 @@ from ragline_app.stack import spawn_service
 
 ENV = {
     "RAGLINE_GENERATION_SMALL_MODEL": "smollm2-135m",
+    "RAGLINE_GENERATION_LARGE_MODEL": "",
     "RAGLINE_GENERATION_CONTEXT_PER_SEQ": "2048",
     "RAGLINE_GENERATION_MAX_NUM_SEQS": "2",
 }

@@ -22,6 +22,9 @@ port can claim any tenant. With `jwt`:
   believed.
 - Any other call to a ragline method is UNAUTHENTICATED (health and reflection stay open:
   probes and `grpcurl list` need no token).
+
+Why one file of this length: the edge's tokens and the services' credentials are checked
+by one interceptor and must refuse alike (fetching key sets is jwks.py's).
 """
 
 from __future__ import annotations

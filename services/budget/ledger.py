@@ -29,6 +29,9 @@ Rules a caller can rely on:
   (deadline + grace), so the ledger never under-counts.
 - Reservations after the task deadline are DEADLINE_EXCEEDED; after CloseTask they are
   FAILED_PRECONDITION; settling and cancelling stay possible until the records expire.
+
+Why one file of this length: the pure decisions and the one guarded update loop that
+applies them are read together to see that no interleaving can overspend a task.
 """
 
 from __future__ import annotations

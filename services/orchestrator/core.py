@@ -2,6 +2,9 @@
 
 No protobuf is built here beyond the requests the steps send downstream; the servicer
 turns an AskOutcome and the run's events into AskResponse messages.
+
+Why one file of this length: admission, the budget's task and the plan's run share one
+run's lifetime (its deadline, its ledger, its report); the steps are their own modules.
 """
 
 from __future__ import annotations

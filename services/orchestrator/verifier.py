@@ -24,6 +24,9 @@ A logistic model (`FIT`, fitted by `tools/fit_verifier.py` on drafts of the stac
 small model; figures in docs/answer-states.md) turns them into an estimate that the answer
 is right; below the server's threshold the answer is INCOMPLETE `unverified`, its draft
 kept. Pure functions; no model call.
+
+Why one file of this length: every feature reads the same positioned tokens (`_tokens`,
+`_locate`), and `FIT`'s weights name the features in `Features`' order.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ Each stage's cost is estimated from its recent measured latency; when the time l
 afford stage 2 and the request allows it, stage 2 is skipped and the response says so;
 when it does not allow it, the call fails DEADLINE_EXCEEDED at once instead of running
 into the deadline. Both models batch work across concurrent requests.
+
+Why one file of this length: both stages, their blend and the deadline decision between
+them are one ranking, read top to bottom.
 """
 
 from __future__ import annotations

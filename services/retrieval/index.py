@@ -14,6 +14,9 @@ index writes its batches. Vectors a caller sends are the caller's business.
 The values a write or a search takes and gives are `index_types.py`'s; one search
 through the engines is `search.py`'s. This class keeps what shares the write turn, the
 apply order and the log (writes, replay, compaction), by section below.
+
+Why one file of this length: writes in log order, replay, search and status share the
+apply turn and the log's numbering.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ tensors, the linear weights and the word embeddings in Q4_0 blocks (an fp16 scal
 
 Position ids start at 0 for the first token (the file's position table already starts at
 XLM-R's first real position). Nothing here downloads anything.
+
+Why one file of this length: the packed format's reader and the graph built from it
+change together (a new format version is both).
 """
 
 from __future__ import annotations
