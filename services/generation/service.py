@@ -458,10 +458,14 @@ class GenerationService(Service):
     async def _optional_large_tier(self, store: ModelStore) -> dict[ModelTier, Tier]:
         """The large tier is optional work (the answer step escalates to it only where that
         pays), so a machine that cannot hold or fetch it still answers from the small tier.
-        A model name the manifest does not know is a mistake in the settings: that stops
-        the start."""
+        A model the manifest does not know, or not a generation model, is a mistake in the
+        settings: that stops the start."""
         cfg = self.config
-        store.spec(cfg.large_model)
+        if (kind := store.spec(cfg.large_model).kind) != "gguf":
+            raise FailedPrecondition(
+                f"RAGLINE_GENERATION_LARGE_MODEL names {cfg.large_model}, a {kind} model, "
+                "not a gguf one"
+            )
         started = len(self.engines)
         try:
             tier = await self._tier(
