@@ -1,8 +1,9 @@
 """Light tenants first: what a light tenant's request pauses, and when that runs again.
 
-A request its caller marks as a light tenant's (the orchestrator does, for a run of a tenant with no other run in flight while another
-tenant has several), or else a request of a tenant that has nothing running or waiting
-here while another tenant has two or more, is a priority request. It takes a free slot
+A request its caller marks as a light tenant's (the orchestrator does, for a run of a
+tenant with no other run in flight while another tenant has several), or else a request
+of a tenant that has nothing running or waiting here while another tenant has two or
+more, is a priority request. It takes a free slot
 (the `priority_slots` kept beside the others are for it), and every running sequence of
 the other tenants is paused: its holder stops its engine stream (the slot keeps its KV
 cache) and waits, then resumes where it stopped once no priority request runs. Meanwhile
