@@ -229,13 +229,20 @@ ROWS: list[tuple[str, list]] = [
                 [(p95("ragline_orchestrator_admission_wait_seconds", ""), "admission wait")],
             ),
             (
-                "Escalations/s by signal",
+                "Escalations/s: made by signal, not made by why",
                 "reqps",
                 [
                     (
                         q("sum by (signal) (rate(ragline_orchestrator_escalations_total{S}[R]))"),
                         "{{signal}}",
-                    )
+                    ),
+                    (
+                        q(
+                            "sum by (why) "
+                            "(rate(ragline_orchestrator_escalations_not_made_total{S}[R]))"
+                        ),
+                        "not made: {{why}}",
+                    ),
                 ],
             ),
             *grpc_panels("orchestrator"),

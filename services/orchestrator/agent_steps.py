@@ -224,6 +224,7 @@ def _joined(answers: list[Answer]) -> Answer:
         signals=named("signals"),
         escalated=any(a.escalated for a in answers),
         outcome="; ".join(dict.fromkeys(a.outcome for a in answers if a.outcome)),
+        not_escalated=next((a.not_escalated for a in answers if a.not_escalated), None),
         problems=named("problems"),
         verified=min((a.verified for a in answers if a.verified is not None), default=None),
     )

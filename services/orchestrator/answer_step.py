@@ -33,6 +33,7 @@ from ragline_services.orchestrator.routing import CUT, UNVERIFIED, Signal, escal
 from ragline_services.orchestrator.run_context import (
     Answer,
     NoEvidence,
+    NotEscalated,
     RunContext,
 )
 from ragline_services.orchestrator.runner import Step
@@ -94,7 +95,12 @@ async def answer(
     if not signals or tier != ModelTier.SMALL or not s.escalate or given.tier is not None:
         return replace(answer, signals=signals)
     if not await tier_served(ctx, ModelTier.LARGE):
-        return replace(answer, signals=signals, outcome="escalation_unavailable: no large tier")
+        return replace(
+            answer,
+            signals=signals,
+            outcome="escalation_unavailable: no large tier",
+            not_escalated=NotEscalated.NO_LARGE_TIER,
+        )
     gate = evidence.signals
     if gate is not None and gate.probability < ESCALATE_FROM:
         # A larger model cannot read what the evidence does not hold: escalated below this,
@@ -103,11 +109,15 @@ async def answer(
         skipped = (
             f"escalation_skipped: the evidence likely does not answer ({gate.probability:.2f})"
         )
-        return replace(answer, signals=signals, outcome=skipped)
+        return replace(
+            answer, signals=signals, outcome=skipped, not_escalated=NotEscalated.EVIDENCE_UNLIKELY
+        )
     beside = ctx.others_running()
     if beside > s.escalate_beside:
         skipped = f"escalation_skipped: {beside} other runs in flight"
-        return replace(answer, signals=signals, outcome=skipped)
+        return replace(
+            answer, signals=signals, outcome=skipped, not_escalated=NotEscalated.OTHERS_IN_FLIGHT
+        )
     # Escalation: the large tier, in a reservation of its own; the small answer stands
     # (with its signals) when that does not fit the budget or the tier is not served.
     request.tier = tier_to_proto(ModelTier.LARGE)
@@ -116,13 +126,13 @@ async def answer(
             ctx, step, request, ModelTier.LARGE, prompt_tokens, emit=None, part=part
         )
     except BudgetRefused:
-        outcome = "escalation_unaffordable"
+        outcome, why = "escalation_unaffordable", NotEscalated.UNAFFORDABLE
     except grpc.aio.AioRpcError as error:
-        outcome = f"escalation_failed: {error.code().name}"
+        outcome, why = f"escalation_failed: {error.code().name}", NotEscalated.FAILED
     else:
         large = _checked(_answer_of(final, evidence, used + more), question, s.verify_threshold)
         return replace(large, signals=signals, escalated=True)
-    return replace(answer, signals=signals, outcome=outcome)
+    return replace(answer, signals=signals, outcome=outcome, not_escalated=why)
 
 
 def _checked(answer: Answer, question: str, verify_threshold: float) -> Answer:

@@ -58,6 +58,13 @@ class OrchestratorMetrics:
             ("signal",),
             registry=registry,
         )
+        self.not_escalated = Counter(
+            "ragline_orchestrator_escalations_not_made_total",
+            "Small answers that failed their checks and were not sent to the large tier, by "
+            "why (evidence_unlikely, others_in_flight, no_large_tier, unaffordable, failed).",
+            ("why",),
+            registry=registry,
+        )
 
     def watch(self, orchestrator: Orchestrator) -> None:
         """Admission's state, read when scraped (nothing to update on the request path)."""
@@ -101,3 +108,5 @@ class OrchestratorMetrics:
         if outcome.written.escalated:
             first = outcome.written.signals[0] if outcome.written.signals else "unknown"
             self.escalations.labels(reason_kind(first)).inc()
+        if outcome.written.not_escalated is not None:
+            self.not_escalated.labels(outcome.written.not_escalated.value).inc()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -89,6 +90,16 @@ class Planned:
     problems: tuple[str, ...] = ()
 
 
+class NotEscalated(enum.StrEnum):
+    """Why an escalation that was wanted was not made (the metric's label)."""
+
+    NO_LARGE_TIER = "no_large_tier"
+    EVIDENCE_UNLIKELY = "evidence_unlikely"  # the gate's estimate under ESCALATE_FROM
+    OTHERS_IN_FLIGHT = "others_in_flight"  # more than ESCALATE_BESIDE runs beside it
+    UNAFFORDABLE = "unaffordable"  # its reservation did not fit the task's budget
+    FAILED = "failed"  # the large tier's call failed
+
+
 @dataclass(frozen=True)
 class Answer:
     text: str
@@ -106,6 +117,7 @@ class Answer:
     signals: tuple[Signal, ...] = ()
     escalated: bool = False
     outcome: str = ""
+    not_escalated: NotEscalated | None = None  # why, where `outcome` says one was not made
     # Checks that failed on this (the final) answer: any makes it INCOMPLETE.
     problems: tuple[Signal, ...] = ()
     # The verifier's estimate that the answer is the one the question asks for (None: not

@@ -21,7 +21,7 @@ from ragline.vocabulary import FinishReason
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator import routing
 from ragline_services.orchestrator.plan import Kind
-from ragline_services.orchestrator.run_context import Answer, NoEvidence
+from ragline_services.orchestrator.run_context import Answer, NoEvidence, NotEscalated
 from ragline_services.orchestrator.runner import Abstain, NodeRecord, NodeState
 
 
@@ -56,6 +56,7 @@ class Written:
     signals: list[str] = field(default_factory=list)
     escalated: bool = False
     escalation_cured: bool = False
+    not_escalated: NotEscalated | None = None  # why one that was wanted was not made
     prefill_tokens_saved: int = 0
     # An answer that failed its checks: the text written, unverified.
     draft_answer: str = ""
@@ -123,6 +124,7 @@ def answered(answer: Answer, degraded: Sequence[str]) -> tuple[Verdict, Written]
         usage=answer.usage,
         signals=signals,
         escalated=answer.escalated,
+        not_escalated=answer.not_escalated,
         escalation_cured=answer.escalated and not answer.problems,
         prefill_tokens_saved=answer.cached_input_tokens,
         draft_answer=draft,

@@ -13,9 +13,11 @@ import uuid
 
 import pytest
 
+from ragline.processes import free_ports
 from ragline.v1 import common_pb2, orchestrator_pb2
 from ragline_services.orchestrator.answer_step import ESCALATE_FROM
 from support.generation_proxy import GenerationProxy, is_planning
+from support.metrics import sample_values, scrape
 from support.orchestrator import answer_calls, ask_result
 from support.retrieval import Client
 
@@ -147,16 +149,17 @@ def small_answer(text: str):
 
 
 @contextlib.asynccontextmanager
-async def small_answers_fail(rag_stack):
+async def small_answers_fail(rag_stack, **settings):
     """A proxy whose small tier answers "the Vistula [7]" (a citation outside the evidence)
-    and which plays the large tier with the real model, and an orchestrator behind it."""
+    and which plays the large tier with the real model, and an orchestrator behind it
+    (`settings`: RAGLINE_ORCHESTRATOR_* values)."""
     proxy = GenerationProxy(
         rag_stack.generation.address, small_answer("the Vistula [7]"), large_as_small=True
     )
     await proxy.start()
     try:
         orchestrator = await asyncio.to_thread(
-            rag_stack.orchestrator, generation_addr=proxy.address
+            rag_stack.orchestrator, generation_addr=proxy.address, **settings
         )
         yield proxy, orchestrator
     finally:
@@ -203,8 +206,10 @@ async def test_no_escalation_beside_other_runs_or_where_the_evidence_likely_does
     rag_stack,
 ):
     """Escalation is optional work: a failed small answer goes to the large tier only while
-    no other run is in flight here, and only where the evidence likely answers."""
-    async with small_answers_fail(rag_stack) as (proxy, orchestrator):
+    no other run is in flight here, and only where the evidence likely answers; each one
+    not made is counted by why."""
+    (metrics_port,) = free_ports(1)
+    async with small_answers_fail(rag_stack, metrics_port=metrics_port) as (proxy, orchestrator):
         # Two runs whose small answers fail: the first one's answer is written while the
         # second is in flight (its scripted answer takes two seconds), the second's once the
         # first has ended.
@@ -249,3 +254,6 @@ async def test_no_escalation_beside_other_runs_or_where_the_evidence_likely_does
         assert weak.escalation_signals[-1].startswith(
             "escalation_skipped: the evidence likely does not answer"
         ), list(weak.escalation_signals)
+    found = scrape(metrics_port)
+    not_made = sample_values(found, "ragline_orchestrator_escalations_not_made", "_total")
+    assert not_made == {("others_in_flight",): 1.0, ("evidence_unlikely",): 1.0}, not_made
