@@ -34,6 +34,7 @@ from ragline_services.generation.llama_engine import (
 from ragline_services.generation.memory import (
     MEMORY_FRACTION,
     NotEnoughMemory,
+    SlotPlan,
     available_memory,
     model_shape,
     plan_slots,
@@ -192,29 +193,7 @@ class GenerationService(Service):
             raise FailedPrecondition(f"model {model} is a {spec.kind}, not a gguf model")
         model_path = store.gguf_file(model)
         context = min(cfg.context_per_seq, int(spec.extra.get("context", cfg.context_per_seq)))
-        shape = await asyncio.to_thread(model_shape, model_path)
-        try:
-            plan = plan_slots(
-                shape,
-                context_per_seq=context,
-                cache_type_k=cfg.cache_type_k,
-                cache_type_v=cfg.cache_type_v,
-                max_num_seqs=cfg.max_num_seqs + cfg.priority_slots,
-                budget=self._memory_budget,
-                tiers=2 if cfg.large_model else 1,
-            )
-        except NotEnoughMemory as error:
-            raise FailedPrecondition(f"tier {name} ({model}): {error}") from None
-        # The priority slots are what memory holds beyond max_num_seqs: a tight budget
-        # keeps the ordinary ones and none of those.
-        priority_slots = plan.slots - min(plan.slots, cfg.max_num_seqs)
-        log.info(
-            "generation.slots",
-            tier=name,
-            model=model,
-            plan=plan.describe(),
-            priority_slots=priority_slots,
-        )
+        plan, priority_slots = await self._slot_plan(name, model, model_path, context)
         draft_path = None
         if speculation == "draft":
             draft_path = store.gguf_file(draft_model)
@@ -265,6 +244,36 @@ class GenerationService(Service):
                 else None
             ),
         )
+
+    async def _slot_plan(
+        self, name: ModelTier, model: str, model_path: Path, context: int
+    ) -> tuple[SlotPlan, int]:
+        """The tier's slots from its share of the memory budget, and how many of them are
+        the priority ones: what memory holds beyond max_num_seqs (a tight budget keeps the
+        ordinary ones and none of those)."""
+        cfg = self.config
+        shape = await asyncio.to_thread(model_shape, model_path)
+        try:
+            plan = plan_slots(
+                shape,
+                context_per_seq=context,
+                cache_type_k=cfg.cache_type_k,
+                cache_type_v=cfg.cache_type_v,
+                max_num_seqs=cfg.max_num_seqs + cfg.priority_slots,
+                budget=self._memory_budget,
+                tiers=2 if cfg.large_model else 1,
+            )
+        except NotEnoughMemory as error:
+            raise FailedPrecondition(f"tier {name} ({model}): {error}") from None
+        priority_slots = plan.slots - min(plan.slots, cfg.max_num_seqs)
+        log.info(
+            "generation.slots",
+            tier=name,
+            model=model,
+            plan=plan.describe(),
+            priority_slots=priority_slots,
+        )
+        return plan, priority_slots
 
     def _flash_attn(self, spec) -> str:
         cfg = self.config

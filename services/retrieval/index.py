@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -420,37 +420,11 @@ class RetrievalIndex:
             elif query.vector:
                 vector = np.asarray(query.vector, dtype=np.float32)
             else:
-                if mode in (SearchMode.HYBRID, SearchMode.PREFILTER):
-                    # BM25 needs no vector: it searches while the query is embedded (its
-                    # own pool, whose tasks never wait on others, as for HYBRID's halves).
-                    early_bm25 = self._half_pool.submit(
-                        *in_context(
-                            timed_apart,
-                            SearchMode.BM25,
-                            self.bm25.search,
-                            query.text,
-                            visibility,
-                            candidates,
-                        )
-                    )
-                started = time.perf_counter()
-                try:
-                    embedded = await self._embedder([query.text], "query")
-                except (Unavailable, DeadlineExceeded) as error:
-                    log.warning("retrieval.embed_failed", error=str(error))
-                    mode, reason = SearchMode.BM25, "embedding_unavailable"
-                except BaseException:
-                    if early_bm25 is not None:
-                        early_bm25.cancel()
-                    raise
-                else:
-                    if await self.models.check(embedded.model_version, writing=False):
-                        vector = embedded.vectors[0]
-                    elif self.models.current.reembedding_to:
-                        mode, reason = SearchMode.BM25, REEMBEDDING
-                    else:
-                        mode, reason = SearchMode.BM25, EMBEDDING_MODEL_CHANGED
-                stages.append(("embed", time.perf_counter() - started))
+                vector, reason, early_bm25 = await self._embedded_query(
+                    query, visibility, candidates, stages
+                )
+                if reason:
+                    mode = SearchMode.BM25
 
         loop = asyncio.get_running_loop()
         ordered, resolved = await loop.run_in_executor(
@@ -484,6 +458,49 @@ class RetrievalIndex:
             )
         version = self.tenant_applied.get(visibility.tenant, 0)
         return SearchResult(hits, mode, mode != query.mode, reason, version, stages)
+
+    async def _embedded_query(
+        self,
+        query: SearchQuery,
+        visibility: Visibility,
+        candidates: int,
+        stages: list[tuple[str, float]],
+    ) -> tuple[np.ndarray | None, str, Future | None]:
+        """The query text's vector (None, and why the search falls back to BM25, where it
+        cannot be compared with the index's), and BM25's search already under way where
+        the mode needs one: it needs no vector, so it searches while the query is embedded
+        (in its own pool, whose tasks never wait on others, as for HYBRID's halves)."""
+        early_bm25 = None
+        if query.mode in (SearchMode.HYBRID, SearchMode.PREFILTER):
+            early_bm25 = self._half_pool.submit(
+                *in_context(
+                    timed_apart,
+                    SearchMode.BM25,
+                    self.bm25.search,
+                    query.text,
+                    visibility,
+                    candidates,
+                )
+            )
+        started = time.perf_counter()
+        try:
+            embedded = await self._embedder([query.text], "query")
+        except (Unavailable, DeadlineExceeded) as error:
+            log.warning("retrieval.embed_failed", error=str(error))
+            vector, reason = None, "embedding_unavailable"
+        except BaseException:
+            if early_bm25 is not None:
+                early_bm25.cancel()
+            raise
+        else:
+            vector, reason = embedded.vectors[0], ""
+            if not await self.models.check(embedded.model_version, writing=False):
+                vector = None
+                reason = (
+                    REEMBEDDING if self.models.current.reembedding_to else EMBEDDING_MODEL_CHANGED
+                )
+        stages.append(("embed", time.perf_counter() - started))
+        return vector, reason, early_bm25
 
     async def document_versions(
         self, visibility: Visibility, ids: list[str]
