@@ -8,10 +8,14 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from ragline.config import CommonConfig
+
+if TYPE_CHECKING:
+    from ragline_app.ingest import Checkpoint
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_ingest(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from ragline_app.ingest import Checkpoint, IngestStats, ingest
+    from ragline_app.ingest import IngestStats, ingest
     from ragline_app.stack import service_address
 
     common = CommonConfig()
@@ -57,24 +61,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         print(f"ragline ingest: {path} does not exist", file=sys.stderr)
         return 2
     args.tenant = args.tenant or _token_tenant(args.token) or "default"
-    checkpoint = Checkpoint.for_input(
-        common.data_dir / "ingest", path, args.tenant, args.token or ""
-    )
-    if args.checkpoint:
-        checkpoint = Checkpoint(Path(args.checkpoint), checkpoint.source)
-    if args.restart:
-        checkpoint.path.unlink(missing_ok=True)
-        checkpoint.done = 0
-    if checkpoint.discarded:
-        print(
-            f"not resuming from {checkpoint.path}: {checkpoint.discarded}; ingesting from the start"
-        )
-    if checkpoint.done:
-        print(
-            f"resuming after record {checkpoint.done}: records 1-{checkpoint.done} of {path} "
-            f"were acknowledged for tenant {args.tenant!r} by an earlier run and are skipped "
-            f"({checkpoint.path}; --restart ingests them again)"
-        )
+    checkpoint = _checkpoint(args, common.data_dir, path)
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -128,6 +115,30 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         for b in bad[:20]:
             print(f"  record {b.number}: {b.reason}", file=sys.stderr)
     return 0
+
+
+def _checkpoint(args: argparse.Namespace, data_dir: Path, path: Path) -> Checkpoint:
+    """Where this input's progress is kept, and what an earlier run of it acknowledged (said:
+    those records are skipped, or why the progress kept is not used)."""
+    from ragline_app.ingest import Checkpoint  # the command's imports stay lazy
+
+    checkpoint = Checkpoint.for_input(data_dir / "ingest", path, args.tenant, args.token or "")
+    if args.checkpoint:
+        checkpoint = Checkpoint(Path(args.checkpoint), checkpoint.source)
+    if args.restart:
+        checkpoint.path.unlink(missing_ok=True)
+        checkpoint.done = 0
+    if checkpoint.discarded:
+        print(
+            f"not resuming from {checkpoint.path}: {checkpoint.discarded}; ingesting from the start"
+        )
+    if checkpoint.done:
+        print(
+            f"resuming after record {checkpoint.done}: records 1-{checkpoint.done} of {path} "
+            f"were acknowledged for tenant {args.tenant!r} by an earlier run and are skipped "
+            f"({checkpoint.path}; --restart ingests them again)"
+        )
+    return checkpoint
 
 
 def _token_tenant(token: str) -> str | None:
