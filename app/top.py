@@ -155,6 +155,14 @@ def row(service: str, before: Scrape, after: Scrape) -> Row:
         p95_s=quantile(0.95, before.buckets(timing), after.buckets(timing)),
         in_flight=after.total("ragline_grpc_server_in_flight"),
     )
+    _add_service_state(out, after, lambda name: delta(name) / seconds)
+    return out
+
+
+def _add_service_state(out: Row, after: Scrape, rate: Callable[[str], float]) -> None:
+    """What the second scrape says of the service's own queue, busy places and cache, known
+    by the metrics it serves (orchestrator, generation, a batcher, retrieval, budget);
+    `rate(name)`: a counter's rate between the scrapes."""
     if after.has(HTTP_REQUESTS):
         out.note = "HTTP"
     elif after.has("ragline_orchestrator_run_places"):
@@ -206,11 +214,10 @@ def row(service: str, before: Scrape, after: Scrape) -> Row:
         out.note = f"{after.total('ragline_retrieval_documents'):.0f} documents"
     elif after.has("ragline_budget_etcd_reachable"):
         reachable = after.total("ragline_budget_etcd_reachable") >= 1
-        conflicts = delta("ragline_budget_conflicts_total") / seconds
+        conflicts = rate("ragline_budget_conflicts_total")
         out.note = ("etcd ok" if reachable else "ETCD UNREACHABLE") + (
             f", {conflicts:.1f} conflicts/s" if conflicts else ""
         )
-    return out
 
 
 def _ms(seconds: float | None) -> str:
