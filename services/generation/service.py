@@ -189,8 +189,6 @@ class GenerationService(Service):
                 store.prepare, model, log=lambda line: log.info("models.prepare", detail=line)
             )
         spec = store.spec(model)
-        if spec.kind != "gguf":
-            raise FailedPrecondition(f"model {model} is a {spec.kind}, not a gguf model")
         model_path = store.gguf_file(model)
         context = min(cfg.context_per_seq, int(spec.extra.get("context", cfg.context_per_seq)))
         plan, priority_slots = await self._slot_plan(name, model, model_path, context)
@@ -452,6 +450,7 @@ class GenerationService(Service):
             self._serve(Generator(tiers))
             return
         store = ModelStore(cfg.model_dir or self.common.model_dir)
+        _check_models(store, cfg)
         self._memory_budget = (cfg.memory_budget_mb << 20) or int(
             available_memory() * MEMORY_FRACTION
         )
@@ -467,14 +466,8 @@ class GenerationService(Service):
     async def _optional_large_tier(self, store: ModelStore) -> dict[ModelTier, Tier]:
         """The large tier is optional work (the answer step escalates to it only where that
         pays), so a machine that cannot hold or fetch it still answers from the small tier.
-        A model the manifest does not know, or not a generation model, is a mistake in the
-        settings: that stops the start."""
+        (A mistake in its name stopped the start before: `_check_models`.)"""
         cfg = self.config
-        if (kind := store.spec(cfg.large_model).kind) != "gguf":
-            raise FailedPrecondition(
-                f"RAGLINE_GENERATION_LARGE_MODEL names {cfg.large_model}, a {kind} model, "
-                "not a gguf one"
-            )
         started = len(self.engines)
         try:
             tier = await self._tier(
@@ -509,6 +502,16 @@ class GenerationService(Service):
             await engine.close()
         if self._cache is not None:
             await self._cache.close()
+
+
+def _check_models(store: ModelStore, cfg: GenerationConfig) -> None:
+    """Each tier's model is one the manifest knows, and a generation (gguf) model: a mistake
+    in the settings stops the start before anything is fetched, whichever tier it names."""
+    for tier, model in (("SMALL", cfg.small_model), ("LARGE", cfg.large_model)):
+        if model and (kind := store.spec(model).kind) != "gguf":
+            raise FailedPrecondition(
+                f"RAGLINE_GENERATION_{tier}_MODEL names {model}, a {kind} model, not a gguf one"
+            )
 
 
 SPEC = ServiceSpec(
