@@ -69,7 +69,13 @@ from ragline_services.retrieval.permissions import (
     check_may_write,
     refuse_hidden_overwrites,
 )
-from ragline_services.retrieval.reembed import CALLER_VECTOR, ModelKeeper, Stale, WriteTurns
+from ragline_services.retrieval.reembed import (
+    CALLER_VECTOR,
+    ModelKeeper,
+    Stale,
+    WriteTurns,
+    embedding_call,
+)
 from ragline_services.retrieval.search import Engines, in_context, timed_apart
 from ragline_services.retrieval.vectors import VectorIndex
 from ragline_services.retrieval.wal import WriteLog, tenant_seq
@@ -193,13 +199,6 @@ class RetrievalIndex:
         self.bm25.apply(upserts, deletes)
         self.bm25_seq = seq
         atomic_write_text(self._state_path, json.dumps({"bm25_seq": seq}))
-
-    @property
-    def _embedder(self) -> Embed:
-        """The embedding call; UNAVAILABLE where none is configured (BM25 only)."""
-        if self._embed is None:
-            raise Unavailable("no embedding service is configured for this index")
-        return self._embed
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -484,7 +483,7 @@ class RetrievalIndex:
             )
         started = time.perf_counter()
         try:
-            embedded = await self._embedder([query.text], "query")
+            embedded = await embedding_call(self._embed)([query.text], "query")
         except (Unavailable, DeadlineExceeded) as error:
             log.warning("retrieval.embed_failed", error=str(error))
             vector, reason = None, "embedding_unavailable"

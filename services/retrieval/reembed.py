@@ -151,6 +151,13 @@ class WriteTurns:
                 self._changed.notify_all()
 
 
+def embedding_call(embed: Embed | None) -> Embed:
+    """The index's embedding call; UNAVAILABLE where none is configured (BM25 only)."""
+    if embed is None:
+        raise Unavailable("no embedding service is configured for this index")
+    return embed
+
+
 # Writes one re-embedded batch of a tenant (the index, under an exclusive write turn).
 Rewrite = Callable[[str, list[Stale], np.ndarray, str], Awaitable[None]]
 
@@ -179,12 +186,6 @@ class ModelKeeper:
         self._reembedder: asyncio.Future | None = None
         self._batch: asyncio.Future | None = None
         self.remaining = 0  # documents the running re-embed has still to write
-
-    @property
-    def _embedder(self) -> Embed:
-        if self._embed is None:
-            raise Unavailable("no embedding service is configured for this index")
-        return self._embed
 
     async def check(self, model_version: str, *, writing: bool) -> bool:
         """Whether vectors of `model_version` may go into (writing) or be compared with
@@ -314,7 +315,7 @@ class ModelKeeper:
         while (found := await asyncio.to_thread(next, batches, None)) is not None:
             tenant, batch = found
             texts = [passage_text(s.item["title"], s.item["text"]) for s in batch]
-            embedded = await self._embedder(texts, "bulk")
+            embedded = await embedding_call(self._embed)(texts, "bulk")
             if embedded.model_version != target:
                 await self.check(embedded.model_version, writing=True)
                 return False
