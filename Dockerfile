@@ -31,7 +31,7 @@ RUN --mount=type=secret,id=pip_ca --mount=type=cache,target=/root/.cache/pip \
 # Every prebuilt engine (AVX-512 + AMX, AVX2): the service runs the fastest one the node's
 # CPU has, so one image serves a mixed cluster. Keyed on the file that pins them.
 FROM deps AS engines
-COPY services/generation/prebuilt.py /src/prebuilt.py
+COPY services/ragline_services/generation/prebuilt.py /src/prebuilt.py
 RUN --mount=type=secret,id=pip_ca --mount=type=cache,target=/root/.cache/pip \
     if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
  && /opt/ragline/venv/bin/python /src/prebuilt.py /opt/ragline/engines

@@ -14,8 +14,8 @@ PROTO_ROOT = ROOT / "proto"
 STUB_ROOT = ROOT / "libs"  # proto/ragline/v1/x.proto -> libs/ragline/v1/x_pb2.py
 PACKAGE_ROOTS = {
     "ragline": ROOT / "libs" / "ragline",
-    "ragline_services": ROOT / "services",
-    "ragline_app": ROOT / "app",
+    "ragline_services": ROOT / "services" / "ragline_services",
+    "ragline_app": ROOT / "app" / "ragline_app",
 }
 
 

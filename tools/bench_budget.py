@@ -230,7 +230,7 @@ def main() -> int:
     if args.baseline:
         # A baseline without Batch is measured with the unary client only (its code, run
         # beside this tree's stubs, would answer Batch INTERNAL, not UNIMPLEMENTED).
-        servicer = (args.baseline / "services/budget/servicer.py").read_text()
+        servicer = (args.baseline / "services/ragline_services/budget/servicer.py").read_text()
         old_clients = clients if "def Batch" in servicer else ["unary"]
         variants.append(("before", source_pythonpath(args.baseline), old_clients))
     variants.append(("after" if args.baseline else "", None, clients))

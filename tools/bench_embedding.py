@@ -46,7 +46,7 @@ from ragline_app.stack import spawn_service
 from ragline_services.embedding.service import EmbeddingConfig
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TEXTS = REPO / "app/data/squad_dev_sample.json"
+DEFAULT_TEXTS = REPO / "app/ragline_app/data/squad_dev_sample.json"
 
 
 def pct(values, q):

@@ -828,7 +828,9 @@ def main() -> int:
     )
     parser.add_argument("--weights-questions", type=int, default=30)
     parser.add_argument("--cold-tokens", type=int, default=560, help="evidence tokens")
-    parser.add_argument("--data", type=Path, default=REPO / "app/data/squad_dev_sample.json")
+    parser.add_argument(
+        "--data", type=Path, default=REPO / "app/ragline_app/data/squad_dev_sample.json"
+    )
     parser.add_argument(
         "--baseline",
         type=Path,

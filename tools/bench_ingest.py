@@ -88,7 +88,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--data", type=Path, default=REPO / "app/data/squad_dev_sample.json")
+    parser.add_argument(
+        "--data", type=Path, default=REPO / "app/ragline_app/data/squad_dev_sample.json"
+    )
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--baseline", type=Path, help="another checkout, measured first")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE, every variant")

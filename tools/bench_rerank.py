@@ -101,7 +101,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--data", type=Path, default=REPO / "app/data/squad_dev_sample.json")
+    parser.add_argument(
+        "--data", type=Path, default=REPO / "app/ragline_app/data/squad_dev_sample.json"
+    )
     parser.add_argument("--queries", type=int, default=100)
     parser.add_argument("--candidates", default="20,100")
     parser.add_argument("--concurrency", default="1,8")

@@ -494,7 +494,7 @@ def main() -> int:
     parser.add_argument(
         "--data",
         type=Path,
-        default=Path(__file__).resolve().parents[1] / "app/data/squad_dev_sample.json",
+        default=Path(__file__).resolve().parents[1] / "app/ragline_app/data/squad_dev_sample.json",
         help="SQuAD-format file whose questions are the queries",
     )
     parser.add_argument("--size", type=int, action="append")

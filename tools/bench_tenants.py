@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def baseline_class(rev: str, workdir: Path):
     source = subprocess.run(
-        ["git", "show", f"{rev}:services/retrieval/bm25.py"],
+        ["git", "show", f"{rev}:services/ragline_services/retrieval/bm25.py"],
         cwd=REPO,
         check=True,
         capture_output=True,

@@ -154,7 +154,7 @@ def main() -> int:
     parser.add_argument(
         "--texts",
         type=Path,
-        default=Path(__file__).resolve().parents[1] / "app/data/squad_dev_sample.json",
+        default=Path(__file__).resolve().parents[1] / "app/ragline_app/data/squad_dev_sample.json",
     )
     parser.add_argument(
         "--source-model",

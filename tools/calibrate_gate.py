@@ -1,5 +1,5 @@
 """Calibrates the answerability gate: can the evidence answer the question, decided before
-generation (services/orchestrator/answerability.py).
+generation (services/ragline_services/orchestrator/answerability.py).
 
     .venv/bin/python tools/calibrate_gate.py --data ../shared/data/squaddev_v1.1.json \\
         --data ../shared/data/new_wiki_v1.0.json --questions 600 --plot gate.png
@@ -8,8 +8,8 @@ Each collection (`--data`, repeatable) is cut by article: every 4th article is h
 (`--hold-out`), the paragraphs of the others are ingested into a tenant of their own (once;
 a rerun reuses the index in --workdir). For each collection, a seeded sample of questions
 is then run through the orchestrator's own plan steps (embed, BM25, vector search, fusion,
-rerank, evidence selection: the executors of services/orchestrator/steps.py, in process,
-against the real services) up to the gate, never generating:
+rerank, evidence selection: the executors of services/ragline_services/orchestrator/steps.py,
+in process, against the real services) up to the gate, never generating:
 - answerable: questions about the ingested articles;
 - unanswerable: questions about its held-out articles and those written to have no answer
   (the Chinese set's), then the other collections' questions (asked in this collection's

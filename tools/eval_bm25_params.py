@@ -1,7 +1,7 @@
 """BM25's k1 and b: nDCG@10, Recall@50 and search time for each parameter set, one run.
 
     .venv/bin/python tools/eval_bm25_params.py ../shared/data/squaddev_v1.1.json \\
-        ../shared/data/new_wiki_v1.0.json app/data/zh_eval/zh_eval_v1.txt \\
+        ../shared/data/new_wiki_v1.0.json app/ragline_app/data/zh_eval/zh_eval_v1.txt \\
         [--every 2] [--params 1.2/0.75,1.5/0.75,0.9/0.4] [--json out.json]
 
 Indexes every paragraph of each file into the service's BM25 index (one tenant), asks

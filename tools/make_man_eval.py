@@ -1,13 +1,14 @@
-"""Builds the man-page QA set (`app/data/man_eval/`): a technical-documentation collection
-the product was never tuned on, in SQuAD format so every tool reads it with `--data`.
+"""Builds the man-page QA set (`app/ragline_app/data/man_eval/`): a technical-documentation
+collection the product was never tuned on, in SQuAD format so every tool reads it with
+`--data`.
 
     .venv/bin/python tools/make_man_eval.py            # writes man_eval_v1.json
     .venv/bin/python tools/make_man_eval.py --dump DIR # the paragraphs, to write questions
 
 The paragraphs are the manual pages that Debian's packages ship (rendered with `man`, one
 paragraph per option or prose block); the questions are written by hand in
-`app/data/man_eval/questions.txt` (its header says how), each naming its page, a phrase of
-its paragraph and its answer, which must be a span of that paragraph. Questions no
+`app/ragline_app/data/man_eval/questions.txt` (its header says how), each naming its page, a
+phrase of its paragraph and its answer, which must be a span of that paragraph. Questions no
 paragraph answers are SQuAD 2.0's `is_impossible` entries; two-part questions carry their
 parts (each with its own paragraph and answer) under `parts`.
 """
@@ -24,7 +25,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-HERE = REPO / "app" / "data" / "man_eval"
+HERE = REPO / "app" / "ragline_app" / "data" / "man_eval"
 # The pages, in article order: the first half (fit) then the second half (report).
 PAGES = ("ssh_config.5", "zstd.1", "gzip.1", "tar.1", "xz.1", "less.1")
 _MIN_WORDS = 12

@@ -10,7 +10,7 @@ from ragline_services.embedding.service import EmbeddingConfig
 
 TESTS_DIR = Path(__file__).resolve().parent.parent
 REPO_ROOT = TESTS_DIR.parent
-SQUAD_SAMPLE = TESTS_DIR.parent / "app" / "data" / "squad_dev_sample.json"
+SQUAD_SAMPLE = TESTS_DIR.parent / "app" / "ragline_app" / "data" / "squad_dev_sample.json"
 # Tests run generation on the smallest real model (SmolLM2-135M) with a short context.
 SMALL_GENERATION = {
     "RAGLINE_GENERATION_SMALL_MODEL": "smollm2-135m",
@@ -30,6 +30,16 @@ AUTH_ENV = {
     "RAGLINE_AUTH_JWT_KEY": AUTH_CLIENT_KEY,
     "RAGLINE_AUTH_SERVICE_KEY": "service-signing-key-for-tests-only-0123456789",
 }
+
+
+def load_tool(name: str):
+    """A script of tools/ as a module (tools/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def error_reason(error) -> str:

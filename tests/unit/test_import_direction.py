@@ -6,42 +6,16 @@ The kit (`ragline`, libs/ragline) imports no service and not the application; a 
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import pytest
 
-from support import REPO_ROOT
+from support import load_tool
 
 KIT, SERVICES, APP = "ragline", "ragline_services", "ragline_app"
-ROOTS = {
-    KIT: REPO_ROOT / "libs" / "ragline",
-    SERVICES: REPO_ROOT / "services",
-    APP: REPO_ROOT / "app",
-}
 
 
-def module_name(path: Path) -> str:
-    for package, root in ROOTS.items():
-        if path.is_relative_to(root):
-            parts = path.relative_to(root).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            return ".".join((package, *parts))
-    raise AssertionError(path)
-
-
-def imported_modules(source: str) -> set[str]:
-    """Every module an `import` or `from ... import` names, wherever it stands (lazy
-    imports inside functions count too)."""
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
+structure = load_tool("draw_structure")
+imported_modules = structure.imported_modules
+all_modules = structure.all_modules
 
 
 def violations(module: str, imports: set[str]) -> list[str]:
@@ -64,16 +38,6 @@ def violations(module: str, imports: set[str]) -> list[str]:
             ):
                 bad.append(f"{module} (service {own}) imports another service: {name}")
     return bad
-
-
-def all_modules() -> dict[str, Path]:
-    modules = {}
-    for root in ROOTS.values():
-        for path in root.rglob("*.py"):
-            if "v1" in path.relative_to(root).parts[:1] and root == ROOTS[KIT]:
-                continue  # generated stubs
-            modules[module_name(path)] = path
-    return modules
 
 
 def test_every_import_points_one_way():

@@ -32,6 +32,12 @@ def test_every_path_workspace_md_names_exists():
 
 
 def test_the_check_finds_a_path_that_does_not_exist():
-    text = "`MicroBatcher` (services/embedding/batcher.py) and libs/ragline/batching.py."
-    assert named_paths(text) == {"services/embedding/batcher.py", "libs/ragline/batching.py"}
-    assert not (REPO_ROOT / "services/embedding/batcher.py").exists()
+    text = (
+        "`MicroBatcher` (services/ragline_services/embedding/batcher.py) and "
+        "libs/ragline/batching.py."
+    )
+    assert named_paths(text) == {
+        "services/ragline_services/embedding/batcher.py",
+        "libs/ragline/batching.py",
+    }
+    assert not (REPO_ROOT / "services/ragline_services/embedding/batcher.py").exists()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ragline_app.datasets import held_out_split, load_squad, load_squad_extras
 
-HERE = Path(__file__).resolve().parents[3] / "app" / "data" / "man_eval"
+HERE = Path(__file__).resolve().parents[3] / "app" / "ragline_app" / "data" / "man_eval"
 DATA = HERE / "man_eval_v1.json"
 
 

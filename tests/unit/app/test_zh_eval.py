@@ -1,5 +1,6 @@
-"""The Chinese evaluation set (app/data/zh_eval): what it must hold to measure what issue
-37 asks, read by the loader the tools use, and the character F1 its answers are scored by."""
+"""The Chinese evaluation set (app/ragline_app/data/zh_eval): what it must hold to measure
+what issue 37 asks, read by the loader the tools use, and the character F1 its answers are
+scored by."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ragline_app.datasets import load_squad, load_zh_eval
 from ragline_app.evaluation import answer_f1, char_f1
 from support import REPO_ROOT
 
-SET = REPO_ROOT / "app" / "data" / "zh_eval" / "zh_eval_v1.txt"
+SET = REPO_ROOT / "app" / "ragline_app" / "data" / "zh_eval" / "zh_eval_v1.txt"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
-"""Which prebuilt llama-server a CPU gets (services/generation/prebuilt.py): the fastest
-whose instructions it has, the AVX2 one on any AVX2 x86-64, none without AVX2; an operator's
-choice wins; the one found is the installed one of those."""
+"""Which prebuilt llama-server a CPU gets
+(services/ragline_services/generation/prebuilt.py): the fastest whose instructions it has,
+the AVX2 one on any AVX2 x86-64, none without AVX2; an operator's choice wins; the one found
+is the installed one of those."""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""Wiring of the generation service: tiers of llama-server engines, schedulers, servicer."""
+"""Wiring of the generation service: tiers of llama-server engines, schedulers, servicer.
+
+Why one file of this length: an engine's whole life (started from the settings, watched,
+restarted, fallen back from speculation, the large tier left off) reads the one settings
+class above it, as every service's service.py does; the scheduling and the generation
+itself are their own modules.
+"""
 
 from __future__ import annotations
 
@@ -129,9 +135,9 @@ class GenerationConfig(ServiceConfig):
     # (default <RAGLINE_CACHE_DIR>/llama.cpp/<build tag>).
     llama_server: Path | None = None
     llama_cache: Path | None = None
-    # Which prebuilt engine (services/generation/prebuilt.py: "avx512-amx", "avx2") runs,
-    # whatever this CPU's flags say; empty: the fastest one this CPU can run. `make
-    # llama-server` reads it too: an image for a mixed cluster sets "avx2".
+    # Which prebuilt engine (services/ragline_services/generation/prebuilt.py: "avx512-amx",
+    # "avx2") runs, whatever this CPU's flags say; empty: the fastest one this CPU can run.
+    # `make llama-server` reads it too: an image for a mixed cluster sets "avx2".
     prebuilt: Literal["", "avx512-amx", "avx2"] = ""
     # Where the prebuilt engines are unpacked (default: RAGLINE_CACHE_DIR): the image
     # carries every one of them under a read-only folder of its own.

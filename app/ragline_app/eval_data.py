@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ragline.models.store import sha256_of
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_INDEX = "https://pypi.org/simple"
 
 

@@ -1,5 +1,5 @@
 """Readers for the evaluation collections: SQuAD-format JSON, and the project's own
-Chinese set (`app/data/zh_eval`, a plain-text format read by `load_zh_eval`)."""
+Chinese set (`app/ragline_app/data/zh_eval`, a plain-text format read by `load_zh_eval`)."""
 
 from __future__ import annotations
 

@@ -115,13 +115,18 @@ def source_pythonpath(checkout: Path) -> str:
     import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix="ragline-source-"))
-    for package, relative in (
-        ("ragline", "libs/ragline"),
-        ("ragline_services", "services"),
-        ("ragline_app", "app"),
-    ):
-        (folder / package).symlink_to(checkout.resolve() / relative)
-    stubs = Path(__file__).resolve().parents[1] / "libs" / "ragline" / "v1"
+    checkout = checkout.resolve()
+    packages = {
+        "ragline": checkout / "libs" / "ragline",
+        "ragline_services": checkout / "services" / "ragline_services",
+        "ragline_app": checkout / "app" / "ragline_app",
+    }
+    if not packages["ragline_services"].is_dir():
+        # A commit from before each folder was named as its package (a baseline to compare).
+        packages |= {"ragline_services": checkout / "services", "ragline_app": checkout / "app"}
+    for package, source in packages.items():
+        (folder / package).symlink_to(source)
+    stubs = Path(__file__).resolve().parents[2] / "libs" / "ragline" / "v1"
     for stub in stubs.glob("*_pb2*.py"):
         target = checkout / "libs" / "ragline" / "v1" / stub.name
         if not target.exists():

@@ -1,7 +1,7 @@
 """The light-tenant policy: which tenant's run goes first beside a flood. Its generation is
 marked (GenerateRequest.light_tenant) and the generation service runs it in a slot kept for
 such requests, pausing the heavier tenants' sequences until it is done
-(services/generation/scheduler.py), as fair queueing serves a sparse flow before a
+(services/ragline_services/generation/scheduler.py), as fair queueing serves a sparse flow before a
 backlogged one. Admission asks this module; no queue or clock of its own here."""
 
 from __future__ import annotations
