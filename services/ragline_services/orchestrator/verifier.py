@@ -459,16 +459,7 @@ def _read(
         ),
         default=0.0,
     )
-    # The answer where it stands in its citations (else anywhere in the evidence).
-    placed = None
-    for item in [*cited, *items]:
-        if item not in items:
-            continue
-        tokens = item_tokens[items.index(item)]
-        span = _locate(answer_tokens, tokens)
-        if span is not None:
-            placed = (items.index(item), span)
-            break
+    placed = _placement(answer_tokens, cited, items, item_tokens)
     if placed is None:
         unplaced = Features(
             0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -best_sentence, mismatch, echo, 1.0, length, gate
@@ -481,26 +472,9 @@ def _read(
     local_far = _closeness(asked, tokens, span, own, _FAR_DECAY_TOKENS)
     sentence = _sentence_share(asked, tokens, tokens[span[0]].sentence)
     kind = _kind_of(answer_tokens, expected)
-    rivals: list[float] = []
-    rival_clauses: list[float] = []
-    named: list[tuple[float, str]] = []
-    if kind is not None:
-        for other_index, other in enumerate(item_tokens):
-            for candidate in _candidates(other, kind):
-                if other_index == index and candidate[0] < span[1] and span[0] < candidate[1]:
-                    continue  # the answer itself
-                terms = {t.term for t in other[candidate[0] : candidate[1]] if t.term}
-                if not terms or terms & question_terms or terms <= own:
-                    continue  # the question's own subject is not a rival answer
-                rivals.append(_closeness(asked, other, candidate, terms))
-                rival_clauses.append(_clause_share(asked, other, candidate))
-                named.append((rivals[-1], _surface(items[other_index].text, other, candidate)))
-    for candidate in _parallel(tokens, span):
-        terms = {t.term for t in tokens[candidate[0] : candidate[1]] if t.term}
-        if terms and not terms & question_terms and not terms <= own:
-            rivals.append(_closeness(asked, tokens, candidate, terms))
-            rival_clauses.append(_clause_share(asked, tokens, candidate))
-            named.append((rivals[-1], _surface(items[index].text, tokens, candidate)))
+    rivals, rival_clauses, named = _rivals(
+        asked, question_terms, items, item_tokens, (index, span), own, kind
+    )
     clause = _clause_share(asked, tokens, span)
     clause_gap = max(rival_clauses) - clause if rival_clauses else 0.0
     margin = local - max(rivals) if rivals else 0.0
@@ -528,6 +502,63 @@ def _read(
         if surface and surface.lower() != text.strip().lower() and closeness > local:
             best[surface] = max(best.get(surface, 0.0), closeness)
     return found, sorted(best.items(), key=lambda x: -x[1])
+
+
+def _placement(
+    answer_tokens: list[_Token],
+    cited: Sequence[ev.EvidenceItem],
+    items: list[ev.EvidenceItem],
+    item_tokens: list[list[_Token]],
+) -> tuple[int, tuple[int, int]] | None:
+    """The answer where it stands in its citations (else anywhere in the evidence): the
+    item's index and the answer's token span in it."""
+    for item in [*cited, *items]:
+        if item not in items:
+            continue
+        span = _locate(answer_tokens, item_tokens[items.index(item)])
+        if span is not None:
+            return items.index(item), span
+    return None
+
+
+def _rivals(
+    asked: list[_Asked],
+    question_terms: set[str],
+    items: list[ev.EvidenceItem],
+    item_tokens: list[list[_Token]],
+    placed: tuple[int, tuple[int, int]],
+    own: set[str],
+    kind: str | None,
+) -> tuple[list[float], list[float], list[tuple[float, str]]]:
+    """The candidates that compete with the answer placed at `placed`: those of its kind
+    anywhere in the evidence, and the parallel items of its own list. Their closeness to
+    the question's words, the share of the question their clauses hold, and (closeness,
+    surface) each."""
+    index, span = placed
+    tokens = item_tokens[index]
+    rivals: list[float] = []
+    rival_clauses: list[float] = []
+    named: list[tuple[float, str]] = []
+
+    def add(item: int, other: list[_Token], candidate: tuple[int, int], terms: set[str]) -> None:
+        rivals.append(_closeness(asked, other, candidate, terms))
+        rival_clauses.append(_clause_share(asked, other, candidate))
+        named.append((rivals[-1], _surface(items[item].text, other, candidate)))
+
+    if kind is not None:
+        for other_index, other in enumerate(item_tokens):
+            for candidate in _candidates(other, kind):
+                if other_index == index and candidate[0] < span[1] and span[0] < candidate[1]:
+                    continue  # the answer itself
+                terms = {t.term for t in other[candidate[0] : candidate[1]] if t.term}
+                if not terms or terms & question_terms or terms <= own:
+                    continue  # the question's own subject is not a rival answer
+                add(other_index, other, candidate, terms)
+    for candidate in _parallel(tokens, span):
+        terms = {t.term for t in tokens[candidate[0] : candidate[1]] if t.term}
+        if terms and not terms & question_terms and not terms <= own:
+            add(index, tokens, candidate, terms)
+    return rivals, rival_clauses, named
 
 
 def _surface(text: str, tokens: list[_Token], span: tuple[int, int]) -> str:

@@ -119,36 +119,55 @@ class Built:
             model.close()
 
 
+async def _start_batcher(
+    cfg: RerankConfig, name: str, run, parallel_runs: int = 1, *, spec: ModelSpec | None = None
+) -> MicroBatcher:
+    """A batcher over `run`; for an embedding model `spec`, its runs hold what the model
+    allows (`texts_per_run`)."""
+
+    def limit(texts: int) -> int:
+        return texts if spec is None else texts_per_run(spec, texts)
+
+    made = MicroBatcher(
+        run,
+        max_batch_texts=limit(cfg.max_batch_texts),
+        max_wait_s=cfg.max_wait_ms / 1000,
+        max_queue_texts=cfg.max_queue_texts,
+        max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
+        name=name,
+        max_parallel_runs=parallel_runs,
+        max_bulk_batch_texts=limit(cfg.max_bulk_batch_texts),
+    )
+    await made.start()
+    return made
+
+
+async def _cross_encoder(cfg: RerankConfig, store: ModelStore) -> tuple[CrossEncoder, Tokenizer]:
+    """The cross-encoder the settings name, and its pair tokenizer."""
+    spec = store.spec(cfg.cross_encoder_model)
+    if spec.kind != "onnx-cross-encoder":
+        raise FailedPrecondition(
+            f"RAGLINE_RERANK_CROSS_ENCODER_MODEL={cfg.cross_encoder_model} is a "
+            f"{spec.kind}, not an onnx-cross-encoder"
+        )
+    cross = await asyncio.to_thread(
+        CrossEncoder,
+        store.file(cfg.cross_encoder_model, "model.onnx"),
+        threads=cfg.cross_encoder_threads or cfg.intra_op_threads,
+    )
+    pair_tokenizer = Tokenizer(
+        store.file(cfg.cross_encoder_model, "tokenizer.json"),
+        min(cfg.cross_encoder_max_tokens or spec.max_tokens, spec.max_tokens),
+    )
+    return cross, pair_tokenizer
+
+
 async def build_reranker(
     cfg: RerankConfig, store: ModelStore, token_store: TokenStore | None = None
 ) -> Built:
     """The cascade from the manifest's models (the service and tools/eval_retrieval)."""
     batchers: list[MicroBatcher] = []
     models: list = []
-
-    async def batcher(
-        name: str, run, parallel_runs: int = 1, *, spec: ModelSpec | None = None
-    ) -> MicroBatcher:
-        """A batcher over `run`; for an embedding model `spec`, its runs hold what the
-        model allows (`texts_per_run`)."""
-
-        def limit(texts: int) -> int:
-            return texts if spec is None else texts_per_run(spec, texts)
-
-        made = MicroBatcher(
-            run,
-            max_batch_texts=limit(cfg.max_batch_texts),
-            max_wait_s=cfg.max_wait_ms / 1000,
-            max_queue_texts=cfg.max_queue_texts,
-            max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
-            name=name,
-            max_parallel_runs=parallel_runs,
-            max_bulk_batch_texts=limit(cfg.max_bulk_batch_texts),
-        )
-        await made.start()
-        batchers.append(made)
-        return made
-
     token_spec = store.spec(cfg.token_model)
     encoder = await asyncio.to_thread(
         TokenEncoder,
@@ -162,35 +181,26 @@ async def build_reranker(
         store.file(token_spec.tokenizer, "tokenizer.json"), token_spec.max_tokens
     )
     pair_tokenizer = pair_batcher = None
+    pair_scripts: frozenset[str] = frozenset()
     if cfg.cross_encoder_model:
-        spec = store.spec(cfg.cross_encoder_model)
-        if spec.kind != "onnx-cross-encoder":
-            raise FailedPrecondition(
-                f"RAGLINE_RERANK_CROSS_ENCODER_MODEL={cfg.cross_encoder_model} is a "
-                f"{spec.kind}, not an onnx-cross-encoder"
-            )
-        cross = await asyncio.to_thread(
-            CrossEncoder,
-            store.file(cfg.cross_encoder_model, "model.onnx"),
-            threads=cfg.cross_encoder_threads or cfg.intra_op_threads,
-        )
+        cross, pair_tokenizer = await _cross_encoder(cfg, store)
         models.append(cross)
-        pair_tokenizer = Tokenizer(
-            store.file(cfg.cross_encoder_model, "tokenizer.json"),
-            min(cfg.cross_encoder_max_tokens or spec.max_tokens, spec.max_tokens),
-        )
-        pair_batcher = await batcher("rerank-pairs", cross.run)
+        pair_batcher = await _start_batcher(cfg, "rerank-pairs", cross.run)
+        batchers.append(pair_batcher)
+        pair_scripts = frozenset(store.spec(cfg.cross_encoder_model).extra.get("scripts", ()))
+    # A text's token vectors (and the embedding ingest writes from the same run) are what
+    # the embedding service gives it: runs hold what the model allows.
+    token_batcher = await _start_batcher(
+        cfg, "rerank-tokens", encoder.run, encoder.parallel_runs, spec=token_spec
+    )
+    batchers.append(token_batcher)
     prefixes = input_prefixes(token_spec.extra)
     reranker = Reranker(
         skip_query_tokens=skipped_query_tokens(token_tokenizer)
         if cfg.query_skip_stop_words
         else frozenset(),
         token_tokenizer=token_tokenizer,
-        # A text's token vectors (and the embedding ingest writes from the same run) are
-        # what the embedding service gives it: runs hold what the model allows.
-        token_batcher=await batcher(
-            "rerank-tokens", encoder.run, encoder.parallel_runs, spec=token_spec
-        ),
+        token_batcher=token_batcher,
         pair_tokenizer=pair_tokenizer,
         pair_batcher=pair_batcher,
         cache=TokenCache(cfg.token_cache_mb * 1024 * 1024),
@@ -202,11 +212,7 @@ async def build_reranker(
         query_prefix=prefixes.get(QUERY, ""),
         passage_prefix=prefixes.get(PASSAGE, ""),
         token_scripts=frozenset(token_spec.extra.get("scripts", ())),
-        pair_scripts=frozenset(
-            store.spec(cfg.cross_encoder_model).extra.get("scripts", ())
-            if cfg.cross_encoder_model
-            else ()
-        ),
+        pair_scripts=pair_scripts,
     )
     return Built(reranker, batchers, models)
 

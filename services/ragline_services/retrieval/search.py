@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextvars
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -56,6 +57,9 @@ def timed_apart(name: str, fn, *args):
     return timed_stage(stages, name, fn, *args), stages
 
 
+Hits = list[tuple[Hashable, float, dict[str, float]]]  # each hit's scores by part
+
+
 @dataclass(frozen=True)
 class Engines:
     """The engines a search reads, as the index holds them when the search starts."""
@@ -75,11 +79,10 @@ class Engines:
         ef: int,
         stages: list[tuple[str, float]],
         early_bm25: Future | None,
-    ) -> tuple[list[tuple[Hashable, float, dict[str, float]]], dict]:
+    ) -> tuple[Hits, dict]:
         """The whole search in one worker thread: the engines return point ids, and only
         the k ranked first are resolved to keys, versions (and text when asked).
         `early_bm25`: the BM25 half already started (`candidates` long), or None."""
-        s = self.settings
 
         def timed(name: str, fn, *args):
             return timed_stage(stages, name, fn, *args)
@@ -92,7 +95,7 @@ class Engines:
             return pool
 
         # each hit's scores by part ("bm25", "vector", "fused")
-        ordered: list[tuple[Hashable, float, dict[str, float]]]
+        ordered: Hits
         if mode == SearchMode.BM25:
             if early_bm25 is not None:  # a fallback: the first k of the longer list
                 ranked = bm25_pool()[: query.k]
@@ -115,35 +118,12 @@ class Engines:
                 (c.pid, c.score, {SearchMode.VECTOR: c.score, SearchMode.BM25: bm25_scores[c.pid]})
                 for c in ranked
             ]
-        else:  # HYBRID
-            semantic = (SearchMode.VECTOR, self.vectors.search, vector, visibility, candidates, ef)
-            if early_bm25 is not None:
-                vector_list = timed(*semantic)
-                bm25_list = bm25_pool()
-            else:
-                # The vector half goes to the other thread and BM25 runs here: qdrant-edge
-                # keeps the GIL for its whole search, so the other way round the BM25 thread
-                # could not even start until the vector search had finished; this way the
-                # vector search runs while Tantivy searches without the GIL.
-                pending = (
-                    self.half_pool.submit(*in_context(timed, *semantic))
-                    if s.parallel_hybrid
-                    else None
-                )
-                bm25_list = timed(
-                    SearchMode.BM25, self.bm25.search, query.text, visibility, candidates
-                )
-                vector_list = pending.result() if pending is not None else timed(*semantic)
-            started = time.perf_counter()
-            if (query.fusion or s.default_fusion) == Fusion.SCORE:
-                fuse, weight = score_fusion, query.vector_weight or s.default_score_weight
-            else:
-                fuse, weight = rrf, query.vector_weight or s.default_vector_weight
-            ordered = [
-                (pid, fused, {**parts, "fused": fused})
-                for pid, fused, parts in fuse(bm25_list, vector_list, weight, query.k)
-            ]
-            stages.append(("fusion", time.perf_counter() - started))
+        else:
+            started_bm25 = bm25_pool if early_bm25 is not None else None
+            ordered, fusion_s = self._hybrid(
+                visibility, query, vector, candidates, ef, timed, started_bm25
+            )
+            stages.append(("fusion", fusion_s))
         resolved = timed(
             "resolve",
             self.bm25.resolve,
@@ -152,3 +132,41 @@ class Engines:
             query.include_text,
         )
         return ordered, resolved
+
+    def _hybrid(
+        self,
+        visibility: Visibility,
+        query: SearchQuery,
+        vector: np.ndarray | None,
+        candidates: int,
+        ef: int,
+        timed: Callable[..., Any],
+        started_bm25: Callable[[], Any] | None,
+    ) -> tuple[Hits, float]:
+        """Both halves and their fusion (and the seconds the fusion took). `started_bm25`:
+        the BM25 half already started (its result when called), or None."""
+        s = self.settings
+        semantic = (SearchMode.VECTOR, self.vectors.search, vector, visibility, candidates, ef)
+        if started_bm25 is not None:
+            vector_list = timed(*semantic)
+            bm25_list = started_bm25()
+        else:
+            # The vector half goes to the other thread and BM25 runs here: qdrant-edge
+            # keeps the GIL for its whole search, so the other way round the BM25 thread
+            # could not even start until the vector search had finished; this way the
+            # vector search runs while Tantivy searches without the GIL.
+            pending = (
+                self.half_pool.submit(*in_context(timed, *semantic)) if s.parallel_hybrid else None
+            )
+            bm25_list = timed(SearchMode.BM25, self.bm25.search, query.text, visibility, candidates)
+            vector_list = pending.result() if pending is not None else timed(*semantic)
+        started = time.perf_counter()
+        if (query.fusion or s.default_fusion) == Fusion.SCORE:
+            fuse, weight = score_fusion, query.vector_weight or s.default_score_weight
+        else:
+            fuse, weight = rrf, query.vector_weight or s.default_vector_weight
+        ordered = [
+            (pid, fused, {**parts, "fused": fused})
+            for pid, fused, parts in fuse(bm25_list, vector_list, weight, query.k)
+        ]
+        return ordered, time.perf_counter() - started
