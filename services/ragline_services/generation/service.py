@@ -103,10 +103,8 @@ class GenerationConfig(ServiceConfig):
     # the tiers seldom run at once: `_threads`).
     threads: int = Field(0, ge=0)
     # Speculative decoding per tier: "ngram" is prompt lookup, "draft" uses the small model
-    # to draft for the large one. Off on the small tier: its answers are a few words (RAG,
-    # stop at the line's end), and with the orchestrator's prompts n-gram verification
-    # cost more than it saved (bench_e2e, 40 SQuAD questions, 2 cores: complete p50
-    # 2.37 s with it, 1.95 s without, together with a smaller evidence budget).
+    # to draft for the large one. Off on the small tier: its answers are a few words, and
+    # verifying drafts cost more than they saved (docs/tuning.md).
     small_speculation: Literal["none", "ngram"] = "none"
     large_speculation: Literal["none", "ngram", "draft"] = "ngram"
     speculation_min_acceptance: float = Field(0.7, ge=0, le=1)

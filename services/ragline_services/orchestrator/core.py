@@ -63,6 +63,13 @@ from ragline_services.orchestrator.verdict import (
 )
 from ragline_services.orchestrator.wording import status_detail
 
+# Kept back from the caller's deadline to settle the budget, close the ledger and send the
+# result: a few loopback calls, far under this on any node.
+ANSWER_MARGIN_S = 0.15
+# An optional step is dropped (when the request allows) unless this much would remain for
+# the answer after it: a short answer's generation on the small tier.
+RESERVE_FOR_ANSWER_S = 1.0
+
 log = structlog.get_logger("ragline.orchestrator")
 
 
@@ -138,8 +145,6 @@ class OrchestratorSettings:
     max_queue: int
     max_queue_per_tenant: int
     max_deadline_s: float
-    answer_margin_s: float
-    reserve_for_answer_s: float
     stage_budgets: dict[Kind, float]
     default_limits: Amounts
     rerank: bool
@@ -196,7 +201,7 @@ class Orchestrator:
             async with self.admission.admit(deadlines.current_deadline(), tenant) as place:
                 left = deadlines.remaining()
                 # Keep back time to settle, close the ledger and send the result.
-                scope = None if left is None else max(left - self.settings.answer_margin_s, 0.001)
+                scope = None if left is None else max(left - ANSWER_MARGIN_S, 0.001)
                 with deadlines.deadline_scope(scope):
                     outcome = await self._run(
                         request,
@@ -519,7 +524,7 @@ class Orchestrator:
         expected = self.typical_s.get(node.kind)
         if not allow_degrade or left is None or expected is None:
             return None
-        if left < expected + self.settings.reserve_for_answer_s:
+        if left < expected + RESERVE_FOR_ANSWER_S:
             return f"{node.kind.value}_skipped_deadline"
         return None
 

@@ -22,8 +22,7 @@ SYSTEM_PROMPT = (
 )
 LETTERS = "ABCDE"
 # At most this many options: the answer and its two closest rivals. More options made the
-# small model's choice a lottery (tools/bench_e2e.py on SQuAD dev, December 2026: with up
-# to five, it chose another option for 22 of 67 right answers).
+# small model's choice a lottery (docs/tuning.md).
 MAX_OPTIONS = 3
 _LETTER = re.compile(r"\b([A-E])\b")
 

@@ -95,11 +95,6 @@ class OrchestratorConfig(ServiceConfig):
     search_budget_s: float = Field(2.0, gt=0)
     rerank_budget_s: float = Field(3.0, gt=0)
     evidence_budget_s: float = Field(2.0, gt=0)
-    # Kept back from the caller's deadline to settle the budget and send the result.
-    answer_margin_s: float = Field(0.15, ge=0)
-    # An optional step is dropped (when the request allows) unless this much would remain
-    # for the answer after it.
-    reserve_for_answer_s: float = Field(1.0, ge=0)
     # Task budget of an Ask whose request leaves an amount unset.
     default_input_tokens: int = Field(32_000, ge=0)
     default_output_tokens: int = Field(4_096, ge=0)
@@ -170,8 +165,6 @@ class OrchestratorService(Service):
             max_queue=cfg.max_queue,
             max_queue_per_tenant=cfg.max_queue_per_tenant,
             max_deadline_s=cfg.max_deadline_s,
-            answer_margin_s=cfg.answer_margin_s,
-            reserve_for_answer_s=cfg.reserve_for_answer_s,
             stage_budgets={
                 Kind.EMBED: cfg.embed_budget_s,
                 Kind.BM25: cfg.search_budget_s,

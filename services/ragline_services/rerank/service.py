@@ -72,23 +72,20 @@ class RerankConfig(ServiceConfig):
     # bulk run, as with one runner. The cross-encoder keeps one run at a time.
     token_parallel_runs: int = Field(0, ge=0)
     # ONNX Runtime threads of the cross-encoder's runs (0: intra_op_threads), for a rerank
-    # with cores to itself. In process 2 threads cut 5 pairs from ~27 to ~17 ms, but through
-    # the service on 2 cores they made it worse (whole call p50 56 -> 86 ms: they contend
-    # with stage 1 and the server's threads), hence 0.
+    # with cores to itself; on shared cores more threads contend (docs/tuning.md).
     cross_encoder_threads: int = Field(0, ge=0)
     max_batch_texts: int = Field(32, ge=1)
-    # Texts per token-model run of bulk work (Prepare of documents): a question's rerank
-    # that arrives while every runner is busy with passages waits for one such run.
-    max_bulk_batch_texts: int = Field(8, ge=1)
     # How long a batch waits for more work once the model is free. 0: work that arrives
-    # while a batch runs forms the next one anyway (Triton's default too); waiting 1 ms
-    # cost a lone request ~2.4 ms of stage 1's ~8 (the timer and the extra loop turns).
+    # while a batch runs forms the next one anyway (Triton's default too; docs/tuning.md).
     max_wait_ms: float = Field(0.0, ge=0)
     max_queue_texts: int = Field(4096, ge=1)
     # One tenant's share of the queue (0: half of it).
     max_queue_texts_per_tenant: int = Field(0, ge=0)
 
 
+# Texts per token-model run of bulk work (Prepare of documents): a question's rerank that
+# arrives while every runner is busy with passages waits for one such run, so a few texts.
+BULK_BATCH_TEXTS = 8
 # SentencePiece vocabularies (XLM-R's, multilingual-e5's) mark a word's start with this.
 _WORD_START = "\u2581"
 _SKIPPED_WORDS = STOP_WORDS | CHINESE_STOP_WORDS
@@ -136,7 +133,7 @@ async def _start_batcher(
         max_queue_texts_per_tenant=cfg.max_queue_texts_per_tenant,
         name=name,
         max_parallel_runs=parallel_runs,
-        max_bulk_batch_texts=limit(cfg.max_bulk_batch_texts),
+        max_bulk_batch_texts=limit(BULK_BATCH_TEXTS),
     )
     await made.start()
     return made

@@ -72,12 +72,11 @@ class RetrievalConfig(ServiceConfig):
     # ... and once a delete or an overwrite is this old: the replaced text leaves the log
     # and the indexes within it (0: only for size).
     forget_after_s: float = Field(3600.0, ge=0)
-    # The HNSW builder's threads (0: every core), CPU niceness and Linux's idle class
-    # (SCHED_IDLE: a core runs it only when nothing else wants it; qdrant's build thread
-    # can raise its own niceness, not leave the class): a build is background work and
-    # must not take the cores the queries need.
+    # The HNSW builder's threads (0: every core) and Linux's idle class (SCHED_IDLE: a core
+    # runs it only when nothing else wants it; qdrant's build thread can raise its own
+    # niceness, not leave the class); it runs at niceness 19 either way (vectors.py): a
+    # build is background work and must not take the cores the queries need.
     build_threads: int = Field(default_factory=lambda: max(1, usable_cores() // 2), ge=0)
-    build_niceness: int = Field(19, ge=0, le=19)
     build_idle: bool = True
     # The embedded HNSW shard searched in a child process (qdrant-edge holds the GIL for
     # the whole search, which stopped the service's other threads meanwhile).
@@ -259,7 +258,6 @@ class RetrievalService(Service):
                 exact_limit=cfg.exact_limit,
                 rebuild_after=cfg.rebuild_after,
                 build_threads=cfg.build_threads,
-                build_niceness=cfg.build_niceness,
                 build_idle=cfg.build_idle,
                 search_process=cfg.vector_search_process,
             )
