@@ -284,6 +284,16 @@ _PUNCTUATION = frozenset(".,;:!?\u2026-()[]")  # sentence marks alone are no lit
 _LITERAL = re.compile(r"[^\sA-Za-z0-9\u3400-\u9fff]+")
 
 
+# An identifier of code as written: an option ("--verify"), a constant or variable
+# ("LESS", "ZSTD_CLEVEL"), a call, a dotted or camelCase name ("os.path", "getItem").
+_CODE = re.compile(r"[_()]|[a-z][A-Z]|^[A-Z][A-Z0-9_]{2,}$|\w\.\w|^-{1,2}\w")
+
+
+def looks_like_code(surface: str) -> bool:
+    """Whether one token, as written, is an identifier of code rather than a word."""
+    return _CODE.search(surface) is not None
+
+
 def literal_of(answer: str) -> str:
     """The literal an answer of symbols only writes, as written ("" for any other answer)."""
     bare = strip_markers(answer).strip().strip(words.QUOTES).strip()

@@ -55,7 +55,7 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
         )
     if question and not numbers.numbers(text) - numbers.numbers(question):
         told = set(answerability.terms(text)) - set(answerability.terms(question))
-        if words and not told:
+        if words and not told and not _names_code(text, question):
             # "The river flows through Warsaw." names nothing the question did not.
             return Support(False, ("anything the question does not already say",))
     missing_numbers = sorted(numbers.numbers(text) - numbers.numbers(source))
@@ -77,6 +77,16 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
         return Support(False, ("any content word",))
     ok = not missing_numbers and share >= MIN_WORD_SHARE
     return Support(ok, () if ok else tuple(missing_numbers + missing_words))
+
+
+def _names_code(answer: str, question: str) -> bool:
+    """Whether the answer writes an identifier of code that the question does not write:
+    "--verify" for "Which option verifies ...?", "LESS" for "Which variable holds less's
+    options?". Its words are the question's, but it names a thing the question asks for."""
+    return any(
+        ev.looks_like_code(token) and token not in question
+        for token in (t.strip(".,;:\"'`") for t in answer.split())
+    )
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,6 @@ _MONTHS = frozenset(
     "jan feb mar apr jun jul aug sep sept oct nov dec".split()
 )
 _YEAR = re.compile(r"^(1[0-9]{3}|20[0-9]{2})s?$")
-_CODE = re.compile(r"[_()]|[a-z][A-Z]|^[A-Z][A-Z0-9_]{2,}$|\w\.\w|^-{1,2}\w")
 
 
 class AnswerType(enum.StrEnum):
@@ -326,7 +325,7 @@ def _candidates(tokens: list[_Token], kind: str) -> list[tuple[int, int]]:
         elif kind == "name":
             fits = token.surface[:1].isupper() and token.term not in FUNCTION_WORDS
         else:
-            fits = bool(token.term) and bool(_CODE.search(token.surface))
+            fits = bool(token.term) and bool(ev.looks_like_code(token.surface))
         if fits and start is None:
             start = i
         elif not fits and start is not None:
@@ -384,7 +383,7 @@ def _kind_of(answer: list[_Token], expected: AnswerType) -> str | None:
         _is_number(s) or _is_date_part(s) for s in surfaces
     ):
         return "number"
-    if any(_CODE.search(s) for s in surfaces):
+    if any(ev.looks_like_code(s) for s in surfaces):
         return "code"
     if all(s[:1].isupper() or s.lower() in FUNCTION_WORDS for s in surfaces):
         return "name"

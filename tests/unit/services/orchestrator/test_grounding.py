@@ -146,3 +146,16 @@ def test_a_title_is_data_cut_to_a_labels_length():
     shown = ev.shown_title(long.passage)
     assert "im_start" not in shown and "[2]" not in shown and len(shown) <= 160
     assert ev.shown_title(CITED[0].passage) == "Warsaw"
+
+
+OPTIONS = [item("--verify, -W: attempt to verify the archive after writing it.", "tar")]
+
+
+def test_an_identifier_of_code_the_question_does_not_write_is_an_answer_not_an_echo():
+    question = "Which tar option verifies an archive after writing it?"
+    assert support("--verify [1]", OPTIONS, question).supported
+    # The same words as prose name nothing the question did not.
+    said = support("verify [1]", OPTIONS, question)
+    assert not said.supported and said.missing == ("anything the question does not already say",)
+    # An identifier the question itself writes is still an echo.
+    assert not support("--verify [1]", OPTIONS, "What does tar's --verify option do?").supported
