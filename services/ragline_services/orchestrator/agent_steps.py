@@ -15,7 +15,7 @@ from ragline.v1 import (
     generation_pb2,
 )
 from ragline.vocabulary import FinishReason, ModelTier, tier_to_proto
-from ragline_services.orchestrator import answerability
+from ragline_services.orchestrator import answerability, routing
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.agent import (
     PLANNER_PROMPT,
@@ -30,6 +30,7 @@ from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.routing import Signal
 from ragline_services.orchestrator.run_context import (
     Answer,
+    MissingPart,
     NoEvidence,
     Planned,
     Ranked,
@@ -91,10 +92,11 @@ class _Part:
 async def synthesize_lookups(ctx: RunContext, step: Step) -> Answer:
     """The agent plan's answer: one part per lookup, each answered from its own evidence by
     its own generation (side by side) and checked against its own citations, joined as
-    "A [1]; B [3]". A part whose evidence cannot answer it (nothing found, or below the
-    answerability gate) ends the run INCOMPLETE naming it, before anything is generated;
-    where the request allows degrading, or the lookup was optional, that part is left out
-    and the answer is PARTIAL."""
+    "A [1]; B [3]". A part with no answer standing (no evidence answers it, or its answer
+    failed its checks) never takes the others with it: they are the answer, and that part
+    is named, as a missing part (INCOMPLETE `missing_part`), or, where the request allows
+    degrading or the lookup was optional, as left out (PARTIAL). With no part standing,
+    the run is INCOMPLETE as a one-part answer would be."""
     s = ctx.settings
     parts: list[_Part] = []
     for dep in step.node.depends_on:
@@ -108,6 +110,7 @@ async def synthesize_lookups(ctx: RunContext, step: Step) -> Answer:
         parts.append(_Part(query, not node.optional, passages, sentences))
     parts = await _part_similarities(ctx, step, parts)
     kept: list[_Part] = []
+    missing: list[MissingPart] = []
     for part in parts:
         try:
             if not part.sentences:
@@ -120,10 +123,8 @@ async def synthesize_lookups(ctx: RunContext, step: Step) -> Answer:
                 [x.text for x in part.sentences],
             )
             answerability.gate(found, s.answerable_threshold, part=part.query)
-        except (NoEvidence, answerability.NotAnswerable):
-            if part.required and not s.allow_degrade:
-                raise
-            ctx.degraded.append(f"part_without_evidence: {part.query}")
+        except (NoEvidence, answerability.NotAnswerable) as error:
+            _leave_out(ctx, part, "part_without_evidence", str(error), missing)
             continue
         kept.append(part)
     if not kept:
@@ -150,7 +151,33 @@ async def synthesize_lookups(ctx: RunContext, step: Step) -> Answer:
             group.create_task(answer_part(i, part, found))
             for i, (part, found) in enumerate(zip(kept, evidences, strict=True))
         ]
-    return _joined([task.result() for task in tasks])
+    answers = [task.result() for task in tasks]
+    standing = [a for a in answers if not _fails(a)]
+    if standing and len(standing) < len(answers):
+        for part, written in zip(kept, answers, strict=True):
+            if _fails(written):
+                why = "; ".join(str(p) for p in written.problems) or "no answer in its evidence"
+                _leave_out(ctx, part, "part_failed_checks", why, missing, written.text)
+        answers = standing
+    return replace(_joined(answers), missing_parts=tuple(missing))
+
+
+def _fails(answer: Answer) -> bool:
+    """Whether a part's answer does not stand: it failed a check (a cut alone does not
+    fail one), or the model found no answer in its evidence."""
+    failed = any(p.reason != routing.CUT for p in answer.problems)
+    return failed or ev.is_refusal(answer.text)
+
+
+def _leave_out(
+    ctx: RunContext, part: _Part, kind: str, why: str, missing: list[MissingPart], draft=""
+) -> None:
+    """A part without an answer standing: left out of a PARTIAL answer where the request
+    allows degrading or the lookup was optional, else named as missing."""
+    if not part.required or ctx.settings.allow_degrade:
+        ctx.degraded.append(f"{kind}: {part.query}")
+    else:
+        missing.append(MissingPart(part.query, why, draft))
 
 
 async def _part_similarities(ctx: RunContext, step: Step, parts: list[_Part]) -> list[_Part]:

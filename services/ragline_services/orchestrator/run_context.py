@@ -101,6 +101,19 @@ class NotEscalated(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class MissingPart:
+    """A part of a several-part question that has no answer standing: why, and the draft
+    its generation wrote where one was written (it failed its checks)."""
+
+    query: str
+    why: str
+    draft: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.query!r}: {self.why}"
+
+
+@dataclass(frozen=True)
 class Answer:
     text: str
     evidence: ev.Evidence
@@ -126,6 +139,9 @@ class Answer:
     # Candidates of the answer's kind in its evidence (the verifier's rivals), for the
     # second read.
     rivals: tuple[str, ...] = ()
+    # A several-part answer: the required parts that have no answer standing (the text,
+    # citations and checks above are the parts that stand).
+    missing_parts: tuple[MissingPart, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,17 @@ def answered(answer: Answer, degraded: Sequence[str]) -> tuple[Verdict, Written]
         reason = next(p.reason for p in answer.problems if p.reason != routing.CUT)
         verdict = Verdict(AnswerState.INCOMPLETE, reason, detail)
         draft, text, citations = answer.text, "", []
+    elif answer.missing_parts:
+        # The parts that stand are kept (they passed every check); the question is not
+        # answered whole, so the run is not COMPLETE.
+        verdict = Verdict(
+            AnswerState.INCOMPLETE,
+            routing.MISSING_PART,
+            "no answer stands for "
+            + "; ".join(f"the part {m}" for m in answer.missing_parts)
+            + "; the answer holds the other parts",
+        )
+        draft = "; ".join(m.draft for m in answer.missing_parts if m.draft)
     elif degraded:
         verdict = Verdict(
             AnswerState.PARTIAL,

@@ -257,3 +257,50 @@ async def test_no_escalation_beside_other_runs_or_where_the_evidence_likely_does
     found = scrape(metrics_port)
     not_made = sample_values(found, "ragline_orchestrator_escalations_not_made", "_total")
     assert not_made == {("others_in_flight",): 1.0, ("evidence_unlikely",): 1.0}, not_made
+
+
+def _answers_part(request, part: str) -> bool:
+    """A generation asked to answer `part` of a several-part question (its prompt holds the
+    whole question, and the part it answers on a line of its own)."""
+    messages = request.chat.messages
+    return bool(messages) and f"only this part of it: {part}" in messages[-1].content
+
+
+async def test_a_part_whose_answer_fails_its_checks_leaves_the_other_part_standing(proxied):
+    # The garden's part answers with a name its evidence does not hold: not grounded, and
+    # no large tier here to cure it. The river's part is the real model's.
+    proxy, orchestrator = await proxied(
+        lambda r: "Napoleon Bonaparte" if _answers_part(r, "who designed") else None
+    )
+    result = await ask(orchestrator.address, TWO_PARTS)
+    assert result.route == "agent", result.route_detail
+    assert proxy.scripted  # the garden's part was asked, and answered on cue
+    # Not COMPLETE (a part has no answer), but the part that stands is kept, cited.
+    assert result.status.state == common_pb2.ANSWER_STATE_INCOMPLETE, result.status
+    assert result.status.reason == "missing_part", result.status
+    assert "who designed the University Library garden?" in result.status.detail
+    assert "vistula" in result.answer.lower() and "napoleon" not in result.answer.lower()
+    assert any("Vistula" in c.snippet for c in result.citations), result.citations
+    assert "Napoleon" in result.draft_answer
+    # With leave to degrade, the same answer is PARTIAL and names the part left out.
+    degraded = await ask(orchestrator.address, TWO_PARTS, allow_degrade=True)
+    assert degraded.status.state == common_pb2.ANSWER_STATE_PARTIAL, degraded.status
+    assert "vistula" in degraded.answer.lower() and "napoleon" not in degraded.answer.lower()
+    assert list(degraded.degraded) == [
+        "part_failed_checks: who designed the University Library garden?"
+    ]
+
+
+async def test_a_part_no_evidence_answers_is_named_and_the_other_part_answered(proxied):
+    question = (
+        "Which river flows through Warsaw, and also who won the 1998 Tour de France cycling race?"
+    )
+    proxy, orchestrator = await proxied()
+    result = await ask(orchestrator.address, question)
+    assert result.route == "agent", result.route_detail
+    assert len(answer_calls(proxy.forwarded)) == 1  # nothing generated for the other part
+    assert result.status.state == common_pb2.ANSWER_STATE_INCOMPLETE, result.status
+    assert result.status.reason == "missing_part", result.status
+    assert "Tour de France" in result.status.detail, result.status.detail
+    assert "vistula" in result.answer.lower() and result.citations, result
+    assert result.draft_answer == ""

@@ -140,3 +140,15 @@ def test_a_deadline_in_generation_after_the_evidence_is_partial_before_it_an_err
     early = record(Kind.BM25, NodeState.FAILED, TimeoutError())
     with pytest.raises(DeadlineExceeded, match="step bm25"):
         failed(early, evidence_in)
+
+
+def test_a_part_without_an_answer_standing_is_named_and_the_parts_that_stand_are_kept():
+    from ragline_services.orchestrator.run_context import MissingPart
+
+    missing = MissingPart("who designed the garden", "failed_validation: not supported", "X [2]")
+    verdict, written = answered(answer(missing_parts=(missing,)), degraded=[])
+    assert (verdict.state, verdict.reason) == (AnswerState.INCOMPLETE, routing.MISSING_PART)
+    assert "'who designed the garden'" in verdict.detail
+    # The part that stands is the answer, cited; the missing part's text is a draft.
+    assert written.answer == "Rollo [1]" and written.citations == [ITEM]
+    assert written.draft_answer == "X [2]"
