@@ -13,6 +13,7 @@ supported when the cited text holds the question's own terms (it speaks of what 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ MIN_WORD_SHARE = 0.75
 MIN_QUESTION_SHARE = 0.5
 
 _YES_NO = frozenset({"yes", "no"})
+_WORD = re.compile(r"[a-z0-9_]+")
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,16 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
 
 
 def _names_code(answer: str, question: str) -> bool:
-    """Whether the answer writes an identifier of code that the question does not write:
-    "--verify" for "Which option verifies ...?", "LESS" for "Which variable holds less's
-    options?". Its words are the question's, but it names a thing the question asks for."""
+    """Whether the answer writes an identifier of code that the question writes neither as
+    it is nor as one of its words: "--verify" for "Which option verifies ...?" names a
+    thing the question asks for, though its stem is the question's. "METHOD" for "Which
+    method ...?" stays an echo (a placeholder of the page as often as a name: measured in
+    docs/answer-states.md)."""
+    asked = set(_WORD.findall(question.lower()))
     return any(
-        ev.looks_like_code(token) and token not in question
+        ev.looks_like_code(token)
+        and token not in question
+        and token.lstrip("-").lower() not in asked
         for token in (t.strip(".,;:\"'`") for t in answer.split())
     )
 

@@ -157,5 +157,8 @@ def test_an_identifier_of_code_the_question_does_not_write_is_an_answer_not_an_e
     # The same words as prose name nothing the question did not.
     said = support("verify [1]", OPTIONS, question)
     assert not said.supported and said.missing == ("anything the question does not already say",)
-    # An identifier the question itself writes is still an echo.
+    # An identifier the question itself writes is still an echo, as written or as a word.
     assert not support("--verify [1]", OPTIONS, "What does tar's --verify option do?").supported
+    variables = [item("LESS: options which are passed to less automatically.", "less")]
+    question = "Which environment variable holds default options for less?"
+    assert not support("LESS [1]", variables, question).supported
