@@ -170,7 +170,7 @@ def _fails(answer: Answer) -> bool:
 
 
 def _leave_out(
-    ctx: RunContext, part: _Part, kind: str, why: str, missing: list[MissingPart], draft=""
+    ctx: RunContext, part: _Part, kind: str, why: str, missing: list[MissingPart], draft: str = ""
 ) -> None:
     """A part without an answer standing: left out of a PARTIAL answer where the request
     allows degrading or the lookup was optional, else named as missing."""

@@ -90,6 +90,7 @@ def answered(answer: Answer, degraded: Sequence[str]) -> tuple[Verdict, Written]
         detail = "the answer failed its checks: " + "; ".join(str(p) for p in answer.problems)
         if answer.escalated:
             detail += " (the large tier's answer did not clear them)"
+        detail += "".join(f"; no answer stands for the part {m}" for m in answer.missing_parts)
         reason = next(p.reason for p in answer.problems if p.reason != routing.CUT)
         verdict = Verdict(AnswerState.INCOMPLETE, reason, detail)
         draft, text, citations = answer.text, "", []

@@ -152,3 +152,8 @@ def test_a_part_without_an_answer_standing_is_named_and_the_parts_that_stand_are
     # The part that stands is the answer, cited; the missing part's text is a draft.
     assert written.answer == "Rollo [1]" and written.citations == [ITEM]
     assert written.draft_answer == "X [2]"
+    # Where no part stands either, the run fails as one answer would, naming both.
+    failing = (routing.Signal("failed_validation", "not supported", routing.FAILED_VALIDATION),)
+    verdict, _ = answered(answer(problems=failing, missing_parts=(missing,)), degraded=[])
+    assert verdict.reason == routing.FAILED_VALIDATION
+    assert "'who designed the garden'" in verdict.detail
