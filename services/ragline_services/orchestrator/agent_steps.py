@@ -15,7 +15,7 @@ from ragline.v1 import (
     generation_pb2,
 )
 from ragline.vocabulary import FinishReason, ModelTier, tier_to_proto
-from ragline_services.orchestrator import answerability, routing
+from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.agent import (
     PLANNER_PROMPT,
@@ -37,6 +37,7 @@ from ragline_services.orchestrator.run_context import (
     RunContext,
 )
 from ragline_services.orchestrator.runner import Step
+from ragline_services.orchestrator.verdict import stands
 
 log = structlog.get_logger("ragline.orchestrator")
 
@@ -152,21 +153,14 @@ async def synthesize_lookups(ctx: RunContext, step: Step) -> Answer:
             for i, (part, found) in enumerate(zip(kept, evidences, strict=True))
         ]
     answers = [task.result() for task in tasks]
-    standing = [a for a in answers if not _fails(a)]
+    standing = [a for a in answers if stands(a)]
     if standing and len(standing) < len(answers):
         for part, written in zip(kept, answers, strict=True):
-            if _fails(written):
+            if not stands(written):
                 why = "; ".join(str(p) for p in written.problems) or "no answer in its evidence"
                 _leave_out(ctx, part, "part_failed_checks", why, missing, written.text)
         answers = standing
     return replace(_joined(answers), missing_parts=tuple(missing))
-
-
-def _fails(answer: Answer) -> bool:
-    """Whether a part's answer does not stand: it failed a check (a cut alone does not
-    fail one), or the model found no answer in its evidence."""
-    failed = any(p.reason != routing.CUT for p in answer.problems)
-    return failed or ev.is_refusal(answer.text)
 
 
 def _leave_out(

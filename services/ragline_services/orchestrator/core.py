@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
 
 import grpc
 import structlog
@@ -45,7 +44,6 @@ from ragline_services.orchestrator.caches import (
 from ragline_services.orchestrator.plan import Kind, Node, Plan
 from ragline_services.orchestrator.report import CriticalPath, critical_path
 from ragline_services.orchestrator.run_context import (
-    Answer,
     Clients,
     Planned,
     RunContext,
@@ -53,14 +51,7 @@ from ragline_services.orchestrator.run_context import (
 )
 from ragline_services.orchestrator.runner import NodeRecord, NodeState, PlanRunner, RunResult
 from ragline_services.orchestrator.steps import executors_for
-from ragline_services.orchestrator.verdict import (
-    AnswerState,
-    Verdict,
-    Written,
-    abstained,
-    answered,
-    failed,
-)
+from ragline_services.orchestrator.verdict import AnswerState, Written, of_run
 from ragline_services.orchestrator.wording import status_detail
 
 # Kept back from the caller's deadline to settle the budget, close the ledger and send the
@@ -319,7 +310,7 @@ class Orchestrator:
             await ctx.wait_settled()
             ledger = await self._final_ledger(budget, close=own_task)
         degraded = list(dict.fromkeys([*result.degraded, *ctx.degraded]))
-        verdict, written = _verdict(result, degraded)
+        verdict, written = of_run(result, degraded)
         detail = verdict.detail
         if route.name == "rag_fallback":
             detail = "; ".join(filter(None, [detail, route.detail]))
@@ -527,16 +518,6 @@ class Orchestrator:
         if left < expected + RESERVE_FOR_ANSWER_S:
             return f"{node.kind.value}_skipped_deadline"
         return None
-
-
-def _verdict(result: RunResult, degraded: list[str]) -> tuple[Verdict, Written]:
-    """The run's state and reason, and what its answer wrote (nothing unless answered)."""
-    if result.abstained is not None:
-        return abstained(result.abstained), Written()
-    if result.failure is not None:
-        return failed(result.failure, result.records), Written()
-    # A run that neither abstained nor failed ended in its answer step.
-    return answered(cast(Answer, result.answer), degraded)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import grpc
 
@@ -22,7 +23,7 @@ from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator import routing
 from ragline_services.orchestrator.plan import Kind
 from ragline_services.orchestrator.run_context import Answer, NoEvidence, NotEscalated
-from ragline_services.orchestrator.runner import Abstain, NodeRecord, NodeState
+from ragline_services.orchestrator.runner import Abstain, NodeRecord, NodeState, RunResult
 
 
 class AnswerState(enum.StrEnum):
@@ -64,6 +65,23 @@ class Written:
     verified: float | None = None
 
 
+def of_run(result: RunResult, degraded: list[str]) -> tuple[Verdict, Written]:
+    """The run's state and reason, and what its answer wrote (nothing unless answered)."""
+    if result.abstained is not None:
+        return abstained(result.abstained), Written()
+    if result.failure is not None:
+        return failed(result.failure, result.records), Written()
+    # A run that neither abstained nor failed ended in its answer step.
+    return answered(cast(Answer, result.answer), degraded)
+
+
+def stands(answer: Answer) -> bool:
+    """Whether an answer's text may be given as the answer: the model did not refuse, and
+    no check failed but the cut at its token limit (a cut answer is PARTIAL, not a draft).
+    The verdict's rule, and each part's of a several-part answer."""
+    return not ev.is_refusal(answer.text) and all(p.reason == routing.CUT for p in answer.problems)
+
+
 def answered(answer: Answer, degraded: Sequence[str]) -> tuple[Verdict, Written]:
     """The verdict on an answer the plan produced, and what of it the caller gets."""
     text, draft, citations = answer.text, "", answer.cited.citations
@@ -80,13 +98,7 @@ def answered(answer: Answer, degraded: Sequence[str]) -> tuple[Verdict, Written]
             "the model found no answer in the retrieved evidence",
         )
         citations = []
-    elif answer.problems and all(p.reason == routing.CUT for p in answer.problems):
-        verdict = Verdict(
-            AnswerState.PARTIAL,
-            "length",
-            "the answer reached its token limit and is cut; its text is grounded",
-        )
-    elif answer.problems:
+    elif not stands(answer):
         detail = "the answer failed its checks: " + "; ".join(str(p) for p in answer.problems)
         if answer.escalated:
             detail += " (the large tier's answer did not clear them)"
@@ -94,6 +106,12 @@ def answered(answer: Answer, degraded: Sequence[str]) -> tuple[Verdict, Written]
         reason = next(p.reason for p in answer.problems if p.reason != routing.CUT)
         verdict = Verdict(AnswerState.INCOMPLETE, reason, detail)
         draft, text, citations = answer.text, "", []
+    elif answer.problems:  # only the cut
+        verdict = Verdict(
+            AnswerState.PARTIAL,
+            "length",
+            "the answer reached its token limit and is cut; its text is grounded",
+        )
     elif answer.missing_parts:
         # The parts that stand are kept (they passed every check); the question is not
         # answered whole, so the run is not COMPLETE.
