@@ -120,10 +120,7 @@ class Engines:
             ]
         else:
             started_bm25 = bm25_pool if early_bm25 is not None else None
-            ordered, fusion_s = self._hybrid(
-                visibility, query, vector, candidates, ef, timed, started_bm25
-            )
-            stages.append(("fusion", fusion_s))
+            ordered = self._hybrid(visibility, query, vector, candidates, ef, timed, started_bm25)
         resolved = timed(
             "resolve",
             self.bm25.resolve,
@@ -142,9 +139,9 @@ class Engines:
         ef: int,
         timed: Callable[..., Any],
         started_bm25: Callable[[], Any] | None,
-    ) -> tuple[Hits, float]:
-        """Both halves and their fusion (and the seconds the fusion took). `started_bm25`:
-        the BM25 half already started (its result when called), or None."""
+    ) -> Hits:
+        """Both halves and their fusion, each timed by `timed`. `started_bm25`: the BM25 half
+        already started (its result when called), or None."""
         s = self.settings
         semantic = (SearchMode.VECTOR, self.vectors.search, vector, visibility, candidates, ef)
         if started_bm25 is not None:
@@ -160,13 +157,15 @@ class Engines:
             )
             bm25_list = timed(SearchMode.BM25, self.bm25.search, query.text, visibility, candidates)
             vector_list = pending.result() if pending is not None else timed(*semantic)
-        started = time.perf_counter()
         if (query.fusion or s.default_fusion) == Fusion.SCORE:
             fuse, weight = score_fusion, query.vector_weight or s.default_score_weight
         else:
             fuse, weight = rrf, query.vector_weight or s.default_vector_weight
-        ordered = [
-            (pid, fused, {**parts, "fused": fused})
-            for pid, fused, parts in fuse(bm25_list, vector_list, weight, query.k)
-        ]
-        return ordered, time.perf_counter() - started
+
+        def fused() -> Hits:
+            return [
+                (pid, score, {**parts, "fused": score})
+                for pid, score, parts in fuse(bm25_list, vector_list, weight, query.k)
+            ]
+
+        return timed("fusion", fused)
