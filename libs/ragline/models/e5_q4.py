@@ -168,20 +168,19 @@ class _GraphBuilder:
     """The nodes and initializers of the encoder's graph, in the order they are made."""
 
     def __init__(self, model: E5Q4, accuracy_level: int, weights: str) -> None:
+        from onnx import helper, numpy_helper  # onnx only where a graph is written
+
         self.model, self.accuracy_level, self.weights = model, accuracy_level, weights
         self.nodes: list[Any] = []
         self.inits: list[Any] = []
+        self._make_node, self._tensor = helper.make_node, numpy_helper.from_array
 
     def const(self, name: str, value: Any) -> str:  # anything np.asarray takes
-        from onnx import numpy_helper
-
-        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        self.inits.append(self._tensor(np.asarray(value), name))
         return name
 
     def node(self, op: str, inputs: list[str], output: str, **attrs: Any) -> str:
-        from onnx import helper
-
-        self.nodes.append(helper.make_node(op, inputs, [output], name=output, **attrs))
+        self.nodes.append(self._make_node(op, inputs, [output], name=output, **attrs))
         return output
 
     def linear(self, x: str, weight: str, bias: str, out: str) -> str:

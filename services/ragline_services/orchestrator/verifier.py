@@ -325,7 +325,7 @@ def _candidates(tokens: list[_Token], kind: str) -> list[tuple[int, int]]:
         elif kind == "name":
             fits = token.surface[:1].isupper() and token.term not in FUNCTION_WORDS
         else:
-            fits = bool(token.term) and bool(ev.looks_like_code(token.surface))
+            fits = bool(token.term) and ev.looks_like_code(token.surface)
         if fits and start is None:
             start = i
         elif not fits and start is not None:
@@ -514,9 +514,10 @@ def _placement(
     for item in [*cited, *items]:
         if item not in items:
             continue
-        span = _locate(answer_tokens, item_tokens[items.index(item)])
+        at = items.index(item)
+        span = _locate(answer_tokens, item_tokens[at])
         if span is not None:
-            return items.index(item), span
+            return at, span
     return None
 
 
@@ -539,7 +540,10 @@ def _rivals(
     rival_clauses: list[float] = []
     named: list[tuple[float, str]] = []
 
-    def add(item: int, other: list[_Token], candidate: tuple[int, int], terms: set[str]) -> None:
+    def add(item: int, other: list[_Token], candidate: tuple[int, int]) -> None:
+        terms = {t.term for t in other[candidate[0] : candidate[1]] if t.term}
+        if not terms or terms & question_terms or terms <= own:
+            return  # the question's own subject is not a rival answer
         rivals.append(_closeness(asked, other, candidate, terms))
         rival_clauses.append(_clause_share(asked, other, candidate))
         named.append((rivals[-1], _surface(items[item].text, other, candidate)))
@@ -549,14 +553,9 @@ def _rivals(
             for candidate in _candidates(other, kind):
                 if other_index == index and candidate[0] < span[1] and span[0] < candidate[1]:
                     continue  # the answer itself
-                terms = {t.term for t in other[candidate[0] : candidate[1]] if t.term}
-                if not terms or terms & question_terms or terms <= own:
-                    continue  # the question's own subject is not a rival answer
-                add(other_index, other, candidate, terms)
+                add(other_index, other, candidate)
     for candidate in _parallel(tokens, span):
-        terms = {t.term for t in tokens[candidate[0] : candidate[1]] if t.term}
-        if terms and not terms & question_terms and not terms <= own:
-            add(index, tokens, candidate, terms)
+        add(index, tokens, candidate)
     return rivals, rival_clauses, named
 
 
