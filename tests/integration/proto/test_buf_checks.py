@@ -3,27 +3,19 @@ deliberately bad copy (so a change that breaks an existing client cannot land)."
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 
 import pytest
 
-from support import REPO_ROOT
+from support import REPO_ROOT, load_tool
 
 pytestmark = pytest.mark.integration
 
 
-def buf_tool():
-    spec = importlib.util.spec_from_file_location("buf_tool", REPO_ROOT / "tools" / "buf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def buf():
-    tool = buf_tool()
+    tool = load_tool("buf")
     tool.ensure_buf()
     return tool
 
