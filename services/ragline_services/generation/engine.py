@@ -8,6 +8,21 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token and the natural log of the probabilities the model gave it and
+    its likeliest other token; None for a token accepted from a speculative draft (the
+    engine reports none: it was the likeliest, with a probability unknown)."""
+
+    text: str
+    logprob: float | None
+    runner_up: float | None
+
+
+# The sampling key that asks an engine for its tokens' probabilities (Sampling.logprobs).
+LOGPROBS = "logprobs"
+
+
 @dataclass
 class StreamEvent:
     """A piece of generated text, or (final=True) the engine's summary of the sequence."""
@@ -23,6 +38,9 @@ class StreamEvent:
     decode_ms: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    # One per token of `text`, when the sampling asked for them (LOGPROBS) and the engine
+    # gives them.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class GenerationEngine(Protocol):

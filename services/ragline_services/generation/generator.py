@@ -29,6 +29,7 @@ from ragline_services.generation.engine import (
     GenerationEngine,
     SlotStateEngine,
     TokenizingEngine,
+    TokenLogprob,
 )
 from ragline_services.generation.leases import Lease
 from ragline_services.generation.prefix_store import Candidate, PrefixStore, StoreOutcome
@@ -141,6 +142,7 @@ class Summary:
     store: StoreOutcome = field(default_factory=StoreOutcome)
     paused_s: float = 0.0  # paused for light tenants' requests (pausing.py)
     engine_wait_s: float = 0.0  # see sequence.Decoded.engine_wait_s
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when the sampling asks
 
 
 @dataclass
@@ -356,6 +358,7 @@ class Generator:
             store=store,
             paused_s=decoded.paused_s,
             engine_wait_s=decoded.engine_wait_s(),
+            logprobs=decoded.logprobs,
         )
 
     def _note_speculation(self, tier: Tier, drafted: int, accepted: int) -> None:

@@ -28,7 +28,7 @@ import structlog
 from ragline import deadlines
 from ragline.errors import Unavailable
 from ragline.processes import dying_with_this_process, terminate
-from ragline_services.generation.engine import StreamEvent
+from ragline_services.generation.engine import LOGPROBS, StreamEvent, TokenLogprob
 from ragline_services.generation.prebuilt import PREBUILT_GLIBC, installed_prebuilt
 
 log = structlog.get_logger("ragline.generation.engine")
@@ -459,6 +459,9 @@ class LlamaServerEngine:
         token that arrived in it (a reader that falls behind gets fewer, larger events, not
         a queue of one-token ones). Closing the generator closes the HTTP stream, which
         makes llama-server stop decoding and free the slot."""
+        sampling = dict(sampling)
+        # Two per token: the one chosen and the likeliest other.
+        n_probs = 2 if sampling.pop(LOGPROBS, False) else 0
         body = {
             # The ids `tokenize` made of `prompt` (same special-token rules as llama-server's
             # own tokenization of text), so the engine does not tokenize it again.
@@ -472,6 +475,7 @@ class LlamaServerEngine:
             # closed stream (a pause, a cancel) when it writes one, so a sequence stopped
             # during its prefill stops after that step (else up to a second later).
             "return_progress": True,
+            "n_probs": n_probs,
             **sampling,
         }
         try:
@@ -486,6 +490,7 @@ class LlamaServerEngine:
                     *lines, pending = (pending + received).split("\n")
                     texts: list[str] = []
                     ids: list[int] = []
+                    probs: list[TokenLogprob] = []
                     for line in lines:
                         if not line.startswith("data: "):
                             continue
@@ -494,17 +499,35 @@ class LlamaServerEngine:
                             continue
                         if data.get("stop"):
                             if texts or ids:
-                                yield StreamEvent(text="".join(texts), token_ids=ids)
+                                yield StreamEvent("".join(texts), ids, logprobs=probs)
                             yield _final_event(data)
                             return
                         texts.append(data.get("content", ""))
                         ids.extend(data.get("tokens", ()))
+                        if n_probs:
+                            probs.extend(token_logprobs(data))
                     if texts or ids:
-                        yield StreamEvent(text="".join(texts), token_ids=ids)
+                        yield StreamEvent("".join(texts), ids, logprobs=probs)
         except httpx.HTTPError as error:
             raise Unavailable(f"llama-server stream failed: {error}") from error
         except (ValueError, TypeError) as error:  # a line that is not the JSON it should be
             raise Unavailable(f"llama-server stream sent malformed data: {error}") from error
+
+
+def token_logprobs(data: dict) -> list[TokenLogprob]:
+    """The tokens of one streamed line of llama-server's /completion with their
+    probabilities (`n_probs` > 0): a token it accepted from a speculative draft comes with
+    none, and is reported with none."""
+    reported = data.get("completion_probabilities") or []
+    if not reported:
+        tokens = data.get("tokens") or ()
+        text = data.get("content", "")
+        return [TokenLogprob(text if i == 0 else "", None, None) for i in range(len(tokens))]
+    out = []
+    for entry in reported:
+        others = [t["logprob"] for t in entry.get("top_logprobs", ()) if t["id"] != entry["id"]]
+        out.append(TokenLogprob(entry["token"], entry["logprob"], max(others, default=None)))
+    return out
 
 
 def _final_event(data: dict) -> StreamEvent:

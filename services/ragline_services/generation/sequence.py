@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ragline import deadlines
 from ragline.vocabulary import FinishReason
-from ragline_services.generation.engine import SlotStateEngine, StreamEvent
+from ragline_services.generation.engine import SlotStateEngine, StreamEvent, TokenLogprob
 from ragline_services.generation.leases import Lease
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class Decoded:
     finish: FinishReason = FinishReason.STOP
     ended: float | None = None
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when the sampling asks
     pauses: int = 0  # times the scheduler paused the sequence
     paused_s: float = 0.0
     paused_before_first_s: float = 0.0  # of paused_s, before the first token
@@ -94,6 +95,7 @@ class Decoded:
             self.final = event if self.final is None else _joined(self.final, event)
             self.finish = _FINISH_OF_STOP.get(event.stop_type, FinishReason.STOP)
         self.token_ids.extend(event.token_ids)
+        self.logprobs.extend(event.logprobs)
         if not (event.text or event.token_ids):
             return None
         if self.first_token_at is None:

@@ -13,6 +13,7 @@ from ragline.server import Deferred
 from ragline.timing import current_clock
 from ragline.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from ragline.vocabulary import finish_reason_to_proto, tier_from_proto, tier_to_proto
+from ragline_services.generation.engine import LOGPROBS
 from ragline_services.generation.generator import (
     Chunk,
     GenerationRequest,
@@ -46,6 +47,8 @@ def _sampling(message: generation_pb2.Sampling) -> dict:
         sampling["seed"] = message.seed
     if message.stop:
         sampling["stop"] = list(message.stop)
+    if message.logprobs:
+        sampling[LOGPROBS] = True
     return sampling
 
 
@@ -158,6 +161,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 restored_tokens=summary.store.restored_tokens,
                 saved_tokens=summary.store.saved_tokens,
             ),
+            logprobs=[
+                generation_pb2.TokenLogprob(
+                    text=token.text, logprob=token.logprob, runner_up_logprob=token.runner_up
+                )
+                for token in summary.logprobs
+            ],
         )
 
     async def CountTokens(

@@ -66,6 +66,33 @@ async def test_streams_in_order_with_usage_and_timings(generation_service):
     assert stages.get("engine_wait", 0) < stages["prefill"] + stages["decode"]  # alone here
 
 
+async def test_token_logprobs_come_only_when_asked_one_per_token(generation_service):
+    # Not asked: none (the engine is asked for no probabilities either).
+    plain = await collect(
+        generation_service.address,
+        prompt_request("The capital of France is", 8, speculation=generation_pb2.SPECULATION_OFF),
+    )
+    assert not plain[-1].final.logprobs
+    asked = await collect(
+        generation_service.address,
+        prompt_request(
+            "The capital of France is",
+            8,
+            speculation=generation_pb2.SPECULATION_OFF,
+            sampling=generation_pb2.Sampling(logprobs=True),
+        ),
+    )
+    final = asked[-1].final
+    tokens = list(final.logprobs)
+    # One per generated token, in order, spelling the text; without speculation every
+    # token has its probability, greedy picks the likeliest, and the runner-up is below it.
+    assert len(tokens) == final.usage.output_tokens
+    assert "".join(t.text for t in tokens) == final.text
+    for token in tokens:
+        assert token.HasField("logprob") and token.HasField("runner_up_logprob")
+        assert token.logprob <= 0.0 and token.runner_up_logprob <= token.logprob
+
+
 async def test_chat_is_rendered_with_the_models_template(generation_service):
     request = generation_pb2.GenerateRequest(max_tokens=8)
     request.chat.messages.add(role=generation_pb2.ROLE_SYSTEM, content="Answer briefly.")
