@@ -109,6 +109,7 @@ class Outcome:
     evidence: tuple[tuple[str, str, str, str], ...] = ()
     cited: tuple[str, ...] = ()
     verified: float = -1.0  # the verifier's estimate that the answer is right (-1: none)
+    answer_logprob: float | None = None  # the model's own confidence (None: not reported)
 
 
 @dataclass
@@ -235,6 +236,8 @@ async def ask_one(
     outcome.evidence = tuple((e.marker, e.title, e.snippet, e.document_id) for e in result.evidence)
     outcome.cited = tuple(c.marker for c in result.citations)
     outcome.verified = result.verified if result.HasField("verified") else -1.0
+    if result.HasField("answer_logprob"):
+        outcome.answer_logprob = result.answer_logprob
     outcome.answerable = getattr(question, "answerable", True)
     answer = strip_markers(result.answer)
     draft = strip_markers(result.answer or result.draft_answer)

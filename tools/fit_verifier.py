@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ class Row:
     answerable: bool
     article: int
     source: str
+    answer_logprob: float | None = None  # the model's confidence, where the run had it
 
 
 def _article(passage_id: str) -> int:
@@ -74,7 +75,7 @@ def rows_of(path: Path) -> list[Row]:
             f1 = max((answer_f1(ev.strip_markers(text), g) for g in o.get("gold", ())), default=0)
             article = _article(o.get("passage_id", "")) if answerable else -1 - number
             out.append(Row(found.vector(), answerable and f1 >= RIGHT_F1, answerable, article,
-                           name))  # fmt: skip
+                           name, o.get("answer_logprob")))  # fmt: skip
     return out
 
 
@@ -91,9 +92,15 @@ def part(rows: list[Row], which: str) -> list[Row]:
     return [r for r in rows if r.article >= middle or (r.article < 0 and not r.article % 2)]
 
 
-def fit(rows: list[Row], l2: float = 1.0) -> verifier.Fit:
-    """Logistic regression (Newton's method, an L2 penalty on the weights)."""
+def fit(rows: list[Row], l2: float = 1.0, *, confidence: bool = False) -> verifier.Fit:
+    """Logistic regression (Newton's method, an L2 penalty on the weights); with
+    `confidence`, the model's confidence is a reading too (rows that have it)."""
+    if confidence:
+        rows = [r for r in rows if r.answer_logprob is not None]
     x = np.array([r.features for r in rows], dtype=float)
+    if confidence:
+        read = [verifier.confidence_read(r.answer_logprob or 0.0) for r in rows]
+        x = np.hstack([x, np.array(read)[:, None]])
     y = np.array([r.right for r in rows], dtype=float)
     x1 = np.hstack([x, np.ones((len(x), 1))])
     w = np.zeros(x1.shape[1])
@@ -107,13 +114,31 @@ def fit(rows: list[Row], l2: float = 1.0) -> verifier.Fit:
         w -= step
         if np.abs(step).max() < 1e-8:
             break
-    return verifier.Fit(tuple(round(float(v), 3) for v in w[:-1]), round(float(w[-1]), 3))
+    weights = tuple(round(float(v), 3) for v in w[:-1])
+    if confidence:
+        return verifier.Fit(weights[:-1], round(float(w[-1]), 3), confidence=weights[-1])
+    return verifier.Fit(weights, round(float(w[-1]), 3))
 
 
-def curve(rows: list[Row], model: verifier.Fit) -> list[tuple[float, float, float, float]]:
+@dataclass(frozen=True)
+class Fits:
+    """The words alone, and with the model's confidence: the server reads an answer with
+    the second where its engine reported the confidence."""
+
+    words: verifier.Fit
+    with_confidence: verifier.Fit
+
+    def estimate(self, row: Row) -> float:
+        found = verifier.Features(*row.features)
+        if row.answer_logprob is None:
+            return self.words.estimate(found)
+        return self.with_confidence.estimate(found, row.answer_logprob)
+
+
+def curve(rows: list[Row], model: Fits) -> list[tuple[float, float, float, float]]:
     """Per threshold: share of answerable answers kept, precision of kept answers, right
     answers kept per 100 answerable answers read, out-of-corpus answers kept."""
-    scored = [(model.estimate(verifier.Features(*r.features)), r) for r in rows]
+    scored = [(model.estimate(r), r) for r in rows]
     answerable = [r for r in rows if r.answerable] or [None]
     out = []
     for t in THRESHOLDS:
@@ -137,16 +162,32 @@ def main() -> int:
     parser.add_argument("--fit", action="append", default=[], help="FILE:PART")
     parser.add_argument("--report", action="append", default=[], help="FILE:PART")
     parser.add_argument("--plot", type=Path)
+    parser.add_argument(
+        "--words-only",
+        action="store_true",
+        help="read every answer as if its engine gave no confidence (the words alone)",
+    )
     args = parser.parse_args()
 
     def read(spec: str) -> list[Row]:
         path, _, which = spec.rpartition(":")
-        return part(rows_of(Path(path)), which)
+        rows = part(rows_of(Path(path)), which)
+        if args.words_only:
+            rows = [replace(r, answer_logprob=None) for r in rows]
+        return rows
 
     training = [r for spec in args.fit for r in read(spec)]
-    model = fit(training) if training else verifier.FIT
+    if args.words_only:
+        training = [replace(r, answer_logprob=None) for r in training]
+    model = Fits(
+        fit(training) if training else verifier.FIT,
+        fit(training, confidence=True)
+        if any(r.answer_logprob is not None for r in training)
+        else verifier.FIT_WITH_CONFIDENCE,
+    )
     print(f"fitted on {len(training)} answers ({sum(r.right for r in training)} right)")
-    print(f"FIT = Fit(weights={model.weights}, bias={model.bias})")
+    print(f"FIT = {model.words}")
+    print(f"FIT_WITH_CONFIDENCE = {model.with_confidence}")
     print("features:", ", ".join(verifier.FEATURE_NAMES))
     curves = {}
     for spec in [*args.fit, *args.report]:

@@ -248,6 +248,9 @@ def _joined(answers: list[Answer]) -> Answer:
         not_escalated=next((a.not_escalated for a in answers if a.not_escalated), None),
         problems=named("problems"),
         verified=min((a.verified for a in answers if a.verified is not None), default=None),
+        answer_logprob=min(
+            (a.answer_logprob for a in answers if a.answer_logprob is not None), default=None
+        ),
     )
 
 

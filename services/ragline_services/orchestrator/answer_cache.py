@@ -45,6 +45,7 @@ class CachedAnswer:
     model_version: str
     tier: common_pb2.ModelTier
     verified: float | None = None
+    answer_logprob: float | None = None
     saved: tuple[dict[str, Any], ...] = ()
     route: str = "rag"
     subqueries: tuple[Any, ...] = field(default=())
@@ -60,6 +61,7 @@ class CachedAnswer:
             model_version=written.model_version,
             tier=written.tier,
             verified=written.verified,
+            answer_logprob=written.answer_logprob,
             saved=saved,
             route=outcome.route,
             subqueries=tuple(outcome.subqueries),
@@ -75,6 +77,7 @@ class CachedAnswer:
             tier=self.tier,
             model_version=self.model_version,
             verified=self.verified,
+            answer_logprob=self.answer_logprob,
         )
 
     @property
@@ -92,6 +95,7 @@ class CachedAnswer:
             "model_version": self.model_version,
             "tier": self.tier,
             "verified": self.verified,
+            "answer_logprob": self.answer_logprob,
             "saved": list(self.saved),
             "route": self.route,
             "subqueries": list(self.subqueries),
@@ -107,6 +111,7 @@ class CachedAnswer:
             model_version=entry["model_version"],
             tier=entry["tier"],
             verified=entry.get("verified"),
+            answer_logprob=entry.get("answer_logprob"),
             saved=tuple(entry["saved"]),
             route=entry.get("route", "rag"),
             subqueries=tuple(entry.get("subqueries", ())),

@@ -16,8 +16,8 @@ from ragline.v1 import (
 )
 from ragline.vocabulary import ModelTier, finish_reason_from_proto, tier_to_proto
 from ragline.words import mostly_han
+from ragline_services.orchestrator import confidence, followup, second_read, verifier
 from ragline_services.orchestrator import evidence as ev
-from ragline_services.orchestrator import followup, second_read, verifier
 from ragline_services.orchestrator.agent import (
     clauses,
 )
@@ -81,7 +81,8 @@ async def answer(
         chat=chat((generation_pb2.ROLE_SYSTEM, ev.SYSTEM_PROMPT), (generation_pb2.ROLE_USER, user)),
         max_tokens=max_tokens,
         tier=tier_to_proto(tier),
-        sampling=generation_pb2.Sampling(stop=["\n"]),
+        # The tokens' probabilities: the model's confidence is one of the verifier's readings.
+        sampling=generation_pb2.Sampling(stop=["\n"], logprobs=True),
         # Saved KV states of this prompt name its documents, so forgetting one reaches them.
         sources=sorted({item.passage.id for item in evidence.items}),
     )
@@ -157,6 +158,7 @@ def _checked(answer: Answer, question: str, verify_threshold: float) -> Answer:
             answer.cited.citations,
             answer.evidence.items,
             None if gate is None else gate.probability,
+            answer.answer_logprob,
         )
         verified = round(reading.estimate, 4)
         cited = " ".join(item.text for item in answer.cited.citations)
@@ -230,4 +232,5 @@ def _answer_of(final, evidence: ev.Evidence, used: Amounts) -> Answer:
         model=final.model,
         tier=final.tier,
         model_version=final.model_version,
+        answer_logprob=confidence.answer_logprob(final.logprobs),
     )

@@ -136,6 +136,8 @@ class Answer:
     # The verifier's estimate that the answer is the one the question asks for (None: not
     # read, as for a refusal or an answer that failed an earlier check).
     verified: float | None = None
+    # The model's own confidence in the text (confidence.py; None: the engine gave none).
+    answer_logprob: float | None = None
     # Candidates of the answer's kind in its evidence (the verifier's rivals), for the
     # second read.
     rivals: tuple[str, ...] = ()

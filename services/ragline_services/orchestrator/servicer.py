@@ -378,6 +378,7 @@ def _result(outcome: AskOutcome, run_id: str) -> orchestrator_pb2.AskResult:
         escalation_cured=outcome.written.escalation_cured,
         answerability=outcome.answerability or 0.0,
         verified=outcome.written.verified,
+        answer_logprob=outcome.written.answer_logprob,
     )
     if outcome.ledger is not None:
         result.budget.CopyFrom(outcome.ledger)

@@ -63,6 +63,8 @@ class Written:
     draft_answer: str = ""
     # The verifier's estimate that the answer answers the question (None: not read).
     verified: float | None = None
+    # The model's own confidence in it (confidence.py; None: the engine gave none).
+    answer_logprob: float | None = None
 
 
 def of_run(result: RunResult, degraded: list[str]) -> tuple[Verdict, Written]:
@@ -159,6 +161,7 @@ def answered(answer: Answer, degraded: Sequence[str]) -> tuple[Verdict, Written]
         prefill_tokens_saved=answer.cached_input_tokens,
         draft_answer=draft,
         verified=answer.verified,
+        answer_logprob=answer.answer_logprob,
     )
 
 

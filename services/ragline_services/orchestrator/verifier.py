@@ -20,10 +20,16 @@ It reads where the answer stands in its cited text, as a reader would:
 - `echo`: the share of the answer's words that only repeat the question;
 - `unplaced`: the answer's words could not be found together in the cited text.
 
-A logistic model (`FIT`, fitted by `tools/fit_verifier.py` on drafts of the stack's own
-small model; figures in docs/answer-states.md) turns them into an estimate that the answer
-is right; below the server's threshold the answer is INCOMPLETE `unverified`, its draft
-kept. Pure functions; no model call.
+Beside them, where the engine reports its tokens' probabilities, the model's own
+confidence (confidence.py: the mean log-probability of the answer's tokens): a model
+choosing between two items of a list is less sure of either than one copying the only
+candidate, and a model writing an answer the evidence does not hold is unsure of it.
+
+A logistic model (`FIT`, or `FIT_WITH_CONFIDENCE` where the confidence is known; fitted by
+`tools/fit_verifier.py` on drafts of the stack's own models; figures in
+docs/answer-states.md) turns them into an estimate that the answer is right; below the
+server's threshold the answer is INCOMPLETE `unverified`, its draft kept. Pure functions;
+no model call.
 
 Why one file of this length: every feature reads the same positioned tokens (`_tokens`,
 `_locate`), and `FIT`'s weights name the features in `Features`' order.
@@ -43,7 +49,7 @@ from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
 
 # Bump when what the verifier decides changes: the answer cache keys on it.
-VERSION = "verifier-v1"
+VERSION = "verifier-v2"
 # How fast a question term's weight falls with its distance (in tokens) from the answer.
 _DECAY_TOKENS = 4.0
 # The same, read far: a qualifier a clause away still counts a little.
@@ -563,20 +569,34 @@ def _surface(text: str, tokens: list[_Token], span: tuple[int, int]) -> str:
     return text[tokens[span[0]].start : tokens[span[1] - 1].end].strip()
 
 
+# The model's confidence is read no lower than this (a mean token probability of e^-5):
+# below it one token's near-zero probability would outweigh every other reading.
+CONFIDENCE_FLOOR = -5.0
+
+
+def confidence_read(answer_logprob: float) -> float:
+    return max(answer_logprob, CONFIDENCE_FLOOR)
+
+
 @dataclass(frozen=True)
 class Fit:
-    """The logistic model: weights in FEATURE_NAMES order, and the bias."""
+    """The logistic model: weights in FEATURE_NAMES order, the weight of the model's own
+    confidence (0 in a fit made without it), and the bias."""
 
     weights: tuple[float, ...]
     bias: float
+    confidence: float = 0.0
 
-    def estimate(self, found: Features) -> float:
+    def estimate(self, found: Features, answer_logprob: float | None = None) -> float:
         z = self.bias + sum(w * x for w, x in zip(self.weights, found.vector(), strict=True))
+        if answer_logprob is not None:
+            z += self.confidence * confidence_read(answer_logprob)
         return 1.0 / (1.0 + math.exp(-max(-30.0, min(30.0, z))))
 
 
 # Fitted by tools/fit_verifier.py (docs/answer-states.md has the data, the command and the
-# calibration curve).
+# calibration curve). FIT reads the words alone: an engine that reports no token
+# probabilities (the Triton path), or a cached draft that has none.
 FIT = Fit(
     weights=(0.197, 0.939, 0.278, -0.593, -0.482, 0.32, 1.263, 1.281, -0.543, -1.386, -1.041,
              -0.691, 0.94),
@@ -584,10 +604,15 @@ FIT = Fit(
 )  # fmt: skip
 
 
+# The words and the model's confidence together, where the engine reports it.
+FIT_WITH_CONFIDENCE = FIT
+
+
 @dataclass(frozen=True)
 class Verification:
     estimate: float
     features: Features
+    answer_logprob: float | None = None
     # Candidates of the answer's kind in the evidence that sit closer to the question's
     # words than the answer, the closest first: what a second read weighs it against.
     rivals: tuple[str, ...] = ()
@@ -605,8 +630,14 @@ class Verification:
             told.append("its sentence holds less of the question than another")
         if f.echo > 0.5:
             told.append("it mostly repeats the question")
+        if self.answer_logprob is not None and self.answer_logprob < _UNSURE_LOGPROB:
+            told.append(f"the model was unsure of it ({math.exp(self.answer_logprob):.2f})")
         reasons = "; ".join(told) or "the question's words are not near it"
         return f"estimate {self.estimate:.2f} that it answers the question ({reasons})"
+
+
+# A mean token probability below one half: the model was torn between readings.
+_UNSURE_LOGPROB = math.log(0.5)
 
 
 def verify(
@@ -615,7 +646,15 @@ def verify(
     cited: Sequence[ev.EvidenceItem],
     evidence: Sequence[ev.EvidenceItem],
     answerability: float | None = None,
-    fit: Fit = FIT,
+    answer_logprob: float | None = None,
 ) -> Verification:
+    """The estimate that `answer` answers `question`; `answer_logprob`: the model's own
+    confidence (confidence.py), None where the engine did not report it."""
     found, rivals = _read(question, answer, cited, evidence, answerability)
-    return Verification(fit.estimate(found), found, tuple(name for name, _ in rivals))
+    fit = FIT if answer_logprob is None else FIT_WITH_CONFIDENCE
+    return Verification(
+        fit.estimate(found, answer_logprob),
+        found,
+        answer_logprob,
+        tuple(name for name, _ in rivals),
+    )
