@@ -155,6 +155,17 @@ def curve(rows: list[Row], model: Fits) -> list[tuple[float, float, float, float
     return out
 
 
+def auc(rows: list[Row], model: Fits) -> float:
+    """How well the estimate ranks right answers above wrong ones (0.5: not at all)."""
+    scores = [(model.estimate(r), r.right) for r in rows]
+    right = [s for s, ok in scores if ok]
+    wrong = [s for s, ok in scores if not ok]
+    if not right or not wrong:
+        return float("nan")
+    above = sum((r > w) + 0.5 * (r == w) for r in right for w in wrong)
+    return above / (len(right) * len(wrong))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -193,7 +204,10 @@ def main() -> int:
     for spec in [*args.fit, *args.report]:
         rows = read(spec)
         curves[spec] = curve(rows, model)
-        print(f"\n{spec}: {len(rows)} answers, {sum(r.right for r in rows)} right")
+        print(
+            f"\n{spec}: {len(rows)} answers, {sum(r.right for r in rows)} right; "
+            f"AUC {auc(rows, model):.3f}"
+        )
         print("| threshold | answered (of answers read) | precision | out-of-corpus kept |")
         print("|---|---|---|---|")
         for t, answered, precision, outside in curves[spec]:

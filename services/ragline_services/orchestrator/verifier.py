@@ -598,14 +598,19 @@ class Fit:
 # calibration curve). FIT reads the words alone: an engine that reports no token
 # probabilities (the Triton path), or a cached draft that has none.
 FIT = Fit(
-    weights=(0.197, 0.939, 0.278, -0.593, -0.482, 0.32, 1.263, 1.281, -0.543, -1.386, -1.041,
-             -0.691, 0.94),
-    bias=-0.311,
+    weights=(0.623, 1.574, 0.313, -0.391, -0.083, 0.478, 1.133, 0.641, -0.594, -0.707, -0.686,
+             -0.723, 1.216),
+    bias=-0.67,
 )  # fmt: skip
 
 
 # The words and the model's confidence together, where the engine reports it.
-FIT_WITH_CONFIDENCE = FIT
+FIT_WITH_CONFIDENCE = Fit(
+    weights=(0.619, 1.455, 0.296, -0.27, -0.045, 0.345, 0.953, 0.666, -0.556, -0.721, -0.485,
+             -0.839, 1.159),
+    bias=0.163,
+    confidence=1.636,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,23 @@ def test_the_question_words_beside_the_answer_raise_the_estimate():
     assert "another candidate" in wrong.explain()
 
 
+def test_the_models_own_confidence_moves_the_estimate_where_the_engine_gave_it():
+    words = verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA])
+    sure = verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA], answer_logprob=-0.02)
+    torn = verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA], answer_logprob=-1.5)
+    assert sure.estimate > torn.estimate
+    assert "unsure" in torn.explain() and "unsure" not in sure.explain()
+    # Without it, the words alone are read (FIT), not a confidence of 0 (certain).
+    assert words.estimate == verifier.FIT.estimate(words.features)
+    # However low, it is read no lower than the floor: one near-zero token cannot outweigh
+    # every other reading.
+    floor = verifier.CONFIDENCE_FLOOR
+    assert (
+        verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA], answer_logprob=floor * 4).estimate
+        == verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA], answer_logprob=floor).estimate
+    )
+
+
 def test_an_answer_of_another_kind_than_asked_is_a_mismatch():
     found = verifier.verify(WHEN, "Wardenclyffe tower [1]", [TESLA], [TESLA])
     assert found.features.type_mismatch == 1.0
