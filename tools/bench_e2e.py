@@ -633,7 +633,9 @@ def main() -> int:
     # SQuAD's passages).
     TENANT = f"bench-{args.data.stem.replace('_', '-').replace('.', '-')}"[:32]
     TENANT += f"-h{args.hold_out}"
-    if args.hold_out:
+    # Ingest reads SQuAD JSON and JSON lines; any other collection (the Chinese set's text
+    # format) is written as the lines of its passages, as a cut is.
+    if args.hold_out or args.data.suffix not in (".json", ".jsonl"):
         data = write_jsonl(
             split.passages, args.workdir / "data" / f"{args.data.stem}-h{args.hold_out}.jsonl"
         )
