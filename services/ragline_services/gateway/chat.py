@@ -168,6 +168,8 @@ def extension(result: orchestrator_pb2.AskResult) -> dict:
     }
     if result.HasField("verified"):
         out["verified"] = round(result.verified, 4)
+    if result.HasField("answer_logprob"):
+        out["answer_logprob"] = round(result.answer_logprob, 4)
     return out
 
 

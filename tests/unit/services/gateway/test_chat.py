@@ -98,6 +98,10 @@ def test_a_standing_answer_is_content_with_markers_and_sources():
     assert completion["id"] == "chatcmpl-run42"
     bare = chat.completion(result(answer="Vistula [1]"), "ragline", 1, sources_in_content=False)
     assert bare["choices"][0]["message"]["content"] == "Vistula [1]"  # no marker twice
+    # The verifier's estimate and the model's confidence, only where the result has them.
+    assert "answer_logprob" not in completion["ragline"]
+    sure = chat.completion(result(verified=0.9, answer_logprob=-0.05), "ragline", 1, False)
+    assert sure["ragline"]["verified"] == 0.9 and sure["ragline"]["answer_logprob"] == -0.05
 
 
 def test_an_incomplete_answer_is_never_content():
