@@ -81,8 +81,7 @@ async def answer(
         chat=chat((generation_pb2.ROLE_SYSTEM, ev.SYSTEM_PROMPT), (generation_pb2.ROLE_USER, user)),
         max_tokens=max_tokens,
         tier=tier_to_proto(tier),
-        # The tokens' probabilities: the model's confidence is one of the verifier's readings.
-        sampling=generation_pb2.Sampling(stop=["\n"], logprobs=True),
+        sampling=generation_pb2.Sampling(stop=["\n"], logprobs=True),  # for the verifier
         # Saved KV states of this prompt name its documents, so forgetting one reaches them.
         sources=sorted({item.passage.id for item in evidence.items}),
     )

@@ -172,7 +172,7 @@ class Settings:
     allow_degrade: bool = False
     # The answerability gate's threshold (answerability.py; 0: every question is answered).
     answerable_threshold: float = 0.25
-    verify_threshold: float = 0.2
+    verify_threshold: float = 0.5
     confirm_above: float = 0.85
     # Cost in micros per 1,000 tokens (input, output), per tier.
     prices: dict[ModelTier, tuple[int, int]] = field(default_factory=dict)

@@ -85,8 +85,10 @@ class OrchestratorConfig(ServiceConfig):
     # INCOMPLETE `no_relevant_evidence` before generation; 0 turns it off.
     answerable_threshold: float = Field(0.25, ge=0, le=1)
     # The answer verifier (verifier.py): a written answer whose estimate of being the one
-    # the question asks for is below this is INCOMPLETE `unverified`; 0 turns it off.
-    verify_threshold: float = Field(0.2, ge=0, le=1)
+    # the question asks for is below this is INCOMPLETE `unverified`; 0 turns it off. One
+    # half: the estimate is calibrated, so an answer below it is more likely wrong than
+    # right (docs/answer-states.md, "The model's own confidence").
+    verify_threshold: float = Field(0.5, ge=0, le=1)
     # An answer the verifier passed below this estimate, with rivals of its kind in its
     # citation, is read a second time (second_read.py); 0 never reads twice.
     confirm_above: float = Field(0.85, ge=0, le=1)
