@@ -532,21 +532,22 @@ class RagStack:
 
 @pytest.fixture
 async def proxied(rag_stack):
-    """`make(script)`: an orchestrator over the RagStack whose generation calls go through a
-    scriptable proxy (tests/support/generation_proxy.py) in front of the real service;
-    without a script every call goes to the real service, and is recorded."""
+    """`make(script, **settings)`: an orchestrator over the RagStack (`settings`:
+    RAGLINE_ORCHESTRATOR_* values) whose generation calls go through a scriptable proxy
+    (tests/support/generation_proxy.py) in front of the real service; without a script
+    every call goes to the real service, and is recorded."""
     import asyncio
 
     from support.generation_proxy import GenerationProxy
 
     proxies = []
 
-    async def make(script=lambda request: None, *, upstream: str = ""):
+    async def make(script=lambda request: None, *, upstream: str = "", **settings):
         proxy = GenerationProxy(upstream or rag_stack.generation.address, script)
         await proxy.start()
         proxies.append(proxy)
         orchestrator = await asyncio.to_thread(
-            rag_stack.orchestrator, generation_addr=proxy.address
+            rag_stack.orchestrator, generation_addr=proxy.address, **settings
         )
         return proxy, orchestrator
 

@@ -158,6 +158,7 @@ def _checked(answer: Answer, question: str, verify_threshold: float) -> Answer:
             answer.evidence.items,
             None if gate is None else gate.probability,
             answer.answer_logprob,
+            answer.model,
         )
         verified = round(reading.estimate, 4)
         cited = " ".join(item.text for item in answer.cited.citations)

@@ -604,13 +604,22 @@ FIT = Fit(
 )  # fmt: skip
 
 
-# The words and the model's confidence together, where the engine reports it.
+# The words and the model's confidence together, where the engine reports it for a model
+# of the family it was fitted on: one model's log-probabilities are not another's (a
+# smaller model is less sure of everything), so any other model's answer is read by its
+# words alone, as the gate reads an embedding model it has no fit for.
 FIT_WITH_CONFIDENCE = Fit(
     weights=(0.619, 1.455, 0.296, -0.27, -0.045, 0.345, 0.953, 0.666, -0.556, -0.721, -0.485,
              -0.839, 1.159),
     bias=0.163,
     confidence=1.636,
 )  # fmt: skip
+CONFIDENCE_FAMILIES = frozenset({"qwen2.5-coder"})  # both tiers' answers were fitted on
+
+
+def confidence_fitted(model: str) -> bool:
+    """Whether `model` ("qwen2.5-coder-1.5b") is of a family the confidence was fitted on."""
+    return any(model == f or model.startswith(f + "-") for f in CONFIDENCE_FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -652,10 +661,13 @@ def verify(
     evidence: Sequence[ev.EvidenceItem],
     answerability: float | None = None,
     answer_logprob: float | None = None,
+    model: str = "",
 ) -> Verification:
-    """The estimate that `answer` answers `question`; `answer_logprob`: the model's own
-    confidence (confidence.py), None where the engine did not report it."""
+    """The estimate that `answer` answers `question`; `answer_logprob`: the confidence
+    (confidence.py) of `model`, which wrote it; None where the engine did not report it."""
     found, rivals = _read(question, answer, cited, evidence, answerability)
+    if not confidence_fitted(model):
+        answer_logprob = None  # on a scale no fit knows: the words alone
     fit = FIT if answer_logprob is None else FIT_WITH_CONFIDENCE
     return Verification(
         fit.estimate(found, answer_logprob),

@@ -136,7 +136,9 @@ async def test_control_tokens_and_orders_in_documents_reach_no_model(proxied, te
         line = next(x for x in prompt.splitlines() if "Vistula" in x)
         return f"the Vistula River {line.split()[0]}"
 
-    _, orchestrator = await proxied(model)
+    # The verifier off: whether this passage's wording puts the question's words near the
+    # answer is not what is tested here (the estimate was 0.49).
+    _, orchestrator = await proxied(model, verify_threshold=0)
     result, _ = await ask(orchestrator.address, WARSAW, tenant=tenant)
     assert result.status.state == COMPLETE and "Vistula" in result.answer, result.status
     assert requests, "no model was asked"

@@ -27,20 +27,23 @@ def test_the_question_words_beside_the_answer_raise_the_estimate():
 
 
 def test_the_models_own_confidence_moves_the_estimate_where_the_engine_gave_it():
-    words = verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA])
-    sure = verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA], answer_logprob=-0.02)
-    torn = verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA], answer_logprob=-1.5)
+    def read(logprob: float | None, model: str = "qwen2.5-coder-0.5b") -> verifier.Verification:
+        return verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA], None, logprob, model)
+
+    sure, torn = read(-0.02), read(-1.5)
     assert sure.estimate > torn.estimate
     assert "unsure" in torn.explain() and "unsure" not in sure.explain()
     # Without it, the words alone are read (FIT), not a confidence of 0 (certain).
+    words = read(None)
     assert words.estimate == verifier.FIT.estimate(words.features)
     # However low, it is read no lower than the floor: one near-zero token cannot outweigh
     # every other reading.
     floor = verifier.CONFIDENCE_FLOOR
-    assert (
-        verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA], answer_logprob=floor * 4).estimate
-        == verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA], answer_logprob=floor).estimate
-    )
+    assert read(floor * 4).estimate == read(floor).estimate
+    # The large tier's model is of the family fitted on; a model of another family is
+    # sure or unsure on a scale of its own: its answers are read by their words alone.
+    assert read(-1.5, "qwen2.5-coder-1.5b").estimate == torn.estimate
+    assert read(-1.5, "smollm2-135m").estimate == words.estimate
 
 
 def test_an_answer_of_another_kind_than_asked_is_a_mismatch():
