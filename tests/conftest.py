@@ -879,6 +879,10 @@ def fault_stack_of_module(tmp_path_factory) -> Iterator[FaultStack]:
             env={
                 **{f"RAGLINE_{name.upper()}_ADDR": part.address for name, part in parts.items()},
                 "RAGLINE_ORCHESTRATOR_CACHE_URL": f"redis://{redis_proxy.address}/0",
+                # Availability under faults is measured here, not the verifier's judgment:
+                # without rerank's ordering, half the small model's answers stood or fell
+                # on estimates near its threshold, which no fault decides.
+                "RAGLINE_ORCHESTRATOR_VERIFY_THRESHOLD": "0",
             },
         )
         asyncio.run(
