@@ -10,6 +10,11 @@ Each answer of a `tools/bench_e2e.py --json` file that passed the other checks (
 or PARTIAL there), and every out-of-corpus answer, is read again: its features are computed
 from the question, the answer, and the evidence the prompt held, and its label is whether it
 is right (token F1 >= 0.5 against a gold answer; an out-of-corpus answer is never right).
+Two fits come out of the same answers: the words alone (`FIT`) and the words with the
+model's confidence where the run recorded it (`FIT_WITH_CONFIDENCE`, `answer_logprob`).
+Fit the confidence on runs of the model family `verifier.CONFIDENCE_FAMILIES` names: one
+model's log-probabilities are not another's. `--words-only` reads every answer as if its
+engine had reported none (the comparison).
 A part of a file is chosen by article: `even` / `odd` (SQuAD-style files: by article
 index // 4, so held-out and answered articles fall on both sides), `first` / `second`
 (the first or second half of the articles), or `all`. Prints the weights to paste into
@@ -188,8 +193,6 @@ def main() -> int:
         return rows
 
     training = [r for spec in args.fit for r in read(spec)]
-    if args.words_only:
-        training = [replace(r, answer_logprob=None) for r in training]
     model = Fits(
         fit(training) if training else verifier.FIT,
         fit(training, confidence=True)
