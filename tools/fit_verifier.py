@@ -135,9 +135,7 @@ class Fits:
 
     def estimate(self, row: Row) -> float:
         found = verifier.Features(*row.features)
-        if row.answer_logprob is None:
-            return self.words.estimate(found)
-        return self.with_confidence.estimate(found, row.answer_logprob)
+        return verifier.estimate(found, row.answer_logprob, self.words, self.with_confidence)
 
 
 def curve(rows: list[Row], model: Fits) -> list[tuple[float, float, float, float]]:

@@ -204,6 +204,11 @@ def _joined(answers: list[Answer]) -> Answer:
     """The parts' answers as one: texts joined in order, evidence and citations merged,
     usage summed, each part's signals named by its number."""
 
+    def least(attribute: str) -> float | None:
+        """The least sure part's reading (None where no part has one)."""
+        known = [getattr(a, attribute) for a in answers if getattr(a, attribute) is not None]
+        return min(known, default=None)
+
     def named(attribute: str) -> tuple[Signal, ...]:
         if len(answers) == 1:
             return getattr(answers[0], attribute)
@@ -247,10 +252,8 @@ def _joined(answers: list[Answer]) -> Answer:
         outcome="; ".join(dict.fromkeys(a.outcome for a in answers if a.outcome)),
         not_escalated=next((a.not_escalated for a in answers if a.not_escalated), None),
         problems=named("problems"),
-        verified=min((a.verified for a in answers if a.verified is not None), default=None),
-        answer_logprob=min(
-            (a.answer_logprob for a in answers if a.answer_logprob is not None), default=None
-        ),
+        verified=least("verified"),
+        answer_logprob=least("answer_logprob"),
     )
 
 

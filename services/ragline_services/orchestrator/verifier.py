@@ -617,6 +617,19 @@ FIT_WITH_CONFIDENCE = Fit(
 CONFIDENCE_FAMILIES = frozenset({"qwen2.5-coder"})  # both tiers' answers were fitted on
 
 
+def estimate(
+    found: Features,
+    answer_logprob: float | None,
+    words: Fit = FIT,
+    with_confidence: Fit = FIT_WITH_CONFIDENCE,
+) -> float:
+    """The estimate from the words alone where the confidence is unknown, else from both
+    (tools/fit_verifier.py passes the fits it is making)."""
+    if answer_logprob is None:
+        return words.estimate(found)
+    return with_confidence.estimate(found, answer_logprob)
+
+
 def confidence_fitted(model: str) -> bool:
     """Whether `model` ("qwen2.5-coder-1.5b") is of a family the confidence was fitted on."""
     return any(model == f or model.startswith(f + "-") for f in CONFIDENCE_FAMILIES)
@@ -668,9 +681,8 @@ def verify(
     found, rivals = _read(question, answer, cited, evidence, answerability)
     if not confidence_fitted(model):
         answer_logprob = None  # on a scale no fit knows: the words alone
-    fit = FIT if answer_logprob is None else FIT_WITH_CONFIDENCE
     return Verification(
-        fit.estimate(found, answer_logprob),
+        estimate(found, answer_logprob),
         found,
         answer_logprob,
         tuple(name for name, _ in rivals),
