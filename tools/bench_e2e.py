@@ -39,13 +39,13 @@ import grpc
 import numpy as np
 
 from ragline import deadlines, identity
+from ragline.answer_match import answer_f1, normalise
 from ragline.clients import ChannelPool, ServiceClient
 from ragline.timing import seconds_of
 from ragline.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from ragline_app.benchmarks import ensure_ingested, start_stack
 from ragline_app.datasets import held_out_split, load_squad, load_squad_extras, write_jsonl
 from ragline_app.eval_data import eval_file
-from ragline_app.evaluation import answer_f1, normalise
 from ragline_services.orchestrator.evidence import strip_markers
 from ragline_services.orchestrator.plan import default_rag_plan
 from ragline_services.orchestrator.servicer import plan_message

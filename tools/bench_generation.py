@@ -304,7 +304,7 @@ def buried_cases(passages, questions, count: int, distractors: int):
 def kv_type_rows(args, passages, questions, logs: Path, base_env: dict, rows: list[str]) -> None:
     """Per KV cache type: engine memory, decode tok/s and answer F1 with the gold paragraph
     buried in about `--long-tokens` tokens of other passages."""
-    from ragline_app.evaluation import answer_f1
+    from ragline.answer_match import answer_f1
     from ragline_services.orchestrator.evidence import strip_markers
 
     cases = buried_cases(passages, questions, args.long_questions, distractors=40)
@@ -527,8 +527,8 @@ def weights_rows(args, passages, questions, logs: Path, base_env: dict, rows: li
     """Quality and speed of each packaged GGUF (the packages carry one quantization per
     model, so the comparison is across models at the precision each ships): SQuAD dev
     answer F1 with the gold paragraph as the evidence, prefill and decode tok/s."""
+    from ragline.answer_match import answer_f1
     from ragline.models import ModelStore
-    from ragline_app.evaluation import answer_f1
     from ragline_services.orchestrator.evidence import strip_markers
 
     by_id = {p.id: p for p in passages}

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ragline_app.evaluation import answer_f1
+from ragline.answer_match import answer_f1
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator import verifier
 

@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import collections
 import math
-import re
-import string
 from collections.abc import Hashable, Sequence
-
-from ragline import numbers
-from ragline.words import QUOTES, has_han
 
 
 def rank_of(ranked: Sequence[Hashable], relevant: Hashable) -> int:
@@ -30,75 +24,3 @@ def ranking_metrics(rankings: Sequence[Sequence[Hashable]], relevant: Sequence[H
         "recall@100": sum(1 for r in ranks if 0 < r <= 100) / n,
         "mrr@10": sum(1 / r for r in ranks if 0 < r <= 10) / n,
     }
-
-
-# SQuAD answer scoring (the official normalisation).
-
-
-# What SQuAD's official normalisation joins but technical answers write as separators: all
-# punctuation but that inside an identifier or a number ("--keep-old-files",
-# "os.path.basename", "ZSTD_CLEVEL", "3.5"). The official rule made `--sort=inode` one word
-# "sortinode" that the answer "inode" shares nothing with, and "rsh(1)" one that "rsh" does
-# not match.
-_SEPARATORS = frozenset(string.punctuation) - frozenset("-._")
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}\b)")
-_ABBREVIATION = re.compile(r"\b(?:[a-z]\.){2,}")  # "u.s." is "us"
-# A number and its unit in the adjective form ("512-byte", "32-bit") are two words.
-_NUMBER_UNIT = re.compile(r"(?<=\d)-(?=[a-z])")
-
-
-def normalise(text: str) -> str:
-    """SQuAD's official normalisation, with numbers written as digits first ("two" and "2"
-    are one answer: `ragline.numbers`), and punctuation separating words where it is not
-    part of an identifier or a number (`_SEPARATORS`)."""
-    text = numbers.spelled_as_digits(text).lower()
-    text = _THOUSANDS.sub("", text)
-    text = _ABBREVIATION.sub(lambda m: m.group(0).replace(".", ""), text)
-    text = _NUMBER_UNIT.sub(" ", text)
-    text = "".join(" " if c in _SEPARATORS else c for c in text)
-    words = (w.strip("-._") for w in text.split())
-    text = " ".join(w for w in words if w)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def token_f1(prediction: str, gold: str) -> float:
-    predicted, expected = normalise(prediction).split(), normalise(gold).split()
-    if not predicted or not expected:
-        # A literal of code or notation ("'+'", "**") has no word left once punctuation
-        # is out: compared as written, quotes and spaces aside.
-        return float(_literal(prediction) == _literal(gold) != "")
-    return _bag_f1(predicted, expected)
-
-
-def _literal(text: str) -> str:
-    return "".join(text.split()).strip(QUOTES).lower()
-
-
-def _bag_f1(predicted: list[str], expected: list[str]) -> float:
-    """F1 of the multiset overlap of two bags (of words, or of characters)."""
-    common = collections.Counter(predicted) & collections.Counter(expected)
-    overlap = sum(common.values())
-    if not overlap:
-        return 0.0
-    precision, recall = overlap / len(predicted), overlap / len(expected)
-    return 2 * precision * recall / (precision + recall)
-
-
-# Chinese answers: words are not space-separated, so F1 is over characters (as CMRC 2018
-# and DuReader score), punctuation and spaces of either script left out.
-_NOT_COUNTED = set(string.punctuation) | set(
-    "，。！？；：、（）《》【】…—·「」『』 \t\n\u201c\u201d\u2018\u2019"
-)
-
-
-def char_f1(prediction: str, gold: str) -> float:
-    return _bag_f1(
-        [c for c in prediction.lower() if c not in _NOT_COUNTED],
-        [c for c in gold.lower() if c not in _NOT_COUNTED],
-    )
-
-
-def answer_f1(prediction: str, gold: str) -> float:
-    """SQuAD's token F1, or character F1 when the gold answer is Chinese."""
-    return char_f1(prediction, gold) if has_han(gold) else token_f1(prediction, gold)

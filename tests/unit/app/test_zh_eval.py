@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from ragline.answer_match import answer_f1, char_f1
 from ragline.words import has_han
 from ragline_app.datasets import load_squad, load_zh_eval
-from ragline_app.evaluation import answer_f1, char_f1
 from support import REPO_ROOT
 
 SET = REPO_ROOT / "app" / "ragline_app" / "data" / "zh_eval" / "zh_eval_v1.txt"
