@@ -1,6 +1,6 @@
 """The answer step: one answer from selected evidence (escalated to the large tier on a
-checkable signal, read again where the verifier is unsure), checked against its
-citations."""
+checkable signal; read again, and cross-checked by the large tier, where the verifier is
+unsure), checked against its citations."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import replace
 import grpc
 import structlog
 
+from ragline import answer_match
 from ragline.budget import Amounts, BudgetRefused
 from ragline.v1 import (
     generation_pb2,
@@ -64,8 +65,9 @@ async def answer(
 ) -> Answer:
     """One answer to `question` (or the part of the run's question it names, `part` being
     one of several generations the step runs side by side) from `evidence`, checked;
-    escalated to the large tier when a check fails and the run may (the large tier's text
-    is not streamed: the result carries it)."""
+    escalated to the large tier when a check fails and the run may, cross-checked by it
+    when the verifier passed the answer unsure (the large tier's text is not streamed: the
+    result carries it)."""
     s = ctx.settings
     given = step.node.params_as(AnswerParams)
     tier = given.tier or s.tier
@@ -91,48 +93,119 @@ async def answer(
     answer = _checked(_answer_of(final, evidence, used), question, s.verify_threshold)
     if not answer.problems and answer.rivals and (answer.verified or 0.0) < s.confirm_above:
         answer = await _read_again(ctx, step, question, answer, part)
-    signals = answer.problems
-    if not signals or tier != ModelTier.SMALL or not s.escalate or given.tier is not None:
-        return replace(answer, signals=signals)
+    if tier != ModelTier.SMALL or not s.escalate or given.tier is not None:
+        return replace(answer, signals=answer.problems)
+    if answer.problems:
+        return await _escalated(ctx, step, request, prompt_tokens, question, answer, part)
+    unsure = answer.verified is not None and answer.verified < s.cross_check_below
+    if unsure and _judged(question, answer):
+        return await _cross_checked(ctx, step, request, prompt_tokens, question, answer, part)
+    return answer
+
+
+async def _not_escalated(ctx: RunContext, evidence: ev.Evidence) -> tuple[str, NotEscalated] | None:
+    """Why the large tier may not be asked for this run's answer (as the fields an
+    answer reports it by), or None: it may."""
     if not await tier_served(ctx, ModelTier.LARGE):
-        return replace(
-            answer,
-            signals=signals,
-            outcome="escalation_unavailable: no large tier",
-            not_escalated=NotEscalated.NO_LARGE_TIER,
-        )
+        return "escalation_unavailable: no large tier", NotEscalated.NO_LARGE_TIER
     gate = evidence.signals
     if gate is not None and gate.probability < ESCALATE_FROM:
         # A larger model cannot read what the evidence does not hold: escalated below this,
         # the large tier mostly wrote a grounded-looking answer to a question the documents
         # do not answer (docs/answer-states.md, "Which tiers").
-        skipped = (
-            f"escalation_skipped: the evidence likely does not answer ({gate.probability:.2f})"
-        )
-        return replace(
-            answer, signals=signals, outcome=skipped, not_escalated=NotEscalated.EVIDENCE_UNLIKELY
-        )
+        why = f"escalation_skipped: the evidence likely does not answer ({gate.probability:.2f})"
+        return why, NotEscalated.EVIDENCE_UNLIKELY
     beside = ctx.others_running()
-    if beside > s.escalate_beside:
-        skipped = f"escalation_skipped: {beside} other runs in flight"
-        return replace(
-            answer, signals=signals, outcome=skipped, not_escalated=NotEscalated.OTHERS_IN_FLIGHT
-        )
-    # Escalation: the large tier, in a reservation of its own; the small answer stands
-    # (with its signals) when that does not fit the budget or the tier is not served.
+    if beside > ctx.settings.escalate_beside:
+        return f"escalation_skipped: {beside} other runs in flight", NotEscalated.OTHERS_IN_FLIGHT
+    return None
+
+
+async def _large_tier(
+    ctx: RunContext,
+    step: Step,
+    request: generation_pb2.GenerateRequest,
+    prompt_tokens: int,
+    question: str,
+    small: Answer,
+    part: str,
+) -> Answer | tuple[str, NotEscalated]:
+    """The large tier's answer to the small tier's prompt, checked (its usage added to the
+    small one's), in a reservation of its own; or why it could not be had."""
     request.tier = tier_to_proto(ModelTier.LARGE)
     try:
         final, more = await generate_reserved(
             ctx, step, request, ModelTier.LARGE, prompt_tokens, emit=None, part=part
         )
     except BudgetRefused:
-        outcome, why = "escalation_unaffordable", NotEscalated.UNAFFORDABLE
+        return "escalation_unaffordable", NotEscalated.UNAFFORDABLE
     except grpc.aio.AioRpcError as error:
-        outcome, why = f"escalation_failed: {error.code().name}", NotEscalated.FAILED
-    else:
-        large = _checked(_answer_of(final, evidence, used + more), question, s.verify_threshold)
-        return replace(large, signals=signals, escalated=True)
-    return replace(answer, signals=signals, outcome=outcome, not_escalated=why)
+        return f"escalation_failed: {error.code().name}", NotEscalated.FAILED
+    answer = _answer_of(final, small.evidence, small.usage + more)
+    return _checked(answer, question, ctx.settings.verify_threshold)
+
+
+async def _escalated(
+    ctx: RunContext,
+    step: Step,
+    request: generation_pb2.GenerateRequest,
+    prompt_tokens: int,
+    question: str,
+    small: Answer,
+    part: str,
+) -> Answer:
+    """A small answer that failed a check, escalated to the large tier where the run may;
+    the small answer stands (with its signals) where it may not or the call fails."""
+    signals = small.problems
+    refused = await _not_escalated(ctx, small.evidence)
+    if refused is None:
+        large = await _large_tier(ctx, step, request, prompt_tokens, question, small, part)
+        if isinstance(large, Answer):
+            return replace(large, signals=signals, escalated=True)
+        refused = large
+    outcome, why = refused
+    return replace(small, signals=signals, outcome=outcome, not_escalated=why)
+
+
+async def _cross_checked(
+    ctx: RunContext,
+    step: Step,
+    request: generation_pb2.GenerateRequest,
+    prompt_tokens: int,
+    question: str,
+    small: Answer,
+    part: str,
+) -> Answer:
+    """A small answer the verifier passed but was unsure of, asked of the large tier too:
+    the same answer stands; another one stands only where it clears every check itself,
+    and else neither does (INCOMPLETE `unverified`, the small draft kept). Where the
+    large tier may not be asked, or its call fails, the small answer stands as checked."""
+    if await _not_escalated(ctx, small.evidence) is not None:
+        return small
+    large = await _large_tier(ctx, step, request, prompt_tokens, question, small, part)
+    if not isinstance(large, Answer):
+        return small
+    said, other = ev.strip_markers(small.text), ev.strip_markers(large.text)
+    if answer_match.same_answer(said, other):
+        return replace(small, usage=large.usage, outcome="cross_checked: the large tier agreed")
+    if not large.problems and not ev.is_refusal(large.text):
+        outcome = f"cross_checked: the large tier's answer stands over {said.strip()!r}"
+        return replace(large, escalated=True, outcome=outcome)
+    found = Signal(
+        "unverified",
+        f"the large tier answered {other.strip()!r} from the same evidence",
+        UNVERIFIED,
+    )
+    outcome = "cross_checked: the large tier answered otherwise, and its answer failed its checks"
+    return replace(small, usage=large.usage, problems=(*small.problems, found), outcome=outcome)
+
+
+def _judged(question: str, answer: Answer) -> bool:
+    """Whether the verifier's estimate may refuse `answer`: across languages the question's
+    words meet their passage only through the lexicon, too thinly to refuse on or to rank
+    rivals by (cross-lingual verification is still to be built)."""
+    cited = " ".join(item.text for item in answer.cited.citations)
+    return mostly_han(question) == mostly_han(cited)
 
 
 def _checked(answer: Answer, question: str, verify_threshold: float) -> Answer:
@@ -161,11 +234,7 @@ def _checked(answer: Answer, question: str, verify_threshold: float) -> Answer:
             answer.model,
         )
         verified = round(reading.estimate, 4)
-        cited = " ".join(item.text for item in answer.cited.citations)
-        # Across languages the question's words meet their passage only through the
-        # lexicon, too thinly to refuse on or to rank rivals by: the estimate is reported,
-        # nothing more (cross-lingual verification is still to be built).
-        if mostly_han(question) == mostly_han(cited):
+        if _judged(question, answer):  # else the estimate is reported, nothing more
             if verify_threshold and reading.estimate < verify_threshold:
                 found.append(Signal("unverified", reading.explain(), UNVERIFIED))
             else:

@@ -1,8 +1,9 @@
 """Checks of a written answer, which are also the model-routing signals: the small tier
-answers; the large tier is asked only when a checkable signal says the small answer is
-wrong, never on the model's own confidence. A signal that the large tier's answer does not
-clear ends the answer INCOMPLETE with the signal's `reason` (COMPLETE is a promise). Pure
-checks here; the escalating call is the answer step's (answer_step.py), with its own
+answers; the large tier answers instead when a checkable signal says the small answer is
+wrong, and cross-checks one that passed where the verifier's estimate is unsure (never on
+the model's own confidence alone). A signal that the large tier's answer does not clear
+ends the answer INCOMPLETE with the signal's `reason` (COMPLETE is a promise). Pure checks
+here; the large tier's call is the answer step's (answer_step.py), with its own
 reservation.
 
 Signals (each names what fired):
@@ -18,7 +19,9 @@ Signals (each names what fired):
   instruction;
 - `unverified` (set by the answer step, answer_step.py): the verifier (verifier.py)
   judged that the answer is not the one the question asks for, or its second read
-  (second_read.py) chose another candidate of the answer's citation.
+  (second_read.py) chose another candidate of the answer's citation, or the large tier's
+  cross-check of an answer the verifier passed unsure gave another answer, which failed
+  its own checks.
 A refusal ("not in the evidence") fires nothing: INCOMPLETE is the honest answer there.
 """
 

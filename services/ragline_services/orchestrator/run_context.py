@@ -174,6 +174,7 @@ class Settings:
     answerable_threshold: float = 0.25
     verify_threshold: float = 0.5
     confirm_above: float = 0.85
+    cross_check_below: float = 0.8
     # Cost in micros per 1,000 tokens (input, output), per tier.
     prices: dict[ModelTier, tuple[int, int]] = field(default_factory=dict)
 

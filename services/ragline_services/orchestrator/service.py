@@ -92,6 +92,11 @@ class OrchestratorConfig(ServiceConfig):
     # An answer the verifier passed below this estimate, with rivals of its kind in its
     # citation, is read a second time (second_read.py); 0 never reads twice.
     confirm_above: float = Field(0.85, ge=0, le=1)
+    # A small-tier answer the verifier passed below this estimate is cross-checked by the
+    # large tier (where an escalation could run): the same answer stands, another one
+    # must clear the checks itself or the run is INCOMPLETE `unverified`; 0 never
+    # cross-checks (docs/answer-states.md, "The large tier as a cross-check").
+    cross_check_below: float = Field(0.8, ge=0, le=1)
     # Stage budgets (seconds) per step; generation gets whatever remains.
     embed_budget_s: float = Field(2.0, gt=0)
     search_budget_s: float = Field(2.0, gt=0)

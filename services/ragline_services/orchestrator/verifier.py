@@ -49,7 +49,7 @@ from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
 
 # Bump when what the verifier decides changes: the answer cache keys on it.
-VERSION = "verifier-v2"
+VERSION = "verifier-v3"  # v3: the large tier cross-checks unsure answers
 # How fast a question term's weight falls with its distance (in tokens) from the answer.
 _DECAY_TOKENS = 4.0
 # The same, read far: a qualifier a clause away still counts a little.

@@ -1,5 +1,6 @@
 """The model calls no script plays: the large tier (Qwen2.5-Coder-1.5B) re-answering an
-answer that failed its checks, and the small model writing the agent plan's lookups."""
+answer that failed its checks or cross-checking one the verifier passed unsure, and the
+small model writing the agent plan's lookups."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ WARSAW = "Which river flows through Warsaw?"
 # designer, which the 0.5B model copied about one run in two: the answer's quality, not the
 # plan's, and a known weakness of copy-based grounding; docs/answer-states.md.)
 TWO_PARTS = "Which river flows through Warsaw, and also what religion were the Normans?"
+# A passage of two parallel items: a question picks one.
+ZSTD_ENV = {
+    "id": "zstd-env",
+    "title": "zstd environment variables",
+    "text": "Only two environment variables are read by zstd. ZSTD_CLEVEL sets the "
+    "compression level used when the command line gives none. ZSTD_NBTHREADS sets the "
+    "number of worker threads used during compression.",
+}
 
 
 async def ask(address: str, question: str, **fields) -> orchestrator_pb2.AskResult:
@@ -93,18 +102,7 @@ async def test_the_large_tier_cures_an_answer_the_verifier_refused(proxied, two_
     # verifier's second read (the real small model) and the large tier's answer are real.
     client = Client(rag_stack.retrieval.address)
     tenant = "cure-unverified"
-    await client.upsert(
-        tenant,
-        [
-            {
-                "id": "zstd-env",
-                "title": "zstd environment variables",
-                "text": "Only two environment variables are read by zstd. ZSTD_CLEVEL sets "
-                "the compression level used when the command line gives none. "
-                "ZSTD_NBTHREADS sets the number of worker threads used during compression.",
-            }
-        ],
-    )
+    await client.upsert(tenant, [ZSTD_ENV])
     await client.close()
 
     def script(request):
@@ -120,3 +118,85 @@ async def test_the_large_tier_cures_an_answer_the_verifier_refused(proxied, two_
     assert result.escalated and result.escalation_cured, result
     assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, result.status
     assert "ZSTD_NBTHREADS" in result.answer and result.tier == common_pb2.MODEL_TIER_LARGE
+
+
+# The cross-check of an answer the verifier passed unsure: here every answer passes the
+# verifier (threshold and second read off) and is cross-checked (`cross_check_below` 1),
+# so the rule is tested, not where the verifier's estimate of one scripted answer falls;
+# the thresholds are the bench's to set (docs/answer-states.md).
+CROSS_CHECK_ALL = {"verify_threshold": 0, "confirm_above": 0, "cross_check_below": 1.0}
+
+
+def small_answer(text: str):
+    """A script: the small tier's answer prompt gets `text`; every other call is real."""
+
+    def script(request):
+        small = request.tier == common_pb2.MODEL_TIER_SMALL
+        if small and request.chat.messages[0].content == SYSTEM_PROMPT:
+            return text
+        return None
+
+    return script
+
+
+@pytest.mark.full
+async def test_an_unsure_answer_the_large_tier_agrees_with_stands(proxied, two_tiers):
+    proxy, orchestrator = await proxied(
+        small_answer("the Vistula [1]"), upstream=two_tiers.address, **CROSS_CHECK_ALL
+    )
+    result = await ask(orchestrator.address, WARSAW)
+    # The real large tier read the same prompt and said the same; the small answer stands.
+    assert [r.tier for r in answer_calls(proxy.forwarded)] == [common_pb2.MODEL_TIER_LARGE]
+    assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, result.status
+    assert "cross_checked: the large tier agreed" in result.escalation_signals, result
+    assert result.answer == "the Vistula [1]" and result.tier == common_pb2.MODEL_TIER_SMALL
+    assert not result.escalated
+
+
+@pytest.mark.full
+async def test_an_unsure_answer_naming_the_other_item_gives_way_to_the_large_tier(
+    proxied, two_tiers, rag_stack
+):
+    # The small tier names the wrong one of two variables and nothing else refuses it: the
+    # large tier's cross-check does.
+    client = Client(rag_stack.retrieval.address)
+    tenant = "cross-check"
+    await client.upsert(tenant, [ZSTD_ENV])
+    await client.close()
+    _, orchestrator = await proxied(
+        small_answer("ZSTD_CLEVEL [1]"), upstream=two_tiers.address, **CROSS_CHECK_ALL
+    )
+    question = "Which environment variable sets the number of compression threads?"
+    result = await ask(orchestrator.address, question, tenant=tenant)
+    assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, result.status
+    assert "ZSTD_NBTHREADS" in result.answer and result.tier == common_pb2.MODEL_TIER_LARGE
+    assert result.escalated and result.escalation_cured, result
+    assert any(
+        s.startswith("cross_checked: the large tier's answer stands over 'ZSTD_CLEVEL'")
+        for s in result.escalation_signals
+    ), result
+
+
+@pytest.mark.full
+async def test_two_tiers_that_disagree_leave_the_answer_unverified_with_its_draft(
+    proxied, two_tiers
+):
+    # The large tier's other answer fails its own checks (a river no passage names): no
+    # answer stands, and the small one is kept as the draft, the large one named.
+    def script(request):
+        if request.chat.messages[0].content != SYSTEM_PROMPT:
+            return None
+        if request.tier == common_pb2.MODEL_TIER_SMALL:
+            return "the Vistula [1]"
+        return "the Danube [1]"
+
+    _, orchestrator = await proxied(script, upstream=two_tiers.address, **CROSS_CHECK_ALL)
+    result = await ask(orchestrator.address, WARSAW)
+    assert result.status.state == common_pb2.ANSWER_STATE_INCOMPLETE, result.status
+    assert result.status.reason == "unverified", result.status
+    assert "the large tier answered 'the Danube'" in result.status.detail
+    assert any(
+        s.startswith("cross_checked: the large tier answered otherwise")
+        for s in result.escalation_signals
+    ), result
+    assert result.draft_answer == "the Vistula [1]" and not result.answer
