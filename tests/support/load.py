@@ -21,7 +21,7 @@ from ragline.v1 import (
     retrieval_pb2,
     retrieval_pb2_grpc,
 )
-from ragline_services.orchestrator import routing
+from ragline_services.orchestrator import answerability, routing
 from support import error_info
 from support.orchestrator import who
 
@@ -68,6 +68,19 @@ DRAFT_REASONS = frozenset(
 def drafted(outcome: Outcome) -> bool:
     return outcome.outcome in ("COMPLETE", "PARTIAL") or (
         outcome.outcome == "INCOMPLETE" and outcome.reason in DRAFT_REASONS
+    )
+
+
+# INCOMPLETE reasons that judge the question against the evidence found: a draft the checks
+# refused, the model saying the evidence does not answer, the answerability gate.
+JUDGED_REASONS = DRAFT_REASONS | {"not_in_evidence", answerability.NO_RELEVANT_EVIDENCE}
+
+
+def judged(outcome: Outcome) -> bool:
+    """Answered, or INCOMPLETE because the evidence found was judged not to answer: never
+    an error, nor a step that could not run."""
+    return outcome.outcome in ("COMPLETE", "PARTIAL") or (
+        outcome.outcome == "INCOMPLETE" and outcome.reason in JUDGED_REASONS
     )
 
 
