@@ -5,7 +5,7 @@ unsure), checked against its citations."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import grpc
 import structlog
@@ -95,12 +95,25 @@ async def answer(
         answer = await _read_again(ctx, step, question, answer, part)
     if tier != ModelTier.SMALL or not s.escalate or given.tier is not None:
         return replace(answer, signals=answer.problems)
+    again = _Asked(ctx, step, request, prompt_tokens, question, part)
     if answer.problems:
-        return await _escalated(ctx, step, request, prompt_tokens, question, answer, part)
+        return await _escalated(again, answer)
     unsure = answer.verified is not None and answer.verified < s.cross_check_below
     if unsure and _judged(question, answer):
-        return await _cross_checked(ctx, step, request, prompt_tokens, question, answer, part)
+        return await _cross_checked(again, answer)
     return answer
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """The small tier's call, as the large tier is asked it again."""
+
+    ctx: RunContext
+    step: Step
+    request: generation_pb2.GenerateRequest
+    prompt_tokens: int
+    question: str
+    part: str
 
 
 async def _not_escalated(ctx: RunContext, evidence: ev.Evidence) -> tuple[str, NotEscalated] | None:
@@ -121,45 +134,36 @@ async def _not_escalated(ctx: RunContext, evidence: ev.Evidence) -> tuple[str, N
     return None
 
 
-async def _large_tier(
-    ctx: RunContext,
-    step: Step,
-    request: generation_pb2.GenerateRequest,
-    prompt_tokens: int,
-    question: str,
-    small: Answer,
-    part: str,
-) -> Answer | tuple[str, NotEscalated]:
+async def _large_tier(asked: _Asked, small: Answer) -> Answer | tuple[str, NotEscalated]:
     """The large tier's answer to the small tier's prompt, checked (its usage added to the
     small one's), in a reservation of its own; or why it could not be had."""
-    request.tier = tier_to_proto(ModelTier.LARGE)
+    ctx = asked.ctx
+    asked.request.tier = tier_to_proto(ModelTier.LARGE)
     try:
         final, more = await generate_reserved(
-            ctx, step, request, ModelTier.LARGE, prompt_tokens, emit=None, part=part
+            ctx,
+            asked.step,
+            asked.request,
+            ModelTier.LARGE,
+            asked.prompt_tokens,
+            emit=None,
+            part=asked.part,
         )
     except BudgetRefused:
         return "escalation_unaffordable", NotEscalated.UNAFFORDABLE
     except grpc.aio.AioRpcError as error:
         return f"escalation_failed: {error.code().name}", NotEscalated.FAILED
     answer = _answer_of(final, small.evidence, small.usage + more)
-    return _checked(answer, question, ctx.settings.verify_threshold)
+    return _checked(answer, asked.question, ctx.settings.verify_threshold)
 
 
-async def _escalated(
-    ctx: RunContext,
-    step: Step,
-    request: generation_pb2.GenerateRequest,
-    prompt_tokens: int,
-    question: str,
-    small: Answer,
-    part: str,
-) -> Answer:
+async def _escalated(asked: _Asked, small: Answer) -> Answer:
     """A small answer that failed a check, escalated to the large tier where the run may;
     the small answer stands (with its signals) where it may not or the call fails."""
     signals = small.problems
-    refused = await _not_escalated(ctx, small.evidence)
+    refused = await _not_escalated(asked.ctx, small.evidence)
     if refused is None:
-        large = await _large_tier(ctx, step, request, prompt_tokens, question, small, part)
+        large = await _large_tier(asked, small)
         if isinstance(large, Answer):
             return replace(large, signals=signals, escalated=True)
         refused = large
@@ -167,22 +171,14 @@ async def _escalated(
     return replace(small, signals=signals, outcome=outcome, not_escalated=why)
 
 
-async def _cross_checked(
-    ctx: RunContext,
-    step: Step,
-    request: generation_pb2.GenerateRequest,
-    prompt_tokens: int,
-    question: str,
-    small: Answer,
-    part: str,
-) -> Answer:
+async def _cross_checked(asked: _Asked, small: Answer) -> Answer:
     """A small answer the verifier passed but was unsure of, asked of the large tier too:
     the same answer stands; another one stands only where it clears every check itself,
     and else neither does (INCOMPLETE `unverified`, the small draft kept). Where the
     large tier may not be asked, or its call fails, the small answer stands as checked."""
-    if await _not_escalated(ctx, small.evidence) is not None:
+    if await _not_escalated(asked.ctx, small.evidence) is not None:
         return small
-    large = await _large_tier(ctx, step, request, prompt_tokens, question, small, part)
+    large = await _large_tier(asked, small)
     if not isinstance(large, Answer):
         return small
     said, other = ev.strip_markers(small.text), ev.strip_markers(large.text)
