@@ -136,7 +136,7 @@ async def test_sigkill_under_load_then_restart(fault_stack, part):
     assert writes_back_s <= serving_s + WRITES_BACK_S, f"writes again after {writes_back_s:.1f} s"
     if part in ANSWERED_WITHOUT:  # an optional stage: its absence degrades, not fails
         seen = [(asks.question_of(o)[:32], o.outcome, o.reason) for o in down]
-        unjudged = [(asks.question_of(o)[:32], o.outcome, o.reason) for o in down if not judged(o)]
+        unjudged = [x for x, o in zip(seen, down, strict=True) if not judged(o)]
         assert not unjudged, unjudged
         assert len(answered) >= ANSWERED_SHARE_WITHOUT * len(down), seen
     assert 0 < written_before < len(writes.acknowledged), "writes before and after the kill"

@@ -71,16 +71,16 @@ def drafted(outcome: Outcome) -> bool:
     )
 
 
-# INCOMPLETE reasons that judge the question against the evidence found: a draft the checks
-# refused, the model saying the evidence does not answer, the answerability gate.
-JUDGED_REASONS = DRAFT_REASONS | {"not_in_evidence", answerability.NO_RELEVANT_EVIDENCE}
+# INCOMPLETE reasons that judge the question against the evidence found without a draft:
+# the model saying the evidence does not answer, the answerability gate.
+UNDRAFTED_JUDGMENTS = frozenset({"not_in_evidence", answerability.NO_RELEVANT_EVIDENCE})
 
 
 def judged(outcome: Outcome) -> bool:
-    """Answered, or INCOMPLETE because the evidence found was judged not to answer: never
+    """Drafted, or INCOMPLETE because the evidence found was judged not to answer: never
     an error, nor a step that could not run."""
-    return outcome.outcome in ("COMPLETE", "PARTIAL") or (
-        outcome.outcome == "INCOMPLETE" and outcome.reason in JUDGED_REASONS
+    return drafted(outcome) or (
+        outcome.outcome == "INCOMPLETE" and outcome.reason in UNDRAFTED_JUDGMENTS
     )
 
 
