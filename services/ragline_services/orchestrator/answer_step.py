@@ -286,7 +286,7 @@ async def _read_again(
 
 
 def _answer_of(final, evidence: ev.Evidence, used: Amounts) -> Answer:
-    text = final.text
+    text = ev.with_markers(final.text.strip(), evidence)
     return Answer(
         text=text.strip(),
         evidence=evidence,

@@ -333,6 +333,21 @@ def cite(answer: str, evidence: Evidence) -> Cited:
     return Cited(citations, dropped)
 
 
+# A small model at times writes its passage number as "(1)" (a document's own "[n]" reaches
+# it so, as_data) instead of "[1]": at the end of its answer, after a space, it is a marker.
+_TRAILING_MARKER = re.compile(r"\s\((\d{1,3})\)[\s.]*$")
+
+
+def with_markers(answer: str, evidence: Evidence) -> str:
+    """`answer` with a passage number written "(n)" at its end as the marker "[n]", where the
+    answer writes no other marker and the prompt held [n] ("less(1)" is a name, left)."""
+    found = _TRAILING_MARKER.search(answer)
+    if found is None or _MARKER.search(answer):
+        return answer
+    marker = f"[{int(found.group(1))}]"
+    return f"{answer[: found.start()]} {marker}" if evidence.marker_of(marker) else answer
+
+
 def strip_markers(text: str) -> str:
     return _MARKER.sub("", text).strip()
 

@@ -55,14 +55,24 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
             share >= MIN_QUESTION_SHARE,
             () if share >= MIN_QUESTION_SHARE else ("the question's terms",),
         )
+    asked = set(answerability.terms(question)) if question else set()
+    chosen = bool(question) and names_an_alternative(text, question)
     if question and not numbers.numbers(text) - numbers.numbers(question):
-        told = set(answerability.terms(text)) - set(answerability.terms(question))
-        if words and not told and not _names_code(text, question):
+        told = set(answerability.terms(text)) - asked
+        if words and not told and not _names_code(text, question) and not chosen:
             # "The river flows through Warsaw." names nothing the question did not.
             return Support(False, ("anything the question does not already say",))
-    missing_numbers = sorted(numbers.numbers(text) - numbers.numbers(source))
-    # Numbers were checked above, however written ("two" is the number 2, not a word).
-    counted = [t for t in answerability.translated_terms(text) if not numbers.numbers(t.term)]
+    given = numbers.numbers(text)
+    missing_numbers = sorted(given - numbers.numbers(source))
+    # Numbers were checked above, however written ("two" is the number 2, not a word;
+    # "hundreds" is a word, no number).
+    counted = [t for t in answerability.translated_terms(text) if not _a_number(t.term, given)]
+    # The question's words restated are not the answer's claim: what it adds must be copied
+    # ("The main factor is the degree of bending": "degree", "bending"). A choice among
+    # the question's alternatives is its claim whole.
+    added = [t for t in counted if t.term not in asked]
+    if added and not chosen:
+        counted = added
     # A Chinese term is copied when the cited text holds its characters (jieba may have
     # cut the passage around them otherwise: "全长约" is one word there, "约" one here); a
     # word of the other language when the cited text holds a translation of it ("the East
@@ -79,6 +89,53 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
         return Support(False, ("any content word",))
     ok = not missing_numbers and share >= MIN_WORD_SHARE
     return Support(ok, () if ok else tuple(missing_numbers + missing_words))
+
+
+def _a_number(term: str, given: set[str]) -> bool:
+    """Whether `term` is one of the answer's numbers (`given`): digits, or a number word
+    whose value the answer gives ("two"; "hundreds" gives none)."""
+    value = numbers.numbers(term)
+    return bool(value) and (term[:1].isdigit() or value <= given)
+
+
+def alternatives(question: str) -> list[set[str]]:
+    """The terms of each alternative a question offers to choose from, or [] where it
+    offers none: "growth or reduction?"; "..., the male or female?"; "Who voted for Bush
+    more: weekly church-goers, occasional church-goers, or those who never attend?" (a list
+    with a comma before its "or" runs back to the colon or the question's own clause)."""
+    head, sep, tail = question.strip().rstrip("?").rpartition(" or ")
+    if not sep:
+        return []
+    last = re.split(r"[,;:]", tail)[0].split()
+    if not last:
+        return []
+    items = [" ".join(last)]
+    segments = head.rstrip().split(",")
+    listed = head.rstrip().endswith(",")
+    for segment in reversed(segments[:-1] if listed else segments):
+        _, colon, item = segment.rpartition(":")
+        words = item.split()
+        if colon or (listed and len(words) <= len(last) + 2):
+            items.append(item)
+            if colon:
+                break
+            continue
+        # The question's own clause ends with the first alternative: as many words as the
+        # last one has.
+        items.append(" ".join(words[-len(last) :]))
+        break
+    return [found for found in (set(answerability.terms(i)) for i in items) if found]
+
+
+def names_an_alternative(answer: str, question: str) -> bool:
+    """Whether `answer` chooses one of the alternatives `question` offers (its words all of
+    one of them, and of no other alone): "growth" for "growth or reduction?" says what no
+    word of the question does, though it is one."""
+    said = set(answerability.terms(answer))
+    if not said:
+        return False
+    holding = [terms for terms in alternatives(question) if said <= terms]
+    return len(holding) == 1
 
 
 def _names_code(answer: str, question: str) -> bool:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from ragline_services.orchestrator import evidence as ev
-from ragline_services.orchestrator.grounding import off_subject, support
+from ragline_services.orchestrator.grounding import (
+    alternatives,
+    names_an_alternative,
+    off_subject,
+    support,
+)
 
 
 def item(text: str, title: str = "") -> ev.EvidenceItem:
@@ -162,3 +167,40 @@ def test_an_identifier_of_code_the_question_does_not_write_is_an_answer_not_an_e
     variables = [item("LESS: options which are passed to less automatically.", "less")]
     question = "Which environment variable holds default options for less?"
     assert not support("LESS [1]", variables, question).supported
+
+
+def test_a_choice_among_the_questions_alternatives_is_an_answer_not_an_echo():
+    tourism = [item("The tourism sector has seen steady growth since 2004.", "Tourism")]
+    question = "Has the tourism sector had growth or reduction?"
+    assert support("growth [1]", tourism, question).supported
+    # a word of the question that is none of its alternatives is still an echo
+    assert not support("the tourism sector [1]", tourism, question).supported
+    # the alternative chosen must be the cited text's
+    assert not support("reduction [1]", tourism, question).supported
+    listed = "Who voted for Bush more in 2004: weekly church-goers, occasional church-goers, or those who never attend?"  # noqa: E501
+    assert [sorted(a) for a in alternatives(listed)] == [
+        ["attend", "never"],
+        ["church", "goer", "occasional"],
+        ["church", "goer", "weekly"],
+    ]
+    assert names_an_alternative("weekly church-goers", listed)
+    assert not names_an_alternative("church-goers", listed)  # two of them: no choice
+    assert not names_an_alternative("Bush", listed)
+    assert alternatives("Which river flows through Warsaw?") == []
+
+
+def test_the_questions_words_restated_are_not_the_answers_claim():
+    """What an answer adds to the question must be copied; the question's words it repeats
+    around it need not be (nor do they make a wrong addition pass)."""
+    beam = [item("The degree of bending it is subjected to decides its axial load.")]
+    question = "What is the main determining factor of its ability to carry axial load?"
+    said = "The main determining factor of its ability is the degree of bending [1]"
+    assert support(said, beam, question).supported
+    assert not support("The main determining factor is its shape [1]", beam, question).supported
+
+
+def test_a_plural_number_word_is_a_word_to_find():
+    channels = [item("The digital service could carry hundreds of channels.")]
+    question = "How many television and radio channels could the service carry?"
+    assert support("hundreds [1]", channels, question).supported
+    assert not support("thousands [1]", channels, question).supported

@@ -107,6 +107,17 @@ def test_markers_are_stripped_and_refusals_recognised():
     assert ev.is_refusal("Not in the evidence.")
 
 
+def test_a_passage_number_written_in_parentheses_at_the_end_is_its_marker():
+    """The model sees documents' own "[n]" as "(n)" (as_data) and at times writes its
+    marker so: at the end of the answer it is the citation, elsewhere a name's part."""
+    found = evidence_of(WARSAW, SKY)
+    assert ev.with_markers("the Vistula (1)", found) == "the Vistula [1]"
+    assert ev.with_markers("Sky Q (2).", found) == "Sky Q [2]"
+    assert ev.cite(ev.with_markers("Sky Q (2)", found), found).citations == [found.items[1]]
+    for kept in ("less(1)", "the Vistula (3)", "the Vistula [1] (2)", "(1) the Vistula"):
+        assert ev.with_markers(kept, found) == kept
+
+
 def test_document_text_reaches_the_prompt_as_data():
     hostile = ev.Passage(
         "h",
