@@ -91,16 +91,21 @@ async def answer(
         ctx, step, request, tier, prompt_tokens, emit=emit, part=part
     )
     answer = _checked(_answer_of(final, evidence, used), question, s.verify_threshold)
+    may_escalate = tier == ModelTier.SMALL and s.escalate and given.tier is None
+    again = _Asked(ctx, step, request, prompt_tokens, question, part)
+    unsure = answer.verified is not None and answer.verified < s.cross_check_below
+    if may_escalate and unsure and not answer.problems and _judged(question, answer):
+        if await _not_escalated(ctx, evidence) is None:
+            # The large tier's reading settles it: a second read first would only add a
+            # call (what it refuses is escalated to the same large tier, with the same
+            # outcomes; docs/answer-states.md, "The large tier as a cross-check").
+            return await _cross_checked(again, answer)
     if not answer.problems and answer.rivals and (answer.verified or 0.0) < s.confirm_above:
         answer = await _read_again(ctx, step, question, answer, part)
-    if tier != ModelTier.SMALL or not s.escalate or given.tier is not None:
+    if not may_escalate:
         return replace(answer, signals=answer.problems)
-    again = _Asked(ctx, step, request, prompt_tokens, question, part)
     if answer.problems:
         return await _escalated(again, answer)
-    unsure = answer.verified is not None and answer.verified < s.cross_check_below
-    if unsure and _judged(question, answer):
-        return await _cross_checked(again, answer)
     return answer
 
 
@@ -175,9 +180,8 @@ async def _cross_checked(asked: _Asked, small: Answer) -> Answer:
     """A small answer the verifier passed but was unsure of, asked of the large tier too:
     the same answer stands; another one stands only where it clears every check itself,
     and else neither does (INCOMPLETE `unverified`, the small draft kept). Where the
-    large tier may not be asked, or its call fails, the small answer stands as checked."""
-    if await _not_escalated(asked.ctx, small.evidence) is not None:
-        return small
+    large tier's call fails, the small answer stands as checked (the caller has found that
+    the large tier may be asked)."""
     large = await _large_tier(asked, small)
     if not isinstance(large, Answer):
         return small
