@@ -143,14 +143,25 @@ def _names_code(answer: str, question: str) -> bool:
     it is nor as one of its words: "--verify" for "Which option verifies ...?" names a
     thing the question asks for, though its stem is the question's. "METHOD" for "Which
     method ...?" stays an echo (a placeholder of the page as often as a name: measured in
-    docs/answer-states.md)."""
+    docs/answer-states.md). A question for a variable or a constant is answered by a name
+    in capitals, which is how they are written, though it is the program's name
+    ("LESS" for "Which environment variable holds options for less?")."""
     asked = set(_WORD.findall(question.lower()))
+    tokens = [t.strip(".,;:\"'`") for t in answer.split()]
+    if _ASKS_FOR_A_VARIABLE.search(question) and any(
+        _IN_CAPITALS.fullmatch(token) and token not in question for token in tokens
+    ):
+        return True
     return any(
         ev.looks_like_code(token)
         and token not in question
         and token.lstrip("-").lower() not in asked
-        for token in (t.strip(".,;:\"'`") for t in answer.split())
+        for token in tokens
     )
+
+
+_ASKS_FOR_A_VARIABLE = re.compile(r"\b(variable|constant)s?\b", re.IGNORECASE)
+_IN_CAPITALS = re.compile(r"[A-Z][A-Z0-9]*(_[A-Z0-9]+)*")
 
 
 @dataclass(frozen=True)

@@ -164,9 +164,23 @@ def test_an_identifier_of_code_the_question_does_not_write_is_an_answer_not_an_e
     assert not said.supported and said.missing == ("anything the question does not already say",)
     # An identifier the question itself writes is still an echo, as written or as a word.
     assert not support("--verify [1]", OPTIONS, "What does tar's --verify option do?").supported
+    # A capitalised placeholder of the page is no name ("Which method ...?": "METHOD").
+    methods = [item("--hole-detection=METHOD: use METHOD to detect holes in sparse files.")]
+    assert not support("METHOD [1]", methods, "Which method of detecting holes?").supported
+
+
+def test_a_question_for_a_variable_is_answered_by_its_name_in_capitals():
     variables = [item("LESS: options which are passed to less automatically.", "less")]
     question = "Which environment variable holds default options for less?"
-    assert not support("LESS [1]", variables, question).supported
+    assert support("LESS [1]", variables, question).supported
+    # Not in capitals, or not what is asked for: the question's own word, an echo.
+    assert not support("less [1]", variables, question).supported
+    said = "Which option holds default options for less?"
+    assert not support("LESS [1]", variables, said).supported
+    volume = [item("The variable TAR_FORMAT holds the --format of the archive.")]
+    asked = "Which variable tells a volume script the format of the archive?"
+    assert not support("--format [1]", volume, asked).supported
+    assert support("TAR_FORMAT [1]", volume, asked).supported
 
 
 def test_a_choice_among_the_questions_alternatives_is_an_answer_not_an_echo():
