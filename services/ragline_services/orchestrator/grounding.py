@@ -177,8 +177,8 @@ class OffSubject:
 def off_subject(
     question: str, cited: Sequence[ev.EvidenceItem], evidence: Sequence[ev.EvidenceItem]
 ) -> OffSubject | None:
-    """None unless the cited text lacks a key term of the question (a name, a number; in
-    either language) that an uncited evidence passage holds."""
+    """None unless the cited passages lack a key term of the question (a name, a number; in
+    either language) that the shown text of an uncited evidence passage holds."""
     keys = answerability.key_terms(question)
     if not keys or not cited:
         return None
@@ -188,7 +188,12 @@ def off_subject(
     def read(item: ev.EvidenceItem) -> answerability.Text:
         return answerability.Text.of(f"{ev.shown_title(item.passage)} {item.text}")
 
-    cited_text = [read(item) for item in cited]
+    # The cited passage whole: the sentences shown may not repeat its subject ("It was
+    # dropped in 1964" of the Lunar Module's passage).
+    cited_text = [
+        answerability.Text.of(f"{ev.shown_title(item.passage)} {item.passage.text}")
+        for item in cited
+    ]
     lacking = [t for t in asked if not any(t.found_in(text) for text in cited_text)]
     if not lacking:
         return None

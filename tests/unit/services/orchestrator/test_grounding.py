@@ -114,6 +114,29 @@ def test_an_answer_citing_a_passage_about_something_else_is_caught():
     assert off_subject("Which river divides Warsaw?", [warsaw], [warsaw, krakow]) is None
 
 
+def test_the_cited_passage_names_the_subject_where_its_shown_sentence_does_not():
+    """The prompt shows a passage's best sentences, which may not repeat its subject: the
+    passage whole is what the citation is of."""
+    lunar = ev.EvidenceItem(
+        "[1]",
+        ev.Passage(
+            "lm", "Apollo", "The Lunar Module (LM) was planned early. It was dropped in 1964."
+        ),
+        "It was dropped in 1964.",
+    )
+    other = item("The Lunar Module carried two astronauts.")
+    other = ev.EvidenceItem("[2]", other.passage, other.text)
+    question = "In what year was the Lunar Module dropped?"
+    assert off_subject(question, [lunar], [lunar, other]) is None
+    # A passage that never names it is still caught.
+    elsewhere = ev.EvidenceItem(
+        "[1]",
+        ev.Passage("g", "Gemini", "Gemini was dropped in 1966."),
+        "Gemini was dropped in 1966.",
+    )
+    assert off_subject(question, [elsewhere], [elsewhere, other]).markers == ("[2]",)
+
+
 def test_british_and_american_spellings_are_one_word():
     tower = [item("The Eiffel Tower in Paris is 330 metres tall.", "Eiffel Tower")]
     assert support("330 meters [1]", tower, "埃菲尔铁塔有多高？").supported
