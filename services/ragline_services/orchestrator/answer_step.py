@@ -1,6 +1,7 @@
 """The answer step: one answer from selected evidence (escalated to the large tier on a
-checkable signal; read again, and cross-checked by the large tier, where the verifier is
-unsure), checked against its citations."""
+checkable signal; where the verifier is unsure, cross-checked by the large tier, or read
+again by the small model where the large tier may not be asked), checked against its
+citations."""
 
 from __future__ import annotations
 

@@ -6,8 +6,10 @@ part of a several-part answer against its own citations.
 
 An answer is built to be short ("a few words copied from the evidence"), so copying is
 what is checked: every number exactly, and at least `MIN_WORD_SHARE` of the content words
-(light stemming: "rivers" matches "river"; Chinese as the character bigrams of its words,
-`ragline.words`). A bare yes or no copies nothing; it is
+it adds to the question (light stemming: "rivers" matches "river"; Chinese as the
+character bigrams of its words, `ragline.words`); the question's own words restated are
+not its claim, and an answer of nothing else is an echo unless it chooses one of the
+alternatives the question offers. A bare yes or no copies nothing; it is
 supported when the cited text holds the question's own terms (it speaks of what was asked).
 """
 
