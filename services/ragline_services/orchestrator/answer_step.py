@@ -291,7 +291,7 @@ async def _read_again(
 
 
 def _answer_of(final, evidence: ev.Evidence, used: Amounts) -> Answer:
-    text = ev.with_markers(final.text.strip(), evidence)
+    text = ev.with_markers(final.text, evidence)
     return Answer(
         text=text.strip(),
         evidence=evidence,

@@ -50,21 +50,20 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
     read = answerability.Text.of(source)
     source_terms = read.terms
     words = [w.lower() for w in ev.content_words(text)]
+    asked = set(answerability.terms(question)) if question else set()
     if words and set(words) <= _YES_NO and question:
-        asked = set(answerability.terms(question))
         share = len(asked & source_terms) / len(asked) if asked else 0.0
         return Support(
             share >= MIN_QUESTION_SHARE,
             () if share >= MIN_QUESTION_SHARE else ("the question's terms",),
         )
-    asked = set(answerability.terms(question)) if question else set()
     chosen = bool(question) and names_an_alternative(text, question)
-    if question and not numbers.numbers(text) - numbers.numbers(question):
+    given = numbers.numbers(text)
+    if question and not given - numbers.numbers(question):
         told = set(answerability.terms(text)) - asked
         if words and not told and not _names_code(text, question) and not chosen:
             # "The river flows through Warsaw." names nothing the question did not.
             return Support(False, ("anything the question does not already say",))
-    given = numbers.numbers(text)
     missing_numbers = sorted(given - numbers.numbers(source))
     # Numbers were checked above, however written ("two" is the number 2, not a word;
     # "hundreds" is a word, no number).
@@ -83,7 +82,7 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
         t.term for t in counted if not (t.found_in(read) or (has_han(t.term) and t.term in source))
     ]
     share = 1.0 - len(missing_words) / len(counted) if counted else 1.0
-    if not counted and not numbers.numbers(text):
+    if not counted and not given:
         literal = ev.literal_of(text)
         if literal and literal in source:
             return Support(True)  # a literal copied as written ("'+'", "**")
