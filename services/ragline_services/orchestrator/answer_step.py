@@ -96,11 +96,17 @@ async def answer(
     again = _Asked(ctx, step, request, prompt_tokens, question, part)
     unsure = answer.verified is not None and answer.verified < s.cross_check_below
     if may_escalate and unsure and not answer.problems and _judged(question, answer):
-        if await _not_escalated(ctx, evidence) is None:
+        refused = await _not_escalated(ctx, evidence, s.cross_check_beside)
+        if refused is None:
             # The large tier's reading settles it: a second read first would only add a
             # call (what it refuses is escalated to the same large tier, with the same
             # outcomes; docs/answer-states.md, "The large tier as a cross-check").
             return await _cross_checked(again, answer)
+        if refused[1] == NotEscalated.OTHERS_IN_FLIGHT:
+            # What COMPLETE promises must not depend on how busy the replica is: passed
+            # unsure and not cross-checked, an answer is right about two times in three
+            # (docs/answer-states.md, "COMPLETE under load").
+            return _not_cross_checked(answer, refused[0])
     if not answer.problems and answer.rivals and (answer.verified or 0.0) < s.confirm_above:
         answer = await _read_again(ctx, step, question, answer, part)
     if not may_escalate:
@@ -122,9 +128,12 @@ class _Asked:
     part: str
 
 
-async def _not_escalated(ctx: RunContext, evidence: ev.Evidence) -> tuple[str, NotEscalated] | None:
+async def _not_escalated(
+    ctx: RunContext, evidence: ev.Evidence, beside: int | None = None
+) -> tuple[str, NotEscalated] | None:
     """Why the large tier may not be asked for this run's answer (as the fields an
-    answer reports it by), or None: it may."""
+    answer reports it by), or None: it may, while at most `beside` other runs are in
+    flight (the escalation's allowance unless given)."""
     if not await tier_served(ctx, ModelTier.LARGE):
         return "escalation_unavailable: no large tier", NotEscalated.NO_LARGE_TIER
     gate = evidence.signals
@@ -134,9 +143,11 @@ async def _not_escalated(ctx: RunContext, evidence: ev.Evidence) -> tuple[str, N
         # do not answer (docs/answer-states.md, "Which tiers").
         why = f"escalation_skipped: the evidence likely does not answer ({gate.probability:.2f})"
         return why, NotEscalated.EVIDENCE_UNLIKELY
-    beside = ctx.others_running()
-    if beside > ctx.settings.escalate_beside:
-        return f"escalation_skipped: {beside} other runs in flight", NotEscalated.OTHERS_IN_FLIGHT
+    running = ctx.others_running()
+    if running > (ctx.settings.escalate_beside if beside is None else beside):
+        runs = "run" if running == 1 else "runs"
+        why = f"escalation_skipped: {running} other {runs} in flight"
+        return why, NotEscalated.OTHERS_IN_FLIGHT
     return None
 
 
@@ -199,6 +210,24 @@ async def _cross_checked(asked: _Asked, small: Answer) -> Answer:
     )
     outcome = "cross_checked: the large tier answered otherwise, and its answer failed its checks"
     return replace(small, usage=large.usage, problems=(*small.problems, found), outcome=outcome)
+
+
+def _not_cross_checked(small: Answer, why: str) -> Answer:
+    """A small answer the verifier passed unsure, which the large tier could not
+    cross-check for the runs in flight beside it: INCOMPLETE `unverified`, the draft kept."""
+    found = Signal(
+        "unverified",
+        f"the verifier was unsure of it ({small.verified:.2f}) and it could not be"
+        f" cross-checked: {why.removeprefix('escalation_skipped: ')}",
+        UNVERIFIED,
+    )
+    outcome = why.replace("escalation_skipped", "cross_check_skipped", 1)
+    return replace(
+        small,
+        problems=(*small.problems, found),
+        outcome=outcome,
+        not_escalated=NotEscalated.OTHERS_IN_FLIGHT,
+    )
 
 
 def _judged(question: str, answer: Answer) -> bool:

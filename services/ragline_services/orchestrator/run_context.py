@@ -175,6 +175,9 @@ class Settings:
     verify_threshold: float = 0.5
     confirm_above: float = 0.85
     cross_check_below: float = 0.8
+    # The cross-check runs while at most this many other runs are in flight; beyond it an
+    # answer it would have checked is INCOMPLETE `unverified`.
+    cross_check_beside: int = 0
     # Cost in micros per 1,000 tokens (input, output), per tier.
     prices: dict[ModelTier, tuple[int, int]] = field(default_factory=dict)
 

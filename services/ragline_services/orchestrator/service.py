@@ -97,6 +97,10 @@ class OrchestratorConfig(ServiceConfig):
     # must clear the checks itself or the run is INCOMPLETE `unverified`; 0 never
     # cross-checks (docs/answer-states.md, "The large tier as a cross-check").
     cross_check_below: float = Field(0.8, ge=0, le=1)
+    # ... while at most this many other runs are in flight on the replica; beyond it, an
+    # answer the cross-check would have read is INCOMPLETE `unverified` (its draft kept),
+    # so that COMPLETE means the same under load as on an idle replica.
+    cross_check_beside: int = Field(0, ge=0)
     # Stage budgets (seconds) per step; generation gets whatever remains.
     embed_budget_s: float = Field(2.0, gt=0)
     search_budget_s: float = Field(2.0, gt=0)

@@ -107,6 +107,7 @@ def settings_of(
         verify_threshold=config.verify_threshold,
         confirm_above=config.confirm_above,
         cross_check_below=config.cross_check_below,
+        cross_check_beside=config.cross_check_beside,
         prices={
             ModelTier.SMALL: (config.small_input_price, config.small_output_price),
             ModelTier.LARGE: (config.large_input_price, config.large_output_price),

@@ -208,3 +208,37 @@ async def test_two_tiers_that_disagree_leave_the_answer_unverified_with_its_draf
         for s in result.escalation_signals
     ), result
     assert result.draft_answer == "the Vistula [1]" and not result.answer
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("cross_check_beside", [0, 1])
+async def test_an_unsure_answer_not_cross_checked_for_load_is_not_complete(
+    proxied, two_tiers, cross_check_beside
+):
+    # Two asks at once, each answer held until the other is in flight: beyond the
+    # cross-check's allowance, an answer it would have read is INCOMPLETE `unverified` with
+    # its draft (COMPLETE must not mean less on a busy replica); within it, the large tier
+    # reads it as on an idle replica.
+    proxy, orchestrator = await proxied(
+        small_answer("the Vistula [1]"),
+        upstream=two_tiers.address,
+        **CROSS_CHECK_ALL,
+        cross_check_beside=cross_check_beside,
+    )
+    proxy.hold_s = 3.0
+    questions = (WARSAW, "On which river does Warsaw stand?")
+    results = await asyncio.gather(*(ask(orchestrator.address, q) for q in questions))
+    large = [r for r in answer_calls(proxy.forwarded) if r.tier == common_pb2.MODEL_TIER_LARGE]
+    if cross_check_beside:
+        assert len(large) == 2, large
+        for result in results:
+            assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, result.status
+            assert "cross_checked: the large tier agreed" in result.escalation_signals
+        return
+    assert not large, large
+    for result in results:
+        assert result.status.state == common_pb2.ANSWER_STATE_INCOMPLETE, result.status
+        assert result.status.reason == "unverified", result.status
+        assert "could not be cross-checked: 1 other run in flight" in result.status.detail
+        assert "cross_check_skipped: 1 other run in flight" in result.escalation_signals
+        assert result.draft_answer == "the Vistula [1]" and not result.answer
