@@ -10,7 +10,7 @@ import re
 import string
 
 from ragline import numbers
-from ragline.words import QUOTES, has_han
+from ragline.words import QUOTES, has_han, singular
 
 # What SQuAD's official normalisation joins but technical answers write as separators: all
 # punctuation but that inside an identifier or a number ("--keep-old-files",
@@ -26,8 +26,8 @@ _NUMBER_UNIT = re.compile(r"(?<=\d)-(?=[a-z])")
 
 def normalise(text: str) -> str:
     """SQuAD's official normalisation, with numbers written as digits first ("two" and "2"
-    are one answer: `ragline.numbers`), and punctuation separating words where it is not
-    part of an identifier or a number (`_SEPARATORS`)."""
+    are one answer: `ragline.numbers`), punctuation separating words where it is not
+    part of an identifier or a number (`_SEPARATORS`), and irregular plurals singular."""
     text = numbers.spelled_as_digits(text).lower()
     text = _THOUSANDS.sub("", text)
     text = _ABBREVIATION.sub(lambda m: m.group(0).replace(".", ""), text)
@@ -36,16 +36,33 @@ def normalise(text: str) -> str:
     words = (w.strip("-._") for w in text.split())
     text = " ".join(w for w in words if w)
     text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
+    # "25 feet" against "25-foot": a unit's plural is the unit.
+    return " ".join(singular(w) for w in text.split())
 
 
 def token_f1(prediction: str, gold: str) -> float:
     predicted, expected = normalise(prediction).split(), normalise(gold).split()
+    predicted, expected = _compounds_as(expected, predicted), _compounds_as(predicted, expected)
     if not predicted or not expected:
         # A literal of code or notation ("'+'", "**") has no word left once punctuation
         # is out: compared as written, quotes and spaces aside.
         return float(_literal(prediction) == _literal(gold) != "")
     return _bag_f1(predicted, expected)
+
+
+def _compounds_as(other: list[str], words: list[str]) -> list[str]:
+    """`words` with each run of them that spells one of `other`'s hyphenated compounds
+    part by part joined into it: "black and yellow" is "black-and-yellow". Only that exact
+    spelling: split for good, "ssh-agent" would share half its words with "ssh-keygen"."""
+    for compound in {w for w in other if "-" in w.strip("-")}:
+        parts = compound.split("-")
+        n = len(parts)
+        i = 0
+        while i + n <= len(words):
+            if words[i : i + n] == parts:
+                words = [*words[:i], compound, *words[i + n :]]
+            i += 1
+    return words
 
 
 def _literal(text: str) -> str:

@@ -76,6 +76,26 @@ def stem(word: str) -> str:
     return word
 
 
+# English plurals no suffix rule reaches. Not in `stem`: the retrieval index's terms are
+# made by it, and an index built before would stop matching its own words.
+_IRREGULAR_PLURALS = {
+    "feet": "foot",
+    "teeth": "tooth",
+    "geese": "goose",
+    "men": "man",
+    "women": "woman",
+    "children": "child",
+    "mice": "mouse",
+    "oxen": "ox",
+}
+
+
+def singular(term: str) -> str:
+    """`term` (as `stem` leaves it) in the singular where it is an irregular plural
+    ("feet" is "foot": a passage's "25-foot wall" is an answer's "25 feet")."""
+    return _IRREGULAR_PLURALS.get(term, term)
+
+
 def english_terms(text: str) -> list[str]:
     """The content terms of the English (Latin-letter) words of `text`, stemmed."""
     return [stem(w) for w in english_words(text)]

@@ -6,7 +6,7 @@ part of a several-part answer against its own citations.
 
 An answer is built to be short ("a few words copied from the evidence"), so copying is
 what is checked: every number exactly, and at least `MIN_WORD_SHARE` of the content words
-it adds to the question (light stemming: "rivers" matches "river"; Chinese as the
+it adds to the question (light stemming: "rivers" matches "river", "feet" "foot"; Chinese as the
 character bigrams of its words, `ragline.words`); the question's own words restated are
 not its claim, and an answer of nothing else is an echo unless it chooses one of the
 alternatives the question offers. A bare yes or no copies nothing; it is
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragline import numbers
-from ragline.words import has_han
+from ragline.words import has_han, singular
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
 
@@ -78,8 +78,15 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
     # cut the passage around them otherwise: "全长约" is one word there, "约" one here); a
     # word of the other language when the cited text holds a translation of it ("the East
     # China Sea" from "注入东海").
+    singulars = {singular(term) for term in source_terms}
     missing_words = [
-        t.term for t in counted if not (t.found_in(read) or (has_han(t.term) and t.term in source))
+        t.term
+        for t in counted
+        if not (
+            t.found_in(read)
+            or singular(t.term) in singulars
+            or (has_han(t.term) and t.term in source)
+        )
     ]
     share = 1.0 - len(missing_words) / len(counted) if counted else 1.0
     if not counted and not given:

@@ -52,6 +52,8 @@ def test_a_numbers_own_punctuation_keeps_it_whole():
         ("two parts", "2"),
         ("维斯瓦河", "维斯瓦河流域"),
         ("'+'", "+"),
+        ("black-and-yellow", "black and yellow"),
+        ("25 feet", "a 25-foot wall"),
     ],
 )
 def test_two_models_saying_one_thing_agree_either_way(first, second):
@@ -65,6 +67,8 @@ def test_two_models_saying_one_thing_agree_either_way(first, second):
         ("1903", "1899"),
         ("维斯瓦河", "多瑙河"),
         ("the Danube", "not in the evidence"),
+        ("ssh-agent", "ssh-keygen"),
+        ("ssh agent", "ssh-keygen"),
     ],
 )
 def test_two_models_saying_two_things_disagree(first, second):

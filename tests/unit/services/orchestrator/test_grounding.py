@@ -241,3 +241,12 @@ def test_a_plural_number_word_is_a_word_to_find():
     question = "How many television and radio channels could the service carry?"
     assert support("hundreds [1]", channels, question).supported
     assert not support("thousands [1]", channels, question).supported
+
+
+def test_an_irregular_plural_is_its_singular():
+    wall = [item("A 25-foot (7.6 m) high stone wall was built around the town.")]
+    question = "How high was the stone wall built around the town?"
+    assert support("25 feet (7.6 m) [1]", wall, question).supported
+    assert not support("25 yards [1]", wall, question).supported
+    crew = [item("Each capsule held a man and a woman.")]
+    assert support("men and women [1]", crew, "Who did the capsules hold?").supported
