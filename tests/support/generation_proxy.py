@@ -27,6 +27,8 @@ class GenerationProxy(generation_pb2_grpc.GenerationServiceServicer):
         self.scripted_for: list[str] = []  # the tenant of each scripted request
         self.forwarded: list[generation_pb2.GenerateRequest] = []
         self.hold_s = 0.0  # a scripted answer waits this long before its first word
+        # ... or as long as this says for its request, where set
+        self.hold_for: Callable[[generation_pb2.GenerateRequest], float] | None = None
         self.in_flight = 0  # Generate calls open now, and the most at once
         self.most_in_flight = 0
         self.port = free_ports(1)[0]
@@ -76,7 +78,7 @@ class GenerationProxy(generation_pb2_grpc.GenerationServiceServicer):
         self.scripted.append(request)
         metadata = dict(context.invocation_metadata())
         self.scripted_for.append(str(metadata.get("x-ragline-tenant", "")))
-        await asyncio.sleep(self.hold_s)
+        await asyncio.sleep(self.hold_s if self.hold_for is None else self.hold_for(request))
         yield generation_pb2.GenerateResponse(text=text, first_token=True, index=0)
         final = generation_pb2.GenerateFinal(
             finish_reason=generation_pb2.FINISH_REASON_STOP,

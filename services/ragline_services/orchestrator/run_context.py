@@ -177,7 +177,7 @@ class Settings:
     cross_check_below: float = 0.8
     # The cross-check runs while at most this many other runs are in flight; beyond it an
     # answer it would have checked is INCOMPLETE `unverified`.
-    cross_check_beside: int = 0
+    cross_check_beside: int = 1
     # Cost in micros per 1,000 tokens (input, output), per tier.
     prices: dict[ModelTier, tuple[int, int]] = field(default_factory=dict)
 

@@ -215,30 +215,32 @@ async def test_two_tiers_that_disagree_leave_the_answer_unverified_with_its_draf
 async def test_an_unsure_answer_not_cross_checked_for_load_is_not_complete(
     proxied, two_tiers, cross_check_beside
 ):
-    # Two asks at once, each answer held until the other is in flight: beyond the
-    # cross-check's allowance, an answer it would have read is INCOMPLETE `unverified` with
-    # its draft (COMPLETE must not mean less on a busy replica); within it, the large tier
-    # reads it as on an idle replica.
+    # Two asks at once; the second's answer is checked while the first is still being
+    # written, the first's once the second is done. Beyond the cross-check's allowance,
+    # the second is INCOMPLETE `unverified` with its draft (COMPLETE must not mean less on
+    # a busy replica) and the first, checked on an idle replica, is cross-checked; within
+    # it, both are.
     proxy, orchestrator = await proxied(
         small_answer("the Vistula [1]"),
         upstream=two_tiers.address,
         **CROSS_CHECK_ALL,
         cross_check_beside=cross_check_beside,
     )
-    proxy.hold_s = 3.0
-    questions = (WARSAW, "On which river does Warsaw stand?")
-    results = await asyncio.gather(*(ask(orchestrator.address, q) for q in questions))
+    proxy.hold_for = lambda request: 8.0 if WARSAW in request.chat.messages[-1].content else 1.0
+    busy = "On which river does Warsaw stand?"
+    first, second = await asyncio.gather(
+        ask(orchestrator.address, WARSAW), ask(orchestrator.address, busy)
+    )
     large = [r for r in answer_calls(proxy.forwarded) if r.tier == common_pb2.MODEL_TIER_LARGE]
+    checked = [first, second] if cross_check_beside else [first]
+    assert len(large) == len(checked), large
+    for result in checked:
+        assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, result.status
+        assert "cross_checked: the large tier agreed" in result.escalation_signals
     if cross_check_beside:
-        assert len(large) == 2, large
-        for result in results:
-            assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, result.status
-            assert "cross_checked: the large tier agreed" in result.escalation_signals
         return
-    assert not large, large
-    for result in results:
-        assert result.status.state == common_pb2.ANSWER_STATE_INCOMPLETE, result.status
-        assert result.status.reason == "unverified", result.status
-        assert "could not be cross-checked: 1 other run in flight" in result.status.detail
-        assert "cross_check_skipped: 1 other run in flight" in result.escalation_signals
-        assert result.draft_answer == "the Vistula [1]" and not result.answer
+    assert second.status.state == common_pb2.ANSWER_STATE_INCOMPLETE, second.status
+    assert second.status.reason == "unverified", second.status
+    assert "could not be cross-checked: 1 other run in flight" in second.status.detail
+    assert "cross_check_skipped: 1 other run in flight" in second.escalation_signals
+    assert second.draft_answer == "the Vistula [1]" and not second.answer
