@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragline import numbers
-from ragline.words import has_han, singular
+from ragline.words import has_han, mostly_han, singular
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
 
@@ -97,6 +97,19 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
         return Support(False, ("any content word",))
     ok = not missing_numbers and share >= MIN_WORD_SHARE
     return Support(ok, () if ok else tuple(missing_numbers + missing_words))
+
+
+def says_the_same(first: str, second: str) -> bool:
+    """Whether two answers to one question, in different languages, say the same thing:
+    either one's numbers and words are found in the other, through the lexicon ("193公里"
+    and "193 kilometers"; "皮肤" and "Skin (16%)"). Answers in one language compare by
+    `ragline.answer_match.same_answer`."""
+    if mostly_han(first) == mostly_han(second):
+        return False
+    return any(
+        support(claim, [ev.EvidenceItem("[1]", ev.Passage("", "", held), held)]).supported
+        for claim, held in ((first, second), (second, first))
+    )
 
 
 def _a_number(term: str, given: set[str]) -> bool:

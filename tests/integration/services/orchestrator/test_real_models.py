@@ -244,3 +244,44 @@ async def test_an_unsure_answer_not_cross_checked_for_load_is_not_complete(
     assert "could not be cross-checked: 1 other run in flight" in second.status.detail
     assert "cross_check_skipped: 1 other run in flight" in second.escalation_signals
     assert second.draft_answer == "the Vistula [1]" and not second.answer
+
+
+RHINE = {
+    "id": "rhine",
+    "title": "Rhine",
+    "text": "The Rhine rises in the Swiss Alps and flows into the North Sea.",
+}
+# The verifier refuses nothing and is unsure of nothing it judges: an answer is
+# cross-checked here only because the verifier cannot judge it (another language).
+ACROSS_LANGUAGES_ONLY = {"verify_threshold": 0, "confirm_above": 0, "cross_check_below": 0.01}
+
+
+@pytest.mark.full
+@pytest.mark.parametrize(
+    ("question", "agreed"),
+    [("莱茵河流入哪个海？", True), ("莱茵河发源于哪里？", False)],
+)
+async def test_an_answer_across_languages_is_cross_checked(
+    proxied, two_tiers, rag_stack, question, agreed
+):
+    # A Chinese question over an English passage, answered "北海" (the North Sea): right
+    # for where the Rhine flows, wrong for where it rises, and grounded either way. The
+    # verifier does not judge across languages; the large tier's reading does.
+    client = Client(rag_stack.retrieval.address)
+    tenant = "across-languages"
+    await client.upsert(tenant, [RHINE])
+    await client.close()
+    proxy, orchestrator = await proxied(
+        small_answer("北海 [1]"), upstream=two_tiers.address, **ACROSS_LANGUAGES_ONLY
+    )
+    result = await ask(orchestrator.address, question, tenant=tenant)
+    large = [r for r in answer_calls(proxy.forwarded) if r.tier == common_pb2.MODEL_TIER_LARGE]
+    assert len(large) == 1, large
+    assert any(s.startswith("cross_checked") for s in result.escalation_signals), result
+    if agreed:
+        # The large tier's "North Sea" (or "北海") is the same answer, through the lexicon.
+        assert result.status.state == common_pb2.ANSWER_STATE_COMPLETE, result.status
+        assert "cross_checked: the large tier agreed" in result.escalation_signals
+        assert result.answer == "北海 [1]"
+    else:
+        assert "北海" not in result.answer, result

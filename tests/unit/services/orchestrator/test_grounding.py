@@ -7,6 +7,7 @@ from ragline_services.orchestrator.grounding import (
     alternatives,
     names_an_alternative,
     off_subject,
+    says_the_same,
     support,
 )
 
@@ -250,3 +251,14 @@ def test_an_irregular_plural_is_its_singular():
     assert not support("25 yards [1]", wall, question).supported
     crew = [item("Each capsule held a man and a woman.")]
     assert support("men and women [1]", crew, "Who did the capsules hold?").supported
+
+
+def test_two_answers_in_two_languages_say_the_same_through_the_lexicon():
+    """The cross-check's agreement across languages: either answer's numbers and words are
+    found in the other."""
+    assert says_the_same("193公里", "193 kilometers")
+    assert says_the_same("Skin (16%)", "皮肤") and says_the_same("北海", "the North Sea")
+    assert not says_the_same("2006年7月1日", "2009")
+    assert not says_the_same("黄海", "the North Sea")
+    # One language: `answer_match.same_answer` decides, not this.
+    assert not says_the_same("the Vistula", "the Vistula River")
