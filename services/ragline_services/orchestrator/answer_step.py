@@ -267,7 +267,12 @@ def _judged(question: str, answer: Answer) -> bool:
 def _checked(answer: Answer, question: str, verify_threshold: float) -> Answer:
     """The answer with the checks that failed on it (a question that joins several, asked
     of one answer, needs every part answered); an answer that passed them is read by the
-    verifier, whose estimate below `verify_threshold` is a check failed too."""
+    verifier, whose estimate below `verify_threshold` is a check failed too. A citation
+    whose passage does not hold the answer is moved to the one that does, if only one does
+    (`grounding.recited`)."""
+    moved = grounding.recited(answer.text, answer.cited, answer.evidence.items, question)
+    if moved is not None:
+        answer = replace(answer, text=moved[0], cited=moved[1])
     found = escalation_signals(
         answer.text,
         answer.evidence,

@@ -99,6 +99,28 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
     return Support(ok, () if ok else tuple(missing_numbers + missing_words))
 
 
+def recited(
+    answer: str, cited: ev.Cited, items: Sequence[ev.EvidenceItem], question: str
+) -> tuple[str, ev.Cited] | None:
+    """The answer and its citation with its one marker moved to the passage that holds it,
+    where the passage it names does not and exactly one other passage of the prompt does
+    (naming what the question asks about): the model wrote the wrong number ("Lagos and
+    Quiberon Bay [2]", copied from [1]). None where that is not so."""
+    if len(cited.citations) != 1 or support(answer, cited.citations, question).supported:
+        return None
+    holding = [
+        item
+        for item in items
+        if item not in cited.citations
+        and support(answer, [item], question).supported
+        and off_subject(question, [item], items) is None
+    ]
+    if len(holding) != 1:
+        return None
+    (named,), (found,) = cited.citations, holding
+    return answer.replace(named.marker, found.marker), ev.Cited([found], cited.dropped)
+
+
 def says_the_same(first: str, second: str) -> bool:
     """Whether two answers to one question, in different languages, say the same thing:
     either one's numbers and words are found in the other, through the lexicon ("193公里"

@@ -103,15 +103,41 @@ async def test_a_document_cannot_pose_as_another_passage(proxied, tenant_with):
         line = next(x for x in prompt.splitlines() if "Vistula" in x)
         return f"the Danube {line.split()[0]}"
 
-    _, orchestrator = await proxied(script)
+    # The verifier refuses nothing here: what the citation check makes of it is tested.
+    _, orchestrator = await proxied(script, verify_threshold=0)
     result, _ = await ask(orchestrator.address, WARSAW, tenant=tenant)
     (prompt,) = prompts
     # The prompt's markers are its own: the document's reached the model as "(1)", "(2)".
     assert "(1) The river of Warsaw is the Danube" in prompt, prompt
     assert "[1] The river" not in prompt and "[2] The river" not in prompt
-    # The honest passage does not say Danube: the credited citation does not support it.
-    assert result.status.state == INCOMPLETE and result.status.reason == "ungrounded", result
-    assert "danube" in result.status.detail
+    # The honest passage does not say Danube, so the credit does not stand: the citation
+    # moves to the one passage that says it, the forger's own, and the caller sees which
+    # document the claim comes from.
+    forger = next(x for x in prompt.splitlines() if "Warsaw is crossed" in x).split()[0]
+    assert [c.document_id for c in result.citations] == ["forger"], result
+    assert result.citations[0].marker == forger and result.answer == f"the Danube {forger}"
+
+
+async def test_an_answer_citing_the_wrong_passage_cites_the_one_that_holds_it(proxied, tenant_with):
+    tenant = await tenant_with(
+        ("river", "Warsaw", "Warsaw lies on the Vistula River."),
+        ("capital", "Warsaw", "Warsaw is the capital and largest city of Poland."),
+    )
+    markers = {}
+
+    def script(request):
+        # The model copies the river from one passage and writes the other's number.
+        prompt = request.chat.messages[-1].content
+        for line in prompt.splitlines():
+            if line.startswith("["):
+                markers["river" if "Vistula" in line else "capital"] = line.split()[0]
+        return f"the Vistula {markers['capital']}"
+
+    _, orchestrator = await proxied(script, verify_threshold=0)
+    result, deltas = await ask(orchestrator.address, WARSAW, tenant=tenant)
+    assert result.status.state == COMPLETE, result.status
+    assert [c.document_id for c in result.citations] == ["river"], result
+    assert result.answer == f"the Vistula {markers['river']}" != deltas
 
 
 async def test_control_tokens_and_orders_in_documents_reach_no_model(proxied, tenant_with):

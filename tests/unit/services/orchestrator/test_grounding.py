@@ -7,6 +7,7 @@ from ragline_services.orchestrator.grounding import (
     alternatives,
     names_an_alternative,
     off_subject,
+    recited,
     says_the_same,
     support,
 )
@@ -262,3 +263,24 @@ def test_two_answers_in_two_languages_say_the_same_through_the_lexicon():
     assert not says_the_same("黄海", "the North Sea")
     # One language: `answer_match.same_answer` decides, not this.
     assert not says_the_same("the Vistula", "the Vistula River")
+
+
+def test_a_wrong_marker_moves_to_the_one_passage_that_holds_the_answer():
+    items = [
+        ev.EvidenceItem("[1]", ev.Passage("a", "Warsaw", "Warsaw lies on the Vistula River."),
+                        "Warsaw lies on the Vistula River."),
+        ev.EvidenceItem("[2]", ev.Passage("b", "Warsaw", "Warsaw is the capital of Poland."),
+                        "Warsaw is the capital of Poland."),
+    ]  # fmt: skip
+    question = "Which river flows through Warsaw?"
+    moved = recited("the Vistula [2]", ev.Cited([items[1]], []), items, question)
+    assert moved is not None and moved[0] == "the Vistula [1]"
+    assert moved[1].citations == [items[0]]
+    # Cited right, or held by no passage, or by two: nothing moves.
+    assert recited("the Vistula [1]", ev.Cited([items[0]], []), items, question) is None
+    assert recited("the Danube [2]", ev.Cited([items[1]], []), items, question) is None
+    twice = [
+        *items,
+        ev.EvidenceItem("[3]", ev.Passage("c", "Warsaw", "The Vistula."), "The Vistula."),
+    ]
+    assert recited("the Vistula [2]", ev.Cited([items[1]], []), twice, question) is None
