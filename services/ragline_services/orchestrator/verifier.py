@@ -50,7 +50,8 @@ from ragline_services.orchestrator import evidence as ev
 
 # Bump when what the verifier decides changes: the answer cache keys on it.
 # v3: the large tier cross-checks unsure answers; v4: the support check reads choices,
-# restated question words, names in capitals and the cited passage whole (grounding.py).
+# restated question words, names in capitals and the cited passage whole (grounding.py);
+# v5: irregular plurals, a wrong marker moved, cross-lingual answers cross-checked.
 VERSION = "verifier-v5"
 # How fast a question term's weight falls with its distance (in tokens) from the answer.
 _DECAY_TOKENS = 4.0
