@@ -227,7 +227,7 @@ async def test_no_escalation_beside_other_runs_or_where_the_evidence_likely_does
         assert not first_result.escalated, list(first_result.escalation_signals)
         assert list(first_result.escalation_signals) == [
             "citation_not_in_evidence: [7]",
-            "escalation_skipped: 1 other runs in flight",
+            "escalation_skipped: 1 other run in flight",
         ]
         assert first_result.status.state == common_pb2.ANSWER_STATE_INCOMPLETE
         assert second.escalated and second.escalation_cured, list(second.escalation_signals)
