@@ -96,11 +96,10 @@ async def answer(
     again = _Asked(ctx, step, request, prompt_tokens, question, part)
     if may_escalate and not answer.problems and _unsure(answer, question, s.cross_check_below):
         judged = _judged(question, answer)
-        # Across languages the gate reads the evidence through the lexicon, and its
-        # estimate is low for most answers; the cross-check is all that judges them.
-        refused = await _not_escalated(
-            ctx, evidence, s.cross_check_beside, weak_evidence=not judged
-        )
+        # At any estimate of the gate: the answer has passed its checks, and where the
+        # evidence is weak the large tier's reading is what refuses a wrong one (replayed:
+        # docs/answer-states.md, "The gate's floor and the cross-check").
+        refused = await _not_escalated(ctx, evidence, s.cross_check_beside, weak_evidence=True)
         if refused is None:
             # The large tier's reading settles it: a second read first would only add a
             # call (what it refuses is escalated to the same large tier, with the same
@@ -249,8 +248,7 @@ def _unsure(answer: Answer, question: str, cross_check_below: float) -> bool:
     verifier passed it below `cross_check_below` (0: never), or it cannot judge it, the
     question and the passage cited being in different languages. Across languages the
     small tier's COMPLETE answers were right 41 times in 57 on the Chinese set; the
-    cross-check, at any estimate of the gate, left 41 and 9 (docs/answer-states.md,
-    "Cross-lingual answers")."""
+    cross-check left 41 and 9 (docs/answer-states.md, "Cross-lingual answers")."""
     if answer.verified is None or not cross_check_below:
         return False
     return answer.verified < cross_check_below or not _judged(question, answer)

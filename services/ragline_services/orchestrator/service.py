@@ -92,10 +92,11 @@ class OrchestratorConfig(ServiceConfig):
     # An answer the verifier passed below this estimate, with rivals of its kind in its
     # citation, is read a second time (second_read.py); 0 never reads twice.
     confirm_above: float = Field(0.85, ge=0, le=1)
-    # A small-tier answer the verifier passed below this estimate is cross-checked by the
-    # large tier (where an escalation could run): the same answer stands, another one
-    # must clear the checks itself or the run is INCOMPLETE `unverified`; 0 never
-    # cross-checks (docs/answer-states.md, "The large tier as a cross-check").
+    # A small-tier answer the verifier passed below this estimate (or cannot judge: across
+    # languages) is cross-checked by the large tier, at any estimate of the gate: the same
+    # answer stands, another one must clear the checks itself or the run is INCOMPLETE
+    # `unverified`; 0 never cross-checks (docs/answer-states.md, "The large tier as a
+    # cross-check").
     cross_check_below: float = Field(0.8, ge=0, le=1)
     # ... while at most this many other runs are in flight on the replica; beyond it, an
     # answer the cross-check would have read is INCOMPLETE `unverified` (its draft kept),

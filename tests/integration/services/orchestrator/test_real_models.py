@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from ragline.v1 import common_pb2, orchestrator_pb2
+from ragline_services.orchestrator.answer_step import ESCALATE_FROM
 from ragline_services.orchestrator.evidence import SYSTEM_PROMPT
 from ragline_services.orchestrator.second_read import SYSTEM_PROMPT as READ_AGAIN
 from support.generation_proxy import is_planning
@@ -285,3 +286,23 @@ async def test_an_answer_across_languages_is_cross_checked(
         assert result.answer == "北海 [1]"
     else:
         assert "北海" not in result.answer, result
+
+
+@pytest.mark.full
+async def test_an_unsure_answer_from_weak_evidence_is_cross_checked(proxied, two_tiers, rag_stack):
+    # Evidence the gate lets through below ESCALATE_FROM: no escalation is made from it,
+    # but an answer that passed its checks is cross-checked all the same (the large tier's
+    # reading is what refuses a wrong one where the evidence is weak).
+    client = Client(rag_stack.retrieval.address)
+    tenant = "weak-evidence"
+    await client.upsert(tenant, [ZSTD_ENV])
+    await client.close()
+    proxy, orchestrator = await proxied(
+        small_answer("ZSTD_CLEVEL [1]"), upstream=two_tiers.address, **CROSS_CHECK_ALL
+    )
+    question = "Which environment variable sets the compression level of gzip?"
+    result = await ask(orchestrator.address, question, tenant=tenant)
+    assert 0 < result.answerability < ESCALATE_FROM, result.answerability
+    large = [r for r in answer_calls(proxy.forwarded) if r.tier == common_pb2.MODEL_TIER_LARGE]
+    assert len(large) == 1, large
+    assert any(s.startswith("cross_checked") for s in result.escalation_signals), result
