@@ -34,6 +34,14 @@ ZSTD_ENV = {
 }
 
 
+async def holding(rag_stack, tenant: str, *documents: dict) -> str:
+    """`tenant`, holding `documents` (written through the real retrieval service)."""
+    client = Client(rag_stack.retrieval.address)
+    await client.upsert(tenant, list(documents))
+    await client.close()
+    return tenant
+
+
 async def ask(address: str, question: str, **fields) -> orchestrator_pb2.AskResult:
     result, _ = await ask_result(address, question, **fields)
     return result
@@ -102,10 +110,7 @@ async def test_the_small_model_writes_the_agent_plan_and_each_part_is_answered(r
 async def test_the_large_tier_cures_an_answer_the_verifier_refused(proxied, two_tiers, rag_stack):
     # The small tier names the wrong one of two variables of its passage (scripted); the
     # verifier's second read (the real small model) and the large tier's answer are real.
-    client = Client(rag_stack.retrieval.address)
-    tenant = "cure-unverified"
-    await client.upsert(tenant, [ZSTD_ENV])
-    await client.close()
+    tenant = await holding(rag_stack, "cure-unverified", ZSTD_ENV)
 
     def script(request):
         small = request.tier == common_pb2.MODEL_TIER_SMALL
@@ -162,10 +167,7 @@ async def test_an_unsure_answer_naming_the_other_item_gives_way_to_the_large_tie
 ):
     # The small tier names the wrong one of two variables and nothing else refuses it: the
     # large tier's cross-check does.
-    client = Client(rag_stack.retrieval.address)
-    tenant = "cross-check"
-    await client.upsert(tenant, [ZSTD_ENV])
-    await client.close()
+    tenant = await holding(rag_stack, "cross-check", ZSTD_ENV)
     # Every answer with rivals would be read a second time, but the cross-check settles it
     # alone: the second read's call would only add latency.
     proxy, orchestrator = await proxied(
@@ -268,10 +270,7 @@ async def test_an_answer_across_languages_is_cross_checked(
     # A Chinese question over an English passage, answered "北海" (the North Sea): right
     # for where the Rhine flows, wrong for where it rises, and grounded either way. The
     # verifier does not judge across languages; the large tier's reading does.
-    client = Client(rag_stack.retrieval.address)
-    tenant = "across-languages"
-    await client.upsert(tenant, [RHINE])
-    await client.close()
+    tenant = await holding(rag_stack, "across-languages", RHINE)
     proxy, orchestrator = await proxied(
         small_answer("北海 [1]"), upstream=two_tiers.address, **ACROSS_LANGUAGES_ONLY
     )
@@ -293,10 +292,7 @@ async def test_an_unsure_answer_from_weak_evidence_is_cross_checked(proxied, two
     # Evidence the gate lets through below ESCALATE_FROM: no escalation is made from it,
     # but an answer that passed its checks is cross-checked all the same (the large tier's
     # reading is what refuses a wrong one where the evidence is weak).
-    client = Client(rag_stack.retrieval.address)
-    tenant = "weak-evidence"
-    await client.upsert(tenant, [ZSTD_ENV])
-    await client.close()
+    tenant = await holding(rag_stack, "weak-evidence", ZSTD_ENV)
     proxy, orchestrator = await proxied(
         small_answer("ZSTD_CLEVEL [1]"), upstream=two_tiers.address, **CROSS_CHECK_ALL
     )
