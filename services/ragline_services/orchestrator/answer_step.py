@@ -31,7 +31,13 @@ from ragline_services.orchestrator.generation_call import (
     tier_served,
 )
 from ragline_services.orchestrator.params import AnswerParams
-from ragline_services.orchestrator.routing import CUT, UNVERIFIED, Signal, escalation_signals
+from ragline_services.orchestrator.routing import (
+    CUT,
+    UNGROUNDED,
+    UNVERIFIED,
+    Signal,
+    escalation_signals,
+)
 from ragline_services.orchestrator.run_context import (
     Answer,
     NoEvidence,
@@ -94,8 +100,8 @@ async def answer(
     answer = _checked(_answer_of(final, evidence, used), question, s.verify_threshold)
     may_escalate = tier == ModelTier.SMALL and s.escalate and given.tier is None
     again = _Asked(ctx, step, request, prompt_tokens, question, part)
-    if may_escalate and not answer.problems and _unsure(answer, question, s.cross_check_below):
-        judged = _judged(question, answer)
+    judged = _judged(question, answer)
+    if may_escalate and not answer.problems and _unsure(answer, judged, s.cross_check_below):
         # At any estimate of the gate: the answer has passed its checks, and where the
         # evidence is weak the large tier's reading is what refuses a wrong one (replayed:
         # docs/answer-states.md, "The gate's floor and the cross-check").
@@ -243,15 +249,15 @@ def _not_cross_checked(small: Answer, why: str, judged: bool) -> Answer:
     )
 
 
-def _unsure(answer: Answer, question: str, cross_check_below: float) -> bool:
+def _unsure(answer: Answer, judged: bool, cross_check_below: float) -> bool:
     """Whether the large tier is to cross-check `answer` (which passed its checks): the
-    verifier passed it below `cross_check_below` (0: never), or it cannot judge it, the
-    question and the passage cited being in different languages. Across languages the
+    verifier passed it below `cross_check_below` (0: never), or it cannot judge it (not
+    `judged`: the question and the passage cited are in different languages). Across languages the
     small tier's COMPLETE answers were right 41 times in 57 on the Chinese set; the
     cross-check left 41 and 9 (docs/answer-states.md, "Cross-lingual answers")."""
     if answer.verified is None or not cross_check_below:
         return False
-    return answer.verified < cross_check_below or not _judged(question, answer)
+    return answer.verified < cross_check_below or not judged
 
 
 def _judged(question: str, answer: Answer) -> bool:
@@ -262,16 +268,9 @@ def _judged(question: str, answer: Answer) -> bool:
     return mostly_han(question) == mostly_han(cited)
 
 
-def _checked(answer: Answer, question: str, verify_threshold: float) -> Answer:
-    """The answer with the checks that failed on it (a question that joins several, asked
-    of one answer, needs every part answered); an answer that passed them is read by the
-    verifier, whose estimate below `verify_threshold` is a check failed too. A citation
-    whose passage does not hold the answer is moved to the one that does, if only one does
-    (`grounding.recited`)."""
-    moved = grounding.recited(answer.text, answer.cited, answer.evidence.items, question)
-    if moved is not None:
-        answer = replace(answer, text=moved[0], cited=moved[1])
-    found = escalation_signals(
+def _signals(answer: Answer, question: str) -> list[Signal]:
+    """The checkable signals that fire on `answer` (routing.py)."""
+    return escalation_signals(
         answer.text,
         answer.evidence,
         answer.cited,
@@ -279,6 +278,22 @@ def _checked(answer: Answer, question: str, verify_threshold: float) -> Answer:
         question=question,
         parts=len(clauses(question)),
     )
+
+
+def _checked(answer: Answer, question: str, verify_threshold: float) -> Answer:
+    """The answer with the checks that failed on it (a question that joins several, asked
+    of one answer, needs every part answered); an answer that passed them is read by the
+    verifier, whose estimate below `verify_threshold` is a check failed too. A citation
+    whose passage does not hold the answer is moved to the one that does, if only one does
+    (`grounding.recited`)."""
+    found = _signals(answer, question)
+    if any(x.reason == UNGROUNDED for x in found):
+        # Only a draft its citation does not support can have the wrong marker: the
+        # support check runs once on every other draft.
+        moved = grounding.recited(answer.text, answer.cited, answer.evidence.items, question)
+        if moved is not None:
+            answer = replace(answer, text=moved[0], cited=moved[1])
+            found = _signals(answer, question)
     verified: float | None = None
     rivals: tuple[str, ...] = ()
     if all(x.reason == CUT for x in found) and not ev.is_refusal(answer.text):
