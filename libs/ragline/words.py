@@ -96,6 +96,21 @@ def singular(term: str) -> str:
     return _IRREGULAR_PLURALS.get(term, term)
 
 
+# Adjectives of place and their places: "Mongolian" / "Mongolia" / "Mongol", "Victorian" /
+# "Victoria", "Canadian" / "Canada", "Indian" / "India". A root under four letters is left
+# whole: short names would join too much ("Dan", "Dana").
+_PLACE_ENDINGS = ("ian", "ia", "an", "a")
+
+
+def place_root(term: str) -> str:
+    """`term` (as `stem` leaves it) without the ending an adjective of place and its place
+    differ by, or `term` where what is left is shorter than four letters."""
+    for ending in _PLACE_ENDINGS:
+        if term.endswith(ending) and len(term) - len(ending) >= 4:
+            return term[: -len(ending)]
+    return term
+
+
 def english_terms(text: str) -> list[str]:
     """The content terms of the English (Latin-letter) words of `text`, stemmed."""
     return [stem(w) for w in english_words(text)]

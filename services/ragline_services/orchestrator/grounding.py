@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ragline import numbers
-from ragline.words import has_han, mostly_han, singular
+from ragline.words import has_han, mostly_han, place_root, singular
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
 
@@ -207,6 +207,15 @@ _ASKS_FOR_A_VARIABLE = re.compile(r"\b(variable|constant)s?\b", re.IGNORECASE)
 _IN_CAPITALS = re.compile(r"[A-Z][A-Z0-9]*(_[A-Z0-9]+)*")
 
 
+def _names(term: answerability.Term, text: answerability.Text) -> bool:
+    """Whether `text` names `term`, its place for an adjective of place too: the Victorian
+    cabinet's passage is titled "Victoria (Australia)"."""
+    if term.found_in(text):
+        return True
+    root = place_root(term.term)
+    return root != term.term and any(place_root(held) == root for held in text.terms)
+
+
 @dataclass(frozen=True)
 class OffSubject:
     """An answer whose citations do not name what the question asks about, while other
@@ -237,11 +246,11 @@ def off_subject(
         answerability.Text.of(f"{ev.shown_title(item.passage)} {item.passage.text}")
         for item in cited
     ]
-    lacking = [t for t in asked if not any(t.found_in(text) for text in cited_text)]
+    lacking = [t for t in asked if not any(_names(t, text) for text in cited_text)]
     if not lacking:
         return None
     others = [(item.marker, read(item)) for item in evidence if item not in cited]
-    holding = {t.term: [marker for marker, text in others if t.found_in(text)] for t in lacking}
+    holding = {t.term: [marker for marker, text in others if _names(t, text)] for t in lacking}
     named = {term: markers for term, markers in holding.items() if markers}
     if not named:
         return None

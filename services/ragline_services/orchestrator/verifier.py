@@ -51,8 +51,9 @@ from ragline_services.orchestrator import evidence as ev
 # Bump when what the verifier decides changes: the answer cache keys on it.
 # v3: the large tier cross-checks unsure answers; v4: the support check reads choices,
 # restated question words, names in capitals and the cited passage whole (grounding.py);
-# v5: irregular plurals, a wrong marker moved, cross-lingual answers cross-checked.
-VERSION = "verifier-v5"
+# v5: irregular plurals, a wrong marker moved, cross-lingual answers cross-checked; v6: an
+# adjective of place names its place in the off-subject check.
+VERSION = "verifier-v6"
 # How fast a question term's weight falls with its distance (in tokens) from the answer.
 _DECAY_TOKENS = 4.0
 # The same, read far: a qualifier a clause away still counts a little.
@@ -438,6 +439,30 @@ def features(
     return _read(question, answer, cited, evidence, answerability)[0]
 
 
+# "What type of Turing machine ...?": the thing whose kind is asked.
+_KIND_OF = re.compile(
+    r"\b(?:type|kind|sort|form|class|style)s? of (?:an? |the )?"
+    r"([A-Za-z][\w-]*(?: [A-Za-z][\w-]*)?)",
+    re.IGNORECASE,
+)
+
+
+def _kind_asked(question: str) -> frozenset[str]:
+    """The terms of what a "what kind of X" question asks the kind of (X's first two words)."""
+    found = _KIND_OF.search(question)
+    if found is None:
+        return frozenset()
+    return frozenset(t.term for t in _tokens(found.group(1)) if _content(t))
+
+
+def _echo(content: list[_Token], question_terms: set[str], kind_of: frozenset[str]) -> float:
+    """The share of the answer's content words that only repeat the question. An answer to
+    "what kind of X" names its kind beside X ("Non-deterministic Turing machine", "Georgian
+    style houses"): X is the answer's head there, not an echo, unless nothing else is said."""
+    said = [t for t in content if t.term not in kind_of] or content
+    return sum(t.term in question_terms for t in said) / len(said) if said else 0.0
+
+
 def _read(
     question: str,
     answer: str,
@@ -456,7 +481,7 @@ def _read(
     expected = expected_type(question)
     question_terms = {form for a in asked for form in a.forms}
     content = [t for t in answer_tokens if _content(t)]
-    echo = sum(t.term in question_terms for t in content) / len(content) if content else 0.0
+    echo = _echo(content, question_terms, _kind_asked(question))
     mismatch = float(type_mismatch(expected, text))
     length = math.log1p(len(content))
     best_sentence = max(

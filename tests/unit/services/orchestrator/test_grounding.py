@@ -116,6 +116,34 @@ def test_an_answer_citing_a_passage_about_something_else_is_caught():
     assert off_subject("Which river divides Warsaw?", [warsaw], [warsaw, krakow]) is None
 
 
+def test_a_passage_names_the_place_an_adjective_of_place_asks_about():
+    """"the Victorian cabinet" is asked of the passage titled "Victoria (Australia)": it
+    names the subject; a passage naming no form of it is still off the subject."""
+    cabinet = ev.EvidenceItem(
+        "[1]",
+        ev.Passage("v", "Victoria (Australia)", "Cabinet consists of representatives."),
+        "Cabinet consists of representatives.",
+    )
+    constitution = ev.EvidenceItem(
+        "[2]",
+        ev.Passage("c", "Victoria (Australia)", "The Victorian Constitution can be amended."),
+        "The Victorian Constitution can be amended.",
+    )
+    question = "Who can be in the Victorian cabinet?"
+    assert off_subject(question, [cabinet], [cabinet, constitution]) is None
+    elsewhere = ev.EvidenceItem(
+        "[1]", ev.Passage("t", "Tasmania", "Cabinet consists of ministers."), "Cabinet."
+    )
+    wrong = off_subject(question, [elsewhere], [elsewhere, constitution])
+    assert wrong is not None and wrong.keys == ("victorian",) and wrong.markers == ("[2]",)
+    # The other direction: the place asked, its adjective in the cited passage.
+    mongol = item("Chinese dynasties meddled in Mongolian politics.", "Genghis Khan")
+    steppe = ev.EvidenceItem(
+        "[2]", ev.Passage("s", "Steppe", "Mongolia is a steppe."), "Mongolia is a steppe."
+    )
+    assert off_subject("Who meddled in Mongolia?", [mongol], [mongol, steppe]) is None
+
+
 def test_the_cited_passage_names_the_subject_where_its_shown_sentence_does_not():
     """The prompt shows a passage's best sentences, which may not repeat its subject: the
     passage whole is what the citation is of."""

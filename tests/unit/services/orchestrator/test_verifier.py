@@ -52,6 +52,23 @@ def test_an_answer_of_another_kind_than_asked_is_a_mismatch():
     assert found.estimate < verifier.verify(WHEN, "1893 [1]", [TESLA], [TESLA]).estimate
 
 
+def test_the_thing_whose_kind_is_asked_is_the_answers_head_not_an_echo():
+    machines = item(
+        "A non-deterministic Turing machine can be characterized by checking a certificate."
+    )
+    question = "What type of Turing machine can be characterized by checking a certificate?"
+    named = verifier.verify(
+        question, "Non-deterministic Turing machine [1]", [machines], [machines]
+    )
+    assert named.features.echo == 0.0
+    # Nothing but the thing asked about: an echo all the same.
+    bare = verifier.verify(question, "Turing machine [1]", [machines], [machines])
+    assert bare.features.echo == 1.0 and bare.estimate < named.estimate
+    # Elsewhere a repeated question word still counts.
+    restated = verifier.verify(WHEN, "Tesla said 1893 [1]", [TESLA], [TESLA])
+    assert restated.features.echo > 0
+
+
 def test_expected_types_from_question_words():
     assert verifier.expected_type("When was it built?") == verifier.AnswerType.DATE
     assert verifier.expected_type("How many parts are there?") == verifier.AnswerType.NUMBER
