@@ -104,6 +104,16 @@ def numbers(text: str) -> set[str]:
     return found
 
 
+def word_runs(text: str) -> list[tuple[int, int, str]]:
+    """Where `text` writes a number in words over several words ("three hundred sixty"):
+    (start, end, its canonical value), for a reader that goes word by word."""
+    return [
+        (match.start(), match.end(), value)
+        for match in _WORD_RUN.finditer(text)
+        if re.search(r"\s", match.group(0)) and (value := _word_run(match)) is not None
+    ]
+
+
 def spelled_as_digits(text: str) -> str:
     """`text` with number words written as digits and thousands separators dropped ("two
     thousand parts" -> "2000 parts"), for comparing two texts word by word."""

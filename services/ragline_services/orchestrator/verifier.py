@@ -52,7 +52,8 @@ from ragline_services.orchestrator import evidence as ev
 # v3: the large tier cross-checks unsure answers; v4: the support check reads choices,
 # restated question words, names in capitals and the cited passage whole (grounding.py);
 # v5: irregular plurals, a wrong marker moved, cross-lingual answers cross-checked; v6: an
-# adjective of place names its place in the off-subject check.
+# adjective of place names its place in the off-subject check, the kind asked is not an
+# echo, an answer is placed in its passage however the passage writes it.
 VERSION = "verifier-v6"
 # How fast a question term's weight falls with its distance (in tokens) from the answer.
 _DECAY_TOKENS = 4.0
@@ -157,13 +158,25 @@ class _Token:
     sentence: int
     start: int = 0  # where the token stands in its text (characters)
     end: int = 0
+    # The terms of a setting's sides ("METHOD=replace", "1=ZSTD_fast"): an answer may be
+    # either side alone.
+    sides: tuple[str, ...] = ()
 
 
 def _tokens(text: str) -> list[_Token]:
     out: list[_Token] = []
     sentence = 0
+    # A number in words over several words is one token: "three hundred sixty" is 360.
+    runs = {start: (end, value) for start, end, value in numbers.word_runs(text)}
+    inside = 0  # where the run being read ends
     for match in _TOKEN.finditer(text):
         raw, at = match.group(0), match.start()
+        if at < inside:
+            continue
+        if at in runs:
+            inside, value = runs[at]
+            out.append(_Token(text[at:inside], value, sentence, at, inside))
+            continue
         if HAN.fullmatch(raw):
             for word in segmenter().lcut(raw):
                 out.append(_Token(word, word, sentence, at, at + len(word)))
@@ -181,8 +194,23 @@ def _tokens(text: str) -> list[_Token]:
             continue
         value = numbers.numbers(raw)
         term = next(iter(value)) if len(value) == 1 else _term(raw)  # "two" is 2
-        out.append(_Token(raw, term, sentence, at, match.end()))
+        sides = tuple(_term(side) for side in raw.split("=") if side) if "=" in raw else ()
+        out.append(_Token(raw, term, sentence, at, match.end(), sides))
     return out
+
+
+def _answer_tokens(text: str) -> list[_Token]:
+    """The answer's terms; an answer of marks alone ("$", "~": a character asked for) is
+    its marks, found in a text as they are written."""
+    tokens = [t for t in _tokens(text) if t.term]
+    if tokens or not text.strip():
+        return tokens
+    return [_Token(t.surface, t.surface, 0, t.start, t.end) for t in _tokens(text)]
+
+
+def _held(token: _Token, wanted: set[str]) -> set[str]:
+    """The wanted terms `token` holds: its term, a side of a setting, or a mark as written."""
+    return wanted & {token.term, token.surface, *token.sides}
 
 
 def _term(word: str) -> str:
@@ -247,12 +275,12 @@ def _locate(answer: list[_Token], tokens: list[_Token]) -> tuple[int, int] | Non
     best: tuple[int, int, int] | None = None  # (matches, -length, start)
     width = len(wanted) + 2
     for start in range(len(tokens)):
-        if tokens[start].term not in wanted_set:
+        if not _held(tokens[start], wanted_set):
             continue
         seen: set[str] = set()
         for end in range(start, min(len(tokens), start + width)):
-            if tokens[end].term in wanted_set:
-                seen.add(tokens[end].term)
+            if held := _held(tokens[end], wanted_set):
+                seen |= held
                 key = (len(seen), -(end - start + 1), -start)
                 if best is None or key > best:
                     best = key
@@ -474,7 +502,7 @@ def _read(
     the question's words (best first)."""
     gate = 0.5 if answerability is None else answerability
     text = ev.strip_markers(answer)
-    answer_tokens = [t for t in _tokens(text) if t.term]
+    answer_tokens = _answer_tokens(text)
     items = list(evidence) or list(cited)
     item_tokens = [_tokens(f"{item.text}") for item in items]
     asked = _question_terms(question, item_tokens)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ragline.numbers import numbers, spelled_as_digits
+from ragline.numbers import numbers, spelled_as_digits, word_runs
 
 
 def test_words_and_digits_give_one_canonical_number():
@@ -29,3 +29,10 @@ def test_one_as_a_pronoun_is_not_a_count():
 def test_spelled_as_digits_rewrites_number_words_in_place():
     assert spelled_as_digits("two thousand parts, 1,000 men") == "2000 parts, 1000 men"
     assert spelled_as_digits("Which one?") == "Which one?"
+
+
+def test_word_runs_are_where_a_number_is_written_over_several_words():
+    text = "It runs three hundred sixty schools, twenty-one of them new, and one more."
+    assert [(text[a:b], value) for a, b, value in word_runs(text)] == [
+        ("three hundred sixty", "360")
+    ]

@@ -69,6 +69,27 @@ def test_the_thing_whose_kind_is_asked_is_the_answers_head_not_an_echo():
     assert restated.features.echo > 0
 
 
+def test_an_answer_is_placed_however_its_passage_writes_it():
+    """A number in words over several words, one side of a setting, a mark asked for: each
+    is where the answer stands, not an answer whose words are nowhere together."""
+    church = item("The church operates three hundred sixty schools and institutions overseas.")
+    counted = verifier.verify(
+        "How many schools does the church operate?", "360 [1]", [church], [church]
+    )
+    assert counted.features.unplaced == 0.0 and counted.estimate > 0.5
+    tar = item(
+        "Preserve access times, either by restoring them after reading (METHOD=replace, this "
+        "is the default) or by not setting them (METHOD=system)."
+    )
+    method = verifier.verify("Which method is the default?", "replace", [tar], [tar])
+    assert method.features.unplaced == 0.0 and method.estimate > 0.5
+    less = item("The string for that option ends when a dollar sign ($) is found.")
+    mark = verifier.verify("Which character ends the string of an option?", "$", [less], [less])
+    assert mark.features.unplaced == 0.0
+    # A mark the passage does not write is still nowhere.
+    assert verifier.verify("Which character ends it?", "~", [less], [less]).features.unplaced
+
+
 def test_expected_types_from_question_words():
     assert verifier.expected_type("When was it built?") == verifier.AnswerType.DATE
     assert verifier.expected_type("How many parts are there?") == verifier.AnswerType.NUMBER
