@@ -174,8 +174,8 @@ def _tokens(text: str) -> list[_Token]:
         if at < inside:
             continue
         if at in runs:
-            inside, value = runs[at]
-            out.append(_Token(text[at:inside], value, sentence, at, inside))
+            inside, number = runs[at]
+            out.append(_Token(text[at:inside], number, sentence, at, inside))
             continue
         if HAN.fullmatch(raw):
             for word in segmenter().lcut(raw):

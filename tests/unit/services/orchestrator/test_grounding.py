@@ -117,7 +117,7 @@ def test_an_answer_citing_a_passage_about_something_else_is_caught():
 
 
 def test_a_passage_names_the_place_an_adjective_of_place_asks_about():
-    """"the Victorian cabinet" is asked of the passage titled "Victoria (Australia)": it
+    """ "the Victorian cabinet" is asked of the passage titled "Victoria (Australia)": it
     names the subject; a passage naming no form of it is still off the subject."""
     cabinet = ev.EvidenceItem(
         "[1]",
