@@ -259,7 +259,7 @@ class Recipe:
 
 
 RECIPES = {
-    # 2: ONNX Runtime's fused Gelu instead of erf spelled out in five nodes (1.13-1.15x per
+    # 2: ONNX Runtime's fused Gelu instead of erf spelled out in five nodes (1.12-1.15x per
     # thread, the same vectors).
     "e5-q4-onnx": Recipe(e5_q4_onnx, revision=2),
     "static-int8-qdq": Recipe(static_int8_qdq, revision=1),

@@ -210,7 +210,7 @@ def _answer_tokens(text: str) -> list[_Token]:
 
 def _held(token: _Token, wanted: set[str]) -> set[str]:
     """The wanted terms `token` holds: its term, a side of a setting, or a mark as written."""
-    return wanted & {token.term, token.surface, *token.sides}
+    return wanted & {token.term or token.surface, *token.sides}
 
 
 def _term(word: str) -> str:
