@@ -41,7 +41,7 @@ import enum
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 
 from ragline import numbers
 from ragline.words import FUNCTION_WORDS, HAN, has_han, segmenter, stem
@@ -202,10 +202,11 @@ def _tokens(text: str) -> list[_Token]:
 def _answer_tokens(text: str) -> list[_Token]:
     """The answer's terms; an answer of marks alone ("$", "~": a character asked for) is
     its marks, found in a text as they are written."""
-    tokens = [t for t in _tokens(text) if t.term]
-    if tokens or not text.strip():
-        return tokens
-    return [_Token(t.surface, t.surface, 0, t.start, t.end) for t in _tokens(text)]
+    tokens = _tokens(text)
+    words = [t for t in tokens if t.term]
+    if words or not text.strip():
+        return words
+    return [replace(t, term=t.surface) for t in tokens]
 
 
 def _held(token: _Token, wanted: set[str]) -> set[str]:
