@@ -97,9 +97,10 @@ models: install
 	$(BIN)/ragline models prepare
 
 # The English-only embedding model the default replaced (derived in ~20 s), for the tests
-# that compare the two, and SmolLM2-135M, the small tier the tests run on.
+# that compare the two, and SmolLM2-135M, the small tier the tests run on (with its Q8_0
+# rewrite, recipe gguf-q8_0, ~4 s).
 test-models: install
-	$(BIN)/ragline models prepare minilm-l6-int8-sq smollm2-135m
+	$(BIN)/ragline models prepare minilm-l6-int8-sq smollm2-135m smollm2-135m-q8
 
 # BASE_PORT=0: free ports instead of the default 50100-50105 (`make up BASE_PORT=0`);
 # UP_ARGS: any other `ragline up` options (`make up UP_ARGS="--only budget,embedding"`).

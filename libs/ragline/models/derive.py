@@ -1,5 +1,9 @@
-"""Models made at prepare time from another model of the manifest, with ONNX Runtime alone
-(no torch): a fresh machine, a CI runner and the container build all make them the same way.
+"""Models made at prepare time from another model of the manifest, with ONNX Runtime or numpy
+alone (no torch): a fresh machine, a CI runner and the container build all make them the same
+way.
+
+Recipe `gguf-q8_0`: a GGUF generation model with its quantized weights rewritten as Q8_0,
+the weight type llama.cpp's fastest CPU kernels read (ragline.models.gguf_q8).
 
 Every recipe starts from the source graph's weights folded to fp32 constants (ONNX Runtime's
 basic optimizations: a weights-only int8 graph dequantizes every weight on every run), and
@@ -246,6 +250,16 @@ def e5_q4_onnx(store: ModelStore, spec: ModelSpec, target_dir: Path, log: Log) -
     return e5_q4.derive(store, spec, target_dir, log)
 
 
+def gguf_q8_0(store: ModelStore, spec: ModelSpec, target_dir: Path, log: Log) -> Report:
+    """Writes `target_dir/model.gguf`: the source GGUF with its quantized weights in Q8_0
+    (ragline.models.gguf_q8); returns the report kept beside it."""
+    from ragline.models import gguf_q8
+
+    source = store.gguf_file(spec.derived_from)
+    log(f"rewriting {spec.derived_from}'s weights as Q8_0")
+    return {"source": spec.derived_from, **gguf_q8.to_q8_0(source, target_dir / "model.gguf")}
+
+
 @dataclass(frozen=True)
 class Recipe:
     """`make(store, spec, target_dir, log)` writes the model's files into `target_dir` and
@@ -265,4 +279,5 @@ RECIPES = {
     "static-int8-qdq": Recipe(static_int8_qdq, revision=1),
     "dynamic-int8": Recipe(dynamic_int8, revision=1),
     "smoothed-dynamic-int8": Recipe(smoothed_dynamic_int8, revision=1),
+    "gguf-q8_0": Recipe(gguf_q8_0, revision=1),
 }
