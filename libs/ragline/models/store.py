@@ -265,10 +265,14 @@ class ModelStore:
     def prepare(self, name: str, log: Log = print) -> Path:
         """Makes `name` (and the models it needs) ready; idempotent and verified."""
         spec = self.spec(name)
-        for dependency in filter(None, {spec.tokenizer, spec.derived_from} - {name}):
-            self.prepare(dependency, log=log)
+        if spec.tokenizer and spec.tokenizer != name:  # read beside the model at run time
+            self.prepare(spec.tokenizer, log=log)
         if self.is_ready(name):
+            # A derived model's source is needed only to derive it: an image that bakes the
+            # derived files alone serves them offline.
             return self.directory(name)
+        if spec.derived_from and spec.derived_from != name:
+            self.prepare(spec.derived_from, log=log)
         if not spec.preparable:
             raise ModelError(self._missing_message(name))
         self.root.mkdir(parents=True, exist_ok=True)

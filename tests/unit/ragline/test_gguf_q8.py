@@ -5,6 +5,7 @@ and the store deriving it like any derived model."""
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def test_what_is_not_a_gguf_file_is_refused(tmp_path):
         gguf_q8.read_layout(path)
 
 
-def test_the_store_derives_the_q8_0_model_and_records_how(tmp_path):
+def _store_of_a_model_and_its_q8_0(tmp_path: Path) -> ModelStore:
     bundled = tmp_path / "manifest" / "bundled" / "lm"
     bundled.mkdir(parents=True)
     write_gguf(bundled / "model.gguf", _tensors(np.random.default_rng(3)))
@@ -140,7 +141,11 @@ derived_from = "lm"
 derive = "gguf-q8_0"
 """
     )
-    store = ModelStore(tmp_path / "store", manifest=manifest)
+    return ModelStore(tmp_path / "store", manifest=manifest)
+
+
+def test_the_store_derives_the_q8_0_model_and_records_how(tmp_path):
+    store = _store_of_a_model_and_its_q8_0(tmp_path)
     store.prepare("lm-q8")
     path = store.gguf_file("lm-q8")
     assert {t.type for t in gguf_q8.read_layout(path).tensors} == {gguf_q8.F32, gguf_q8.Q8_0}
@@ -148,3 +153,13 @@ derive = "gguf-q8_0"
     assert sidecar["made_by"] == {"recipe": "gguf-q8_0", "revision": 1}
     assert sidecar["report"]["source"] == "lm"
     assert store.version("lm-q8") != store.version("lm")
+
+
+def test_a_derived_model_once_made_is_served_without_its_source(tmp_path):
+    """What an image bakes: the Q8_0 files alone, the source neither kept nor fetchable."""
+    store = _store_of_a_model_and_its_q8_0(tmp_path)
+    store.prepare("lm-q8")
+    shutil.rmtree(store.directory("lm"))
+    (tmp_path / "manifest" / "bundled" / "lm" / "model.gguf").unlink()
+    store.prepare("lm-q8")
+    store.verify("lm-q8")
