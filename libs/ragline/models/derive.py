@@ -5,10 +5,10 @@ way.
 Recipe `gguf-q8_0`: a GGUF generation model with its quantized weights rewritten as Q8_0,
 the weight type llama.cpp's fastest CPU kernels read (ragline.models.gguf_q8).
 
-Every recipe starts from the source graph's weights folded to fp32 constants (ONNX Runtime's
-basic optimizations: a weights-only int8 graph dequantizes every weight on every run), and
-compares the result with its source on the manifest's held-out text before it is kept
-(refused below `MIN_TOKEN_COSINE`).
+Every ONNX recipe starts from the source graph's weights folded to fp32 constants (ONNX
+Runtime's basic optimizations: a weights-only int8 graph dequantizes every weight on every
+run), and compares the result with its source on the manifest's held-out text before it is
+kept (refused below `MIN_TOKEN_COSINE`).
 
 Recipe `static-int8-qdq`: static QDQ int8: per-channel int8 weights, activation scales
 calibrated once on the manifest's calibration text and then fixed, so a text's vectors never
