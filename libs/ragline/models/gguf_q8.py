@@ -3,9 +3,9 @@
 Why: llama.cpp runs a weight type fast only where the CPU backend has a kernel built for
 it. Qwen2.5-Coder-0.5B's Q4_K_M file is mostly Q5_0 (its 896-wide rows do not fit the
 256-value K-quant blocks), which neither the AMX tiles nor the repacked AVX2 kernels read:
-on a Xeon with AMX its prompt is read at ~190 tokens/s, the same file in Q8_0 at ~560
-(docs/models.md, "The small model in Q8_0"). Q8_0 holds a Q5_0 or Q4_K weight within a
-sixteenth of its own step, so the model answers as before.
+on a Xeon with AMX its prompt is read at ~200 tokens/s, the same weights in Q8_0 at ~800
+(docs/models.md, "The small model in Q8_0"). Q8_0 holds a Q5_0 or Q4_K weight to within
+about a sixteenth of its own step (a Q6_K one an eighth), so the model answers as before.
 
 Everything but the tensor data is copied: the metadata (tokenizer, chat template, ...)
 byte for byte, except `general.file_type`, which says Q8_0. F32, F16 and BF16 tensors
