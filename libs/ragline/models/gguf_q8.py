@@ -183,29 +183,29 @@ def _q8_0(b: np.ndarray) -> np.ndarray:
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The eight 6-bit (scale, min) pairs packed in a K-quant block's 12 bytes."""
     s = scales.astype(np.int32)
-    low = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], axis=1)
-    mins = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
-    return low.astype(np.float32), mins.astype(np.float32)
+    scale = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    minimum = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    return scale.astype(np.float32), minimum.astype(np.float32)
 
 
 def _q4_k(b: np.ndarray) -> np.ndarray:
     d, dmin = _f16(b, 0), _f16(b, 2)
-    scale, low = _k_scales(b[:, 4:16])
+    scale, minimum = _k_scales(b[:, 4:16])
     qs = b[:, 16:144].reshape(-1, 4, 32).astype(np.int32)  # four 64-value groups
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)  # eight 32-value sub-blocks
-    values = (d * scale)[:, :, None] * q - (dmin * low)[:, :, None]
+    values = (d * scale)[:, :, None] * q - (dmin * minimum)[:, :, None]
     out: np.ndarray = values.reshape(-1, 256)
     return out
 
 
 def _q5_k(b: np.ndarray) -> np.ndarray:
     d, dmin = _f16(b, 0), _f16(b, 2)
-    scale, low = _k_scales(b[:, 4:16])
+    scale, minimum = _k_scales(b[:, 4:16])
     qh = b[:, 16:48].astype(np.int32)  # bit 2g / 2g+1 of byte l: sub-block 2g / 2g+1's value l
     qs = b[:, 48:176].reshape(-1, 4, 32).astype(np.int32)
     high = np.stack([(qh >> bit) & 1 for bit in range(8)], axis=1) << 4  # [n, 8, 32]
     q = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32) + high
-    values = (d * scale)[:, :, None] * q - (dmin * low)[:, :, None]
+    values = (d * scale)[:, :, None] * q - (dmin * minimum)[:, :, None]
     out: np.ndarray = values.reshape(-1, 256)
     return out
 
