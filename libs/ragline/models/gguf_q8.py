@@ -317,10 +317,6 @@ def _info_bytes(tensor: TensorInfo) -> bytes:
     ])  # fmt: skip
 
 
-def _rewritten(tensor: TensorInfo) -> bool:
-    return tensor.type not in KEPT and tensor.type not in _PLAIN
-
-
 def to_q8_0(source: Path, target: Path) -> dict[str, object]:
     """Writes `target`, `source` with every quantized weight in Q8_0; returns what was done
     (tensors rewritten per source type, the worst relative error, seconds). One tensor is in
@@ -330,7 +326,7 @@ def to_q8_0(source: Path, target: Path) -> dict[str, object]:
     data = np.memmap(source, dtype=np.uint8, mode="r", offset=layout.data_start)
     infos, offset = [], 0
     for tensor in layout.tensors:
-        kind = Q8_0 if _rewritten(tensor) else tensor.type
+        kind = tensor.type if tensor.type in KEPT else Q8_0
         info = TensorInfo(tensor.name, tensor.dims, kind, offset)
         infos.append(info)
         offset = _aligned(offset + data_bytes(info), layout.alignment)
