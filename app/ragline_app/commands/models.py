@@ -21,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_models(args: argparse.Namespace) -> int:
     from ragline.models import ModelError, ModelStore
+    from ragline.models.prepare_all import prepare_all
 
     store = ModelStore(Path(args.model_dir) if args.model_dir else None)
     if args.action == "list":
@@ -38,18 +39,19 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(f"(store: {store.root})")
         return 0
     names = args.names or default_models()
-    failed = False
-    for name in names:
-        try:
-            if args.action == "prepare":
-                store.prepare(name)
-            else:
+    if args.action == "prepare":
+        failures = prepare_all(store, names)
+    else:
+        failures = {}
+        for name in names:
+            try:
                 store.verify(name)
                 print(f"{name}: verified")
-        except ModelError as error:
-            print(f"ragline models {args.action}: {error}", file=sys.stderr)
-            failed = True
-    return 1 if failed else 0
+            except ModelError as error:
+                failures[name] = error
+    for failure in failures.values():
+        print(f"ragline models {args.action}: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def default_models() -> list[str]:
