@@ -32,9 +32,10 @@ def prepare_all(store: ModelStore, names: list[str], log: Log = print) -> dict[s
             return
         if name in chain:
             raise ModelError(f"model {name} needs itself: {' -> '.join((*chain, name))}")
-        for dependency in _dependencies(store, name):
+        dependencies = _dependencies(store, name)
+        for dependency in dependencies:
             visit(dependency, (*chain, name))
-        needs[name] = _dependencies(store, name)  # insertion order: dependencies first
+        needs[name] = dependencies  # insertion order: dependencies first
 
     for name in names:
         try:
