@@ -18,7 +18,14 @@ from ragline.v1 import (
 )
 from ragline.vocabulary import ModelTier, finish_reason_from_proto, tier_to_proto
 from ragline.words import mostly_han
-from ragline_services.orchestrator import confidence, followup, grounding, second_read, verifier
+from ragline_services.orchestrator import (
+    confidence,
+    followup,
+    grounding,
+    restatement,
+    second_read,
+    verifier,
+)
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.agent import (
     clauses,
@@ -97,7 +104,7 @@ async def answer(
     final, used = await generate_reserved(
         ctx, step, request, tier, prompt_tokens, emit=emit, part=part
     )
-    answer = _checked(_answer_of(final, evidence, used), question, s.verify_threshold)
+    answer = _checked(_answer_of(final, evidence, used, question), question, s.verify_threshold)
     may_escalate = tier == ModelTier.SMALL and s.escalate and given.tier is None
     again = _Asked(ctx, step, request, prompt_tokens, question, part)
     judged = _judged(question, answer)
@@ -184,7 +191,7 @@ async def _large_tier(asked: _Asked, small: Answer) -> Answer | tuple[str, NotEs
         return "escalation_unaffordable", NotEscalated.UNAFFORDABLE
     except grpc.aio.AioRpcError as error:
         return f"escalation_failed: {error.code().name}", NotEscalated.FAILED
-    answer = _answer_of(final, small.evidence, small.usage + more)
+    answer = _answer_of(final, small.evidence, small.usage + more, asked.question)
     return _checked(answer, asked.question, ctx.settings.verify_threshold)
 
 
@@ -363,10 +370,12 @@ async def _read_again(
     return replace(answer, usage=usage, problems=(*answer.problems, found))
 
 
-def _answer_of(final, evidence: ev.Evidence, used: Amounts) -> Answer:
+def _answer_of(final, evidence: ev.Evidence, used: Amounts, question: str) -> Answer:
+    """The engine's reply as an answer: its markers read, its restatement of the question
+    cut (restatement.py; the citations are read before the cut)."""
     text = ev.with_markers(final.text, evidence)
     return Answer(
-        text=text.strip(),
+        text=restatement.core(question, text.strip()),
         evidence=evidence,
         cited=ev.cite(text, evidence),
         finish_reason=finish_reason_from_proto(final.finish_reason),

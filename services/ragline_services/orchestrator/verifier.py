@@ -53,8 +53,9 @@ from ragline_services.orchestrator import evidence as ev
 # restated question words, names in capitals and the cited passage whole (grounding.py);
 # v5: irregular plurals, a wrong marker moved, cross-lingual answers cross-checked; v6: an
 # adjective of place names its place in the off-subject check, the kind asked is not an
-# echo, an answer is placed in its passage however the passage writes it.
-VERSION = "verifier-v6"
+# echo, an answer is placed in its passage however the passage writes it; v7: an answer's
+# restatement of the question is cut before it is checked (restatement.py).
+VERSION = "verifier-v7"
 # How fast a question term's weight falls with its distance (in tokens) from the answer.
 _DECAY_TOKENS = 4.0
 # The same, read far: a qualifier a clause away still counts a little.
