@@ -61,7 +61,8 @@ def core(question: str, answer: str) -> str:
     if has_han(answer) or has_han(question) or _CHOICE.search(question):
         return answer
     asked = frozenset(stem(w) for w in _WORD.findall(question))
-    words = list(_WORD.finditer(answer))
+    markers = [m.span() for m in _MARKER.finditer(answer)]
+    words = [w for w in _WORD.finditer(answer) if not any(a <= w.start() < b for a, b in markers)]
     cut = None
     for index, found in enumerate(words):
         word = found.group().lower()

@@ -53,10 +53,7 @@ def test_an_opening_restatement_is_cut(question: str, answer: str, expected: str
         ),
         ("What did the Latin phrase mean?", "doctor of medicine and master of surgery"),
         # a choice: the options are the question's words
-        (
-            "Who is more likely to develop heart disease, the female or the male?",
-            "The female is more likely",
-        ),
+        ("Which river is longer, the Rhine or the Danube?", "The Danube is longer, at 2,850 km"),
         # the polarity stands before the verb
         ("Was the bridge built in 1900?", "No, it was built in 1901"),
         # nothing new after the restatement
