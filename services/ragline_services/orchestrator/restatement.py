@@ -7,8 +7,8 @@ result of this ruling would be the elimination of ...", "William Berry's name af
 ennobled was Lord Camrose", "You could vote."). Such a sentence is a right answer in a
 form an agent cannot use, and the checks read it as a wrong one: its opening words stand
 nowhere near each other in the passage, so the verifier finds the question's words far
-from "the answer" and refuses it (on new_wiki, 7 of the 22 right drafts refused were
-these; docs/answer-states.md, "Answers that restate the question").
+from "the answer" and refuses it (on new_wiki 8 of 150 drafts opened so, 7 of them right
+once cut; docs/answer-states.md, "Answers that restate the question").
 
 `core` cuts the opening run of such a sentence: words that are the question's (stemmed,
 or sharing their first five letters: "defined" / "definition"), function words and
