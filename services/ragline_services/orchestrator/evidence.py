@@ -48,7 +48,8 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]?\s+(?=[A-Z0-9\"'(\[])")
 # without a space after.
 _SENTENCE_END_ZH = re.compile(r"(?<=[。！？；])[\u201d\u2019」』）]?(?=\S)")
 _WORD = words.LATIN_WORD
-_MARKER = re.compile(r"\[(\d{1,3})\]")
+# An answer's citation marker, "[n]" (restatement.py reads it too).
+MARKER = re.compile(r"\[(\d{1,3})\]")
 # Function words carry no evidence of an answer (they match nearly every sentence).
 STOPWORDS = words.FUNCTION_WORDS
 
@@ -309,7 +310,7 @@ def cite(answer: str, evidence: Evidence) -> Cited:
     answer's words, or the one passage that holds a literal answer as written."""
     citations: list[EvidenceItem] = []
     dropped: list[str] = []
-    for number in _MARKER.findall(answer):
+    for number in MARKER.findall(answer):
         marker = f"[{int(number)}]"
         item = evidence.marker_of(marker)
         if item is None:
@@ -342,14 +343,14 @@ def with_markers(answer: str, evidence: Evidence) -> str:
     """`answer` with a passage number written "(n)" at its end as the marker "[n]", where the
     answer writes no other marker and the prompt held [n] ("less(1)" is a name, left)."""
     found = _TRAILING_MARKER.search(answer)
-    if found is None or _MARKER.search(answer):
+    if found is None or MARKER.search(answer):
         return answer
     marker = f"[{int(found.group(1))}]"
     return f"{answer[: found.start()]} {marker}" if evidence.marker_of(marker) else answer
 
 
 def strip_markers(text: str) -> str:
-    return _MARKER.sub("", text).strip()
+    return MARKER.sub("", text).strip()
 
 
 def is_refusal(answer: str) -> bool:

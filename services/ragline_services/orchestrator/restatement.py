@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 
 from ragline.words import FUNCTION_WORDS, has_han, stem
+from ragline_services.orchestrator import evidence as ev
 
 # Verbs that link a restated subject to what is said of it ("X is Y", "X means Y", "X
 # would be Y", "X is known as Y"): the cut ends after the last of them.
@@ -41,18 +42,14 @@ _PRONOUNS = frozenset("it they he she this these those there you we i its their"
 # Words that carry the answer's polarity: an opening run holding one is never cut.
 _POLARITY = frozenset("yes no not never".split())
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'\u2019\-]*")
-_MARKER = re.compile(r"\[\d{1,3}\]")
 _SHARED_PREFIX = 5  # letters two words share to count as one ("defined", "definition")
 _CHOICE = re.compile(r"\bor\b", re.IGNORECASE)
 
 
 def _question_word(word: str, asked: frozenset[str]) -> bool:
+    """`asked`: the question's stems and the first _SHARED_PREFIX letters of its long ones."""
     term = stem(word)
-    if term in asked:
-        return True
-    return len(term) >= _SHARED_PREFIX and any(
-        len(q) >= _SHARED_PREFIX and q[:_SHARED_PREFIX] == term[:_SHARED_PREFIX] for q in asked
-    )
+    return term in asked or (len(term) >= _SHARED_PREFIX and term[:_SHARED_PREFIX] in asked)
 
 
 def core(question: str, answer: str) -> str:
@@ -60,8 +57,9 @@ def core(question: str, answer: str) -> str:
     or `answer` unchanged."""
     if has_han(answer) or has_han(question) or _CHOICE.search(question):
         return answer
-    asked = frozenset(stem(w) for w in _WORD.findall(question))
-    markers = [m.span() for m in _MARKER.finditer(answer)]
+    stems = {stem(w) for w in _WORD.findall(question)}
+    asked = frozenset(stems | {s[:_SHARED_PREFIX] for s in stems if len(s) >= _SHARED_PREFIX})
+    markers = [m.span() for m in ev.MARKER.finditer(answer)]
     words = [w for w in _WORD.finditer(answer) if not any(a <= w.start() < b for a, b in markers)]
     cut = None
     for index, found in enumerate(words):
@@ -77,11 +75,11 @@ def core(question: str, answer: str) -> str:
     if cut is None:
         return answer
     end = words[cut].end()
-    if _MARKER.search(answer[:end]):
+    if ev.MARKER.search(answer[:end]):
         return answer
     rest = answer[end:].lstrip(" ,:;-\u2013\u2014")
     adds = any(
         w.lower() not in FUNCTION_WORDS and not _question_word(w, asked)
-        for w in _WORD.findall(_MARKER.sub("", rest))
+        for w in _WORD.findall(ev.strip_markers(rest))
     )
     return rest if adds else answer
