@@ -48,7 +48,8 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]?\s+(?=[A-Z0-9\"'(\[])")
 # without a space after.
 _SENTENCE_END_ZH = re.compile(r"(?<=[。！？；])[\u201d\u2019」』）]?(?=\S)")
 _WORD = words.LATIN_WORD
-# An answer's citation marker, "[n]" (restatement.py reads it too).
+# An answer's citation marker, "[n]" (restatement.py reads it too; as_data rewrites it in
+# documents).
 MARKER = re.compile(r"\[(\d{1,3})\]")
 # Function words carry no evidence of an answer (they match nearly every sentence).
 STOPWORDS = words.FUNCTION_WORDS
@@ -123,8 +124,8 @@ class Evidence:
 # Document text is data, never control: control-token look-alikes are dropped (the
 # generation service also never parses chat text for them), and passage markers written in
 # a document are rewritten, so the prompt's own markers are the only `[n]` in it and a
-# document cannot pose as another passage.
-_DOCUMENT_MARKER = re.compile(r"\[(\d{1,3})\]")
+# document cannot pose as another passage. The rewrite reads `MARKER`, the pattern answers'
+# citations are read with: a marker form it missed could be cited as a passage.
 # A sentence that speaks to the model instead of about the world ("ignore the previous
 # instructions", "you are now ...", "reply only with the word ...") never competes for the
 # prompt: it can carry no answer, only a new order.
@@ -141,7 +142,7 @@ _ADDRESSES_THE_MODEL = re.compile(
 def as_data(text: str) -> str:
     """Document text as it may appear in a prompt: no control-token look-alikes (they carry
     no evidence), no passage markers."""
-    return _DOCUMENT_MARKER.sub(r"(\1)", control_tokens.remove(text))
+    return MARKER.sub(r"(\1)", control_tokens.remove(text))
 
 
 def addresses_the_model(sentence: str) -> bool:
