@@ -9,7 +9,7 @@ import collections
 import re
 import string
 
-from ragline import numbers
+from ragline import numbers, units
 from ragline.words import QUOTES, has_han, singular
 
 # What SQuAD's official normalisation joins but technical answers write as separators: all
@@ -26,9 +26,10 @@ _NUMBER_UNIT = re.compile(r"(?<=\d)-(?=[a-z])")
 
 def normalise(text: str) -> str:
     """SQuAD's official normalisation, with numbers written as digits first ("two" and "2"
-    are one answer: `ragline.numbers`), punctuation separating words where it is not
+    are one answer: `ragline.numbers`) and a number's unit by its name ("3s" and "3
+    seconds" are one answer: `ragline.units`), punctuation separating words where it is not
     part of an identifier or a number (`_SEPARATORS`), and irregular plurals singular."""
-    text = numbers.spelled_as_digits(text).lower()
+    text = units.spelled_out(numbers.spelled_as_digits(text)).lower()
     text = _THOUSANDS.sub("", text)
     text = _ABBREVIATION.sub(lambda m: m.group(0).replace(".", ""), text)
     text = _NUMBER_UNIT.sub(" ", text)

@@ -19,7 +19,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ragline import numbers
+from ragline import numbers, units
 from ragline.words import has_han, mostly_han, place_root, singular
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
@@ -43,10 +43,13 @@ class Support:
 
 def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -> Support:
     """Whether `answer` (markers allowed) is supported by `cited`."""
-    text = ev.strip_markers(answer)
+    # A number's unit is read by its name on both sides: "3 seconds" is copied from "3s".
+    text = units.spelled_out(ev.strip_markers(answer))
     if not cited:
         return Support(False, ("a citation",))
-    source = " ".join(f"{ev.shown_title(item.passage)} {item.text}" for item in cited)
+    source = units.spelled_out(
+        " ".join(f"{ev.shown_title(item.passage)} {item.text}" for item in cited)
+    )
     read = answerability.Text.of(source)
     source_terms = read.terms
     words = [w.lower() for w in ev.content_words(text)]

@@ -43,7 +43,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, replace
 
-from ragline import numbers
+from ragline import numbers, units
 from ragline.words import FUNCTION_WORDS, HAN, has_han, segmenter, stem
 from ragline_services.orchestrator import answerability
 from ragline_services.orchestrator import evidence as ev
@@ -54,8 +54,10 @@ from ragline_services.orchestrator import evidence as ev
 # v5: irregular plurals, a wrong marker moved, cross-lingual answers cross-checked; v6: an
 # adjective of place names its place in the off-subject check, the kind asked is not an
 # echo, an answer is placed in its passage however the passage writes it; v7: an answer's
-# restatement of the question is cut before it is checked (restatement.py).
-VERSION = "verifier-v7"
+# restatement of the question is cut before it is checked (restatement.py); v8: a number's
+# unit is read by its name ("3s" is "3 seconds") in the support check, placement and
+# agreement (ragline.units).
+VERSION = "verifier-v8"
 # How fast a question term's weight falls with its distance (in tokens) from the answer.
 _DECAY_TOKENS = 4.0
 # The same, read far: a qualifier a clause away still counts a little.
@@ -191,13 +193,35 @@ def _tokens(text: str) -> list[_Token]:
             continue
         head = raw.lstrip("-")[:1]
         if not (head.isalnum() or head == "_"):
-            out.append(_Token(raw, "", sentence, at, match.end()))
+            # "60%" says "60 percent"
+            term = _term("percent") if raw == "%" and _after_number(out, sentence) else ""
+            out.append(_Token(raw, term, sentence, at, match.end()))
+            continue
+        split = units.glued(raw)
+        if split is not None:  # "64KB": the number, then its unit by name
+            cut, name = split
+            number = raw[:cut]
+            value = numbers.numbers(number)
+            term = next(iter(value)) if len(value) == 1 else number
+            out.append(_Token(number, term, sentence, at, at + cut))
+            out.append(_Token(raw[cut:], _term(name), sentence, at + cut, match.end()))
             continue
         value = numbers.numbers(raw)
-        term = next(iter(value)) if len(value) == 1 else _term(raw)  # "two" is 2
+        unit = units.name_of(raw) if _after_number(out, sentence) else None
+        if unit is not None:
+            term = _term(unit)  # "64 KB" says "64 kilobytes"
+        else:
+            term = next(iter(value)) if len(value) == 1 else _term(raw)  # "two" is 2
         sides = tuple(_term(side) for side in raw.split("=") if side) if "=" in raw else ()
         out.append(_Token(raw, term, sentence, at, match.end(), sides))
     return out
+
+
+def _after_number(tokens: list[_Token], sentence: int) -> bool:
+    """Whether the last token read is a number of the same sentence (a unit may follow)."""
+    if not tokens or tokens[-1].sentence != sentence:
+        return False
+    return bool(tokens[-1].term) and bool(numbers.numbers(tokens[-1].surface))
 
 
 def _answer_tokens(text: str) -> list[_Token]:

@@ -1,6 +1,6 @@
 """Answers compared (the bench's scoring, and whether two models' answers agree): SQuAD's
-token F1, with numbers however written and the punctuation of technical answers
-separating words."""
+token F1, with numbers and their units however written and the punctuation of technical
+answers separating words."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ from ragline.answer_match import answer_f1, normalise, same_answer
         ("two", "2"),
         ("2,000", "2000"),
         ("U.S.", "US"),
+        ("3 seconds", "3s"),  # a unit by its name, however abbreviated or glued
+        ("64 kilobytes", "64KB"),
+        ("10 min", "10 minutes"),
+        ("60 percent", "60%"),
+        ("32 bits", "32-bit"),
     ],
 )
 def test_the_same_answer_written_otherwise_is_right(answer, gold):
@@ -33,6 +38,7 @@ def test_the_same_answer_written_otherwise_is_right(answer, gold):
         ("--keep-old-files", "--keep-newer-files"),
         ("os.path.basename", "os.path.dirname"),
         ("3.5", "35"),
+        ("1960", "1960s"),  # a decade, not 1960 seconds
     ],
 )
 def test_another_answer_is_wrong(answer, gold):
@@ -40,9 +46,15 @@ def test_another_answer_is_wrong(answer, gold):
 
 
 def test_a_numbers_own_punctuation_keeps_it_whole():
-    assert normalise("2,000.5 metres") == "2000.5 metres"
+    assert normalise("2,000.5 metres") == "2000.5 metre"
     assert normalise("The U.S. (1990s)") == "us 1990s"
     assert answer_f1("'+'", "+") == 1.0  # a literal with no word left compares as written
+
+
+def test_units_are_one_word_by_their_name_and_stay_apart():
+    assert normalise("3s") == normalise("3 secs") == "3 second"
+    assert normalise("64 KiB") == "64 kibibyte" != normalise("64 KB")
+    assert normalise("3 seconds") != normalise("3 minutes")
 
 
 @pytest.mark.parametrize(
@@ -54,6 +66,7 @@ def test_a_numbers_own_punctuation_keeps_it_whole():
         ("'+'", "+"),
         ("black-and-yellow", "black and yellow"),
         ("25 feet", "a 25-foot wall"),
+        ("3s", "3 seconds"),
     ],
 )
 def test_two_models_saying_one_thing_agree_either_way(first, second):

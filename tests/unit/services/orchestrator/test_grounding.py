@@ -182,6 +182,16 @@ def test_a_number_written_in_words_is_the_same_number():
     assert not support("5 parts [1]", cited).supported
 
 
+def test_a_numbers_unit_is_the_same_unit_however_written():
+    cited = [item("less keeps 64KB of buffer per file and waits 3s; 60% of it is shared.")]
+    assert support("64 kilobytes [1]", cited).supported
+    assert support("3 seconds", cited).supported
+    assert support("60 percent", cited).supported
+    assert not support("3 minutes", cited).supported
+    assert support("64KB", [item("Each file gets 64 kilobytes of buffer.")]).supported
+    assert support("3 secs", [item("It waits 3 seconds.")]).supported
+
+
 def test_a_literal_of_code_is_checked_as_written():
     cited = [item("The operator '+' concatenates two lists; '*' repeats one.")]
     assert support("'+' [1]", cited).supported

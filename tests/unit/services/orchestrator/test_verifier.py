@@ -133,3 +133,20 @@ def test_second_read_options_follow_the_text_and_find_the_answer():
     assert second_read.chosen("ZSTD_CLEVEL", asked) == 0
     assert second_read.chosen("none", asked) is None
     assert second_read.chosen("E", asked) is None  # no fifth option was asked
+
+
+def test_a_numbers_unit_is_read_by_its_name_however_the_passage_writes_it():
+    question = "How many kilobytes of buffer does less keep per file?"
+    glued = item("By default less keeps 64KB of buffer per file. It waits 3s.")
+    spelled = item("By default less keeps 64 kilobytes of buffer per file. It waits 3s.")
+    read = [verifier.features(question, "64 kilobytes [1]", [it], [it]) for it in (glued, spelled)]
+    assert read[0] == read[1]
+    assert read[0].unplaced == 0.0
+    percent = "What share of the files does zstd shrink by half?"
+    shares = [
+        item("zstd shrinks 60% of the files by half."),
+        item("zstd shrinks 60 percent of the files by half."),
+    ]
+    assert verifier.features(percent, "60 percent", [shares[0]], [shares[0]]) == verifier.features(
+        percent, "60 percent", [shares[1]], [shares[1]]
+    )
