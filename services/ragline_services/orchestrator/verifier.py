@@ -218,10 +218,13 @@ def _tokens(text: str) -> list[_Token]:
 
 
 def _after_number(tokens: list[_Token], sentence: int) -> bool:
-    """Whether the last token read is a number of the same sentence (a unit may follow)."""
+    """Whether the last token read is a number of the same sentence (a unit may follow):
+    digits or number words ("64", "two"), not a name holding digits ("x86", "F-16")."""
     if not tokens or tokens[-1].sentence != sentence:
         return False
-    return bool(tokens[-1].term) and bool(numbers.numbers(tokens[-1].surface))
+    surface = tokens[-1].surface
+    written = surface[:1].isdigit() or surface.replace(" ", "").replace("-", "").isalpha()
+    return written and bool(numbers.numbers(surface))
 
 
 def _answer_tokens(text: str) -> list[_Token]:

@@ -150,3 +150,8 @@ def test_a_numbers_unit_is_read_by_its_name_however_the_passage_writes_it():
     assert verifier.features(percent, "60 percent", [shares[0]], [shares[0]]) == verifier.features(
         percent, "60 percent", [shares[1]], [shares[1]]
     )
+
+
+def test_a_unit_follows_a_number_not_a_name_holding_digits():
+    terms = {t.surface: t.term for t in verifier._tokens("two hours on x86 h")}
+    assert terms["hours"] == verifier._term("hour") and terms["h"] == "h"
