@@ -94,8 +94,19 @@ def char_f1(prediction: str, gold: str) -> float:
     )
 
 
+def numbers_differ(first: str, second: str) -> bool:
+    """Whether both write numbers and share none: "3 parts" and "2 parts", "20%" and "5%"
+    are two answers, however many words (a unit, a noun) they share."""
+    written = numbers.numbers(first), numbers.numbers(second)
+    return all(written) and not written[0] & written[1]
+
+
 def answer_f1(prediction: str, gold: str) -> float:
-    """SQuAD's token F1, or character F1 when the gold answer is Chinese."""
+    """SQuAD's token F1, or character F1 when the gold answer is Chinese; 0 where the two
+    name different numbers (`numbers_differ`), which SQuAD's F1 scores 0.5 for "2 parts"
+    against "3 parts"."""
+    if numbers_differ(prediction, gold):
+        return 0.0
     return char_f1(prediction, gold) if has_han(gold) else token_f1(prediction, gold)
 
 
@@ -105,7 +116,9 @@ SAME_F1 = 0.5
 
 def same_answer(first: str, second: str) -> bool:
     """Whether two answers to one question say the same thing (character F1 where either
-    is Chinese, else token F1; both symmetric)."""
+    is Chinese, else token F1; both symmetric), never two that name different numbers."""
+    if numbers_differ(first, second):
+        return False
     if has_han(first) or has_han(second):
         return char_f1(first, second) >= SAME_F1
     return token_f1(first, second) >= SAME_F1

@@ -39,6 +39,9 @@ def test_the_same_answer_written_otherwise_is_right(answer, gold):
         ("os.path.basename", "os.path.dirname"),
         ("3.5", "35"),
         ("1960", "1960s"),  # a decade, not 1960 seconds
+        ("2 parts", "3 parts"),  # another number, however many words it shares
+        ("64 MiB", "128 MiB"),
+        ("2020年7月23", "2021年5月15日"),
     ],
 )
 def test_another_answer_is_wrong(answer, gold):
@@ -82,6 +85,9 @@ def test_two_models_saying_one_thing_agree_either_way(first, second):
         ("the Danube", "not in the evidence"),
         ("ssh-agent", "ssh-keygen"),
         ("ssh agent", "ssh-keygen"),
+        ("3 seconds", "5 seconds"),
+        ("20%", "5%"),
+        ("两个", "三个"),
     ],
 )
 def test_two_models_saying_two_things_disagree(first, second):
