@@ -218,6 +218,7 @@ class _CallScope:
         self._tokens: list[tuple[str, Any]] = []  # (which context variable, its reset token)
         self._outcome = "OK"
         self._span: tracing.ServerSpan | None = None
+        self._finished: float | None = None
 
     def enter(self, request: Any) -> None:
         self.clock.handler_started = time.monotonic()
@@ -277,13 +278,23 @@ class _CallScope:
         trailing = (*grpc_status.trailing_metadata, (identity.RUN_ID_KEY, self.run_id))
         if self._span is not None:
             trailing = (*trailing, (tracing.TRACE_ID_KEY, self._span.trace_id))
+        # gRPC's abort sends the status at once: counted first, so that a caller who got
+        # its error and reads the metrics finds its call there.
+        self._finish()
         await self.context.abort(code, message, trailing_metadata=trailing)
 
+    def _finish(self) -> float:
+        """Marks the call finished and counts it in the metrics, once."""
+        if self._finished is None:
+            self._finished = self.clock.mark_finished()
+            if self._metrics is not None and self._counted is not None:
+                seconds = self._finished - self.clock.received
+                self._metrics.call_finished(self._counted, self._code(), seconds)
+        return self._finished
+
     def exit(self) -> None:
-        finished = self.clock.mark_finished()
+        finished = self._finish()
         code = self._code()
-        if self._metrics is not None and self._counted is not None:
-            self._metrics.call_finished(self._counted, code, finished - self.clock.received)
         if self.owner._access_log:
             log.info(
                 "rpc",
