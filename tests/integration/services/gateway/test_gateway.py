@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import time
 
 import grpc
 import httpx
@@ -216,11 +217,8 @@ async def test_a_closed_connection_cancels_the_ask_and_frees_the_generation_slot
                     if "draft_delta" in line:
                         break  # generating: hang up mid-answer
         else:
-            call = asyncio.create_task(http.post("/v1/chat/completions", json=body))
             # Until the model holds the slot (busy), then hang up.
-            assert await wait_until(lambda: _busy(generation), timeout_s=30), (
-                "the answer never reached generation"
-            )
+            call = await _generating(http, body, generation)
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
@@ -230,6 +228,30 @@ async def test_a_closed_connection_cancels_the_ask_and_frees_the_generation_slot
 
 async def _busy(address: str) -> bool:
     return not await generation_slot_free(address)
+
+
+async def _answered_or_busy(call: asyncio.Task, generation: str) -> bool:
+    return call.done() or await _busy(generation)
+
+
+async def _generating(http: httpx.AsyncClient, body: dict, generation: str) -> asyncio.Task:
+    """The request under way once the model holds the slot for it. Sent again while it is
+    refused at once (429): the run before it, hung up on, may hold the orchestrator's one
+    place a moment after it freed the slot."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        call = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+        left = max(deadline - time.monotonic(), 0.1)
+        if not await wait_until(
+            lambda call=call: _answered_or_busy(call, generation), timeout_s=left
+        ):
+            call.cancel()
+            break
+        if not call.done():
+            return call  # the model holds the slot for it
+        assert call.result().status_code == 429, call.result().text
+        await asyncio.sleep(0.2)
+    raise AssertionError("the answer never reached generation")
 
 
 async def test_errors_keep_their_grpc_meaning(gateway):
