@@ -191,11 +191,14 @@ def _tokens(text: str) -> list[_Token]:
             out.append(_Token(raw, "", sentence, at, match.end()))
             sentence += 1
             continue
+        # A unit right after a number is read by its name: "64 KB" says "64 kilobytes",
+        # "60%" says "60 percent" (the number is looked at only for a unit's form).
+        unit = units.name_of(raw)
+        if unit is not None and not _after_number(out, sentence):
+            unit = None
         head = raw.lstrip("-")[:1]
         if not (head.isalnum() or head == "_"):
-            # "60%" says "60 percent"
-            term = _term("percent") if raw == "%" and _after_number(out, sentence) else ""
-            out.append(_Token(raw, term, sentence, at, match.end()))
+            out.append(_Token(raw, _term(unit) if unit else "", sentence, at, match.end()))
             continue
         split = units.glued(raw)
         if split is not None:  # "64KB": the number, then its unit by name
@@ -206,11 +209,10 @@ def _tokens(text: str) -> list[_Token]:
             out.append(_Token(number, term, sentence, at, at + cut))
             out.append(_Token(raw[cut:], _term(name), sentence, at + cut, match.end()))
             continue
-        value = numbers.numbers(raw)
-        unit = units.name_of(raw) if _after_number(out, sentence) else None
         if unit is not None:
-            term = _term(unit)  # "64 KB" says "64 kilobytes"
+            term = _term(unit)
         else:
+            value = numbers.numbers(raw)
             term = next(iter(value)) if len(value) == 1 else _term(raw)  # "two" is 2
         sides = tuple(_term(side) for side in raw.split("=") if side) if "=" in raw else ()
         out.append(_Token(raw, term, sentence, at, match.end(), sides))
