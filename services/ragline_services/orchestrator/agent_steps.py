@@ -15,7 +15,7 @@ from ragline.v1 import (
     generation_pb2,
 )
 from ragline.vocabulary import FinishReason, ModelTier, tier_to_proto
-from ragline_services.orchestrator import answerability
+from ragline_services.orchestrator import answerability, followup
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.agent import (
     PLANNER_PROMPT,
@@ -105,9 +105,10 @@ async def synthesize_lookups(ctx: RunContext, step: Step) -> Answer:
         if node.kind != Kind.RETRIEVE:
             continue
         output = step.output_of(dep)
-        query = node.params_as(RetrieveParams).query or s.question
         passages = output.passages[: s.context_passages] if isinstance(output, Ranked) else []
-        sentences = ev.shortlist(query, ev.candidate_sentences(passages), s.embed_sentences)
+        query, sentences = part_evidence(
+            node.params_as(RetrieveParams).query or s.question, passages, s.embed_sentences
+        )
         parts.append(_Part(query, not node.optional, passages, sentences))
     parts = await _part_similarities(ctx, step, parts)
     kept: list[_Part] = []
@@ -172,6 +173,19 @@ def _leave_out(
         ctx.degraded.append(f"{kind}: {part.query}")
     else:
         missing.append(MissingPart(part.query, why, draft))
+
+
+def part_evidence(
+    lookup: str, passages: list[ev.Passage], count: int
+) -> tuple[str, list[ev.Sentence]]:
+    """A part's question and the sentences shortlisted for it from its lookup's passages.
+    The subject a lookup carries (followup.py) found its documents; the clause as asked
+    chooses its sentences and is what its answer is judged against: the first clause's
+    words ("default escape character ssh") chose that clause's sentence for "which hash
+    does it use for fingerprints by default?", and counted as question words its answer
+    lacked."""
+    clause = followup.without_subject(lookup)
+    return clause, ev.shortlist(clause, ev.candidate_sentences(passages), count)
 
 
 async def _part_similarities(ctx: RunContext, step: Step, parts: list[_Part]) -> list[_Part]:

@@ -184,3 +184,26 @@ def test_a_second_question_may_open_with_a_preposition():
         "Since which version does xz --keep handle symbolic links",
         "in which release was the + prefix for threads added?",
     ]
+
+
+def test_a_parts_sentences_are_chosen_by_its_clause_not_by_the_subject_it_carried():
+    from ragline_services.orchestrator import evidence as ev
+    from ragline_services.orchestrator.agent_steps import part_evidence
+
+    _, lookup = clause_lookups(
+        "What is the default escape character in ssh, and which hash does it use for "
+        "fingerprints by default?"
+    )
+    page = ev.Passage(
+        "ssh:1",
+        "ssh(1)",
+        "EscapeChar Sets the default escape character for ssh sessions (default: '~'). "
+        "FingerprintHash Specifies the hash algorithm used when displaying key "
+        "fingerprints. The default is sha256.",
+    )
+    clause, sentences = part_evidence(lookup, [page], count=1)
+    assert clause == "which hash does it use for fingerprints by default?"
+    # the carried words ("default escape character ssh") would choose the first sentence
+    assert [s.text for s in sentences] == [
+        "FingerprintHash Specifies the hash algorithm used when displaying key fingerprints."
+    ]
