@@ -296,13 +296,19 @@ def looks_like_code(surface: str) -> bool:
     return _CODE.search(surface) is not None
 
 
-def literal_of(answer: str) -> str:
-    """The literal an answer of symbols only writes, as written ("" for any other answer)."""
+def literal_in(answer: str, source: str) -> bool:
+    """Whether `answer` is a literal of symbols only ("'+'", "**", "~") that `source` writes
+    as it is. Sentence marks alone ("!", ":") are a literal only where `source` quotes them
+    ("(`!`)", "':'"): a mark a passage quotes is one of its literals, a mark that
+    ends one of its sentences is not."""
     bare = strip_markers(answer).strip().strip(words.QUOTES).strip()
     symbols = bare.replace(" ", "")
-    if _LITERAL.fullmatch(symbols) is None or not set(symbols) - _PUNCTUATION:
-        return ""
-    return bare
+    if not symbols or _LITERAL.fullmatch(symbols) is None:
+        return False
+    if set(symbols) - _PUNCTUATION:
+        return bare in source
+    quote = f"[{re.escape(words.QUOTES)}]"
+    return re.search(f"{quote}{re.escape(bare)}{quote}", source) is not None
 
 
 def cite(answer: str, evidence: Evidence) -> Cited:
@@ -328,9 +334,9 @@ def cite(answer: str, evidence: Evidence) -> Cited:
             share, _, best = max(overlap, key=lambda row: row[:2])
             if share >= 0.5:
                 citations.append(best)
-        elif literal := literal_of(answer):
+        else:
             # "~" in two passages says nothing about which one it came from.
-            holding = [item for item in evidence.items if literal in item.text]
+            holding = [item for item in evidence.items if literal_in(answer, item.text)]
             citations.extend(holding if len(holding) == 1 else ())
     return Cited(citations, dropped)
 

@@ -93,8 +93,7 @@ def support(answer: str, cited: Sequence[ev.EvidenceItem], question: str = "") -
     ]
     share = 1.0 - len(missing_words) / len(counted) if counted else 1.0
     if not counted and not given:
-        literal = ev.literal_of(text)
-        if literal and literal in source:
+        if ev.literal_in(text, source):
             return Support(True)  # a literal copied as written ("'+'", "**")
         # Nothing checkable (punctuation, a lone stop word): not an answer to stand on.
         return Support(False, ("any content word",))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ragline_services.orchestrator import evidence as ev
 from ragline_services.orchestrator.grounding import (
     alternatives,
@@ -197,6 +199,17 @@ def test_a_literal_of_code_is_checked_as_written():
     assert support("'+' [1]", cited).supported
     assert not support("'-' [1]", cited).supported
     assert not support("... [1]", cited).supported  # sentence marks are not a literal
+
+
+def test_a_sentence_mark_is_a_literal_where_the_passage_quotes_it():
+    negated = item("A pattern is negated by prefixing it with an exclamation mark (\u2018!\u2019).")
+    exclaimed = item("The pattern matches every host!")
+    assert support("! [1]", [negated]).supported
+    assert support("'!' [1]", [negated]).supported
+    assert not support("! [1]", [exclaimed]).supported  # it ends a sentence there
+    # without a marker, the one passage that quotes it is the citation
+    evidence = ev.Evidence((exclaimed, replace(negated, marker="[2]")), 40, 2)
+    assert [c.marker for c in ev.cite("!", evidence).citations] == ["[2]"]
 
 
 def test_a_title_that_orders_the_model_is_neither_shown_nor_support():
