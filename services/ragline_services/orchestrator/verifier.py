@@ -56,8 +56,10 @@ from ragline_services.orchestrator import evidence as ev
 # echo, an answer is placed in its passage however the passage writes it; v7: an answer's
 # restatement of the question is cut before it is checked (restatement.py); v8: a number's
 # unit is read by its name ("3s" is "3 seconds") in the support check, placement and
-# agreement (ragline.units), and answers naming different numbers never agree.
-VERSION = "verifier-v8"
+# agreement (ragline.units), and answers naming different numbers never agree; v9: a
+# sentence mark its passage quotes is a literal answer ("!"), and a part of a joined
+# question is judged against its clause as asked, not the subject its lookup carried.
+VERSION = "verifier-v9"
 # How fast a question term's weight falls with its distance (in tokens) from the answer.
 _DECAY_TOKENS = 4.0
 # The same, read far: a qualifier a clause away still counts a little.
