@@ -20,7 +20,6 @@ from ragline.vocabulary import ModelTier, finish_reason_from_proto, tier_to_prot
 from ragline.words import mostly_han
 from ragline_services.orchestrator import (
     confidence,
-    followup,
     grounding,
     restatement,
     second_read,
@@ -85,8 +84,8 @@ async def answer(
     s = ctx.settings
     given = step.node.params_as(AnswerParams)
     tier = given.tier or s.tier
-    # A part is shown as asked, without a subject carried into it for its lookup.
-    asked = "" if question == s.question else followup.without_subject(question)
+    # A part comes as asked (agent_steps.part_evidence took off a subject its lookup carried).
+    asked = "" if question == s.question else question
     user = ev.user_message(s.question, evidence, part=asked)
     prompt_tokens = ev.tokens_estimate(ev.SYSTEM_PROMPT + user) + 16  # + chat template
     # The answer must fit the model's context beside the prompt (the estimate may be short
