@@ -10,11 +10,18 @@ passages/s, and the CPU seconds each service process (with its child processes) 
 meanwhile. Variants: this tree, `--baseline DIR` (another checkout, measured first) and
 each `--variant NAME:KEY=VALUE,...` (this tree with those settings); `--env` applies to all.
 Runs alternate between the variants, so a slow moment of a shared machine falls on all.
+
+`--model-floor` first times the floor under all of that: the model that ingest runs once
+per passage (rerank's token model, whose run gives the embedding too), loaded as rerank
+loads it, running the same passages one text per run on as many threads at once as rerank
+runs, in this process and with nothing else to do (no gRPC, batcher, store or index). The
+ingest's wall seconds are then read against it: what the pipeline adds to the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -84,6 +91,42 @@ def one_run(label: str, env: dict[str, str], data: Path, scratch: Path) -> dict:
             process.wait(timeout=60)
 
 
+def model_floor(data: Path, env: dict[str, str]) -> dict:
+    """Seconds for rerank's token model alone to run every passage of `data` (see above)."""
+    from ragline.config import CommonConfig
+    from ragline.cores import limit_blas_threads, parallel_runs
+    from ragline.embedder import PASSAGE, input_prefixes
+    from ragline.models.store import ModelStore
+    from ragline.tokenization import Tokenizer
+    from ragline_app.ingest import Record, read_records
+    from ragline_services.rerank.models import TokenEncoder
+    from ragline_services.rerank.service import RerankConfig
+
+    os.environ.update(env)
+    limit_blas_threads(CommonConfig().blas_threads)  # as a service process does
+    cfg = RerankConfig()
+    store = ModelStore(cfg.model_dir or None)
+    spec = store.spec(cfg.token_model)
+    runs = parallel_runs(cfg.token_parallel_runs, cfg.intra_op_threads)
+    encoder = TokenEncoder(
+        store.file(cfg.token_model, "model.onnx"),
+        dim=cfg.token_dim,
+        threads=cfg.intra_op_threads,
+        parallel_runs=runs,
+    )
+    tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
+    prefix = input_prefixes(spec.extra).get(PASSAGE, "")
+    texts = [prefix + r.text for r in read_records(data, "bench") if isinstance(r, Record)]
+    tokenized = tokenizer.encode(texts, refuse_over_limit=False)
+    encoder.run_sync(tokenized[:1])  # the first run allocates what the others reuse
+    clock = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(runs) as pool:
+        list(pool.map(lambda text: encoder.run_sync([text]), tokenized))
+    wall = time.monotonic() - clock
+    tokens = sum(t.length for t in tokenized)
+    return {"wall": wall, "passages": len(texts), "tokens": tokens, "runs": runs}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -95,6 +138,9 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path, help="another checkout, measured first")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE, every variant")
     parser.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,...")
+    parser.add_argument(
+        "--model-floor", action="store_true", help="time the model alone first (see above)"
+    )
     args = parser.parse_args()
     common = dict(item.split("=", 1) for item in args.env)
     variants: list[tuple[str, dict[str, str]]] = []
@@ -104,6 +150,13 @@ def main() -> int:
     for spec in args.variant:
         name, _, settings = spec.partition(":")
         variants.append((name, {**common, **dict(s.split("=", 1) for s in settings.split(","))}))
+    floor = model_floor(args.data, common) if args.model_floor else None
+    if floor:
+        print(
+            f"the model alone: {floor['passages']} passages ({floor['tokens']} tokens) in "
+            f"{floor['wall']:.1f} s on {floor['runs']} runs at once",
+            file=sys.stderr,
+        )
     scratch = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
     rows = []
     for run in range(args.runs):
@@ -112,12 +165,25 @@ def main() -> int:
             rows.append((name, run, result))
             print(f"{name} run {run}: {result['wall']:.1f} s; {result['said']}", file=sys.stderr)
     print(f"\n`ragline ingest {args.data.name}` into an empty tenant; CPU seconds per service")
-    print("| variant | run | passages | wall s | passages/s | " + " | ".join(SERVICES) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(SERVICES))
+    against = " | wall / the model alone" if floor else ""
+    print(
+        "| variant | run | passages | wall s | passages/s | "
+        + " | ".join(SERVICES)
+        + f"{against} |"
+    )
+    print("|---|---|---|---|---|" + "---|" * len(SERVICES) + ("---|" if floor else ""))
+    if floor:
+        rate = floor["passages"] / floor["wall"]
+        dashes = " | ".join("" for _ in SERVICES)
+        print(
+            f"| the model alone | | {floor['passages']} | {floor['wall']:.1f} | {rate:.1f} | "
+            f"{dashes} | 1.00 |"
+        )
     for name, run, r in rows:
         cpu = " | ".join(f"{r['cpu'][s]:.0f}" for s in SERVICES)
         rate = r["passages"] / r["wall"]
-        print(f"| {name} | {run} | {r['passages']} | {r['wall']:.1f} | {rate:.1f} | {cpu} |")
+        ratio = f" | {r['wall'] / floor['wall']:.2f}" if floor else ""
+        print(f"| {name} | {run} | {r['passages']} | {r['wall']:.1f} | {rate:.1f} | {cpu}{ratio} |")
     return 0
 
 

@@ -122,3 +122,16 @@ def same_answer(first: str, second: str) -> bool:
     if has_han(first) or has_han(second):
         return char_f1(first, second) >= SAME_F1
     return token_f1(first, second) >= SAME_F1
+
+
+def stated_in(gold: str, text: str) -> bool:
+    """Whether `text` writes the gold answer as it is written (its case, whole at both
+    ends, spaces as any run of space): a passage that states the answer, where technical
+    documents state one fact in several places ("the default compression level (-6)").
+    Strict on purpose: "LESS" is not stated by every passage that says "less", nor "crc32"
+    by one that only says "CRC32"."""
+    words = gold.split()
+    if not words:
+        return False
+    spelled = r"\s+".join(re.escape(w) for w in words)
+    return re.search(rf"(?<![\w-]){spelled}(?!\w)", text) is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ragline.answer_match import answer_f1, normalise, same_answer
+from ragline.answer_match import answer_f1, normalise, same_answer, stated_in
 
 
 @pytest.mark.parametrize(
@@ -92,3 +92,31 @@ def test_two_models_saying_one_thing_agree_either_way(first, second):
 )
 def test_two_models_saying_two_things_disagree(first, second):
     assert not same_answer(first, second) and not same_answer(second, first)
+
+
+@pytest.mark.parametrize(
+    ("gold", "text"),
+    [
+        ("-6", "worse compression than the default compression level (-6)."),
+        ("crc64", "Since the default is --check=crc64, you must use --check=none"),
+        ("ZSTD_CLEVEL", "ZSTD_CLEVEL can be used to set the level between 1 and 19"),
+        ("64 KB", "By default 64  KB of buffer space is used"),
+    ],
+)
+def test_a_passage_that_writes_the_answer_states_it(gold, text):
+    assert stated_in(gold, text)
+
+
+@pytest.mark.parametrize(
+    ("gold", "text"),
+    [
+        ("LESS", "less reads the whole file"),  # another case: another word
+        ("crc32", "Integrity of the .xz headers is always verified with CRC32."),
+        ("-6", "the presets -6e and -7 use"),  # a longer option
+        ("6", "-6 is the default"),  # part of an option
+        ("ZSTD_CLEVEL", "ZSTD_CLEVELS"),
+        ("", "anything"),
+    ],
+)
+def test_a_passage_that_only_shares_letters_with_the_answer_does_not(gold, text):
+    assert not stated_in(gold, text)
