@@ -174,10 +174,10 @@ def main() -> int:
     print("|---|---|---|---|---|" + "---|" * len(SERVICES) + ("---|" if floor else ""))
     if floor:
         rate = floor["passages"] / floor["wall"]
-        dashes = " | ".join("" for _ in SERVICES)
+        no_cpu = " | ".join("" for _ in SERVICES)  # the model alone ran in this process
         print(
             f"| the model alone | | {floor['passages']} | {floor['wall']:.1f} | {rate:.1f} | "
-            f"{dashes} | 1.00 |"
+            f"{no_cpu} | 1.00 |"
         )
     for name, run, r in rows:
         cpu = " | ".join(f"{r['cpu'][s]:.0f}" for s in SERVICES)
