@@ -21,6 +21,7 @@ ingest's wall seconds are then read against it: what the pipeline adds to the mo
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import os
 import subprocess
@@ -94,37 +95,42 @@ def one_run(label: str, env: dict[str, str], data: Path, scratch: Path) -> dict:
 def model_floor(data: Path, env: dict[str, str]) -> dict:
     """Seconds for rerank's token model alone to run every passage of `data` (see above)."""
     from ragline.config import CommonConfig
-    from ragline.cores import limit_blas_threads, parallel_runs
-    from ragline.embedder import PASSAGE, input_prefixes
+    from ragline.cores import limit_blas_threads
     from ragline.models.store import ModelStore
-    from ragline.tokenization import Tokenizer
     from ragline_app.ingest import Record, read_records
     from ragline_services.rerank.models import TokenEncoder
-    from ragline_services.rerank.service import RerankConfig
+    from ragline_services.rerank.service import RerankConfig, build_reranker
 
     os.environ.update(env)
     limit_blas_threads(CommonConfig().blas_threads)  # as a service process does
     cfg = RerankConfig()
-    store = ModelStore(cfg.model_dir or None)
-    spec = store.spec(cfg.token_model)
-    runs = parallel_runs(cfg.token_parallel_runs, cfg.intra_op_threads)
-    encoder = TokenEncoder(
-        store.file(cfg.token_model, "model.onnx"),
-        dim=cfg.token_dim,
-        threads=cfg.intra_op_threads,
-        parallel_runs=runs,
-    )
-    tokenizer = Tokenizer(store.file(spec.tokenizer, "tokenizer.json"), spec.max_tokens)
-    prefix = input_prefixes(spec.extra).get(PASSAGE, "")
-    texts = [prefix + r.text for r in read_records(data, "bench") if isinstance(r, Record)]
-    tokenized = tokenizer.encode(texts, refuse_over_limit=False)
-    encoder.run_sync(tokenized[:1])  # the first run allocates what the others reuse
-    clock = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(runs) as pool:
-        list(pool.map(lambda text: encoder.run_sync([text]), tokenized))
-    wall = time.monotonic() - clock
-    tokens = sum(t.length for t in tokenized)
-    return {"wall": wall, "passages": len(texts), "tokens": tokens, "runs": runs}
+    texts = [r.text for r in read_records(data, "bench") if isinstance(r, Record)]
+
+    async def timed() -> dict:
+        # The service's own assembly: its model, tokenizer, prefix and number of runs.
+        built = await build_reranker(cfg, ModelStore(cfg.model_dir or None))
+        try:
+            encoder = next(m for m in built.models if isinstance(m, TokenEncoder))
+            reranker = built.reranker
+            tokenized = reranker.token_tokenizer.encode(
+                [reranker.passage_prefix + text for text in texts], refuse_over_limit=False
+            )
+            encoder.run_sync(tokenized[:1])  # the first run allocates what the others reuse
+            clock = time.monotonic()
+            with concurrent.futures.ThreadPoolExecutor(encoder.parallel_runs) as pool:
+                list(pool.map(lambda text: encoder.run_sync([text]), tokenized))
+            wall = time.monotonic() - clock
+        finally:
+            await built.close()
+        tokens = sum(t.length for t in tokenized)
+        return {
+            "wall": wall,
+            "passages": len(texts),
+            "tokens": tokens,
+            "runs": encoder.parallel_runs,
+        }
+
+    return asyncio.run(timed())
 
 
 def main() -> int:
